@@ -1,0 +1,61 @@
+# trainguard: two commands from a fresh clone.
+#   make demo   -- the main job: ingest, train, kill -9, resume, count (0 lost, 0 duplicated)
+#   make test   -- ruff + the test suite against real redis-server, torch, files, moto S3
+#
+# Both create .venv when missing and install what they need. A stamp keyed on
+# pyproject.toml's hash makes a second run install nothing.
+
+PYTHON ?= python3
+VENV ?= .venv
+# CPU torch by default (served from this machine's disk); users with CUDA override:
+#   make test TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url https://.../cu126'
+TORCH_SPEC ?= torch==2.13.0
+PIP_EXTRA ?=
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
+
+.PHONY: test demo setup redis lint chaos bench clean
+
+setup: $(STAMP) redis
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(PIP_EXTRA) '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@rm -f $(VENV)/.trainguard-*
+	@touch $@
+
+# The tests start their own redis-server processes on free ports; they only need the binary.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "redis-server not found: installing Debian's redis-server"; \
+	    (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "redis-server is not on PATH. Install it (Debian/Ubuntu: sudo apt-get install redis-server;"; \
+	    echo "macOS: brew install redis) and run this again."; exit 1; \
+	  fi; }
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+chaos: setup
+	$(VENV)/bin/python -m pytest -m chaos $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/trainguard demo
+
+bench: setup
+	$(PY) bench/checkpoint.py
+	$(PY) bench/ingest.py
+	$(PY) bench/consume.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

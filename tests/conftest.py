@@ -1,0 +1,59 @@
+"""Shared fixtures: real redis-server processes and a real moto S3 server.
+
+``redis_factory(persistence=...)`` starts a redis-server on a free port in its own
+temporary directory; the server object has ``url``, ``kill()`` (SIGKILL),
+``restart()`` (same port and data) and ``stop()``. Every server a test starts is reaped
+when the test ends, passed or failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import MotoServer, RedisServer
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+
+@pytest.fixture
+def redis_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    started: list[RedisServer] = []
+    counter = itertools.count()
+
+    def start(*, persistence: str = "none") -> RedisServer:
+        server = RedisServer(tmp_path / f"redis-{next(counter)}", persistence=persistence)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+@pytest.fixture
+def redis_server(redis_factory: Callable[..., RedisServer]) -> RedisServer:
+    """A fresh redis-server without persistence."""
+    return redis_factory()
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    server = MotoServer().start()
+    yield server
+    server.stop()
+
+
+_buckets = itertools.count()
+
+
+@pytest.fixture
+def s3_bucket(moto_server: MotoServer) -> str:
+    """A fresh, empty bucket on the moto server; returns its name."""
+    return moto_server.create_bucket(f"tg-test-{os.getpid()}-{next(_buckets)}")

@@ -1,0 +1,175 @@
+"""Real servers for the tests: redis-server and a moto S3 server, on free loopback ports.
+
+Used by the fixtures in ``conftest.py`` and importable by subprocess helpers. Never
+touches a server this machine already runs (e.g. a Redis on 6379): every server here
+gets its own free port and its own temporary directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PERSISTENCE = ("none", "everysec", "always")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s} s")
+
+
+class RedisServer:
+    """One real ``redis-server`` process. ``kill()`` is SIGKILL; ``restart()`` keeps
+    the port and the data directory, so with AOF the data survives and without
+    persistence it comes back empty."""
+
+    def __init__(self, data_dir: Path, *, persistence: str = "none", port: int | None = None):
+        if persistence not in PERSISTENCE:
+            raise ValueError(f"persistence must be one of {PERSISTENCE}, got {persistence!r}")
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not on PATH: run `make test`, which installs it")
+        self.binary = binary
+        self.data_dir = data_dir
+        self.persistence = persistence
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        data_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def _args(self) -> list[str]:
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+            "--dir", str(self.data_dir), "--save", "", "--daemonize", "no",
+            "--logfile", str(self.data_dir / "redis.log"), "--protected-mode", "no",
+        ]
+        if self.persistence == "none":
+            args += ["--appendonly", "no"]
+        else:
+            args += ["--appendonly", "yes", "--appendfsync", self.persistence]
+        return args
+
+    def start(self) -> RedisServer:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"redis-server on port {self.port} is already running")
+        for attempt in range(50):
+            self.proc = subprocess.Popen(
+                self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            try:
+                _wait_port(self.port, self.proc, 10.0, f"redis-server :{self.port}")
+                break
+            except RuntimeError:
+                # After kill -9 the port can linger a moment; try again briefly.
+                self.proc.kill()
+                self.proc.wait()
+                if attempt == 49:
+                    raise
+                time.sleep(0.1)
+        self._wait_loaded()
+        return self
+
+    def _wait_loaded(self) -> None:
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=5)
+        deadline = time.monotonic() + 20
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except redis.exceptions.BusyLoadingError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no final fsync."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self) -> RedisServer:
+        self.kill()
+        return self.start()
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class MotoServer:
+    """moto's S3 in server mode, in its own process, reached over real HTTP."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> MotoServer:
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        )
+        _wait_port(self.port, self.proc, 60.0, "moto server")
+        return self
+
+    def storage_options(self) -> dict[str, object]:
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"},
+            "skip_instance_cache": True,
+        }
+
+    def create_bucket(self, name: str) -> str:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**self.storage_options())  # type: ignore[arg-type]
+        fs.mkdir(name)
+        return name
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

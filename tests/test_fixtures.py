@@ -1,0 +1,53 @@
+"""The fixtures themselves are real: a redis-server that acknowledges, dies and
+comes back the way a real one does."""
+
+from __future__ import annotations
+
+import redis
+
+from tests.servers import RedisServer
+
+
+def test_stream_round_trip(redis_server: RedisServer) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    entry = r.xadd("s", {"x": b"1"})
+    r.xgroup_create("s", "g", id="0")
+    got = r.xreadgroup("g", "c", {"s": ">"})
+    assert got == [[b"s", [(entry, {b"x": b"1"})]]]
+    assert r.xack("s", "g", entry) == 1
+    assert r.xpending("s", "g")["pending"] == 0
+
+
+def test_aof_always_survives_kill_9(redis_factory) -> None:
+    """With appendfsync always every acknowledged XADD and the group state survive."""
+    server = redis_factory(persistence="always")
+    r = redis.Redis.from_url(server.url)
+    ids = [r.xadd("s", {"i": str(i)}) for i in range(100)]
+    r.xgroup_create("s", "g", id="0")
+    r.xreadgroup("g", "c", {"s": ">"}, count=40)
+    r.xack("s", "g", *ids[:30])
+    r.close()
+
+    server.kill()
+    server.restart()
+
+    r = redis.Redis.from_url(server.url)
+    assert [e[0] for e in r.xrange("s")] == ids
+    group = r.xinfo_groups("s")[0]
+    assert group["last-delivered-id"] == ids[39]
+    assert r.xpending("s", "g")["pending"] == 10
+
+
+def test_no_persistence_comes_back_empty(redis_factory) -> None:
+    server = redis_factory()
+    r = redis.Redis.from_url(server.url)
+    r.xadd("s", {"x": "1"})
+    port = server.port
+    server.kill()
+    server.restart()
+    assert server.port == port
+    assert redis.Redis.from_url(server.url).exists("s") == 0
+
+
+def test_servers_are_isolated_from_the_machine_redis(redis_server: RedisServer) -> None:
+    assert redis_server.port != 6379

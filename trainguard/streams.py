@@ -1,0 +1,345 @@
+"""The stream contract between ``ingest_service`` and ``trainer_client``.
+
+Everything both sides must agree on lives here and only here: Redis key names, the
+stream ID scheme, the record encoding, the dataset metadata, and the pure function
+that assigns partitions to consumers. It imports nothing heavy (no aiohttp, no torch,
+no redis) so that every process can import it cheaply, DataLoader workers included.
+
+Key layout for dataset ``D`` (``{...}`` is the Redis Cluster hash tag)::
+
+    tg:datasets                      SET     names of all datasets
+    tg:{D}:meta                      HASH    DatasetSpec fields (see DatasetSpec.to_redis)
+    tg:{D}:dlq                       STREAM  dead letters: reason, source position, payload
+    tg:{D}:groups                    SET     consumer groups (one per training run)
+    tg:{D}:committed:<group>         HASH    partition -> last committed stream ID
+    tg:{D}:floor:<group>             HASH    partition -> retention floor (oldest kept ckpt)
+    tg:{D}:paused                    SET     partitions the producer paused (backpressure)
+    tg:{D:p0007}                     STREAM  partition 7
+    tg:{D:p0007}:seq                 HASH    push producers: producer_id -> last appended seq
+    tg:{D:p0007}:fence:<group>       STRING  generation of the trainer that owns the group
+
+A partition's own keys share its hash slot, so a Lua script may touch them together.
+
+Stream IDs of replayable (file) sources are deterministic: ``<epoch + 1>-<index>``,
+where ``index`` counts the records of that partition in that epoch from 0. Redis
+refuses an ID at or below the last one, which makes a repeated append harmless, and a
+restarted producer knows where it stopped from the partition's last ID alone.
+Push sources use Redis' automatic IDs.
+
+Entries are flat field maps (no base64, no JSON around binary data)::
+
+    k    kind: b"raw" (bytes), b"mp" (msgpack), b"nd" (a NumPy array)
+    d    the payload bytes
+    dt   (nd only) NumPy dtype string, e.g. b"<i4"
+    sh   (nd only) shape as comma-separated ints, e.g. b"128"
+    pos  where the record came from in the source (file:line or file:offset)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+CONTRACT_VERSION = 1
+"""Bumped on any incompatible change of the keys, IDs or encoding below."""
+
+PREFIX = "tg"
+DEFAULT_PARTITIONS = 16
+MAX_PARTITIONS = 4096
+
+FORMATS = ("jsonl", "text", "npy", "files", "parquet", "push")
+"""Source formats. ``push`` datasets have no source: records arrive over HTTP."""
+
+
+class ContractError(ValueError):
+    """A value does not follow the stream contract (bad name, ID or entry)."""
+
+
+# --------------------------------------------------------------------------- names
+
+
+def check_name(kind: str, name: str) -> str:
+    """Dataset and group names end up inside Redis keys and URLs: keep them plain."""
+    if not name or len(name) > 128 or not all(c.isalnum() or c in "-_." for c in name):
+        raise ContractError(
+            f"{kind} name {name!r} is not valid: expected 1-128 characters from "
+            "letters, digits, '-', '_' and '.'"
+        )
+    return name
+
+
+def datasets_key() -> str:
+    return f"{PREFIX}:datasets"
+
+
+def meta_key(dataset: str) -> str:
+    return f"{PREFIX}:{{{dataset}}}:meta"
+
+
+def dlq_key(dataset: str) -> str:
+    return f"{PREFIX}:{{{dataset}}}:dlq"
+
+
+def groups_key(dataset: str) -> str:
+    return f"{PREFIX}:{{{dataset}}}:groups"
+
+
+def committed_key(dataset: str, group: str) -> str:
+    return f"{PREFIX}:{{{dataset}}}:committed:{group}"
+
+
+def floor_key(dataset: str, group: str) -> str:
+    return f"{PREFIX}:{{{dataset}}}:floor:{group}"
+
+
+def paused_key(dataset: str) -> str:
+    return f"{PREFIX}:{{{dataset}}}:paused"
+
+
+def partition_key(dataset: str, partition: int) -> str:
+    return f"{PREFIX}:{{{dataset}:p{partition:04d}}}"
+
+
+def seq_key(dataset: str, partition: int) -> str:
+    return f"{partition_key(dataset, partition)}:seq"
+
+
+def fence_key(dataset: str, partition: int, group: str) -> str:
+    return f"{partition_key(dataset, partition)}:fence:{group}"
+
+
+# --------------------------------------------------------------------------- IDs
+
+StreamId = tuple[int, int]
+"""A parsed stream ID ``(ms, seq)``; tuples compare the way Redis orders IDs."""
+
+ZERO_ID = "0-0"
+
+
+def make_id(epoch: int, index: int) -> str:
+    """The deterministic ID of record ``index`` of a partition in ``epoch`` (from 0)."""
+    if epoch < 0 or index < 0:
+        raise ContractError(f"epoch and index must be >= 0, got epoch={epoch} index={index}")
+    return f"{epoch + 1}-{index}"
+
+
+def parse_id(stream_id: str | bytes) -> StreamId:
+    """``b"3-17"`` -> ``(3, 17)``. Raises ContractError on anything else."""
+    text = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    ms, sep, seq = text.partition("-")
+    if not sep or not ms.isdigit() or not seq.isdigit():
+        raise ContractError(f"stream ID {text!r} is not of the form '<ms>-<seq>'")
+    return int(ms), int(seq)
+
+
+def format_id(parsed: StreamId) -> str:
+    return f"{parsed[0]}-{parsed[1]}"
+
+
+def id_epoch_index(stream_id: str | bytes) -> tuple[int, int]:
+    """For deterministic IDs: ``"3-17"`` -> ``(epoch=2, index=17)``."""
+    ms, seq = parse_id(stream_id)
+    if ms < 1:
+        raise ContractError(f"stream ID {stream_id!r} is not a deterministic ID (ms >= 1)")
+    return ms - 1, seq
+
+
+def max_id(a: str | None, b: str | None) -> str | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if parse_id(a) >= parse_id(b) else b
+
+
+def min_id(a: str | None, b: str | None) -> str | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if parse_id(a) <= parse_id(b) else b
+
+
+# --------------------------------------------------------------------------- records
+
+F_KIND, F_DATA, F_DTYPE, F_SHAPE, F_POS = b"k", b"d", b"dt", b"sh", b"pos"
+KIND_RAW, KIND_MSGPACK, KIND_NDARRAY = b"raw", b"mp", b"nd"
+
+
+def encode_record(value: Any, *, pos: str | None = None) -> dict[bytes, bytes]:
+    """One record -> the field map of its stream entry.
+
+    ``bytes`` stay raw; NumPy arrays keep dtype and shape beside their raw bytes (so a
+    consumer can view them without a copy); anything else msgpack can hold goes as
+    msgpack.
+    """
+    fields: dict[bytes, bytes]
+    if isinstance(value, bytes | bytearray | memoryview):
+        fields = {F_KIND: KIND_RAW, F_DATA: bytes(value)}
+    elif type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        arr = value if value.flags["C_CONTIGUOUS"] else value.copy(order="C")
+        fields = {
+            F_KIND: KIND_NDARRAY,
+            F_DATA: arr.tobytes(),
+            F_DTYPE: arr.dtype.str.encode(),
+            F_SHAPE: ",".join(str(n) for n in arr.shape).encode(),
+        }
+    else:
+        try:
+            packed = msgpack.packb(value, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ContractError(
+                f"record of type {type(value).__name__} cannot be encoded: expected bytes, "
+                f"a NumPy array or a msgpack-able value ({exc})"
+            ) from exc
+        fields = {F_KIND: KIND_MSGPACK, F_DATA: packed}
+    if pos is not None:
+        fields[F_POS] = pos.encode()
+    return fields
+
+
+def decode_record(fields: Mapping[bytes, bytes]) -> Any:
+    """The inverse of :func:`encode_record`.
+
+    NumPy arrays come back as read-only views over the entry's bytes (no copy).
+    """
+    kind = fields.get(F_KIND)
+    data = fields.get(F_DATA)
+    if data is None:
+        raise ContractError(f"stream entry has no {F_DATA!r} field: {sorted(fields)!r}")
+    if kind == KIND_RAW:
+        return data
+    if kind == KIND_MSGPACK:
+        return msgpack.unpackb(data, raw=False)
+    if kind == KIND_NDARRAY:
+        import numpy as np
+
+        dtype = np.dtype(fields[F_DTYPE].decode())
+        shape_text = fields.get(F_SHAPE, b"").decode()
+        shape = tuple(int(n) for n in shape_text.split(",")) if shape_text else ()
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    raise ContractError(f"stream entry kind {kind!r} is unknown: expected raw, mp or nd")
+
+
+def record_size(fields: Mapping[bytes, bytes]) -> int:
+    return sum(len(k) + len(v) for k, v in fields.items())
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What a dataset is. Stored in ``meta_key(name)``; compared on re-create."""
+
+    name: str
+    partitions: int = DEFAULT_PARTITIONS
+    source: str = ""
+    format: str = "jsonl"
+    seed: int = 0
+    epochs: int | None = 1
+    """Passes over the source; ``None`` means endless (push datasets are endless)."""
+    sample_len: int | None = None
+    """For ``npy`` token sources: tokens per record."""
+    max_record_bytes: int = 16 * 1024 * 1024
+    shuffle_buffer: int = 4096
+    contract_version: int = CONTRACT_VERSION
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_name("dataset", self.name)
+        if not 1 <= self.partitions <= MAX_PARTITIONS:
+            raise ContractError(
+                f"partitions must be between 1 and {MAX_PARTITIONS}, got {self.partitions}"
+            )
+        if self.format not in FORMATS:
+            raise ContractError(f"format {self.format!r} is unknown: expected one of {FORMATS}")
+        if self.format == "push" and self.epochs is not None:
+            object.__setattr__(self, "epochs", None)
+        if self.format != "push" and not self.source:
+            raise ContractError(f"dataset {self.name!r} of format {self.format!r} needs a source")
+        if self.epochs is not None and self.epochs < 1:
+            raise ContractError(f"epochs must be >= 1 or None (endless), got {self.epochs}")
+        if self.format == "npy" and not self.sample_len:
+            raise ContractError("an npy token source needs sample_len (tokens per record)")
+
+    @property
+    def replayable(self) -> bool:
+        return self.format != "push"
+
+    @property
+    def finite(self) -> bool:
+        return self.epochs is not None
+
+    def to_redis(self) -> dict[str, str]:
+        return {k: json.dumps(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_redis(cls, raw: Mapping[bytes | str, bytes | str]) -> DatasetSpec:
+        def text(x: bytes | str) -> str:
+            return x.decode() if isinstance(x, bytes) else x
+
+        values = {text(k): json.loads(text(v)) for k, v in raw.items()}
+        version = values.get("contract_version")
+        if version != CONTRACT_VERSION:
+            raise ContractError(
+                f"dataset {values.get('name')!r} was written with stream contract "
+                f"{version}, this trainguard speaks {CONTRACT_VERSION}: upgrade trainguard"
+            )
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    def differences(self, other: DatasetSpec) -> dict[str, tuple[Any, Any]]:
+        """Fields that differ, as ``{field: (self, other)}``."""
+        a, b = asdict(self), asdict(other)
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+# --------------------------------------------------------------------------- assignment
+
+
+def consumer_count(world_size: int, num_workers: int) -> int:
+    return world_size * max(1, num_workers)
+
+
+def assign_partitions(
+    partitions: int, *, world_size: int, num_workers: int, rank: int, worker: int
+) -> list[int]:
+    """Partitions read by one (rank, worker): a pure function of its arguments.
+
+    Consumer ``c = rank * max(1, num_workers) + worker`` reads partitions ``p`` with
+    ``p % C == c`` for ``C`` consumers in all. Every partition has exactly one owner for
+    any (world_size, num_workers), so a run may restart with other values and still own
+    each partition once. With more consumers than partitions some read nothing.
+    """
+    workers = max(1, num_workers)
+    if not 0 <= rank < world_size:
+        raise ContractError(f"rank {rank} is outside world size {world_size}")
+    if not 0 <= worker < workers:
+        raise ContractError(f"worker {worker} is outside num_workers {num_workers}")
+    total = consumer_count(world_size, num_workers)
+    me = rank * workers + worker
+    return [p for p in range(partitions) if p % total == me]
+
+
+def offsets_to_wire(offsets: Mapping[int, str]) -> dict[str, str]:
+    """Offsets as they go into JSON manifests and Redis hashes: ``{"7": "1-42"}``."""
+    return {str(p): str(i) for p, i in sorted(offsets.items())}
+
+
+def offsets_from_wire(raw: Mapping[Any, Any]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for k, v in raw.items():
+        key = k.decode() if isinstance(k, bytes) else str(k)
+        val = v.decode() if isinstance(v, bytes) else str(v)
+        parse_id(val)
+        out[int(key)] = val
+    return out
+
+
+def all_partitions(spec: DatasetSpec) -> Iterable[int]:
+    return range(spec.partitions)
