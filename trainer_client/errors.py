@@ -1,0 +1,92 @@
+"""Errors raised by ``trainer_client``.
+
+One base class, :class:`TrainerClientError`; each subclass also inherits the built-in
+exception that matches its meaning, so callers that only know the built-ins still
+catch it (``except ConnectionError`` catches an open circuit breaker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class TrainerClientError(Exception):
+    """Base class of every error that ``trainer_client`` raises on purpose."""
+
+
+class CircuitOpenError(TrainerClientError, ConnectionError):
+    """A circuit breaker refused the call without trying it.
+
+    Raised while the breaker is open (the dependency failed recently) and, in
+    half-open state, to every caller but the single probe. ``retry_after_s`` is how
+    long until the breaker lets the next probe through (0.0 while a probe is in
+    flight: the answer is expected any moment).
+    """
+
+    def __init__(self, name: str, state: str, retry_after_s: float) -> None:
+        self.name = name
+        self.state = state
+        self.retry_after_s = retry_after_s
+        if state == "half_open":
+            detail = "a probe call is in flight to test whether it recovered"
+        else:
+            detail = f"the next probe is allowed in {retry_after_s:.3f} s"
+        super().__init__(
+            f"circuit breaker {name!r} is {state}: the call was refused without being "
+            f"tried because the dependency failed recently; {detail}. Wait and retry "
+            "(trainer_client.retry does this for you)."
+        )
+
+
+class RollbackLimitError(TrainerClientError, RuntimeError):
+    """Loss spikes forced more rollbacks than the policy allows in its step window."""
+
+
+class GpuCriticalError(TrainerClientError, RuntimeError):
+    """A GPU health probe reported CRITICAL; ``report`` holds the full result.
+
+    The process should checkpoint and exit with ``exit_code``
+    (:data:`trainer_client.health.EXIT_GPU_CRITICAL`) so the orchestrator replaces
+    the node.
+    """
+
+    def __init__(self, message: str, *, report: object, exit_code: int) -> None:
+        super().__init__(message)
+        self.report = report
+        self.exit_code = exit_code
+
+
+class RouteRejectedError(TrainerClientError, ValueError):
+    """A route answered, but refused the request itself (HTTP 4xx other than 408/429).
+
+    Not a route failure: every other route would refuse the same request, so the
+    client raises at once instead of falling back. Fix the request.
+    """
+
+    def __init__(self, route: str, status: int, body: str) -> None:
+        self.route = route
+        self.status = status
+        self.body = body
+        super().__init__(
+            f"route {route!r} rejected the request with HTTP {status} (expected 2xx): "
+            f"{body[:200]!r}. The request is malformed for this service; fix it "
+            "rather than retrying."
+        )
+
+
+class AllRoutesFailedError(TrainerClientError, ConnectionError):
+    """Every route of a :class:`trainer_client.routes.RouteClient` failed or was open.
+
+    ``failures`` maps each route name, in order, to the exception it gave.
+    """
+
+    def __init__(self, client: str, failures: Mapping[str, BaseException]) -> None:
+        self.client = client
+        self.failures = dict(failures)
+        lines = "; ".join(
+            f"{route}: {type(exc).__name__}: {exc}" for route, exc in self.failures.items()
+        )
+        super().__init__(
+            f"all {len(self.failures)} routes of {client!r} failed ({lines}). Expected at "
+            "least one route to answer; check the services, or add a local fallback route."
+        )
