@@ -1,0 +1,301 @@
+"""The admin HTTP API: datasets, consumer groups, offsets and checkpoints.
+
+``setup_admin(app)`` adds the routes below to the ingest service's aiohttp app, plus
+``/openapi.json`` (the document in :mod:`ingest_service.openapi`, which a test keeps
+equal to the router). Reads go through :mod:`ingest_service.inspect` (Redis) and
+:class:`checkpoint_store.CheckpointStore` (one per configured root).
+
+Errors under ``/admin/`` and ``/openapi.json`` are JSON of one shape,
+``{"error": {"code": "<stable name>", "message": "<what, why, what to do>"}}``:
+400 malformed input, 401 no bearer token, 403 wrong token or mutations disabled,
+404 unknown dataset/group/store/checkpoint, 409 refused in the current state,
+413 body too large, 503 Redis or a store unreachable.
+
+Security: routes that change state (seek, pin, unpin, delete) need
+``Authorization: Bearer <token>``, compared in constant time with the token from
+``TRAINGUARD_ADMIN_TOKEN``. Without a configured token they are refused (403), never
+open. Binding to 127.0.0.1 by default is the service's job (``trainguard serve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from ingest_service import inspect
+from ingest_service.admin_checkpoints import StoreRoot, StoreSet, parse_store_roots
+from ingest_service.inspect import AdminError, BadRequest
+from ingest_service.openapi import openapi_document
+
+__all__ = [
+    "ADMIN_CONFIG",
+    "AdminConfig",
+    "StoreRoot",
+    "setup_admin",
+]
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
+STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
+REDIS_ENV = "TRAINGUARD_REDIS_URL"
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """What the admin routes need. ``stores`` maps a store name (used in URLs) to
+    its root; ``token`` of None disables every mutating route."""
+
+    redis_url: str
+    token: str | None = None
+    stores: Mapping[str, StoreRoot] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, redis_url: str | None = None) -> AdminConfig:
+        """``TRAINGUARD_ADMIN_TOKEN``, ``TRAINGUARD_CHECKPOINT_STORES``
+        (``name=url[,name=url...]``) and, unless given, ``TRAINGUARD_REDIS_URL``."""
+        url = redis_url or os.environ.get(REDIS_ENV, "redis://127.0.0.1:6379/0")
+        token = os.environ.get(TOKEN_ENV) or None
+        return cls(url, token, parse_store_roots(os.environ.get(STORES_ENV, "")))
+
+
+ADMIN_CONFIG = web.AppKey("trainguard_admin_config", AdminConfig)
+_REDIS = web.AppKey("trainguard_admin_redis", aioredis.Redis)
+_STORES = web.AppKey("trainguard_admin_stores", StoreSet)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+def error_response(status: int, code: str, message: str) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return web.json_response(
+        {"error": {"code": code, "message": message}}, status=status, headers=headers
+    )
+
+
+def _is_admin_path(path: str) -> bool:
+    return path.startswith("/admin/") or path in ("/admin", "/openapi.json")
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure under /admin/ becomes the one JSON error shape; other paths
+    belong to the ingest service and keep its own handling."""
+    if not _is_admin_path(request.path):
+        return await handler(request)
+    try:
+        return await handler(request)
+    except AdminError as exc:
+        return error_response(exc.status, exc.code, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = (exc.reason or "http_error").lower().replace(" ", "_")
+        return error_response(exc.status, code, exc.text or exc.reason or code)
+    except (RedisError, OSError) as exc:
+        return error_response(
+            503, "backend_unavailable",
+            f"Redis or a checkpoint store could not be reached ({type(exc).__name__}: "
+            f"{exc}); check that it runs and that the service's URL points at it",
+        )
+    except Exception:
+        log.exception("admin route %s %s failed", request.method, request.path)
+        return error_response(500, "internal", "internal error; see the service log")
+
+
+class Unauthorized(AdminError, PermissionError):
+    status = 401
+
+
+class Forbidden(AdminError, PermissionError):
+    status = 403
+
+
+def require_token(request: web.Request) -> None:
+    """The bearer check of every mutating route (constant-time compare)."""
+    expected = request.app[ADMIN_CONFIG].token
+    if not expected:
+        raise Forbidden(
+            "mutations_disabled",
+            f"this service has no admin token, so changes are refused: set {TOKEN_ENV} "
+            "for the service and send it as 'Authorization: Bearer <token>'",
+        )
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise Unauthorized(
+            "unauthorized", "this route changes state: send 'Authorization: Bearer <token>'"
+        )
+    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise Forbidden("forbidden", "the bearer token is wrong")
+
+
+async def read_json_object(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest("bad_json", f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("bad_json", f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _step(request: web.Request) -> int:
+    text = request.match_info["step"]
+    if not text.isdigit() or len(text) > 18:
+        raise BadRequest("bad_step", f"step {text!r} is not valid: expected an integer >= 0")
+    return int(text)
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+async def _list_datasets(request: web.Request) -> web.Response:
+    return web.json_response({"datasets": await inspect.list_datasets(request.app[_REDIS])})
+
+
+async def _show_dataset(request: web.Request) -> web.Response:
+    r = request.app[_REDIS]
+    return web.json_response(await inspect.show_dataset(r, request.match_info["dataset"]))
+
+
+async def _groups(request: web.Request) -> web.Response:
+    r = request.app[_REDIS]
+    dataset = request.match_info["dataset"]
+    return web.json_response(
+        {"dataset": dataset, "groups": await inspect.dataset_groups(r, dataset)}
+    )
+
+
+async def _seek(request: web.Request) -> web.Response:
+    require_token(request)
+    body = await read_json_object(request)
+    r = request.app[_REDIS]
+    dataset, group = request.match_info["dataset"], request.match_info["group"]
+    unknown = set(body) - {"to", "ids", "checkpoint"}
+    if unknown or len(body) != 1:
+        raise BadRequest(
+            "bad_target",
+            "the body must have exactly one of 'to' (\"earliest\"|\"latest\"), 'ids' "
+            "({partition: ID}) or 'checkpoint' ({\"store\": name, \"step\": n}); "
+            f"got keys {sorted(body)}",
+        )
+    if "to" in body:
+        if not isinstance(body["to"], str):
+            raise BadRequest("bad_target", "'to' must be \"earliest\" or \"latest\"")
+        result = await inspect.seek_group(r, dataset, group, to=body["to"])
+    else:
+        spec_partitions = (await inspect.dataset_spec(r, dataset)).partitions
+        if "ids" in body:
+            ids = inspect.parse_seek_ids(body["ids"], spec_partitions)
+        else:
+            ids = await request.app[_STORES].checkpoint_offsets(body["checkpoint"], dataset)
+            ids = inspect.parse_seek_ids(ids, spec_partitions)
+        result = await inspect.seek_group(r, dataset, group, ids=ids)
+    return web.json_response(result)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+async def _list_stores(request: web.Request) -> web.Response:
+    return web.json_response({"stores": request.app[_STORES].describe()})
+
+
+async def _list_checkpoints(request: web.Request) -> web.Response:
+    name = request.match_info["store"]
+    rows = await request.app[_STORES].list(name)
+    return web.json_response({"store": name, "checkpoints": rows})
+
+
+async def _show_checkpoint(request: web.Request) -> web.Response:
+    name = request.match_info["store"]
+    return web.json_response(await request.app[_STORES].show(name, _step(request)))
+
+
+async def _verify_checkpoint(request: web.Request) -> web.Response:
+    name = request.match_info["store"]
+    return web.json_response(await request.app[_STORES].verify(name, _step(request)))
+
+
+async def _pin(request: web.Request) -> web.Response:
+    require_token(request)
+    name = request.match_info["store"]
+    return web.json_response(await request.app[_STORES].pin(name, _step(request), True))
+
+
+async def _unpin(request: web.Request) -> web.Response:
+    require_token(request)
+    name = request.match_info["store"]
+    return web.json_response(await request.app[_STORES].pin(name, _step(request), False))
+
+
+async def _delete_checkpoint(request: web.Request) -> web.Response:
+    require_token(request)
+    name = request.match_info["store"]
+    return web.json_response(await request.app[_STORES].delete(name, _step(request)))
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("GET", "/admin/datasets", _list_datasets),
+    ("GET", "/admin/datasets/{dataset}", _show_dataset),
+    ("GET", "/admin/datasets/{dataset}/groups", _groups),
+    ("POST", "/admin/datasets/{dataset}/groups/{group}/seek", _seek),
+    ("GET", "/admin/checkpoints", _list_stores),
+    ("GET", "/admin/checkpoints/{store}", _list_checkpoints),
+    ("GET", "/admin/checkpoints/{store}/{step}", _show_checkpoint),
+    ("DELETE", "/admin/checkpoints/{store}/{step}", _delete_checkpoint),
+    ("GET", "/admin/checkpoints/{store}/{step}/verify", _verify_checkpoint),
+    ("POST", "/admin/checkpoints/{store}/{step}/pin", _pin),
+    ("POST", "/admin/checkpoints/{store}/{step}/unpin", _unpin),
+    ("GET", "/openapi.json", _openapi),
+)
+"""Every admin route; ``openapi.py`` documents exactly these (a test compares)."""
+
+
+async def stores_ready(app: web.Application) -> dict[str, str]:
+    """``{store: "ok" | reason}`` for a readiness probe: each root can be listed."""
+    return await app[_STORES].ready()
+
+
+def setup_admin(app: web.Application, config: AdminConfig | None = None) -> AdminConfig:
+    """Add the admin routes, the JSON error middleware and the Redis client/store
+    lifecycle to ``app``. The config comes from ``config``, else ``app[ADMIN_CONFIG]``
+    when the caller set it, else the environment (:meth:`AdminConfig.from_env`)."""
+    if config is None:
+        config = app[ADMIN_CONFIG] if ADMIN_CONFIG in app else AdminConfig.from_env()
+    app[ADMIN_CONFIG] = config
+    app[_STORES] = StoreSet(config.stores)
+    app.middlewares.append(_json_errors)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+
+    async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
+        client = aioredis.Redis.from_url(config.redis_url, socket_timeout=10)
+        app[_REDIS] = client
+        try:
+            yield
+        finally:
+            await client.aclose()
+            await asyncio.to_thread(app[_STORES].close)
+
+    app.cleanup_ctx.append(_lifecycle)
+    return config

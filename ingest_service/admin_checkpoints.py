@@ -1,0 +1,242 @@
+"""Checkpoint operations of the admin API and CLI over configured store roots.
+
+A *store root* is a name (used in URLs and on the command line) for a checkpoint
+store URL, optionally with a remote tier: ``name=file:///ckpt/run`` or
+``name=file:///ckpt/run|s3://bucket/run``. With a remote tier, a checkpoint's status
+says whether its manifest is committed remotely too (``remote``) or only locally
+(``local_only``). Every :class:`~checkpoint_store.CheckpointStore` call is blocking
+file or object-store I/O, so the async side runs it in a thread, one call at a time
+per root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ingest_service.inspect import BadRequest, NotFound, Refused
+
+__all__ = ["StoreRoot", "StoreSet", "manifest_json", "parse_store_roots"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StoreRoot:
+    name: str
+    url: str
+    remote_url: str | None = None
+    storage_options: Mapping[str, Any] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "url": self.url, "remote_url": self.remote_url}
+
+
+def parse_store_roots(text: str) -> dict[str, StoreRoot]:
+    """``"a=file:///x,b=file:///y|s3://bkt/y"`` -> store roots by name."""
+    roots: dict[str, StoreRoot] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, urls = item.partition("=")
+        local, _, remote = urls.partition("|")
+        if not sep or not name.strip() or not local.strip():
+            raise ValueError(
+                f"checkpoint store {item!r} is not valid: expected name=url or "
+                "name=local_url|remote_url, comma-separated"
+            )
+        roots[name.strip()] = StoreRoot(name.strip(), local.strip(), remote.strip() or None)
+    return roots
+
+
+def manifest_json(manifest: Any) -> dict[str, Any]:
+    """A manifest as plain JSON data (every field, tensors index included)."""
+    if dataclasses.is_dataclass(manifest) and not isinstance(manifest, type):
+        data = dataclasses.asdict(manifest)
+    else:
+        data = dict(vars(manifest))
+    # Round-trip so that tuples, bytes-free dicts etc. are what JSON will send.
+    return json.loads(json.dumps(data, default=str))
+
+
+class StoreSet:
+    """The configured roots, each opened lazily once."""
+
+    def __init__(self, roots: Mapping[str, StoreRoot]):
+        self.roots = dict(roots)
+        self._stores: dict[str, Any] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [root.describe() for root in self.roots.values()]
+
+    def _root(self, name: str) -> StoreRoot:
+        root = self.roots.get(name)
+        if root is None:
+            raise NotFound(
+                "store_not_found",
+                f"checkpoint store {name!r} is not configured: expected one of "
+                f"{sorted(self.roots)} (set TRAINGUARD_CHECKPOINT_STORES=name=url,...)",
+            )
+        return root
+
+    def _open(self, url: str, root: StoreRoot) -> Any:
+        from checkpoint_store import CheckpointStore
+
+        if url not in self._stores:
+            self._stores[url] = CheckpointStore(
+                url, storage_options=dict(root.storage_options or {}) or None
+            )
+        return self._stores[url]
+
+    async def _run(self, name: str, fn: Callable[[StoreRoot], T]) -> T:
+        root = self._root(name)
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            return await asyncio.to_thread(fn, root)
+
+    # -- blocking helpers (run in a thread) ---------------------------------------
+
+    def _rows(self, root: StoreRoot) -> list[dict[str, Any]]:
+        store = self._open(root.url, root)
+        manifests = store.list()
+        remote_uids: set[str] | None = None
+        if root.remote_url:
+            remote_uids = {m.uid for m in self._open(root.remote_url, root).list()}
+        pinned = set(store.pinned())
+        rows = []
+        for m in manifests:
+            status = ["committed"]
+            if m.step in pinned:
+                status.append("pinned")
+            if remote_uids is not None:
+                status.append("remote" if m.uid in remote_uids else "local_only")
+            rows.append(
+                {
+                    "step": m.step,
+                    "uid": m.uid,
+                    "name": m.name,
+                    "created_at": m.created_at,
+                    "nbytes": m.nbytes,
+                    "parent": m.parent,
+                    "world_size": m.world_size,
+                    "status": status,
+                }
+            )
+        return rows
+
+    def _manifest(self, root: StoreRoot, step: int) -> Any:
+        for m in self._open(root.url, root).list():
+            if m.step == step:
+                return m
+        raise NotFound(
+            "checkpoint_not_found",
+            f"store {root.name!r} has no checkpoint at step {step}: "
+            "`trainguard ckpt ls` lists the steps it has",
+        )
+
+    def _row(self, root: StoreRoot, step: int) -> dict[str, Any]:
+        for row in self._rows(root):
+            if row["step"] == step:
+                return row
+        raise NotFound("checkpoint_not_found", f"store {root.name!r} has no step {step}")
+
+    # -- async API ----------------------------------------------------------------
+
+    async def list(self, name: str) -> list[dict[str, Any]]:
+        return await self._run(name, self._rows)
+
+    async def show(self, name: str, step: int) -> dict[str, Any]:
+        return await self._run(name, lambda root: manifest_json(self._manifest(root, step)))
+
+    async def verify(self, name: str, step: int) -> dict[str, Any]:
+        from checkpoint_store import CorruptCheckpointError
+
+        def run(root: StoreRoot) -> dict[str, Any]:
+            self._manifest(root, step)
+            try:
+                self._open(root.url, root).verify(step)
+            except CorruptCheckpointError as exc:
+                return {"step": step, "valid": False, "reason": str(exc)}
+            return {"step": step, "valid": True, "reason": None}
+
+        return await self._run(name, run)
+
+    async def pin(self, name: str, step: int, pinned: bool) -> dict[str, Any]:
+        def run(root: StoreRoot) -> dict[str, Any]:
+            self._manifest(root, step)
+            store = self._open(root.url, root)
+            store.pin(step) if pinned else store.unpin(step)
+            return self._row(root, step)
+
+        return await self._run(name, run)
+
+    async def delete(self, name: str, step: int) -> dict[str, Any]:
+        def run(root: StoreRoot) -> dict[str, Any]:
+            self._manifest(root, step)
+            store = self._open(root.url, root)
+            newest = store.latest()
+            if newest is not None and newest.step == step:
+                raise Refused(
+                    "newest_checkpoint",
+                    f"step {step} is the newest valid checkpoint of store {root.name!r}: "
+                    "a restart would have nothing to resume from. Expected an older step",
+                )
+            if step in set(store.pinned()):
+                raise Refused(
+                    "pinned",
+                    f"step {step} of store {root.name!r} is pinned: unpin it first",
+                )
+            store.delete(step)
+            return {"store": root.name, "step": step, "deleted": True}
+
+        return await self._run(name, run)
+
+    async def checkpoint_offsets(self, target: Any, dataset: str) -> dict[str, str]:
+        """The committed stream offsets a checkpoint's manifest carries."""
+        if (
+            not isinstance(target, Mapping)
+            or not isinstance(target.get("store"), str)
+            or type(target.get("step")) is not int
+            or target["step"] < 0
+        ):
+            raise BadRequest(
+                "bad_checkpoint",
+                'checkpoint must be {"store": <configured store>, "step": <integer >= 0>}',
+            )
+        step = int(target["step"])
+
+        def run(root: StoreRoot) -> dict[str, str]:
+            extra = self._manifest(root, step).extra or {}
+            offsets = extra.get("offsets")
+            owner = extra.get("dataset")
+            if owner is not None and owner != dataset:
+                raise Refused(
+                    "wrong_dataset",
+                    f"checkpoint {step} of store {root.name!r} belongs to dataset {owner!r}, "
+                    f"not {dataset!r}",
+                )
+            if not isinstance(offsets, Mapping) or not offsets:
+                raise Refused(
+                    "no_offsets",
+                    f"checkpoint {step} of store {root.name!r} carries no stream offsets: "
+                    "it was not written by a TrainingSession",
+                )
+            return {str(k): str(v) for k, v in offsets.items()}
+
+        return await self._run(str(target["store"]), run)
+
+    async def ready(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name in self.roots:
+            try:
+                await self._run(name, lambda root: self._open(root.url, root).list())
+                out[name] = "ok"
+            except Exception as exc:
+                out[name] = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def close(self) -> None:
+        self._stores.clear()

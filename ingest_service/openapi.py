@@ -1,0 +1,312 @@
+"""The OpenAPI 3.0 document of the service, as data.
+
+Served at ``/openapi.json``; ``tests/test_admin_openapi.py`` keeps it equal to the
+aiohttp router of ``create_app`` (every route documented, nothing documented that is
+not routed) and fuzzes every operation from it. When you add a route, add it here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from trainguard import __version__
+
+__all__ = ["openapi_document"]
+
+_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,128}$"}
+_ID = {"type": "string", "pattern": r"^[0-9]+-[0-9]+$", "example": "1-41"}
+_NULLABLE_ID = {**_ID, "nullable": True}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    text = {
+        400: "malformed input (name, ID, partition, step or body)",
+        401: "no bearer token sent",
+        403: "wrong token, or the service has no admin token (mutations disabled)",
+        404: "unknown dataset, group, store or checkpoint",
+        409: "refused in the current state (below the retention floor, pinned, newest)",
+        413: "body too large",
+        503: "Redis or a checkpoint store is unreachable",
+    }
+    return {str(s): _json(_ref("Error"), text[s]) for s in statuses}
+
+
+def _param(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": schema,
+            "description": description}
+
+
+_DATASET = _param("dataset", _NAME, "dataset name")
+_GROUP = _param("group", _NAME, "consumer group (one per training run)")
+_STORE = _param("store", _NAME, "configured checkpoint store name")
+_STEP = _param("step", {"type": "integer", "minimum": 0}, "checkpoint step")
+_BEARER = [{"bearer": []}]
+
+_READ_ERRORS = (400, 404, 503)
+_WRITE_ERRORS = (400, 401, 403, 404, 409, 413, 503)
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["code", "message"],
+                "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
+            }
+        },
+    },
+    "Partition": {
+        "type": "object",
+        "properties": {
+            "partition": {"type": "integer"},
+            "length": {"type": "integer"},
+            "first_id": _NULLABLE_ID,
+            "last_id": _NULLABLE_ID,
+            "last_generated_id": _NULLABLE_ID,
+            "max_deleted_id": _NULLABLE_ID,
+            "removed_below": {**_NULLABLE_ID, "description": "entries at or below this ID may have been trimmed"},
+            "bytes": {"type": "integer",
+                      "description": "Redis MEMORY USAGE of the stream key (sampled estimate)"},
+            "producer_position": {
+                "type": "object", "nullable": True,
+                "properties": {"epoch": {"type": "integer"}, "records": {"type": "integer"}},
+            },
+            "paused": {"type": "boolean"},
+            "retention_floor": _NULLABLE_ID,
+        },
+    },
+    "Dataset": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "spec": {"type": "object"},
+            "partitions": {"type": "array", "items": _ref("Partition")},
+            "bytes_method": {"type": "string"},
+            "dead_letters": {"type": "integer"},
+            "producer": {"type": "object"},
+            "groups": {"type": "array", "items": {"type": "string"}},
+        },
+    },
+    "GroupPartition": {
+        "type": "object",
+        "properties": {
+            "partition": {"type": "integer"},
+            "exists": {"type": "boolean"},
+            "last_delivered_id": _NULLABLE_ID,
+            "committed": _NULLABLE_ID,
+            "retention_floor": _NULLABLE_ID,
+            "lag": {"type": "integer", "nullable": True},
+            "pending": {"type": "integer"},
+            "consumers": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}, "pending": {"type": "integer"},
+                                   "idle_ms": {"type": "integer"}},
+                },
+            },
+        },
+    },
+    "SeekRequest": {
+        "description": "Exactly one of: to, ids, checkpoint.",
+        "type": "object",
+        "minProperties": 1,
+        "maxProperties": 1,
+        "properties": {
+            "to": {"type": "string", "enum": ["earliest", "latest"]},
+            "ids": {"type": "object", "additionalProperties": _ID,
+                    "description": "partition (as a string) -> stream ID"},
+            "checkpoint": {
+                "type": "object",
+                "required": ["store", "step"],
+                "properties": {"store": _NAME, "step": {"type": "integer", "minimum": 0}},
+            },
+        },
+    },
+    "Offsets": {
+        "type": "object",
+        "properties": {
+            "dataset": {"type": "string"},
+            "group": {"type": "string"},
+            "offsets": {"type": "object", "additionalProperties": _ID},
+        },
+    },
+    "Checkpoint": {
+        "type": "object",
+        "properties": {
+            "step": {"type": "integer"},
+            "uid": {"type": "string"},
+            "name": {"type": "string"},
+            "created_at": {"type": "number", "nullable": True},
+            "nbytes": {"type": "integer", "nullable": True},
+            "status": {"type": "array", "items": {
+                "type": "string", "enum": ["committed", "pinned", "local_only", "remote"]}},
+        },
+    },
+}
+
+
+def _paths() -> dict[str, Any]:
+    return {
+        "/admin/datasets": {
+            "get": {
+                "operationId": "listDatasets",
+                "summary": "Datasets with totals over their partitions",
+                "responses": {
+                    "200": _json({"type": "object", "properties": {
+                        "datasets": {"type": "array", "items": {"type": "object"}}}},
+                        "datasets"),
+                    **_errors(503),
+                },
+            }
+        },
+        "/admin/datasets/{dataset}": {
+            "get": {
+                "operationId": "showDataset",
+                "summary": "A dataset's spec and partitions",
+                "parameters": [_DATASET],
+                "responses": {"200": _json(_ref("Dataset"), "the dataset"),
+                              **_errors(*_READ_ERRORS, 409)},
+            }
+        },
+        "/admin/datasets/{dataset}/groups": {
+            "get": {
+                "operationId": "listGroups",
+                "summary": "Consumer groups: delivered, committed, lag, pending, consumers",
+                "parameters": [_DATASET],
+                "responses": {
+                    "200": _json({"type": "object", "properties": {
+                        "dataset": {"type": "string"},
+                        "groups": {"type": "array", "items": {"type": "object", "properties": {
+                            "group": {"type": "string"},
+                            "partitions": {"type": "array", "items": _ref("GroupPartition")},
+                        }}},
+                    }}, "groups"),
+                    **_errors(*_READ_ERRORS, 409),
+                },
+            }
+        },
+        "/admin/datasets/{dataset}/groups/{group}/seek": {
+            "post": {
+                "operationId": "seekGroup",
+                "summary": "Move a group to a checkpoint's offsets, explicit IDs, "
+                           "earliest or latest; refused below the retention floor",
+                "security": _BEARER,
+                "parameters": [_DATASET, _GROUP],
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _ref("SeekRequest")}}},
+                "responses": {"200": _json(_ref("Offsets"), "the offsets set"),
+                              **_errors(*_WRITE_ERRORS)},
+            }
+        },
+        "/admin/checkpoints": {
+            "get": {
+                "operationId": "listStores",
+                "summary": "Configured checkpoint stores",
+                "responses": {"200": _json({"type": "object"}, "stores"), **_errors(503)},
+            }
+        },
+        "/admin/checkpoints/{store}": {
+            "get": {
+                "operationId": "listCheckpoints",
+                "summary": "Checkpoints of a store, oldest first",
+                "parameters": [_STORE],
+                "responses": {
+                    "200": _json({"type": "object", "properties": {
+                        "store": {"type": "string"},
+                        "checkpoints": {"type": "array", "items": _ref("Checkpoint")}}},
+                        "checkpoints"),
+                    **_errors(*_READ_ERRORS),
+                },
+            }
+        },
+        "/admin/checkpoints/{store}/{step}": {
+            "get": {
+                "operationId": "showCheckpoint",
+                "summary": "A checkpoint's manifest",
+                "parameters": [_STORE, _STEP],
+                "responses": {"200": _json({"type": "object"}, "the manifest"),
+                              **_errors(*_READ_ERRORS)},
+            },
+            "delete": {
+                "operationId": "deleteCheckpoint",
+                "summary": "Delete a checkpoint (refuses pinned ones and the newest valid)",
+                "security": _BEARER,
+                "parameters": [_STORE, _STEP],
+                "responses": {"200": _json({"type": "object"}, "deleted"),
+                              **_errors(*_WRITE_ERRORS)},
+            },
+        },
+        "/admin/checkpoints/{store}/{step}/verify": {
+            "get": {
+                "operationId": "verifyCheckpoint",
+                "summary": "Verify a checkpoint's checksums",
+                "parameters": [_STORE, _STEP],
+                "responses": {
+                    "200": _json({"type": "object", "properties": {
+                        "step": {"type": "integer"}, "valid": {"type": "boolean"},
+                        "reason": {"type": "string", "nullable": True}}}, "the verdict"),
+                    **_errors(*_READ_ERRORS),
+                },
+            }
+        },
+        "/admin/checkpoints/{store}/{step}/pin": {
+            "post": {
+                "operationId": "pinCheckpoint",
+                "summary": "Pin a checkpoint: retention and delete keep it",
+                "security": _BEARER,
+                "parameters": [_STORE, _STEP],
+                "responses": {"200": _json(_ref("Checkpoint"), "pinned"),
+                              **_errors(*_WRITE_ERRORS)},
+            }
+        },
+        "/admin/checkpoints/{store}/{step}/unpin": {
+            "post": {
+                "operationId": "unpinCheckpoint",
+                "summary": "Unpin a checkpoint",
+                "security": _BEARER,
+                "parameters": [_STORE, _STEP],
+                "responses": {"200": _json(_ref("Checkpoint"), "unpinned"),
+                              **_errors(*_WRITE_ERRORS)},
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "operationId": "openapi",
+                "summary": "This document",
+                "responses": {"200": _json({"type": "object"}, "OpenAPI 3 document")},
+            }
+        },
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    """A fresh copy of the document (callers may change theirs)."""
+    return copy.deepcopy(
+        {
+            "openapi": "3.0.3",
+            "info": {
+                "title": "trainguard ingest service",
+                "version": __version__,
+                "description": "Admin API of trainguard. Errors are "
+                               '{"error": {"code", "message"}}; mutating routes need '
+                               "Authorization: Bearer <TRAINGUARD_ADMIN_TOKEN>.",
+            },
+            "paths": _paths(),
+            "components": {
+                "schemas": _SCHEMAS,
+                "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            },
+        }
+    )

@@ -1,0 +1,77 @@
+"""Helpers of the admin API and CLI tests: a populated dataset, checkpoints with
+offsets in their manifests, and an admin app served on a real loopback port."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from ingest_service.admin import AdminConfig, setup_admin
+from ingest_service.admin_checkpoints import StoreRoot
+from ingest_service.datasets import create_dataset
+from trainguard import streams
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def make_dataset(
+    r: aioredis.Redis, name: str = "toy", *, partitions: int = 2, per_partition: int = 5
+) -> streams.DatasetSpec:
+    """A registered dataset whose partition p holds IDs 1-0 .. 1-(n-1), as the
+    producer writes them (XADD with deterministic IDs), plus one dead letter."""
+    spec = streams.DatasetSpec(name=name, partitions=partitions, source="memory://x.jsonl")
+    await create_dataset(r, spec)
+    for p in range(partitions):
+        for i in range(per_partition):
+            await r.xadd(
+                streams.partition_key(name, p),
+                streams.encode_record({"p": p, "i": i}, pos=f"x.jsonl:{i}"),
+                id=streams.make_id(0, i),
+            )
+    await r.xadd(
+        streams.dlq_key(name), streams.encode_dead_letter("undecodable", "x.jsonl:99", b"{")
+    )
+    return spec
+
+
+async def make_group(
+    r: aioredis.Redis, dataset: str, group: str, partitions: int,
+    *, floor: Mapping[int, str] | None = None,
+) -> None:
+    """A consumer group registered the way a trainer registers its run."""
+    for p in range(partitions):
+        await r.xgroup_create(streams.partition_key(dataset, p), group, id="0-0", mkstream=True)
+    await r.sadd(streams.groups_key(dataset), group)
+    if floor:
+        await r.hset(streams.floor_key(dataset, group), mapping=streams.offsets_to_wire(floor))
+
+
+def save_checkpoints(url: str, steps: list[int], offsets: Mapping[int, str],
+                     dataset: str = "toy") -> None:
+    """Real checkpoints through checkpoint_store, offsets in the manifest's extra."""
+    from checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(url, keep_last=100)
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+             "b": torch.ones(3, dtype=torch.bfloat16)}
+    for step in steps:
+        store.save(state, step, extra={"offsets": streams.offsets_to_wire(offsets),
+                                       "dataset": dataset})
+
+
+@asynccontextmanager
+async def admin_client(
+    redis_url: str, *, token: str | None = TOKEN, stores: Mapping[str, Path | str] | None = None
+) -> AsyncIterator[TestClient]:
+    app = web.Application()
+    roots = {name: StoreRoot(name, str(url)) for name, url in (stores or {}).items()}
+    setup_admin(app, AdminConfig(redis_url, token, roots))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        yield client
