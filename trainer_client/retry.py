@@ -1,0 +1,188 @@
+"""Retries with jittered exponential backoff (on ``stamina``), combined with a breaker.
+
+:class:`Retrier` (``.call`` / ``.acall``) retries a call on the given
+exceptions. With a ``breaker``, every attempt goes through it, and an open breaker
+makes the caller *wait* until the breaker admits the next probe (its
+``retry_after_s`` plus a little jitter) instead of failing or spinning; the attempt
+after the wait is either the half-open probe or fails fast again while another
+caller's probe is in flight. :func:`redis_retrier`, :func:`redis_call` and
+:func:`aredis_call` do the same with Redis' transient errors and
+:data:`REDIS_POLICY`, so a Redis outage makes training wait and retry instead of
+crashing::
+
+    breaker = redis_breaker("redis:trainer")          # one per Redis, shared
+    offsets = redis_call(breaker, client.hgetall, key)
+    s3 = Retrier(on=(OSError,), breaker=CircuitBreaker("s3"))
+    s3.call(fs.pipe_file, path, data)
+
+When the policy's attempts or timeout run out, the last exception is raised
+unchanged (a ``CircuitOpenError`` or the dependency's own error).
+
+Tests switch the waiting off with ``with retry.retry_testing(): ...`` (stamina's
+testing mode: no backoff, ``attempts`` tries).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+import redis.exceptions
+import stamina
+
+from trainer_client.breaker import CircuitBreaker
+from trainer_client.errors import CircuitOpenError
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "REDIS_POLICY",
+    "REDIS_RETRY_ON",
+    "Retrier",
+    "RetryPolicy",
+    "aredis_call",
+    "redis_breaker",
+    "redis_call",
+    "redis_retrier",
+    "retry_testing",
+]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Backoff parameters (stamina's): wait ``min(wait_max_s, wait_initial_s *
+    wait_exp_base ** (n - 1) + uniform(0, wait_jitter_s))`` before attempt ``n + 1``;
+    stop after ``attempts`` tries or ``timeout_s`` in total (``None``: no limit)."""
+
+    attempts: int | None = 10
+    timeout_s: float | None = 45.0
+    wait_initial_s: float = 0.1
+    wait_max_s: float = 5.0
+    wait_jitter_s: float = 1.0
+    wait_exp_base: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts is not None and self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1 or None, got {self.attempts}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
+
+
+DEFAULT_POLICY = RetryPolicy()
+
+REDIS_POLICY = RetryPolicy(attempts=None, timeout_s=900.0, wait_max_s=10.0)
+"""Redis outages (restart, failover, AOF reload) take seconds to minutes: keep trying
+for up to 15 minutes, then let the error surface so the orchestrator restarts us."""
+
+REDIS_RETRY_ON: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError,  # includes BusyLoadingError (Redis loading AOF)
+    redis.exceptions.TimeoutError,
+    ConnectionError,
+    TimeoutError,
+)
+"""Transient Redis errors. A ``ResponseError`` (WRONGTYPE, BUSYGROUP, ...) means Redis
+answered; it is neither retried nor counted against the breaker."""
+
+
+def retry_testing(attempts: int = 1) -> AbstractContextManager[None]:
+    """Context manager: no backoff waits and exactly ``attempts`` tries per call
+    (including waits for an open breaker). ``with retry_testing(): ...``"""
+    return stamina.set_testing(True, attempts=attempts)
+
+
+def _backoff_hook(
+    on: tuple[type[BaseException], ...], policy: RetryPolicy
+) -> Callable[[Exception], bool | float]:
+    def hook(exc: Exception) -> bool | float:
+        if isinstance(exc, CircuitOpenError):
+            # Sleep until the breaker admits a probe; the jitter keeps a crowd of
+            # waiting callers from arriving at the same instant.
+            return exc.retry_after_s + random.uniform(0.0, policy.wait_initial_s)
+        return isinstance(exc, on)
+
+    return hook
+
+
+class Retrier:
+    """Retries calls on ``on`` (and waits out an open ``breaker``, through which every
+    attempt goes) with jittered exponential backoff. Stateless apart from its
+    configuration: share one per dependency."""
+
+    def __init__(
+        self,
+        *,
+        on: tuple[type[BaseException], ...],
+        breaker: CircuitBreaker | None = None,
+        policy: RetryPolicy = DEFAULT_POLICY,
+    ) -> None:
+        self.on = on
+        self.breaker = breaker
+        self.policy = policy
+
+    def __repr__(self) -> str:
+        return f"Retrier(on={self.on!r}, breaker={self.breaker!r}, policy={self.policy!r})"
+
+    def _kwargs(self) -> dict[str, Any]:
+        p = self.policy
+        return {
+            "on": _backoff_hook(self.on, p),
+            "attempts": p.attempts,
+            "timeout": p.timeout_s,
+            "wait_initial": p.wait_initial_s,
+            "wait_max": p.wait_max_s,
+            "wait_jitter": p.wait_jitter_s,
+            "wait_exp_base": p.wait_exp_base,
+        }
+
+    def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Call ``fn(*args, **kwargs)`` until it succeeds or the policy runs out."""
+        for attempt in stamina.retry_context(**self._kwargs()):
+            with attempt:
+                if self.breaker is None:
+                    return fn(*args, **kwargs)
+                return self.breaker.call(fn, *args, **kwargs)
+        # stamina either returns from inside the loop or re-raises the last error.
+        raise AssertionError("stamina.retry_context ended without a result or an error")
+
+    async def acall(
+        self, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """The async twin of :meth:`call` (waits with ``asyncio.sleep``)."""
+        async for attempt in stamina.retry_context(**self._kwargs()):
+            with attempt:
+                if self.breaker is None:
+                    return await fn(*args, **kwargs)
+                return await self.breaker.acall(fn, *args, **kwargs)
+        raise AssertionError("stamina.retry_context ended without a result or an error")
+
+
+def redis_breaker(name: str = "redis", **kwargs: Any) -> CircuitBreaker:
+    """A breaker that counts only transient Redis errors as failures (a Redis
+    ``ResponseError`` means Redis is up). ``kwargs`` go to :class:`CircuitBreaker`."""
+    kwargs.setdefault("failure_exceptions", REDIS_RETRY_ON)
+    return CircuitBreaker(name, **kwargs)
+
+
+def redis_retrier(breaker: CircuitBreaker, policy: RetryPolicy = REDIS_POLICY) -> Retrier:
+    """A :class:`Retrier` for redis-py calls (sync or ``redis.asyncio``) through
+    ``breaker``: retries transient errors, waits while the breaker is open."""
+    return Retrier(on=REDIS_RETRY_ON, breaker=breaker, policy=policy)
+
+
+def redis_call(breaker: CircuitBreaker, fn: Callable[P, T], /, *args: P.args,
+               **kwargs: P.kwargs) -> T:
+    """``redis_retrier(breaker).call(fn, *args, **kwargs)`` with :data:`REDIS_POLICY`."""
+    return redis_retrier(breaker).call(fn, *args, **kwargs)
+
+
+async def aredis_call(
+    breaker: CircuitBreaker, fn: Callable[P, Awaitable[T]], /, *args: P.args,
+    **kwargs: P.kwargs,
+) -> T:
+    """The async twin of :func:`redis_call`."""
+    return await redis_retrier(breaker).acall(fn, *args, **kwargs)
