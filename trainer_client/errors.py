@@ -90,3 +90,34 @@ class AllRoutesFailedError(TrainerClientError, ConnectionError):
             f"all {len(self.failures)} routes of {client!r} failed ({lines}). Expected at "
             "least one route to answer; check the services, or add a local fallback route."
         )
+
+
+# --------------------------------------------------------------------------- streams, offsets
+
+
+class DatasetNotFoundError(TrainerClientError, LookupError):
+    """The dataset has no metadata in Redis: it was never created (or Redis lost it)."""
+
+
+class CheckpointMismatchError(TrainerClientError, ValueError):
+    """The run's newest checkpoint was written for another dataset (or another run)."""
+
+
+class PartitionCountError(TrainerClientError, ValueError):
+    """The dataset's partition count differs from the one in the run's checkpoint:
+    the saved offsets cannot be mapped onto the partitions any more."""
+
+
+class FencedError(TrainerClientError, PermissionError):
+    """A newer trainer of the same run restored (higher fencing generation): this one
+    is a zombie and may no longer read, acknowledge or commit. Stop this process."""
+
+    def __init__(self, *, group: str, mine: int, current: int, what: str) -> None:
+        self.group = group
+        self.mine = mine
+        self.current = current
+        super().__init__(
+            f"{what} refused for run {group!r}: this trainer holds fencing generation "
+            f"{mine}, expected it to be the newest, but generation {current} has restored "
+            "since. Another trainer of this run took over; stop this process."
+        )

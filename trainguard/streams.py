@@ -14,9 +14,11 @@ Key layout for dataset ``D`` (``{...}`` is the Redis Cluster hash tag)::
     tg:{D}:committed:<group>         HASH    partition -> last committed stream ID
     tg:{D}:floor:<group>             HASH    partition -> retention floor (oldest kept ckpt)
     tg:{D}:paused                    SET     partitions the producer paused (backpressure)
+    tg:{D}:progress                  HASH    producer progress (see PROGRESS_* below)
     tg:{D:p0007}                     STREAM  partition 7
     tg:{D:p0007}:seq                 HASH    push producers: producer_id -> last appended seq
     tg:{D:p0007}:fence:<group>       STRING  generation of the trainer that owns the group
+    tg:{D:p0007}:seek:<group>        HASH    where the group's next loader pass starts (id, batches)
 
 A partition's own keys share its hash slot, so a Lua script may touch them together.
 
@@ -100,6 +102,10 @@ def paused_key(dataset: str) -> str:
     return f"{PREFIX}:{{{dataset}}}:paused"
 
 
+def progress_key(dataset: str) -> str:
+    return f"{PREFIX}:{{{dataset}}}:progress"
+
+
 def partition_key(dataset: str, partition: int) -> str:
     return f"{PREFIX}:{{{dataset}:p{partition:04d}}}"
 
@@ -110,6 +116,14 @@ def seq_key(dataset: str, partition: int) -> str:
 
 def fence_key(dataset: str, partition: int, group: str) -> str:
     return f"{partition_key(dataset, partition)}:fence:{group}"
+
+
+def seek_key(dataset: str, partition: int, group: str) -> str:
+    """Written by the trainer before each pass of its data loader, read by the loader
+    worker that owns the partition when the pass starts: ``id`` (the last consumed ID)
+    and ``batches`` (batches consumed so far, for deterministic mode). It lives in the
+    partition's slot so that a fenced Lua script can write it."""
+    return f"{partition_key(dataset, partition)}:seek:{group}"
 
 
 # --------------------------------------------------------------------------- IDs
@@ -227,6 +241,48 @@ def decode_record(fields: Mapping[bytes, bytes]) -> Any:
 
 def record_size(fields: Mapping[bytes, bytes]) -> int:
     return sum(len(k) + len(v) for k, v in fields.items())
+
+
+# --------------------------------------------------------------------------- progress
+
+PROGRESS_EPOCHS_DONE = b"epochs_done"
+"""Number of epochs whose records are all in every partition (written after them)."""
+PROGRESS_FINISHED = b"finished"
+"""``b"1"`` once a finite dataset has been produced completely."""
+PROGRESS_END_PREFIX = b"end:"
+"""``end:<p>`` -> the last stream ID of partition ``p`` of a finished dataset (absent
+when the partition received no record): a consumer at that offset has read everything."""
+
+
+def progress_end_field(partition: int) -> bytes:
+    return PROGRESS_END_PREFIX + str(partition).encode()
+
+
+# --------------------------------------------------------------------------- dead letters
+
+DL_REASON, DL_POS, DL_EPOCH, DL_SIZE, DL_PAYLOAD = b"reason", b"pos", b"epoch", b"size", b"payload"
+DL_PAYLOAD_LIMIT = 1024
+"""Bytes of a bad record's payload kept in its dead letter (the rest is cut)."""
+DL_REASONS = ("undecodable", "oversized", "schema")
+
+
+def encode_dead_letter(
+    reason: str, pos: str, payload: bytes, *, detail: str = "", epoch: int | None = None
+) -> dict[bytes, bytes]:
+    """A dead-letter entry: ``reason`` (one of DL_REASONS, then ``: detail``), where the
+    record came from, its full size and the first DL_PAYLOAD_LIMIT bytes of it."""
+    if reason not in DL_REASONS:
+        raise ContractError(f"dead-letter reason {reason!r} is unknown: expected one of {DL_REASONS}")
+    text = f"{reason}: {detail}" if detail else reason
+    fields = {
+        DL_REASON: text.encode(),
+        DL_POS: pos.encode(),
+        DL_SIZE: str(len(payload)).encode(),
+        DL_PAYLOAD: bytes(payload[:DL_PAYLOAD_LIMIT]),
+    }
+    if epoch is not None:
+        fields[DL_EPOCH] = str(epoch).encode()
+    return fields
 
 
 # --------------------------------------------------------------------------- datasets

@@ -1,0 +1,197 @@
+"""StreamingDataset against a real redis-server: partitions, decoding, end of data,
+blocking reads, Redis restarts and fencing of reads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+import torch
+from torch.utils.data import DataLoader
+
+from tests import _client_fill as cf
+from trainer_client import offsets as ofs
+from trainer_client.dataset import Batch, StreamingDataset
+from trainer_client.errors import DatasetNotFoundError, FencedError
+from trainguard import streams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ids(batches: list[Batch]) -> list[int]:
+    return [int(i) for b in batches for i in b.data[:, 0].tolist()]
+
+
+def test_one_process_reads_every_record_once_with_offsets(redis_server) -> None:
+    """num_workers=0: every record exactly once, full batches but the last, and each
+    batch's offsets are the last ID of each partition in it."""
+    spec = cf.create(redis_server.url, "tok", partitions=4)
+    cf.fill(redis_server.url, spec, 1001)
+    ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=32)
+    batches = list(DataLoader(ds, batch_size=None, num_workers=0))
+    assert sorted(_ids(batches)) == list(range(1001))
+    assert [len(b) for b in batches[:-1]] == [32] * (len(batches) - 1)
+    for b in batches:
+        assert b.offsets == {p: ids[-1] for p, ids in b.ids.items()}
+        for p, ids in b.ids.items():
+            parsed = [streams.parse_id(i) for i in ids]
+            assert parsed == sorted(parsed)
+            # the record payload says which record it is: it must sit in its partition
+            assert all(streams.make_id(0, r // 4) in ids for r in b.data[:, 0].tolist() if r % 4 == p)
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.sismember(streams.groups_key("tok"), "run")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_read_their_assigned_partitions(redis_server, persistent: bool) -> None:
+    """num_workers=2 over 7 partitions: worker w reads exactly the partitions that
+    assign_partitions gives it, and together they read every record once."""
+    spec = cf.create(redis_server.url, "tok", partitions=7)
+    cf.fill(redis_server.url, spec, 700)
+    ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=10)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+    batches = list(loader)
+    assert sorted(_ids(batches)) == list(range(700))
+    for b in batches:
+        expect = streams.assign_partitions(7, world_size=1, num_workers=2, rank=0, worker=b.worker)
+        assert set(b.ids) <= set(expect)
+    assert {p for b in batches for p in b.ids} == set(range(7))
+
+
+def test_ranks_split_partitions(redis_server) -> None:
+    """Two ranks (no workers) read disjoint partition sets covering every record."""
+    spec = cf.create(redis_server.url, "tok", partitions=5)
+    cf.fill(redis_server.url, spec, 500)
+    got = []
+    for rank in range(2):
+        ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=16, rank=rank, world_size=2)
+        got.append(_ids(list(ds)))
+    assert not set(got[0]) & set(got[1])
+    assert sorted(got[0] + got[1]) == list(range(500))
+    assert {i % 5 for i in got[0]} == {0, 2, 4}
+
+
+def test_decoding_kinds(redis_server) -> None:
+    """Token arrays become one [n, len] tensor of their dtype; raw bytes and msgpack
+    come back as values; a decode callable maps each record."""
+    spec = cf.create(redis_server.url, "mixed", partitions=1)
+    client = redis.Redis.from_url(redis_server.url)
+    key = streams.partition_key("mixed", 0)
+    for i in range(4):
+        client.xadd(key, streams.encode_record(np.arange(6, dtype=np.int32) + i), id=streams.make_id(0, i))
+    ds = StreamingDataset(redis_server.url, "mixed", "g", batch_size=4)
+    cf.mark_finished(client, spec, 4)
+    (b,) = list(ds)
+    assert isinstance(b.data, torch.Tensor) and b.data.dtype == torch.int32
+    assert b.data.shape == (4, 6) and b.data[3].tolist() == [3, 4, 5, 6, 7, 8]
+    assert b.data.is_contiguous()
+
+    spec2 = cf.create(redis_server.url, "objs", partitions=1)
+    key2 = streams.partition_key("objs", 0)
+    client.xadd(key2, streams.encode_record(b"\x00raw"), id="1-0")
+    client.xadd(key2, streams.encode_record({"a": [1, 2]}), id="1-1")
+    cf.mark_finished(client, spec2, 2)
+    (b2,) = list(StreamingDataset(redis_server.url, "objs", "g", batch_size=8))
+    assert b2.data == [b"\x00raw", {"a": [1, 2]}]
+    (b3,) = list(StreamingDataset(redis_server.url, "objs", "g2", batch_size=8, decode=repr))
+    assert b3.data == [repr(b"\x00raw"), repr({"a": [1, 2]})]
+    assert msgpack  # the contract's msgpack is what decodes the second record
+
+
+def test_missing_dataset_is_a_clear_error(redis_server) -> None:
+    """A dataset without metadata raises DatasetNotFoundError (a LookupError) naming it."""
+    with pytest.raises(DatasetNotFoundError, match="'nope' does not exist") as info:
+        StreamingDataset(redis_server.url, "nope", "run", batch_size=4)
+    assert isinstance(info.value, LookupError)
+
+
+def test_endless_dataset_blocks_until_records_arrive(redis_server) -> None:
+    """An endless dataset does not end when it runs dry: it blocks and yields records
+    appended later, each once."""
+    spec = cf.create(redis_server.url, "live", partitions=2, epochs=None)
+    cf.fill(redis_server.url, spec, 20, finish=False)
+    ds = StreamingDataset(redis_server.url, "live", "run", batch_size=10, block_ms=100)
+    it = iter(ds)
+    first = [next(it), next(it)]
+    assert sorted(_ids(first)) == list(range(20))
+    got: list[Batch] = []
+    t = threading.Thread(target=lambda: got.extend([next(it), next(it)]))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and not got  # blocked: nothing to read
+    cf.fill(redis_server.url, spec, 40, start=20, finish=False)
+    t.join(60)
+    assert sorted(_ids(got)) == list(range(20, 40))
+    it.close()
+
+
+def test_redis_restart_loses_nothing_and_repeats_nothing(redis_factory) -> None:
+    """Redis is SIGKILLed mid-read and comes back empty (no persistence); the producer
+    replays the same deterministic IDs from the start. The reader reconnects with
+    backoff, moves the group to where it was, and yields every record exactly once."""
+    server = redis_factory()
+    spec = cf.create(server.url, "tok", partitions=3)
+    cf.fill(server.url, spec, 300, finish=False)
+    ds = StreamingDataset(server.url, "tok", "run", batch_size=25, block_ms=200)
+    it = iter(ds)
+    before = [next(it) for _ in range(5)]
+    server.restart()
+    cf.create(server.url, "tok", partitions=3)
+    cf.fill(server.url, spec, 600)  # replay from record 0, then the rest
+    after = list(it)
+    counts = Counter(_ids(before + after))
+    assert sorted(counts) == list(range(600))
+    assert set(counts.values()) == {1}
+
+
+def test_aof_rewind_drops_records_delivered_twice(redis_factory) -> None:
+    """With AOF, the group's position survives a restart; even when we force it back
+    (as a lost AOF tail does), records this reader already yielded are not yielded
+    again."""
+    server = redis_factory(persistence="always")
+    spec = cf.create(server.url, "tok", partitions=2)
+    cf.fill(server.url, spec, 200)
+    ds = StreamingDataset(server.url, "tok", "run", batch_size=20)
+    it = iter(ds)
+    before = [next(it) for _ in range(4)]
+    server.restart()
+    client = redis.Redis.from_url(server.url)
+    for p in range(2):  # rewind the group, as if the AOF lost its last second
+        client.xgroup_setid(streams.partition_key("tok", p), "run", "0-0")
+    after = list(it)
+    counts = Counter(_ids(before + after))
+    assert sorted(counts) == list(range(200)) and set(counts.values()) == {1}
+
+
+def test_reader_of_an_older_generation_is_fenced(redis_server) -> None:
+    """Once a newer trainer took generation 2, a reader holding generation 1 cannot
+    read (its read would move the newer trainer's group)."""
+    spec = cf.create(redis_server.url, "tok", partitions=2)
+    cf.fill(redis_server.url, spec, 50)
+    client = redis.Redis.from_url(redis_server.url)
+    assert ofs.bump_generation(client, "tok", "run", 2, floor=1) == 2
+    ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=8, generation=1)
+    with pytest.raises(FencedError, match="generation 2 has restored") as info:
+        next(iter(ds))
+    assert info.value.mine == 1 and info.value.current == 2
+    for p in range(2):  # nothing was delivered to the zombie: no group was even made
+        assert client.xinfo_groups(streams.partition_key("tok", p)) == []
+
+
+def test_trainer_client_does_not_import_aiohttp() -> None:
+    """Importing trainer_client (and using its dataset module) never loads aiohttp."""
+    code = (
+        "import sys, trainer_client, trainer_client.session, trainer_client.dataset; "
+        "print('aiohttp' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,381 @@
+"""``StreamingDataset``: batches from a dataset's Redis partitions for one training run.
+
+Each (rank, DataLoader worker) reads the partitions that
+:func:`trainguard.streams.assign_partitions` gives it, through the run's consumer
+group, with fenced Lua reads (see :mod:`trainer_client.offsets`). A pass starts where
+the trainer's session says (the seek it writes before each pass), so batches that a
+previous pass prefetched but the loop never consumed are read again, and nothing the
+loop consumed is read twice.
+
+Connections are created lazily inside the iterating process (after the DataLoader
+forks its workers) and dropped when the pass ends or is abandoned. Blocking waits use
+their own socket timeout (longer than BLOCK) and, when Redis goes away, reconnect with
+jittered backoff and move the group back to the last ID this worker received, so a
+reply lost in flight is delivered again and entries Redis delivers twice (after an
+AOF rewind) are dropped by ID.
+
+Each yielded :class:`Batch` carries, per partition, the last stream ID it contains and
+the IDs of its records.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import redis
+import redis.exceptions
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from trainer_client import offsets as ofs
+from trainer_client.errors import DatasetNotFoundError
+from trainguard import streams
+
+__all__ = ["Batch", "StreamingDataset", "load_spec"]
+
+_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+@dataclass
+class Batch:
+    """Records of one batch and where they came from.
+
+    ``data`` is a tensor ``[n, ...]`` when every record is a NumPy array of one dtype
+    and shape (copied once, straight from the Redis reply into the batch tensor), the
+    ``collate`` result when one was given, else the list of decoded records.
+    ``ids`` maps partition -> stream IDs of its records here, in stream order;
+    ``offsets`` maps partition -> the last of them. In deterministic mode ``partition``
+    is the one partition of the batch and ``seq`` its index among its worker's batches.
+    """
+
+    data: Any
+    ids: dict[int, list[str]]
+    offsets: dict[int, str]
+    worker: int = 0
+    partition: int = -1
+    seq: int = -1
+    final: bool = False
+    """Deterministic mode: the worker's end-of-pass marker (no records)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.ids.values())
+
+
+def load_spec(client: redis.Redis, dataset: str) -> streams.DatasetSpec:
+    raw = client.hgetall(streams.meta_key(dataset))
+    if not raw:
+        raise DatasetNotFoundError(
+            f"dataset {dataset!r} does not exist in Redis (expected its metadata at "
+            f"{streams.meta_key(dataset)!r}): create it with the ingest service first, "
+            "or check the Redis URL and the dataset name"
+        )
+    return streams.DatasetSpec.from_redis(raw)
+
+
+def _fields(flat: Sequence[bytes]) -> dict[bytes, bytes]:
+    it = iter(flat)
+    return dict(zip(it, it))
+
+
+def _stack_arrays(entries: list[dict[bytes, bytes]], in_worker: bool) -> torch.Tensor | None:
+    """One tensor for same-shaped NumPy records: each record's bytes are copied once,
+    into a tensor that lives in shared memory when we are a DataLoader worker (so the
+    trip to the main process copies nothing more)."""
+    first = entries[0]
+    dt, sh = first.get(streams.F_DTYPE), first.get(streams.F_SHAPE, b"")
+    if any(
+        e.get(streams.F_KIND) != streams.KIND_NDARRAY
+        or e.get(streams.F_DTYPE) != dt
+        or e.get(streams.F_SHAPE, b"") != sh
+        for e in entries
+    ):
+        return None
+    assert dt is not None
+    dtype = np.dtype(dt.decode())
+    shape = tuple(int(n) for n in sh.decode().split(",")) if sh else ()
+    try:
+        tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except TypeError:
+        return None
+    out = torch.empty((len(entries), *shape), dtype=tdtype)
+    if in_worker:
+        out.share_memory_()
+    flat = out.numpy().reshape(len(entries), -1).view(np.uint8)
+    for i, e in enumerate(entries):
+        flat[i] = np.frombuffer(e[streams.F_DATA], dtype=np.uint8)
+    return out
+
+
+class _Reader:
+    """One worker's connection to its partitions, with reconnects."""
+
+    def __init__(self, ds: StreamingDataset, partitions: list[int], consumer: str):
+        self.ds = ds
+        self.partitions = partitions
+        self.consumer = consumer
+        self.client: redis.Redis | None = None
+        self.positions: dict[int, str] = {}
+        self.parsed: dict[int, streams.StreamId] = {}
+        self.batches: dict[int, int] = {}
+        self.ends: dict[int, str | None] | None = None
+
+    def _connect(self) -> redis.Redis:
+        if self.client is None:
+            self.client = redis.Redis.from_url(
+                self.ds.redis_url,
+                socket_timeout=self.ds.block_ms / 1000 + 10.0,
+                socket_connect_timeout=5.0,
+            )
+        return self.client
+
+    def _drop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def close(self) -> None:
+        self._drop()
+
+    def _retry(self, fn: Callable[[redis.Redis], Any], *, reseek: bool) -> Any:
+        """Run ``fn`` against Redis, reconnecting with jittered backoff on transient
+        errors; after a reconnect, first move the group back to our own positions."""
+        delay = 0.05
+        deadline = time.monotonic() + self.ds.reconnect_timeout_s
+        lost = False
+        while True:
+            try:
+                client = self._connect()
+                if lost and reseek and self.positions:
+                    ofs.seek_group(
+                        client, self.ds.dataset, self.ds.group, self.ds.generation, self.positions
+                    )
+                return fn(client)
+            except (*_TRANSIENT, redis.exceptions.BusyLoadingError):
+                self._drop()
+                lost = True
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
+
+    def start(self) -> None:
+        ds = self.ds
+        got = self._retry(
+            lambda c: ofs.start_pass(c, ds.dataset, ds.group, ds.generation, self.partitions),
+            reseek=False,
+        )
+        for p, (i, n) in got.items():
+            self.positions[p] = i
+            self.parsed[p] = streams.parse_id(i)
+            self.batches[p] = n
+
+    def read(self, counts: dict[int, int]) -> dict[int, list[tuple[str, dict[bytes, bytes]]]]:
+        """Up to ``counts[p]`` new entries of each partition (possibly none), with the
+        producer's end marks refreshed in the same round trip."""
+        ds = self.ds
+
+        def call(c: redis.Redis) -> Any:
+            req = {p: (n, self.positions[p]) for p, n in counts.items()}
+            got = ofs.read_group(c, ds.dataset, ds.group, ds.generation, self.consumer, req)
+            if ds.finite:
+                self._refresh_ends(c)
+            return got
+
+        raw = self._retry(call, reseek=True)
+        out: dict[int, list[tuple[str, dict[bytes, bytes]]]] = {}
+        for p, entries in raw.items():
+            last = self.parsed[p]
+            kept: list[tuple[str, dict[bytes, bytes]]] = []
+            for eid, flat in entries:
+                sid = eid.decode()
+                parsed = streams.parse_id(sid)
+                if parsed <= last:
+                    continue  # delivered twice (Redis rewound its AOF): we have it
+                last = parsed
+                kept.append((sid, _fields(flat)))
+            if kept:
+                self.parsed[p] = last
+                self.positions[p] = kept[-1][0]
+            out[p] = kept
+        return out
+
+    def _refresh_ends(self, client: redis.Redis) -> None:
+        if self.ends is not None:
+            return
+        prog = client.hgetall(streams.progress_key(self.ds.dataset))
+        if prog.get(streams.PROGRESS_FINISHED) != b"1":
+            return
+        ends: dict[int, str | None] = {}
+        for p in self.partitions:
+            v = prog.get(streams.progress_end_field(p))
+            ends[p] = v.decode() if v is not None else None
+        self.ends = ends
+
+    def finished(self, p: int) -> bool:
+        """True once the producer finished and we hold the partition's last entry."""
+        if self.ends is None:
+            return False
+        end = self.ends[p]
+        return end is None or self.parsed[p] >= streams.parse_id(end)
+
+    def wait(self, partitions: list[int]) -> None:
+        """Block until one of the partitions has entries after our position (or BLOCK
+        passes). XREAD without a group changes nothing, so a wait that is cut off
+        loses nothing."""
+        keys = {streams.partition_key(self.ds.dataset, p): self.positions[p] for p in partitions}
+        self._retry(lambda c: c.xread(keys, count=1, block=self.ds.block_ms), reseek=True)
+
+
+class StreamingDataset(IterableDataset):
+    """Batches of ``batch_size`` records from dataset ``dataset`` for run ``group``.
+
+    Use with ``DataLoader(ds, batch_size=None, num_workers=N)`` (any N >= 0,
+    persistent workers or not); usually made by ``TrainingSession.dataset``, which also
+    supplies the fencing generation and the seeks. ``decode`` maps each decoded record
+    (bytes, msgpack value or read-only NumPy view) to what the batch should hold;
+    ``collate`` turns the list of those into the batch's ``data``.
+
+    ``deterministic``: every batch holds ``batch_size`` consecutive records of one
+    partition (fewer only at a partition's end) and a worker visits its partitions
+    round-robin, so a resumed run (same world size and num_workers) yields exactly
+    the batches an uninterrupted one would; it waits for slow partitions instead of
+    reading whatever is ready.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        dataset: str,
+        group: str,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        decode: Callable[[Any], Any] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
+        deterministic: bool = False,
+        generation: int = 0,
+        block_ms: int = 1000,
+        reconnect_timeout_s: float = 900.0,
+        spec: streams.DatasetSpec | None = None,
+    ) -> None:
+        super().__init__()
+        streams.check_name("dataset", dataset)
+        streams.check_name("group", group)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if spec is None:
+            client = redis.Redis.from_url(redis_url, socket_timeout=10)
+            try:
+                spec = load_spec(client, dataset)
+                client.sadd(streams.groups_key(dataset), group)
+            finally:
+                client.close()
+        self.redis_url = redis_url
+        self.dataset = dataset
+        self.group = group
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.decode = decode
+        self.collate = collate
+        self.deterministic = deterministic
+        self.generation = generation
+        self.block_ms = block_ms
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.partitions = spec.partitions
+        self.finite = spec.finite
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 0)
+        owned = streams.assign_partitions(
+            self.partitions,
+            world_size=self.world_size,
+            num_workers=num_workers,
+            rank=self.rank,
+            worker=worker,
+        )
+        reader = _Reader(self, owned, consumer=f"r{self.rank}w{worker}")
+        try:
+            if owned:
+                reader.start()
+            if self.deterministic:
+                yield from self._deterministic(reader, worker, info is not None)
+            else:
+                yield from self._greedy(reader, worker, info is not None)
+        finally:
+            reader.close()
+
+    def _greedy(self, reader: _Reader, worker: int, in_worker: bool) -> Iterator[Batch]:
+        bs = self.batch_size
+        buf: deque[tuple[int, str, dict[bytes, bytes]]] = deque()
+        active = list(reader.partitions)
+        while active:
+            got = reader.read({p: bs for p in active})
+            for p in active:
+                buf.extend((p, i, f) for i, f in got[p])
+            while len(buf) >= bs:
+                yield self._batch([buf.popleft() for _ in range(bs)], worker, in_worker)
+            if any(got[p] for p in active):
+                continue
+            active = [p for p in active if not reader.finished(p)]
+            if active:
+                reader.wait(active)
+        if buf:
+            yield self._batch(list(buf), worker, in_worker)
+
+    def _deterministic(self, reader: _Reader, worker: int, in_worker: bool) -> Iterator[Batch]:
+        bs = self.batch_size
+        counts = {p: reader.batches.get(p, 0) for p in reader.partitions}
+        active = sorted(reader.partitions)
+        seq = sum(counts.values())
+        while active:
+            p = min(active, key=lambda q: (counts[q], q))
+            chunk: list[tuple[int, str, dict[bytes, bytes]]] = []
+            while len(chunk) < bs:
+                got = reader.read({p: bs - len(chunk)})[p]
+                chunk.extend((p, i, f) for i, f in got)
+                if got or len(chunk) >= bs:
+                    continue
+                if reader.finished(p):
+                    break
+                reader.wait([p])
+            if len(chunk) < bs:
+                active.remove(p)
+            if chunk:
+                batch = self._batch(chunk, worker, in_worker)
+                batch.partition, batch.seq = p, seq
+                counts[p] += 1
+                seq += 1
+                yield batch
+        yield Batch(data=[], ids={}, offsets={}, worker=worker, seq=seq, final=True)
+
+    def _batch(
+        self, items: list[tuple[int, str, dict[bytes, bytes]]], worker: int, in_worker: bool
+    ) -> Batch:
+        ids: dict[int, list[str]] = {}
+        for p, i, _ in items:
+            ids.setdefault(p, []).append(i)
+        offsets = {p: v[-1] for p, v in ids.items()}
+        entries = [f for _, _, f in items]
+        data: Any = None
+        if self.decode is None and self.collate is None:
+            data = _stack_arrays(entries, in_worker)
+        if data is None:
+            records = [streams.decode_record(f) for f in entries]
+            if self.decode is not None:
+                records = [self.decode(r) for r in records]
+            data = self.collate(records) if self.collate is not None else records
+        return Batch(data=data, ids=ids, offsets=offsets, worker=worker)

@@ -1,0 +1,530 @@
+"""``TrainingSession``: restore, read and checkpoint so that every record trains once.
+
+Call order (each method's docstring has the details)::
+
+    session = TrainingSession(redis_url, dataset="tokens", run="exp42", store=url)
+    step = session.restore(state)             # 1. weights + offsets, new generation
+    loader = DataLoader(session.dataset(batch_size=32), batch_size=None, num_workers=2)
+    for batch in session.batches(loader):     # 2. only what the loop consumed counts
+        ...; step += 1
+        session.checkpoint(state, step)       # 3. offsets go into the manifest
+    session.close()
+
+The checkpoint manifest is the truth: its ``extra`` holds the consumed offsets (per
+partition, the last stream ID the loop consumed), the dataset, the partition count
+and the fencing generation. Only after the manifest is committed are entries
+acknowledged (XACK) and the offsets published to Redis; a crash in between is
+harmless, because restore moves the group to the manifest's offsets and acknowledges
+again. A zombie (a trainer of the same run from before a newer restore) is refused by
+the fence on every read, acknowledgement and checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import redis
+import redis.exceptions
+import torch.distributed as dist
+
+from trainer_client import offsets as ofs
+from trainer_client.dataset import Batch, StreamingDataset, load_spec
+from trainer_client.errors import (
+    CheckpointMismatchError,
+    FencedError,
+    PartitionCountError,
+)
+from trainguard import streams
+
+__all__ = ["MANIFEST_VERSION", "TrainingSession"]
+
+log = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+"""Version of what the session puts in a manifest's ``extra["trainguard"]``."""
+
+_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class TrainingSession:
+    """Ties a run's checkpoints to its consumer group. See the module docstring.
+
+    ``store`` is a ``CheckpointStore`` or its URL (then ``keep_last``, ``keep_every``,
+    ``storage_options`` and ``process_group`` configure the one made here). With
+    ``world_size > 1``, ``torch.distributed`` must be initialised (gloo works on CPU)
+    and every rank calls ``restore``, ``checkpoint`` and ``rollback`` together.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        dataset: str,
+        run: str,
+        store: Any,
+        rank: int = 0,
+        world_size: int = 1,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        process_group: Any = None,
+        deterministic: bool = False,
+        block_ms: int = 1000,
+        redis_timeout_s: float = 900.0,
+    ) -> None:
+        streams.check_name("dataset", dataset)
+        streams.check_name("run", run)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if world_size > 1 and not dist.is_initialized():
+            raise ValueError(
+                f"world_size={world_size} needs torch.distributed initialised first "
+                "(e.g. dist.init_process_group('gloo')): offsets of all ranks end in one manifest"
+            )
+        self.redis_url = redis_url
+        self.dataset_name = dataset
+        self.run = run
+        self.rank = rank
+        self.world_size = world_size
+        self.deterministic = deterministic
+        self.block_ms = block_ms
+        self.redis_timeout_s = redis_timeout_s
+        self.process_group = process_group
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)
+        self.spec = self._call(load_spec, self._redis, dataset)
+        if isinstance(store, str):
+            from checkpoint_store import CheckpointStore
+
+            store = CheckpointStore(
+                store,
+                keep_last=keep_last,
+                keep_every=keep_every,
+                storage_options=storage_options,
+                process_group=process_group,
+            )
+            self._owns_store = True
+        else:
+            self._owns_store = False
+        self.store = store
+        self.generation: int | None = None
+        self._offsets: dict[int, str] = {p: streams.ZERO_ID for p in range(self.spec.partitions)}
+        self._batches: dict[int, int] = {p: 0 for p in range(self.spec.partitions)}
+        self._commits = 0
+        self._lock = threading.Lock()
+        self._inflight: list[threading.Event] = []
+        self._background_error: BaseException | None = None
+        self._reseek = False
+        self._datasets: list[StreamingDataset] = []
+        self.last_commit_offsets_s: float | None = None
+        """Seconds the last checkpoint spent acknowledging and publishing offsets."""
+
+    # ------------------------------------------------------------------ helpers
+
+    def _call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Redis call with jittered backoff over transient errors (restart, loading)."""
+        import random
+
+        delay = 0.05
+        deadline = time.monotonic() + self.redis_timeout_s
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except (*_TRANSIENT, redis.exceptions.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
+
+    def _gen(self) -> int:
+        if self.generation is None:
+            raise RuntimeError("call session.restore(state) before reading or checkpointing")
+        return self.generation
+
+    def _broadcast(self, value: Any) -> Any:
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.process_group)
+        return box[0]
+
+    @property
+    def offsets(self) -> dict[int, str]:
+        """Per partition, the last stream ID the training loop consumed (all ranks'
+        partitions as of the last restore, this rank's as consumed since)."""
+        with self._lock:
+            return dict(self._offsets)
+
+    # ------------------------------------------------------------------ restore
+
+    def _candidates(self) -> list[Any]:
+        """Manifests newest first: by (generation, commit number), so that after a
+        rollback the newer lineage wins over higher steps it abandoned, and a zombie's
+        late manifest never wins over a newer generation's."""
+
+        def order(m: Any) -> tuple[int, int, int]:
+            tg = (m.extra or {}).get("trainguard", {})
+            return (int(tg.get("generation", 0)), int(tg.get("commit", 0)), int(m.step))
+
+        return sorted(self.store.list(), key=order, reverse=True)
+
+    def _load(self, state: Any, to_step: int | None) -> Any:
+        """Load the newest valid manifest (or ``to_step``) into ``state`` in place."""
+        from checkpoint_store import CorruptCheckpointError
+
+        chosen: int | None = None
+        if self.rank == 0:
+            for m in self._candidates():
+                if to_step is None or m.step == to_step:
+                    self._check_manifest(m)
+                    chosen = m.step
+                    break
+            if to_step is not None and chosen is None:
+                raise LookupError(f"no checkpoint of step {to_step} for run {self.run!r}")
+        chosen = self._broadcast(chosen)
+        if chosen is None:
+            return None
+        try:
+            return self.store.load(state, step=chosen)
+        except CorruptCheckpointError:
+            if to_step is not None:
+                raise
+            log.warning("checkpoint of step %s is damaged; loading the newest valid one", chosen)
+            return self.store.load(state)
+
+    def _check_manifest(self, m: Any) -> None:
+        tg = (m.extra or {}).get("trainguard")
+        if tg is None:
+            raise CheckpointMismatchError(
+                f"checkpoint of step {m.step} has no trainguard offsets in its manifest: "
+                "expected one written by TrainingSession.checkpoint; use another store URL"
+            )
+        if tg.get("dataset") != self.dataset_name or tg.get("run") != self.run:
+            raise CheckpointMismatchError(
+                f"checkpoint of step {m.step} belongs to dataset {tg.get('dataset')!r} run "
+                f"{tg.get('run')!r}, expected dataset {self.dataset_name!r} run {self.run!r}: "
+                "use a separate checkpoint URL per run"
+            )
+        if int(tg.get("partitions", -1)) != self.spec.partitions:
+            raise PartitionCountError(
+                f"checkpoint of step {m.step} was written for {tg.get('partitions')} "
+                f"partitions, dataset {self.dataset_name!r} now has {self.spec.partitions}: "
+                "its offsets cannot be mapped; recreate the dataset with the old count or "
+                "start a new run"
+            )
+
+    def restore(self, state: Any) -> int:
+        """Load the newest valid checkpoint into ``state`` (in place) and move the
+        run's consumer group to its offsets; returns its step (0 with no checkpoint:
+        then every partition is read from its start).
+
+        Takes a new fencing generation first, so any older trainer of this run is
+        refused from here on; acknowledges pending entries at or below the offsets
+        (committed) and leaves those after them to be delivered again.
+        """
+        self._raise_background()
+        manifest = self._load(state, None)
+        tg = manifest.extra["trainguard"] if manifest is not None else {}
+        self._apply_offsets(tg, new_generation=True)
+        return int(manifest.step) if manifest is not None else 0
+
+    def _apply_offsets(self, tg: Mapping[str, Any], *, new_generation: bool) -> None:
+        P = self.spec.partitions
+        offsets = {p: streams.ZERO_ID for p in range(P)}
+        offsets.update(streams.offsets_from_wire(tg.get("offsets", {})))
+        batches = {p: 0 for p in range(P)}
+        batches.update({int(k): int(v) for k, v in tg.get("batches", {}).items()})
+        gen = None
+        if self.rank == 0:
+            r = self._redis
+            self._call(r.sadd, streams.groups_key(self.dataset_name), self.run)
+            if new_generation:
+                floor = int(tg.get("generation", 0))
+                gen = self._call(ofs.bump_generation, r, self.dataset_name, self.run, P, floor)
+            else:
+                gen = self._gen()
+            self._call(
+                ofs.seek_group, r, self.dataset_name, self.run, gen, offsets,
+                batches=batches, write=True,
+            )
+            self._call(ofs.ack_upto, r, self.dataset_name, self.run, gen, offsets)
+        gen = self._broadcast(gen)
+        with self._lock:
+            self.generation = gen
+            self._offsets = offsets
+            self._batches = batches
+            self._commits = int(tg.get("commit", 0))
+        for ds in self._datasets:
+            ds.generation = gen
+
+    def rollback(self, state: Any, to_step: int | None = None) -> int:
+        """Go back to a committed checkpoint (the newest, or ``to_step``): weights and
+        offsets together. The running ``batches`` generator drops what its loader
+        prefetched and starts a new pass at the restored offsets. Returns the step."""
+        self.wait()
+        self._raise_background()
+        manifest = self._load(state, to_step)
+        tg = manifest.extra["trainguard"] if manifest is not None else {}
+        self._apply_offsets(tg, new_generation=False)
+        self._reseek = True
+        return int(manifest.step) if manifest is not None else 0
+
+    # ------------------------------------------------------------------ reading
+
+    def dataset(
+        self,
+        batch_size: int,
+        *,
+        decode: Callable[[Any], Any] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
+    ) -> StreamingDataset:
+        """A :class:`StreamingDataset` of this run's rank; pass it to a DataLoader with
+        ``batch_size=None`` and iterate that through :meth:`batches`."""
+        ds = StreamingDataset(
+            self.redis_url,
+            self.dataset_name,
+            self.run,
+            batch_size=batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            decode=decode,
+            collate=collate,
+            deterministic=self.deterministic,
+            generation=self._gen(),
+            block_ms=self.block_ms,
+            reconnect_timeout_s=self.redis_timeout_s,
+            spec=self.spec,
+        )
+        self._datasets.append(ds)
+        return ds
+
+    def _owned(self, num_workers: int) -> dict[int, list[int]]:
+        return {
+            w: streams.assign_partitions(
+                self.spec.partitions,
+                world_size=self.world_size,
+                num_workers=num_workers,
+                rank=self.rank,
+                worker=w,
+            )
+            for w in range(max(1, num_workers))
+        }
+
+    def batches(self, loader: Iterable[Batch]) -> Iterator[Batch]:
+        """Yield the loader's batches, recording each one's offsets as consumed when it
+        is handed to the loop. Before each pass over the loader, the seek of this
+        rank's partitions is set to the consumed offsets, so a pass never skips what an
+        abandoned pass had prefetched. In deterministic mode, batches come in the order
+        an uninterrupted run would have had them (the loader's workers are merged by
+        each worker's batch index)."""
+        num_workers = int(getattr(loader, "num_workers", 0))
+        owned = self._owned(num_workers)
+        mine = sorted(p for ps in owned.values() for p in ps)
+        while True:
+            self._reseek = False
+            with self._lock:
+                positions = {p: self._offsets[p] for p in mine}
+                counts = {p: self._batches[p] for p in mine}
+            self._call(
+                ofs.write_seek, self._redis, self.dataset_name, self.run, self._gen(),
+                positions, counts,
+            )
+            it = iter(loader)
+            try:
+                source = self._ordered(it, owned) if self.deterministic else it
+                for batch in source:
+                    if batch.final:
+                        continue
+                    with self._lock:
+                        for p, i in batch.offsets.items():
+                            self._offsets[p] = i
+                        if batch.partition >= 0:
+                            self._batches[batch.partition] += 1
+                    yield batch
+                    if self._reseek:
+                        break
+                else:
+                    return
+            finally:
+                shutdown = getattr(it, "_shutdown_workers", None)
+                del it
+                if shutdown is not None:
+                    shutdown()
+
+    def _ordered(self, it: Iterator[Batch], owned: Mapping[int, list[int]]) -> Iterator[Batch]:
+        with self._lock:
+            nxt = {w: sum(self._batches[p] for p in ps) for w, ps in owned.items()}
+        alive = set(owned)
+        held: dict[tuple[int, int], Batch] = {}
+
+        def ready() -> Iterator[Batch]:
+            while True:
+                keys = [(nxt[w], w) for w in owned if w in alive or (nxt[w], w) in held]
+                if not keys:
+                    return
+                key = min(keys)
+                if key not in held:
+                    return
+                nxt[key[1]] += 1
+                yield held.pop(key)
+
+        for b in it:
+            if b.final:
+                alive.discard(b.worker)
+            else:
+                held[(b.seq, b.worker)] = b
+            yield from ready()
+        alive.clear()
+        yield from ready()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint(
+        self,
+        state: Any,
+        step: int,
+        *,
+        blocking: bool = False,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Save ``state`` with the offsets consumed so far; returns the store's handle.
+
+        The offsets are captured now, together with the state the store stages now.
+        After the manifest commits (in the store's background thread unless
+        ``blocking``), entries up to them are acknowledged and the committed offsets
+        and the retention floor are published. A fenced trainer is refused here, and a
+        refusal met in the background is raised by the next call.
+        """
+        self._raise_background()
+        gen = self._gen()
+        self._check_fence(gen)
+        with self._lock:
+            offsets = dict(self._offsets)
+            batches = dict(self._batches)
+        if self.world_size > 1:
+            offsets, batches = self._gather(offsets, batches)
+        self._commits += 1
+        tg = {
+            "version": MANIFEST_VERSION,
+            "dataset": self.dataset_name,
+            "run": self.run,
+            "partitions": self.spec.partitions,
+            "generation": gen,
+            "commit": self._commits,
+            "world_size": self.world_size,
+            "offsets": streams.offsets_to_wire(offsets),
+            "batches": {str(p): n for p, n in sorted(batches.items())},
+        }
+        full_extra = {**(extra or {}), "trainguard": tg}
+        handle = self.store.save(state, step=step, extra=full_extra, blocking=blocking)
+        if self.rank != 0:
+            return handle
+        done = threading.Event()
+        with self._lock:
+            self._inflight.append(done)
+
+        def after_commit(h: Any) -> None:
+            try:
+                h.wait()
+            except BaseException:
+                done.set()  # the commit failed: nothing to acknowledge
+                return
+            try:
+                self._publish(offsets, gen)
+            except BaseException as exc:
+                if isinstance(exc, FencedError) or not isinstance(exc, Exception):
+                    self._background_error = exc
+                else:
+                    log.warning("acknowledging offsets after commit failed (restore redoes it): %s", exc)
+            finally:
+                done.set()
+
+        if blocking:
+            after_commit(handle)
+            self._raise_background()
+        else:
+            handle.add_done_callback(after_commit)
+        return handle
+
+    def _gather(
+        self, offsets: dict[int, str], batches: dict[int, int]
+    ) -> tuple[dict[int, str], dict[int, int]]:
+        """Every rank holds all partitions' offsets (the restored ones for partitions it
+        does not read): the newest per partition is the owner's."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (offsets, batches), group=self.process_group)
+        merged: dict[int, str] = {}
+        counts: dict[int, int] = {}
+        for offs, bats in gathered:
+            for p, i in offs.items():
+                merged[p] = streams.max_id(merged.get(p), i) or i
+            for p, n in bats.items():
+                counts[p] = max(counts.get(p, 0), n)
+        return merged, counts
+
+    def _check_fence(self, gen: int) -> None:
+        current = max(
+            self._call(
+                ofs.current_generations, self._redis, self.dataset_name, self.run,
+                self.spec.partitions,
+            )
+        )
+        if current > gen:
+            raise FencedError(group=self.run, mine=gen, current=current, what="checkpoint")
+
+    def _publish(self, offsets: Mapping[int, str], gen: int) -> None:
+        t0 = time.perf_counter()
+        r = self._redis
+        self._call(ofs.ack_upto, r, self.dataset_name, self.run, gen, offsets)
+        floor = self._floor(offsets)
+        pipe = r.pipeline(transaction=True)
+        pipe.hset(streams.committed_key(self.dataset_name, self.run), mapping=streams.offsets_to_wire(offsets))
+        pipe.delete(streams.floor_key(self.dataset_name, self.run))
+        pipe.hset(streams.floor_key(self.dataset_name, self.run), mapping=streams.offsets_to_wire(floor))
+        self._call(pipe.execute)
+        self.last_commit_offsets_s = time.perf_counter() - t0
+
+    def _floor(self, newest: Mapping[int, str]) -> dict[int, str]:
+        """Per partition, the smallest offset over the kept checkpoints of this run."""
+        floor = dict(newest)
+        for m in self.store.list():
+            tg = (m.extra or {}).get("trainguard", {})
+            if tg.get("run") != self.run or tg.get("dataset") != self.dataset_name:
+                continue
+            for p, i in streams.offsets_from_wire(tg.get("offsets", {})).items():
+                floor[p] = streams.min_id(floor.get(p), i) or i
+        return floor
+
+    def _raise_background(self) -> None:
+        exc, self._background_error = self._background_error, None
+        if exc is not None:
+            raise exc
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait until every checkpoint started here committed and acknowledged."""
+        with self._lock:
+            events = list(self._inflight)
+        for e in events:
+            e.wait(timeout_s)
+        with self._lock:
+            self._inflight = [e for e in self._inflight if not e.is_set()]
+
+    def close(self) -> None:
+        """Wait for in-flight checkpoints, then release connections (and the store
+        when the session made it). Raises a fencing refusal met in the background."""
+        try:
+            self.wait()
+            self._raise_background()
+        finally:
+            if self._owns_store:
+                self.store.close()
+            self._redis.close()
+
+    def __enter__(self) -> TrainingSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
