@@ -53,12 +53,12 @@ def parse_store_roots(text: str) -> dict[str, StoreRoot]:
 
 def manifest_json(manifest: Any) -> dict[str, Any]:
     """A manifest as plain JSON data (every field, tensors index included)."""
-    if dataclasses.is_dataclass(manifest) and not isinstance(manifest, type):
-        data = dataclasses.asdict(manifest)
-    else:
-        data = dict(vars(manifest))
-    # Round-trip so that tuples, bytes-free dicts etc. are what JSON will send.
-    return json.loads(json.dumps(data, default=str))
+    data = dataclasses.asdict(manifest)
+    # The non-tensor state is msgpack bytes: report its size, not the bytes.
+    state = data.pop("state", b"")
+    data["state_bytes"] = len(state)
+    # Round-trip so that tuples become lists, as JSON will send them.
+    return json.loads(json.dumps(data))
 
 
 class StoreSet:
@@ -105,11 +105,10 @@ class StoreSet:
         remote_uids: set[str] | None = None
         if root.remote_url:
             remote_uids = {m.uid for m in self._open(root.remote_url, root).list()}
-        pinned = set(store.pinned())
         rows = []
         for m in manifests:
             status = ["committed"]
-            if m.step in pinned:
+            if m.pinned:
                 status.append("pinned")
             if remote_uids is not None:
                 status.append("remote" if m.uid in remote_uids else "local_only")
@@ -152,9 +151,9 @@ class StoreSet:
         return await self._run(name, lambda root: manifest_json(self._manifest(root, step)))
 
     async def verify(self, name: str, step: int) -> dict[str, Any]:
-        from checkpoint_store import CorruptCheckpointError
-
         def run(root: StoreRoot) -> dict[str, Any]:
+            from checkpoint_store import CorruptCheckpointError
+
             self._manifest(root, step)
             try:
                 self._open(root.url, root).verify(step)
@@ -184,7 +183,7 @@ class StoreSet:
                     f"step {step} is the newest valid checkpoint of store {root.name!r}: "
                     "a restart would have nothing to resume from. Expected an older step",
                 )
-            if step in set(store.pinned()):
+            if self._manifest(root, step).pinned:
                 raise Refused(
                     "pinned",
                     f"step {step} of store {root.name!r} is pinned: unpin it first",
@@ -209,9 +208,10 @@ class StoreSet:
         step = int(target["step"])
 
         def run(root: StoreRoot) -> dict[str, str]:
-            extra = self._manifest(root, step).extra or {}
-            offsets = extra.get("offsets")
-            owner = extra.get("dataset")
+            # TrainingSession writes {"trainguard": {"dataset", "run", "offsets", ...}}.
+            tg = (self._manifest(root, step).extra or {}).get("trainguard") or {}
+            offsets = tg.get("offsets")
+            owner = tg.get("dataset")
             if owner is not None and owner != dataset:
                 raise Refused(
                     "wrong_dataset",

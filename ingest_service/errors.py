@@ -1,0 +1,70 @@
+"""Errors of the ingestion service: one base class, each also a matching built-in."""
+
+from __future__ import annotations
+
+__all__ = [
+    "IngestError",
+    "DatasetNotFoundError",
+    "DatasetExistsError",
+    "SourceError",
+    "PushRejectedError",
+    "MalformedPushError",
+    "PushTooLargeError",
+    "BacklogFullError",
+    "WrongDatasetKindError",
+]
+
+
+class IngestError(Exception):
+    """Base class of every error the ingestion service raises on purpose."""
+
+
+class DatasetNotFoundError(IngestError, LookupError):
+    """No dataset of that name is registered in Redis."""
+
+
+class DatasetExistsError(IngestError, FileExistsError):
+    """A dataset of that name exists with other settings."""
+
+    def __init__(self, name: str, differences: dict[str, tuple[object, object]]):
+        self.name = name
+        self.differences = differences
+        listed = "; ".join(f"{k}: existing {a!r}, requested {b!r}" for k, (a, b) in differences.items())
+        super().__init__(
+            f"dataset {name!r} already exists with other settings ({listed}): "
+            "create it under another name, or delete it first"
+        )
+
+
+class SourceError(IngestError, OSError):
+    """A source cannot be read at all (missing files, unknown format, missing extra)."""
+
+
+class PushRejectedError(IngestError, ValueError):
+    """A push request was refused; ``status`` is the HTTP status to answer with."""
+
+    status = 400
+
+
+class MalformedPushError(PushRejectedError):
+    """The push body or its parameters cannot be understood."""
+
+    status = 400
+
+
+class PushTooLargeError(PushRejectedError):
+    """The push body or one of its records is over the size limit."""
+
+    status = 413
+
+
+class BacklogFullError(IngestError, BlockingIOError):
+    """The partition's backlog is at its bound: retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class WrongDatasetKindError(IngestError, TypeError):
+    """The operation does not fit the dataset's format (e.g. a push to a file dataset)."""

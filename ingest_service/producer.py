@@ -1,0 +1,435 @@
+"""The file-source producer: one dataset's records into its partitions, exactly once.
+
+Call order: ``Producer(redis, spec)``, then ``await producer.run()``; ``stop()`` (from
+any task) makes ``run`` finish the batches it has handed to Redis and return.
+
+How it stays exactly-once (see ``planner`` for where each record goes):
+
+1. Sync: read each partition's last ID from Redis. That ID alone says how far the
+   partition got, because IDs are ``<epoch+1>-<index>`` in planning order.
+2. Produce epochs from the earliest unfinished one: re-plan the epoch from the source
+   and append, per partition, only the records after its last ID. All partitions are
+   written concurrently (one batch in flight per partition, so a partition's batches
+   stay in order); the next epoch starts when every write of this one is acknowledged.
+3. Every batch goes through one Lua call (``_lua.APPEND``) that checks the stream still
+   ends where the producer thinks it ends, skips entries already there (a retried
+   batch) and appends the rest. If Redis lost the stream or its tail (a restart
+   without or with partial persistence) the call says so; the producer syncs again and
+   refills from what Redis still has, or from the last retention floor it saw when the
+   stream is gone: consumers never go below their floor.
+
+The progress hash (``streams.progress_key``) records finished epochs, only as a hint
+to skip re-reading them; the partitions' last IDs are the truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.exceptions as redis_errors
+from redis.asyncio import Redis
+
+from ingest_service import _lua
+from ingest_service.backlog import (
+    Backlog,
+    BacklogLimits,
+    apply_retention,
+    min_committed,
+    read_offsets,
+)
+from ingest_service.datasets import create_dataset
+from ingest_service.metrics import IngestMetrics
+from ingest_service.planner import Planned, PlannedDeadLetter, plan_epoch
+from ingest_service.sources import read_source
+from trainguard import streams
+
+__all__ = ["Producer", "ProducerProgress"]
+
+log = logging.getLogger(__name__)
+
+_NEVER = 1 << 62
+
+
+class _StreamLost(Exception):
+    """Redis no longer holds what the producer wrote to a partition: sync again."""
+
+
+_RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, _StreamLost)
+
+
+@dataclass
+class ProducerProgress:
+    """What a running producer has done (this process only), for progress displays."""
+
+    epoch: int = 0
+    records: int = 0
+    bytes: int = 0
+    dead_letters: int = 0
+    skipped: int = 0
+    """Entries a retried batch found already there."""
+    redis_losses: int = 0
+    paused: set[int] = field(default_factory=set)
+    finished: bool = False
+    deleted: bool = False
+
+
+def _take(plan: Iterator[Planned | PlannedDeadLetter], max_items: int, max_bytes: int) -> list[Any]:
+    out: list[Any] = []
+    size = 0
+    for item in plan:
+        out.append(item)
+        if isinstance(item, Planned):
+            size += len(item.fields.get(streams.F_DATA, b""))
+        if len(out) >= max_items or size >= max_bytes:
+            break
+    return out
+
+
+class Producer:
+    def __init__(
+        self,
+        redis: Redis,
+        spec: streams.DatasetSpec,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        limits: BacklogLimits | None = None,
+        metrics: IngestMetrics | None = None,
+        batch_records: int = 512,
+        batch_bytes: int = 1024 * 1024,
+        maintenance_interval_s: float = 1.0,
+    ) -> None:
+        if not spec.replayable:
+            raise ValueError(f"dataset {spec.name!r} is a push dataset: it has no source to produce")
+        self.redis = redis
+        self.spec = spec
+        self.storage_options = dict(storage_options or {})
+        self.limits = limits or BacklogLimits()
+        self.metrics = metrics or IngestMetrics()
+        self.batch_records = max(1, min(batch_records, self.limits.max_entries))
+        self.batch_bytes = batch_bytes
+        self.maintenance_interval_s = maintenance_interval_s
+        self.progress = ProducerProgress()
+        self._stop = asyncio.Event()
+        self._append = redis.register_script(_lua.APPEND)
+        self._last_id = redis.register_script(_lua.LAST_ID)
+        p = spec.partitions
+        self._keys = [streams.partition_key(spec.name, i) for i in range(p)]
+        self._position: list[streams.StreamId | None] = [None] * p
+        """Last ID known to be in each partition (None: nothing)."""
+        self._may_create: list[bool] = [True] * p
+        self._floors: dict[int, streams.StreamId] = {}
+        """Last retention floors seen: where to refill from when Redis lost a stream."""
+        self._backlogs = [Backlog() for _ in range(p)]
+        self._committed: dict[str, dict[int, str]] = {}
+        self._committed_at = -1.0
+        self._committed_lock = asyncio.Lock()
+        self._run_id: str | None = None
+        self._labels = {"dataset": spec.name}
+
+    # ------------------------------------------------------------------ public
+
+    def stop(self) -> None:
+        """Ask ``run`` to return once the batches already sent are acknowledged."""
+        self._stop.set()
+
+    @property
+    def floors(self) -> dict[int, streams.StreamId]:
+        """The retention floors last seen per partition (where a refill would start)."""
+        return dict(self._floors)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def run(self) -> None:
+        """Produce every epoch (a finite dataset), or until ``stop()`` (an endless one)."""
+        await create_dataset(self.redis, self.spec)
+        maintenance = asyncio.create_task(self._maintain(), name=f"maintain-{self.spec.name}")
+        attempt = 0
+        try:
+            while not self._stop.is_set():
+                retry = False
+                try:
+                    await self._run_once()
+                    return
+                except* _RETRYABLE as group:
+                    retry = True
+                    log.warning("dataset %s: Redis failed (%s); syncing again",
+                                self.spec.name, group.exceptions[0])
+                if retry:
+                    attempt += 1
+                    delay = min(0.05 * 2 ** min(attempt, 6), 2.0)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), delay)
+        finally:
+            maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await maintenance
+            await self._clear_paused()
+
+    # ------------------------------------------------------------------ sync
+
+    async def _sync(self) -> int | None:
+        """Read where every partition stands; returns the epoch to start from, or None
+        when there is nothing to do (finished, or the dataset was deleted)."""
+        info = await self.redis.info("server")
+        run_id = str(info.get("run_id", ""))
+        restarted = self._run_id is not None and run_id != self._run_id
+        if not await self.redis.exists(streams.meta_key(self.spec.name)):
+            if self._run_id is not None and not restarted:
+                log.warning("dataset %s was deleted: stopping its producer", self.spec.name)
+                self.progress.deleted = True
+                return None
+            await create_dataset(self.redis, self.spec)
+        self._run_id = run_id
+
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in self._keys:
+                await self._last_id(keys=[key], client=pipe)
+            lasts = await pipe.execute()
+        committed = await self._refresh_committed(force=True)
+        for p, raw in enumerate(lasts):
+            known = self._position[p]
+            if raw is None:
+                floor = self._floors.get(p)
+                if known is not None and (floor is None or known > floor):
+                    self._lost(p, f"stream gone; refilling after {floor or 'the start'}")
+                self._position[p] = floor
+                self._may_create[p] = True
+                self._backlogs[p].clear()
+                continue
+            last = streams.parse_id(raw)
+            if known is not None and last < known:
+                self._lost(p, f"stream ends at {streams.format_id(last)}, "
+                              f"{streams.format_id(known)} was written; refilling")
+            self._position[p] = last
+            self._may_create[p] = False
+            await self._backlogs[p].load(self.redis, self._keys[p], min_committed(committed, p))
+
+        progress = await self.redis.hgetall(streams.progress_key(self.spec.name))
+        if progress.get(streams.PROGRESS_FINISHED) == b"1" and self.spec.finite:
+            return None
+        hint = progress.get(streams.PROGRESS_EPOCHS_DONE)
+        if hint is not None:
+            return int(hint)
+        return min((pos[0] - 1 if pos else 0) for pos in self._position)
+
+    def _lost(self, partition: int, what: str) -> None:
+        log.warning("dataset %s partition %d: Redis lost records (%s)", self.spec.name, partition, what)
+        self.progress.redis_losses += 1
+        self.metrics.redis_losses.labels(**self._labels).inc()
+
+    # ------------------------------------------------------------------ epochs
+
+    async def _run_once(self) -> None:
+        start = await self._sync()
+        if start is None:
+            self.progress.finished = not self.progress.deleted
+            return
+        epochs: Iterator[int] = (
+            iter(range(start, self.spec.epochs or 0)) if self.spec.finite else itertools.count(start)
+        )
+        for epoch in epochs:
+            self.progress.epoch = epoch
+            if not await self._produce_epoch(epoch):
+                return  # stopped
+            await self.redis.hset(
+                streams.progress_key(self.spec.name), streams.PROGRESS_EPOCHS_DONE, str(epoch + 1)
+            )
+        if self.spec.finite and not self._stop.is_set():
+            ends = {
+                streams.progress_end_field(p): streams.format_id(pos)
+                for p, pos in enumerate(self._position) if pos is not None
+            }
+            await self.redis.hset(
+                streams.progress_key(self.spec.name),
+                mapping={**ends, streams.PROGRESS_FINISHED: b"1"},
+            )
+            self.progress.finished = True
+
+    def _next_index(self, partition: int, epoch: int) -> int:
+        pos = self._position[partition]
+        if pos is None or epoch > pos[0] - 1:
+            return 0
+        if epoch == pos[0] - 1:
+            return pos[1] + 1
+        return _NEVER
+
+    async def _produce_epoch(self, epoch: int) -> bool:
+        """Append what is missing of ``epoch``; False when stopped before its end."""
+        p_count = self.spec.partitions
+        queues: list[asyncio.Queue[list[Planned] | None]] = [
+            asyncio.Queue(maxsize=2) for _ in range(p_count)
+        ]
+        async with asyncio.TaskGroup() as tg:
+            for p in range(p_count):
+                tg.create_task(self._writer(p, queues[p], epoch), name=f"write-{self.spec.name}-{p}")
+            complete = await self._read_epoch(epoch, queues)
+            for q in queues:
+                await q.put(None)
+        return complete and not self._stop.is_set()
+
+    async def _read_epoch(self, epoch: int, queues: list[asyncio.Queue[list[Planned] | None]]) -> bool:
+        spec = self.spec
+        plan = plan_epoch(
+            read_source(spec, self.storage_options), partitions=spec.partitions, seed=spec.seed,
+            epoch=epoch, shuffle_buffer=spec.shuffle_buffer,
+        )
+        next_index = [self._next_index(p, epoch) for p in range(spec.partitions)]
+        if min(next_index) == _NEVER:
+            return True  # every partition is past this epoch
+        pending: list[list[Planned]] = [[] for _ in range(spec.partitions)]
+        pending_bytes = [0] * spec.partitions
+        while not self._stop.is_set():
+            chunk = await asyncio.to_thread(_take, plan, 2048, 4 * self.batch_bytes)
+            if not chunk:
+                break
+            dead: list[PlannedDeadLetter] = []
+            for item in chunk:
+                if isinstance(item, PlannedDeadLetter):
+                    dead.append(item)
+                    continue
+                p = item.partition
+                if item.index < next_index[p]:
+                    continue
+                pending[p].append(item)
+                pending_bytes[p] += len(item.fields.get(streams.F_DATA, b""))
+                if len(pending[p]) >= self.batch_records or pending_bytes[p] >= self.batch_bytes:
+                    await queues[p].put(pending[p])
+                    pending[p], pending_bytes[p] = [], 0
+            if dead:
+                await self._dead_letters(dead, epoch)
+        for p in range(spec.partitions):
+            if pending[p]:
+                await queues[p].put(pending[p])
+        return not self._stop.is_set()
+
+    # ------------------------------------------------------------------ writing
+
+    async def _writer(self, p: int, queue: asyncio.Queue[list[Planned] | None], epoch: int) -> None:
+        while (batch := await queue.get()) is not None:
+            size = sum(streams.record_size(item.fields) for item in batch)
+            if await self._wait_room(p, len(batch), size):
+                await self._write(p, batch, epoch, size)
+            # else: stopped while paused: drop the batch (it is re-planned next run) and
+            # keep draining, so that the reader never blocks on a full queue.
+
+    async def _write(self, p: int, batch: list[Planned], epoch: int, size: int) -> None:
+        known = self._position[p]
+        args: list[bytes | str | int] = [
+            "" if self._may_create[p] or known is None else streams.format_id(known)
+        ]
+        for item in batch:
+            args.append(streams.make_id(epoch, item.index))
+            args.append(len(item.fields))
+            for k, v in item.fields.items():
+                args.append(k)
+                args.append(v)
+        added, skipped, seq = await self._append(keys=[self._keys[p]], args=args)
+        if added == -1:
+            raise _StreamLost(f"partition {p} stream is gone")
+        if added == -2:
+            raise _StreamLost(f"partition {p} ends at {skipped}-{seq}, before {args[0]!r}")
+        first = (epoch + 1, batch[0].index)
+        last = (epoch + 1, batch[-1].index)
+        self._position[p] = last
+        self._may_create[p] = False
+        self._backlogs[p].add(first, last, len(batch), size)
+        self.progress.records += added
+        self.progress.skipped += skipped
+        added_bytes = size * added // len(batch)
+        self.progress.bytes += added_bytes
+        self.metrics.records.labels(**self._labels).inc(added)
+        self.metrics.bytes.labels(**self._labels).inc(added_bytes)
+        self._set_lag(p)
+
+    async def _dead_letters(self, items: list[PlannedDeadLetter], epoch: int) -> None:
+        args: list[bytes | str | int] = [""]
+        for item in items:
+            fields = streams.encode_dead_letter(
+                item.record.reason, item.record.pos, item.record.payload,
+                detail=item.record.detail, epoch=epoch,
+            )
+            args += [streams.make_id(epoch, item.index), len(fields)]
+            for k, v in fields.items():
+                args += [k, v]
+        added, _skipped, _ = await self._append(keys=[streams.dlq_key(self.spec.name)], args=args)
+        # The script skips a prefix (entries already there) and adds the rest.
+        for item in items[len(items) - int(added):]:
+            self.metrics.dead_letters.labels(dataset=self.spec.name, reason=item.record.reason).inc()
+        self.progress.dead_letters += int(added)
+
+    # ------------------------------------------------------------------ backpressure
+
+    async def _refresh_committed(self, *, force: bool = False) -> dict[str, dict[int, str]]:
+        async with self._committed_lock:
+            now = asyncio.get_running_loop().time()
+            if force or now - self._committed_at >= self.limits.poll_interval_s / 2:
+                self._committed = await read_offsets(self.redis, self.spec.name, "committed")
+                self._committed_at = now
+            return self._committed
+
+    def _advance(self, p: int, committed: Mapping[str, Mapping[int, str]]) -> None:
+        self._backlogs[p].advance(min_committed(committed, p))
+        self._set_lag(p)
+
+    def _set_lag(self, p: int) -> None:
+        labels = {"dataset": self.spec.name, "partition": str(p)}
+        self.metrics.lag.labels(**labels).set(self._backlogs[p].entries)
+        self.metrics.lag_bytes.labels(**labels).set(self._backlogs[p].bytes)
+
+    async def _wait_room(self, p: int, count: int, size: int) -> bool:
+        backlog = self._backlogs[p]
+        if backlog.has_room(count, size, self.limits):
+            return True
+        self._advance(p, await self._refresh_committed())
+        if backlog.has_room(count, size, self.limits):
+            return True
+        await self.redis.sadd(streams.paused_key(self.spec.name), str(p))
+        self.progress.paused.add(p)
+        self.metrics.pauses.labels(**self._labels).inc()
+        self.metrics.paused.labels(**self._labels).set(len(self.progress.paused))
+        log.info("dataset %s partition %d paused: backlog %d entries, %d bytes",
+                 self.spec.name, p, backlog.entries, backlog.bytes)
+        try:
+            while not self._stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.limits.poll_interval_s)
+                self._advance(p, await self._refresh_committed())
+                if backlog.has_room(count, size, self.limits):
+                    await self.redis.srem(streams.paused_key(self.spec.name), str(p))
+                    return True
+            return False
+        finally:
+            self.progress.paused.discard(p)
+            self.metrics.paused.labels(**self._labels).set(len(self.progress.paused))
+
+    async def _clear_paused(self) -> None:
+        with contextlib.suppress(*_RETRYABLE):
+            await self.redis.delete(streams.paused_key(self.spec.name))
+
+    # ------------------------------------------------------------------ maintenance
+
+    async def _maintain(self) -> None:
+        """Every interval: advance backlogs to new commits, trim, export gauges."""
+        while True:
+            try:
+                committed = await self._refresh_committed(force=True)
+                for p in range(self.spec.partitions):
+                    self._advance(p, committed)
+                self._floors.update(await apply_retention(self.redis, self.spec, self.limits))
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for key in self._keys:
+                        pipe.xlen(key)
+                    lengths = await pipe.execute()
+                for p, n in enumerate(lengths):
+                    self.metrics.backlog.labels(dataset=self.spec.name, partition=str(p)).set(n)
+            except _RETRYABLE as exc:
+                log.debug("dataset %s maintenance skipped: %s", self.spec.name, exc)
+            await asyncio.sleep(self.maintenance_interval_s)
