@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ingest_service.inspect import BadRequest, NotFound, Refused
+from ingest_service.inspect import AdminError, BadRequest, NotFound, Refused
 
-__all__ = ["StoreRoot", "StoreSet", "manifest_json", "parse_store_roots"]
+__all__ = ["StoreRoot", "StoreSet", "manifest_json", "newest_valid", "parse_store_roots"]
 
 T = TypeVar("T")
 
@@ -61,6 +61,35 @@ def manifest_json(manifest: Any) -> dict[str, Any]:
     return json.loads(json.dumps(data))
 
 
+def _translate(exc: Exception) -> Exception:
+    """Checkpoint store errors -> the admin error of the same meaning (others as is)."""
+    from checkpoint_store.errors import (
+        CorruptCheckpointError,
+        NoCheckpointError,
+        PinnedCheckpointError,
+    )
+
+    if isinstance(exc, PinnedCheckpointError):
+        return Refused("pinned", str(exc))
+    if isinstance(exc, NoCheckpointError):
+        return NotFound("checkpoint_not_found", str(exc))
+    if isinstance(exc, CorruptCheckpointError):
+        return Refused("corrupt", str(exc))
+    return exc
+
+
+def newest_valid(store: Any) -> Any:
+    """The newest checkpoint whose data verifies: the one a restart resumes from."""
+    from checkpoint_store.errors import CorruptCheckpointError
+
+    for m in reversed(store.list()):
+        try:
+            return store.verify(m.step)
+        except CorruptCheckpointError:
+            continue
+    return None
+
+
 class StoreSet:
     """The configured roots, each opened lazily once."""
 
@@ -95,7 +124,12 @@ class StoreSet:
         root = self._root(name)
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
-            return await asyncio.to_thread(fn, root)
+            try:
+                return await asyncio.to_thread(fn, root)
+            except AdminError:
+                raise
+            except Exception as exc:
+                raise _translate(exc) from exc
 
     # -- blocking helpers (run in a thread) ---------------------------------------
 
@@ -176,7 +210,7 @@ class StoreSet:
         def run(root: StoreRoot) -> dict[str, Any]:
             self._manifest(root, step)
             store = self._open(root.url, root)
-            newest = store.latest()
+            newest = newest_valid(store)
             if newest is not None and newest.step == step:
                 raise Refused(
                     "newest_checkpoint",

@@ -3,6 +3,8 @@ offsets in their manifests, and an admin app served on a real loopback port."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,6 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from ingest_service.admin import AdminConfig, setup_admin
 from ingest_service.admin_checkpoints import StoreRoot
 from ingest_service.datasets import create_dataset
+from tests.servers import free_port
 from trainguard import streams
 
 TOKEN = "s3cret-token"
@@ -62,8 +65,9 @@ def save_checkpoints(url: str, steps: list[int], offsets: Mapping[int, str],
     state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
              "b": torch.ones(3, dtype=torch.bfloat16)}
     for step in steps:
-        store.save(state, step, extra={"offsets": streams.offsets_to_wire(offsets),
-                                       "dataset": dataset})
+        # The shape TrainingSession.checkpoint writes into the manifest.
+        tg = {"dataset": dataset, "run": "run1", "offsets": streams.offsets_to_wire(offsets)}
+        store.save(state, step=step, extra={"trainguard": tg}, blocking=True)
 
 
 @asynccontextmanager
@@ -75,3 +79,42 @@ async def admin_client(
     setup_admin(app, AdminConfig(redis_url, token, roots))
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield client
+
+
+class ThreadedServer:
+    """An aiohttp app served by a real socket from a background thread's event loop,
+    for clients that are not asyncio (schemathesis, the CLI in-process)."""
+
+    def __init__(self, app: web.Application):
+        self.app = app
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ThreadedServer:
+        self.thread.start()
+
+        async def up() -> None:
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+        asyncio.run_coroutine_threadsafe(up(), self.loop).result(30)
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def service_app(config: AdminConfig, tmp: Path) -> web.Application:
+    """The service's app with the admin part configured by ``config``."""
+    app = web.Application()
+    setup_admin(app, config)
+    return app

@@ -1,0 +1,133 @@
+"""Admin API over real checkpoint stores on tmp dirs: list with status, show, verify,
+pin/unpin, delete refusals, seek to a checkpoint's offsets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from checkpoint_store import CheckpointStore
+from tests.admin_helpers import AUTH, admin_client, make_dataset, make_group, save_checkpoints
+from trainguard import streams
+
+
+def _corrupt_newest_chunk(root: Path) -> None:
+    """Flip bytes in a data chunk of the newest checkpoint (its CRC no longer holds)."""
+    newest = CheckpointStore(str(root)).latest()
+    assert newest is not None
+    chunks = [p for p in (root / newest.data_dir).rglob("*") if p.is_file()
+              and p.name[0].isdigit()]
+    assert chunks
+    data = bytearray(chunks[0].read_bytes())
+    data[-1] ^= 0xFF
+    chunks[0].write_bytes(bytes(data))
+
+
+async def test_list_show_verify(redis_server, tmp_path):
+    """List gives step, time, size and status per checkpoint, oldest first; show gives
+    the manifest with the offsets; verify says valid, and invalid after damage."""
+    root = tmp_path / "ck"
+    save_checkpoints(str(root), [10, 20], {0: "1-4", 1: "1-2"})
+    async with admin_client(redis_server.url, stores={"main": root}) as client:
+        resp = await client.get("/admin/checkpoints")
+        assert (await resp.json())["stores"][0]["name"] == "main"
+        resp = await client.get("/admin/checkpoints/main")
+        assert resp.status == 200
+        rows = (await resp.json())["checkpoints"]
+        assert [r["step"] for r in rows] == [10, 20]
+        assert all(r["status"] == ["committed"] and r["nbytes"] > 0 and r["created_at"] > 0
+                   for r in rows)
+        resp = await client.get("/admin/checkpoints/main/20")
+        manifest = await resp.json()
+        assert manifest["step"] == 20
+        assert manifest["extra"]["trainguard"]["offsets"] == {"0": "1-4", "1": "1-2"}
+        assert set(manifest["tensors"]) == {"w", "b"}
+        resp = await client.get("/admin/checkpoints/main/20/verify")
+        assert await resp.json() == {"step": 20, "valid": True, "reason": None}
+        _corrupt_newest_chunk(root)
+        resp = await client.get("/admin/checkpoints/main/20/verify")
+        verdict = await resp.json()
+        assert resp.status == 200 and verdict["valid"] is False and verdict["reason"]
+        resp = await client.get("/admin/checkpoints/main/10/verify")
+        assert (await resp.json())["valid"] is True
+
+
+async def test_pin_unpin_and_delete_refusals(redis_server, tmp_path):
+    """Pin shows in the status and blocks delete (409); the newest valid checkpoint
+    cannot be deleted (409), and when the newest is damaged the one before it is the
+    protected one; an older unpinned one is deleted."""
+    root = tmp_path / "ck"
+    save_checkpoints(str(root), [1, 2, 3, 4], {0: "1-1"})
+    async with admin_client(redis_server.url, stores={"main": root}) as client:
+        resp = await client.post("/admin/checkpoints/main/2/pin", headers=AUTH)
+        assert resp.status == 200 and "pinned" in (await resp.json())["status"]
+        resp = await client.delete("/admin/checkpoints/main/2", headers=AUTH)
+        assert resp.status == 409 and (await resp.json())["error"]["code"] == "pinned"
+        resp = await client.delete("/admin/checkpoints/main/4", headers=AUTH)
+        assert resp.status == 409
+        assert (await resp.json())["error"]["code"] == "newest_checkpoint"
+        resp = await client.post("/admin/checkpoints/main/2/unpin", headers=AUTH)
+        assert resp.status == 200 and "pinned" not in (await resp.json())["status"]
+        resp = await client.delete("/admin/checkpoints/main/2", headers=AUTH)
+        assert resp.status == 200
+        _corrupt_newest_chunk(root)  # step 4 is damaged: step 3 is what a restart uses
+        resp = await client.delete("/admin/checkpoints/main/3", headers=AUTH)
+        assert resp.status == 409
+        resp = await client.delete("/admin/checkpoints/main/1", headers=AUTH)
+        assert resp.status == 200
+        steps = [r["step"] for r in (await (await client.get("/admin/checkpoints/main")).json())
+                 ["checkpoints"]]
+        assert steps == [3, 4]
+    assert [m.step for m in CheckpointStore(str(root)).list()] == [3, 4]
+
+
+async def test_checkpoint_mutations_need_token_and_bad_input_is_4xx(redis_server, tmp_path):
+    """Pin/unpin/delete without token 401, wrong token 403; unknown store/step 404;
+    a non-integer step 400; nothing changed by the refused calls."""
+    root = tmp_path / "ck"
+    save_checkpoints(str(root), [1, 2], {0: "1-1"})
+    async with admin_client(redis_server.url, stores={"main": root}) as client:
+        for method, path in (("POST", "/admin/checkpoints/main/1/pin"),
+                             ("POST", "/admin/checkpoints/main/1/unpin"),
+                             ("DELETE", "/admin/checkpoints/main/1")):
+            assert (await client.request(method, path)).status == 401
+            resp = await client.request(method, path, headers={"Authorization": "Bearer x"})
+            assert resp.status == 403
+        for path, status, code in (("/admin/checkpoints/nope", 404, "store_not_found"),
+                                   ("/admin/checkpoints/main/99", 404, "checkpoint_not_found"),
+                                   ("/admin/checkpoints/main/x1", 400, "bad_step"),
+                                   ("/admin/checkpoints/main/99/verify", 404,
+                                    "checkpoint_not_found")):
+            resp = await client.get(path)
+            assert (resp.status, (await resp.json())["error"]["code"]) == (status, code), path
+        resp = await client.delete("/admin/checkpoints/main/99", headers=AUTH)
+        assert resp.status == 404
+    assert [(m.step, m.pinned) for m in CheckpointStore(str(root)).list()] == [
+        (1, False), (2, False)]
+
+
+async def test_seek_to_a_checkpoints_offsets(redis_server, tmp_path):
+    """Seek with {"checkpoint": {store, step}} moves the group to exactly the offsets
+    in that manifest; a checkpoint of another dataset is refused (409)."""
+    r = aioredis.Redis.from_url(redis_server.url)
+    await make_dataset(r, partitions=2, per_partition=5)
+    await make_group(r, "toy", "run1", 2)
+    root, other = tmp_path / "ck", tmp_path / "other"
+    save_checkpoints(str(root), [5, 6], {0: "1-3", 1: "1-1"})
+    save_checkpoints(str(other), [1], {0: "1-1"}, dataset="elsewhere")
+    async with admin_client(redis_server.url, stores={"main": root, "other": other}) as client:
+        url = "/admin/datasets/toy/groups/run1/seek"
+        resp = await client.post(url, json={"checkpoint": {"store": "main", "step": 5}},
+                                 headers=AUTH)
+        assert resp.status == 200
+        for p, want in ((0, b"1-3"), (1, b"1-1")):
+            info = await r.xinfo_groups(streams.partition_key("toy", p))
+            assert info[0]["last-delivered-id"] == want
+        resp = await client.post(url, json={"checkpoint": {"store": "other", "step": 1}},
+                                 headers=AUTH)
+        assert resp.status == 409 and (await resp.json())["error"]["code"] == "wrong_dataset"
+        resp = await client.post(url, json={"checkpoint": {"store": "main", "step": 7}},
+                                 headers=AUTH)
+        assert resp.status == 404
+    await r.aclose()
