@@ -1,0 +1,312 @@
+"""``trainguard datasets|offsets|ckpt|demo``: the operator's commands.
+
+The commands talk to Redis and to checkpoint stores directly, through the same
+operations as the admin API (:mod:`ingest_service.inspect`,
+:mod:`ingest_service.admin_checkpoints`), so they work with or without a running
+service. Human tables by default, ``--json`` for scripts; exit codes as in
+:mod:`trainguard.cli` (0 ok, 1 failed, 2 bad input, 3 not found, 4 refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from trainguard.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+
+__all__ = ["register"]
+
+T = TypeVar("T")
+REDIS_ENV = "TRAINGUARD_REDIS_URL"
+
+
+# --------------------------------------------------------------------------- output
+
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    """A plain left-aligned text table (no dependencies, pipes well)."""
+    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells
+    )
+
+
+def emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(human(data))
+
+
+class Progress:
+    """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done = max(total, 1), label, 0
+        self.enabled = sys.stderr.isatty()
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        if self.enabled:
+            width = 30
+            filled = int(width * self.done / self.total)
+            sys.stderr.write(
+                f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                f"{self.done}/{self.total}"
+            )
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def fail(code: int, message: str) -> int:
+    print(f"trainguard: {message}", file=sys.stderr)
+    return code
+
+
+def _exit_code(exc: BaseException) -> int:
+    from ingest_service.inspect import BadRequest, NotFound, Refused
+
+    if isinstance(exc, NotFound | FileNotFoundError | LookupError):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, Refused | PermissionError | FileExistsError):
+        return EXIT_REFUSED
+    if isinstance(exc, BadRequest | ValueError):
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Expected failures -> a one-line message and a meaningful exit code."""
+    from redis.exceptions import RedisError
+
+    from ingest_service.errors import IngestError
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (IngestError, ValueError, LookupError, PermissionError, OSError) as exc:
+            return fail(_exit_code(exc), str(exc))
+        except RedisError as exc:
+            return fail(EXIT_FAILED, f"Redis at {args.redis_url} failed: {exc}")
+
+    return run
+
+
+def _with_redis(args: argparse.Namespace, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
+    import redis.asyncio as aioredis
+
+    async def main() -> T:
+        r = aioredis.Redis.from_url(args.redis_url, socket_timeout=10)
+        try:
+            return await op(r)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def _datasets_ls(args: argparse.Namespace) -> int:
+    from ingest_service import inspect
+
+    rows = _with_redis(args, inspect.list_datasets)
+    emit(args, rows, lambda rows: table(
+        [(d["name"], d.get("spec", {}).get("format"), d.get("partitions"), d.get("length"),
+          d.get("bytes"), d.get("paused"), d.get("dead_letters"), ",".join(d.get("groups", [])))
+         for d in rows],
+        ["NAME", "FORMAT", "PARTS", "RECORDS", "BYTES~", "PAUSED", "DEAD", "GROUPS"],
+    ) if rows else "no datasets")
+    return EXIT_OK
+
+
+def _show_human(d: dict[str, Any]) -> str:
+    spec = d["spec"]
+    head = (
+        f"dataset {d['name']}: format={spec['format']} source={spec['source']} "
+        f"partitions={spec['partitions']} seed={spec['seed']} epochs={spec['epochs']}\n"
+        f"dead letters: {d['dead_letters']}  groups: {', '.join(d['groups']) or '-'}  "
+        f"producer finished: {d['producer']['finished']}\n"
+    )
+    rows = [
+        (p["partition"], p["length"], p["first_id"], p["last_id"], p["bytes"],
+         (f"e{p['producer_position']['epoch']}:{p['producer_position']['records']}"
+          if p["producer_position"] else None),
+         "yes" if p["paused"] else "", p["retention_floor"])
+        for p in d["partitions"]
+    ]
+    return head + table(
+        rows, ["PART", "LEN", "FIRST", "LAST", "BYTES~", "PRODUCED", "PAUSED", "FLOOR"]
+    ) + f"\n(BYTES~: {d['bytes_method']})"
+
+
+def _datasets_show(args: argparse.Namespace) -> int:
+    from ingest_service import inspect
+
+    emit(args, _with_redis(args, lambda r: inspect.show_dataset(r, args.name)), _show_human)
+    return EXIT_OK
+
+
+def _datasets_create(args: argparse.Namespace) -> int:
+    from ingest_service.datasets import create_dataset
+    from trainguard.streams import DatasetSpec
+
+    spec = DatasetSpec(
+        name=args.name, partitions=args.partitions, source=args.source or "",
+        format=args.format, seed=args.seed, epochs=None if args.endless else args.epochs,
+        sample_len=args.sample_len,
+    )
+    stored = _with_redis(args, lambda r: create_dataset(r, spec))
+    emit(args, {"created": stored.name, "partitions": stored.partitions},
+         lambda d: f"dataset {d['created']} ready ({d['partitions']} partitions)")
+    return EXIT_OK
+
+
+def _datasets_delete(args: argparse.Namespace) -> int:
+    from ingest_service.datasets import delete_dataset
+
+    if not args.yes:
+        return fail(EXIT_USAGE, f"deleting {args.name!r} drops its streams and offsets: "
+                                "add --yes to confirm")
+    _with_redis(args, lambda r: delete_dataset(r, args.name))
+    emit(args, {"deleted": args.name}, lambda d: f"dataset {d['deleted']} deleted")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- offsets
+
+
+def _offsets_show(args: argparse.Namespace) -> int:
+    from ingest_service import inspect
+
+    groups = _with_redis(args, lambda r: inspect.dataset_groups(r, args.dataset))
+    if args.group:
+        groups = [g for g in groups if g["group"] == args.group]
+        if not groups:
+            return fail(EXIT_NOT_FOUND, f"group {args.group!r} has no state on {args.dataset!r}")
+
+    def human(groups: list[dict[str, Any]]) -> str:
+        rows = [
+            (g["group"], p["partition"], p["last_delivered_id"], p["committed"], p["lag"],
+             p["pending"], ",".join(f"{c['name']}({c['idle_ms']}ms)" for c in p["consumers"]))
+            for g in groups for p in g["partitions"]
+        ]
+        return table(rows, ["GROUP", "PART", "DELIVERED", "COMMITTED", "LAG", "PENDING",
+                            "CONSUMERS(idle)"]) if rows else "no consumer groups"
+
+    emit(args, groups, human)
+    return EXIT_OK
+
+
+def _parse_ids_arg(text: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        part, sep, sid = item.partition("=")
+        if not sep:
+            raise ValueError(f"--ids item {item!r} is not PARTITION=ID (e.g. 0=1-41,1=1-40)")
+        out[part.strip()] = sid.strip()
+    return out
+
+
+def _offsets_seek(args: argparse.Namespace) -> int:
+    from ingest_service import inspect
+    from ingest_service.admin_checkpoints import StoreRoot, StoreSet
+
+    async def op(r: Any) -> dict[str, Any]:
+        if args.to:
+            return await inspect.seek_group(r, args.dataset, args.group, to=args.to)
+        spec = await inspect.dataset_spec(r, args.dataset)
+        if args.ids:
+            raw = _parse_ids_arg(args.ids)
+        else:
+            stores = StoreSet({"cli": StoreRoot("cli", args.checkpoint)})
+            raw = await stores.checkpoint_offsets({"store": "cli", "step": args.step},
+                                                  args.dataset)
+        ids = inspect.parse_seek_ids(raw, spec.partitions)
+        return await inspect.seek_group(r, args.dataset, args.group, ids=ids)
+
+    if args.checkpoint and args.step is None:
+        return fail(EXIT_USAGE, "--checkpoint needs --step")
+    result = _with_redis(args, op)
+    emit(args, result, lambda d: table(sorted(d["offsets"].items(), key=lambda kv: int(kv[0])),
+                                       ["PART", "OFFSET"]))
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def _common(p: argparse.ArgumentParser, *, redis: bool = True) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+    if redis:
+        p.add_argument(
+            "--redis-url", default=os.environ.get(REDIS_ENV, "redis://127.0.0.1:6379/0"),
+            help=f"Redis to inspect (default: ${REDIS_ENV} or redis://127.0.0.1:6379/0)",
+        )
+
+
+def _register_datasets(sub: Any) -> None:
+    ds = sub.add_parser("datasets", help="list, show, create and delete datasets")
+    dsub = ds.add_subparsers(dest="datasets_command", metavar="ACTION", required=True)
+    p = dsub.add_parser("ls", help="datasets with totals")
+    _common(p)
+    p.set_defaults(handler=guarded(_datasets_ls))
+    p = dsub.add_parser("show", help="a dataset's partitions, producer position, floors")
+    p.add_argument("name")
+    _common(p)
+    p.set_defaults(handler=guarded(_datasets_show))
+    p = dsub.add_parser("create", help="register a dataset (the producer fills it)")
+    p.add_argument("name")
+    p.add_argument("--source", help="fsspec URL or glob of the source files")
+    p.add_argument("--format", default="jsonl", help="jsonl, text, npy, files, parquet, push")
+    p.add_argument("--partitions", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--endless", action="store_true", help="no end (push datasets are endless)")
+    p.add_argument("--sample-len", type=int, help="tokens per record (npy sources)")
+    _common(p)
+    p.set_defaults(handler=guarded(_datasets_create))
+    p = dsub.add_parser("delete", help="drop a dataset's streams and bookkeeping")
+    p.add_argument("name")
+    p.add_argument("--yes", action="store_true", help="confirm")
+    _common(p)
+    p.set_defaults(handler=guarded(_datasets_delete))
+
+
+def _register_offsets(sub: Any) -> None:
+    off = sub.add_parser("offsets", help="consumer group offsets: show and seek")
+    osub = off.add_subparsers(dest="offsets_command", metavar="ACTION", required=True)
+    p = osub.add_parser("show", help="delivered, committed, lag, pending per group/partition")
+    p.add_argument("dataset")
+    p.add_argument("--group", help="only this group")
+    _common(p)
+    p.set_defaults(handler=guarded(_offsets_show))
+    p = osub.add_parser("seek", help="move a group (refused below the retention floor)")
+    p.add_argument("dataset")
+    p.add_argument("group")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", choices=["earliest", "latest"])
+    target.add_argument("--ids", help="PARTITION=ID,... e.g. 0=1-41,1=1-40")
+    target.add_argument("--checkpoint", metavar="STORE_URL",
+                        help="the offsets committed in this store's checkpoint --step")
+    p.add_argument("--step", type=int, help="checkpoint step (with --checkpoint)")
+    _common(p)
+    p.set_defaults(handler=guarded(_offsets_seek))
+
+
+def register(sub: Any) -> None:
+    from trainguard import ckpt_cli
+
+    _register_datasets(sub)
+    _register_offsets(sub)
+    ckpt_cli.register(sub)

@@ -1,0 +1,218 @@
+"""``trainguard ckpt ls|show|verify|pin|unpin|gc|export``: checkpoint stores by URL.
+
+Works on any store URL the checkpoint store reads (local path, ``file://``,
+``s3://``...), with no service running. ``export --format safetensors`` writes every
+tensor of a checkpoint (bfloat16 included) to one ``.safetensors`` file named by the
+tensor's key path in the checkpoint (``model/mlp.1.weight``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from trainguard.admin_cli import Progress, emit, fail, table
+from trainguard.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+
+__all__ = ["export_safetensors", "register"]
+
+
+def _store(args: argparse.Namespace) -> Any:
+    from checkpoint_store import CheckpointStore
+
+    options = json.loads(args.storage_options) if args.storage_options else None
+    kwargs: dict[str, Any] = {"storage_options": options}
+    if getattr(args, "keep_last", None) is not None:
+        kwargs["keep_last"] = args.keep_last
+    if getattr(args, "keep_every", None) is not None:
+        kwargs["keep_every"] = args.keep_every
+    return CheckpointStore(args.url, **kwargs)
+
+
+def _find(store: Any, step: int | None) -> Any:
+    manifests = store.list()
+    if not manifests:
+        raise LookupError("the store has no committed checkpoint")
+    if step is None:
+        return manifests[-1]
+    for m in manifests:
+        if m.step == step:
+            return m
+    raise LookupError(f"no checkpoint at step {step}; it has steps {[m.step for m in manifests]}")
+
+
+def _row(m: Any) -> dict[str, Any]:
+    return {"step": m.step, "uid": m.uid, "name": m.name, "created_at": m.created_at,
+            "nbytes": m.nbytes, "pinned": m.pinned, "world_size": m.world_size,
+            "parent": m.parent}
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _ls(args: argparse.Namespace) -> int:
+    rows = [_row(m) for m in _store(args).list()]
+    emit(args, rows, lambda rows: table(
+        [(r["step"], _when(r["created_at"]), r["nbytes"], "pinned" if r["pinned"] else "",
+          r["uid"]) for r in rows],
+        ["STEP", "CREATED", "BYTES", "PIN", "UID"]) if rows else "no checkpoints")
+    return EXIT_OK
+
+
+def _show(args: argparse.Namespace) -> int:
+    from ingest_service.admin_checkpoints import manifest_json
+
+    data = manifest_json(_find(_store(args), args.step))
+    print(json.dumps(data, indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from checkpoint_store import CorruptCheckpointError
+
+    store = _store(args)
+    steps = [args.step] if args.step is not None else [m.step for m in store.list()]
+    if args.step is not None:
+        _find(store, args.step)
+    progress = Progress(len(steps), "verify")
+    results = []
+    for step in steps:
+        try:
+            store.verify(step)
+            results.append({"step": step, "valid": True, "reason": None})
+        except CorruptCheckpointError as exc:
+            results.append({"step": step, "valid": False, "reason": str(exc)})
+        progress.step()
+    progress.close()
+    emit(args, results, lambda rows: table(
+        [(r["step"], "ok" if r["valid"] else "CORRUPT", r["reason"] or "") for r in rows],
+        ["STEP", "STATUS", "REASON"]) if rows else "no checkpoints")
+    return EXIT_OK if all(r["valid"] for r in results) else EXIT_FAILED
+
+
+def _pin(args: argparse.Namespace) -> int:
+    store = _store(args)
+    _find(store, args.step)
+    if args.pin_command == "pin":
+        store.pin(args.step)
+    else:
+        store.unpin(args.step)
+    emit(args, {"step": args.step, "pinned": args.pin_command == "pin"},
+         lambda d: f"step {d['step']} {'pinned' if d['pinned'] else 'unpinned'}")
+    return EXIT_OK
+
+
+def _gc(args: argparse.Namespace) -> int:
+    store = _store(args)
+    before = {m.step for m in store.list()}
+    report = store.gc()
+    after = {m.step for m in store.list()}
+    data = {"deleted_steps": sorted(before - after), "kept_steps": sorted(after),
+            **dataclasses.asdict(report)}
+    emit(args, data, lambda d: f"deleted steps {d['deleted_steps'] or 'none'}; "
+                               f"kept {d['kept_steps']}")
+    return EXIT_OK
+
+
+def _top_key(path: str) -> str:
+    """The state's top-level key of a tensor path (``~1`` and ``~0`` unescaped)."""
+    return path.split("/", 1)[0].replace("~1", "/").replace("~0", "~")
+
+
+def export_safetensors(store: Any, step: int | None, out: Path) -> dict[str, Any]:
+    """Load every tensor of a checkpoint (verified) and write them to ``out``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from checkpoint_store.flatten import join_path
+
+    manifest = _find(store, step)
+    keys = sorted({_top_key(p) for p in manifest.tensors})
+    state: dict[str, Any] = {}
+    store.load(state, step=manifest.step, keys=keys)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value.detach().contiguous().clone()
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, join_path(path, k))
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk(v, join_path(path, i))
+
+    for k in keys:
+        walk(state[k], join_path("", k))
+    missing = set(manifest.tensors) - set(tensors)
+    if missing:
+        raise ValueError(f"tensors {sorted(missing)} of the manifest were not loaded")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"trainguard.step": str(manifest.step),
+                                          "trainguard.uid": manifest.uid})
+    tmp.replace(out)
+    return {"step": manifest.step, "path": str(out), "tensors": len(tensors),
+            "bytes": out.stat().st_size}
+
+
+def _export(args: argparse.Namespace) -> int:
+    if args.format != "safetensors":
+        return fail(EXIT_USAGE, f"format {args.format!r} is not supported: use safetensors")
+    result = export_safetensors(_store(args), args.step, Path(args.output))
+    emit(args, result, lambda d: f"step {d['step']}: {d['tensors']} tensors -> {d['path']} "
+                                 f"({d['bytes']} bytes)")
+    return EXIT_OK
+
+
+def _guard(fn: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        from checkpoint_store import CheckpointError
+
+        try:
+            return int(fn(args))
+        except LookupError as exc:
+            return fail(EXIT_NOT_FOUND, str(exc))
+        except (PermissionError, FileExistsError) as exc:
+            return fail(EXIT_REFUSED, str(exc))
+        except (ValueError, json.JSONDecodeError) as exc:
+            return fail(EXIT_USAGE, str(exc))
+        except (CheckpointError, OSError) as exc:
+            return fail(EXIT_FAILED, str(exc))
+
+    return run
+
+
+def register(sub: Any) -> None:
+    ck = sub.add_parser("ckpt", help="checkpoints of a store: ls, show, verify, pin, gc, export")
+    csub = ck.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+
+    def add(name: str, helptext: str, fn: Any, *, step: str | None = None) -> Any:
+        p = csub.add_parser(name, help=helptext)
+        p.add_argument("url", help="checkpoint store URL (path, file://, s3://...)")
+        if step == "required":
+            p.add_argument("step", type=int)
+        elif step == "optional":
+            p.add_argument("step", type=int, nargs="?", help="default: the newest")
+        p.add_argument("--storage-options", help="fsspec options as JSON")
+        p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+        p.set_defaults(handler=_guard(fn))
+        return p
+
+    add("ls", "checkpoints, oldest first", _ls)
+    add("show", "a checkpoint's manifest (JSON)", _show, step="optional")
+    add("verify", "verify checksums (all checkpoints, or one step)", _verify, step="optional")
+    add("pin", "keep a checkpoint through retention", _pin, step="required").set_defaults(
+        pin_command="pin")
+    add("unpin", "release a pin", _pin, step="required").set_defaults(pin_command="unpin")
+    p = add("gc", "apply retention and collect debris of crashed saves", _gc)
+    p.add_argument("--keep-last", type=int, help="keep the last N (default: the store's)")
+    p.add_argument("--keep-every", type=int, help="also keep every N-th step")
+    p = add("export", "write a checkpoint's tensors to one file", _export, step="optional")
+    p.add_argument("--format", default="safetensors", choices=["safetensors"])
+    p.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
