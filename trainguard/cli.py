@@ -20,7 +20,7 @@ from trainguard import __version__
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
 
-_PARTS: tuple[str, ...] = ("trainguard.admin_cli", "ingest_service.cli")
+_PARTS: tuple[str, ...] = ("trainguard.admin_cli", "ingest_service.cli", "trainer_client.cli")
 """Modules with a ``register(subparsers)`` function, e.g. ``"ingest_service.cli"``."""
 
 
