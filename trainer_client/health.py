@@ -380,7 +380,7 @@ class HealthProbe:
         )
         return Check("ecc_uncorrected", status,
                      f"{count} volatile uncorrected ECC errors since the last driver load",
-                     {"ecc_uncorrected_volatile": float(count)})
+                     {"ecc_uncorrected_volatile_errors": float(count)})
 
     def _remapped(self, handle: Any, uuid: str) -> Check:
         t = self.thresholds
@@ -411,7 +411,7 @@ class HealthProbe:
         )
         return Check("pcie_replay", status,
                      f"PCIe replay counter {total} (+{delta} since the last probe)",
-                     {"pcie_replay_total": float(total)})
+                     {"pcie_replay_count": float(total)})
 
     def _pcie_throughput(self, handle: Any, uuid: str) -> Check:
         nvml = self.nvml

@@ -1,0 +1,236 @@
+"""``trainguard probe``: the GPU health node daemon.
+
+Probes every ``--interval-s`` seconds (see :mod:`trainer_client.health`) and serves::
+
+    GET /metrics   prometheus text: per-GPU readings and check statuses, node status
+    GET /healthz   200 unless the latest report is CRITICAL, then 503; JSON body
+
+over the standard library's ``http.server`` (``trainer_client`` never imports
+aiohttp). ``--once`` probes a single time, prints a table (or ``--json``) and exits
+0 for OK and WARN (``--fail-on-warn``: WARN too exits 75), 75 for CRITICAL
+(:data:`~trainer_client.health.EXIT_GPU_CRITICAL`, the code a trainer exits with on a
+CRITICAL GPU). Binds to 127.0.0.1 unless told otherwise: the metrics describe the
+node, expose them deliberately.
+
+Metric names (labels ``gpu`` = index, ``uuid``)::
+
+    trainguard_node_health_status            0 OK, 1 WARN, 2 CRITICAL
+    trainguard_node_no_gpu                   1 when no GPU / no NVML
+    trainguard_node_gpus                     GPUs visible
+    trainguard_health_probe_timestamp_seconds
+    trainguard_gpu_check_status{signal=...}  0/1/2 per signal
+    trainguard_gpu_<reading>                 e.g. trainguard_gpu_temperature_celsius
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from trainer_client.health import (
+    EXIT_GPU_CRITICAL,
+    HealthMonitor,
+    HealthProbe,
+    HealthReport,
+    HealthThresholds,
+    Status,
+)
+
+__all__ = ["ProbeServer", "exit_code_for", "format_table", "register"]
+
+DEFAULT_PORT = 9464
+
+
+class _ReportCollector(Collector):
+    """Renders the monitor's latest report at scrape time, so a GPU that disappears
+    leaves no stale series behind."""
+
+    def __init__(self, monitor: HealthMonitor) -> None:
+        self._monitor = monitor
+
+    def collect(self) -> Iterator[Metric]:
+        report = self._monitor.latest
+        if report is None:
+            return
+        node = [
+            ("node_health_status", "Worst check status: 0 OK, 1 WARN, 2 CRITICAL.",
+             float(report.status)),
+            ("node_no_gpu", "1 when the node has no GPU (or no NVML).", float(report.no_gpu)),
+            ("node_gpus", "GPUs visible to NVML.", float(len(report.gpus))),
+            ("health_probe_timestamp_seconds", "Unix time of the latest probe.",
+             report.taken_at),
+        ]
+        for name, doc, value in node:
+            yield GaugeMetricFamily(f"trainguard_{name}", doc, value=value)
+        status = GaugeMetricFamily("trainguard_gpu_check_status",
+                                   "Per-GPU check status: 0 OK, 1 WARN, 2 CRITICAL.",
+                                   labels=["gpu", "uuid", "signal"])
+        readings: dict[str, GaugeMetricFamily] = {}
+        for gpu in report.gpus:
+            labels = [str(gpu.index), gpu.uuid]
+            for check in gpu.checks:
+                status.add_metric([*labels, check.signal], float(check.status))
+                for key, value in check.values.items():
+                    family = readings.get(key)
+                    if family is None:
+                        family = readings[key] = GaugeMetricFamily(
+                            f"trainguard_gpu_{key}", f"GPU reading {key} (from NVML).",
+                            labels=["gpu", "uuid"])
+                    family.add_metric(labels, value)
+        yield status
+        yield from readings.values()
+
+
+class ProbeServer:
+    """The daemon's HTTP side: ``/metrics`` and ``/healthz`` for one monitor."""
+
+    def __init__(self, monitor: HealthMonitor, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.monitor = monitor
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_ReportCollector(monitor))
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                server._handle(self)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # scrapes every few seconds would flood stderr
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def _handle(self, req: BaseHTTPRequestHandler) -> None:
+        path = req.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._send(req, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+        elif path == "/healthz":
+            report = self.monitor.latest
+            body: dict[str, Any]
+            if report is None:
+                body = {"status": "UNKNOWN", "problems": ["no probe has finished yet"]}
+                code = 503
+            else:
+                body = {"status": report.status.name, "no_gpu": report.no_gpu,
+                        "problems": report.problems()}
+                code = 503 if report.status is Status.CRITICAL else 200
+            self._send(req, code, json.dumps(body).encode(), "application/json")
+        else:
+            self._send(req, 404, b'{"error": "not found: try /metrics or /healthz"}',
+                       "application/json")
+
+    @staticmethod
+    def _send(req: BaseHTTPRequestHandler, code: int, body: bytes, ctype: str) -> None:
+        req.send_response(code)
+        req.send_header("Content-Type", ctype)
+        req.send_header("Content-Length", str(len(body)))
+        req.end_headers()
+        req.wfile.write(body)
+
+    def start(self) -> ProbeServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,
+                                        name="trainguard-probe-http")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(10)
+
+
+def exit_code_for(report: HealthReport, *, fail_on_warn: bool = False) -> int:
+    worst = Status.WARN if fail_on_warn else Status.CRITICAL
+    return EXIT_GPU_CRITICAL if report.status >= worst else 0
+
+
+def format_table(report: HealthReport) -> str:
+    rows = [("GPU", "STATUS", "SIGNAL", "DETAIL")]
+    for c in report.checks:
+        rows.append(("node", c.status.name, c.signal, c.reason))
+    for g in report.gpus:
+        rows.append((str(g.index), g.status.name, "device", f"{g.name} {g.uuid}"))
+        rows += [(str(g.index), c.status.name, c.signal, c.reason) for c in g.checks]
+        if g.skipped:
+            rows.append((str(g.index), "-", "skipped", ", ".join(g.skipped)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
+    lines.append(f"overall: {report.status.name}" + (" (no GPU)" if report.no_gpu else ""))
+    return "\n".join(lines)
+
+
+def _probe_command(args: argparse.Namespace) -> int:
+    thresholds = HealthThresholds(
+        expected_gpus=args.expected_gpus,
+        temperature_warn_c=args.temperature_warn_c,
+        temperature_critical_c=args.temperature_critical_c,
+    )
+    probe = HealthProbe(thresholds)
+    try:
+        if args.once:
+            report = probe.probe()
+            print(json.dumps(report.to_dict(), indent=2) if args.json else format_table(report))
+            return exit_code_for(report, fail_on_warn=args.fail_on_warn)
+        monitor = HealthMonitor(probe, interval_s=args.interval_s)
+        monitor.probe_now()  # serve a real report from the first request on
+        server = ProbeServer(monitor, args.host, args.port)
+        monitor.start()
+        stopped = threading.Event()
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            stopped.set()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        server.start()
+        print(f"trainguard probe: serving {server.url}/metrics and {server.url}/healthz",
+              file=sys.stderr, flush=True)
+        try:
+            while not stopped.wait(0.5):
+                pass
+        finally:
+            server.stop()
+            monitor.stop()
+        return 0
+    finally:
+        probe.close()
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "probe",
+        help="GPU health node daemon (/metrics, /healthz) or a one-shot check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--interval-s", type=float, default=15.0, help="seconds between probes")
+    p.add_argument("--once", action="store_true", help="probe once, print, exit with status")
+    p.add_argument("--json", action="store_true", help="with --once: print JSON")
+    p.add_argument("--fail-on-warn", action="store_true",
+                   help=f"with --once: exit {EXIT_GPU_CRITICAL} on WARN as well")
+    p.add_argument("--expected-gpus", type=int, default=None,
+                   help="fewer visible GPUs than this is CRITICAL (default: any number)")
+    defaults = HealthThresholds()
+    p.add_argument("--temperature-warn-c", type=float, default=defaults.temperature_warn_c)
+    p.add_argument("--temperature-critical-c", type=float,
+                   default=defaults.temperature_critical_c)
+    p.set_defaults(handler=_probe_command)
