@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
 STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
 REDIS_ENV = "TRAINGUARD_REDIS_URL"
+READY_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,34 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     except Exception:
         log.exception("admin route %s %s failed", request.method, request.path)
         return error_response(500, "internal", "internal error; see the service log")
+
+
+@web.middleware
+async def _ready_with_stores(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """``/readyz`` (the ingest app's route, which checks Redis) is ready only when
+    every configured checkpoint store answers too: a 200 becomes a 503 naming the
+    stores that fail. The store answers are added to the JSON body as ``stores``."""
+    response = await handler(request)
+    stores = request.app[_STORES]
+    if request.path != "/readyz" or not stores.roots or not isinstance(response, web.Response):
+        return response
+    try:
+        verdicts = await asyncio.wait_for(stores.ready(), READY_TIMEOUT_S)
+    except TimeoutError:
+        verdicts = {name: f"no answer within {READY_TIMEOUT_S} s" for name in stores.roots}
+    failing = {name: why for name, why in verdicts.items() if why != "ok"}
+    try:
+        body = json.loads(response.body) if isinstance(response.body, bytes) else {}
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    body["stores"] = verdicts
+    if response.status == 200 and failing:
+        body.update(ready=False, reason="checkpoint stores unreachable: " + "; ".join(
+            f"{name}: {why}" for name, why in sorted(failing.items())))
+        return web.json_response(body, status=503)
+    return web.json_response(body, status=response.status)
 
 
 class Unauthorized(AdminError, PermissionError):
@@ -285,6 +314,7 @@ def setup_admin(app: web.Application, config: AdminConfig | None = None) -> Admi
     app[ADMIN_CONFIG] = config
     app[_STORES] = StoreSet(config.stores)
     app.middlewares.append(_json_errors)
+    app.middlewares.append(_ready_with_stores)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
 

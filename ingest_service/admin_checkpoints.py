@@ -266,7 +266,9 @@ class StoreSet:
         out: dict[str, str] = {}
         for name in self.roots:
             try:
-                await self._run(name, lambda root: self._open(root.url, root).list())
+                # latest() reads the listing and one manifest: cheap, and proves the
+                # root is reachable and readable.
+                await self._run(name, lambda root: self._open(root.url, root).latest())
                 out[name] = "ok"
             except Exception as exc:
                 out[name] = f"{type(exc).__name__}: {exc}"

@@ -281,6 +281,58 @@ def _paths() -> dict[str, Any]:
                               **_errors(*_WRITE_ERRORS)},
             }
         },
+        "/healthz": {
+            "get": {
+                "operationId": "healthz",
+                "summary": "Process up",
+                "responses": {"200": _json({"type": "object"}, "serving")},
+            }
+        },
+        "/readyz": {
+            "get": {
+                "operationId": "readyz",
+                "summary": "Redis and every configured checkpoint store reachable",
+                "responses": {
+                    "200": _json({"type": "object"}, "ready"),
+                    "503": _json({"type": "object"}, "not ready, with the reasons"),
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "operationId": "metrics",
+                "summary": "Prometheus metrics (text exposition format)",
+                "responses": {"200": {"description": "metrics",
+                                      "content": {"text/plain": {"schema": {"type": "string"}}}}},
+            }
+        },
+        "/v1/datasets/{name}/records": {
+            "post": {
+                "operationId": "pushRecords",
+                "summary": "Push a batch of records to a push dataset (exactly once per "
+                           "producer_id and seq)",
+                "parameters": [
+                    _param("name", _NAME, "push dataset name"),
+                    {"name": "producer_id", "in": "query", "required": True, "schema": _NAME},
+                    {"name": "seq", "in": "query", "required": True,
+                     "schema": {"type": "integer", "minimum": 0, "maximum": 2**53 - 1}},
+                    {"name": "partition", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 0}},
+                ],
+                "requestBody": {"required": True, "content": {
+                    "application/x-ndjson": {"schema": {"type": "string"}},
+                    "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
+                }},
+                "responses": {
+                    "200": _json({"type": "object"}, "appended (or a retry already appended)"),
+                    **{str(code): _json({"type": "object"}, text) for code, text in (
+                        (400, "malformed body or parameters"), (404, "unknown dataset"),
+                        (409, "not a push dataset"), (413, "too large"),
+                        (429, "backlog full: retry after Retry-After seconds"),
+                        (503, "shutting down"))},
+                },
+            }
+        },
         "/openapi.json": {
             "get": {
                 "operationId": "openapi",

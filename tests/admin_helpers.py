@@ -4,6 +4,7 @@ offsets in their manifests, and an admin app served on a real loopback port."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -113,8 +114,21 @@ class ThreadedServer:
         self.loop.close()
 
 
-def service_app(config: AdminConfig, tmp: Path) -> web.Application:
-    """The service's app with the admin part configured by ``config``."""
-    app = web.Application()
-    setup_admin(app, config)
-    return app
+def service_app(config: AdminConfig) -> web.Application:
+    """The whole service (``create_app``, producers off), whose admin part reads its
+    token and stores from the environment as in production: set from ``config``."""
+    from ingest_service.app import create_app
+    from ingest_service.config import IngestConfig
+
+    stores = ",".join(f"{name}={root.url}" for name, root in config.stores.items())
+    env = {"TRAINGUARD_ADMIN_TOKEN": config.token or "", "TRAINGUARD_CHECKPOINT_STORES": stores}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return create_app(IngestConfig(redis_url=config.redis_url, produce=False))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

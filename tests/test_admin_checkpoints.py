@@ -131,3 +131,34 @@ async def test_seek_to_a_checkpoints_offsets(redis_server, tmp_path):
                                  headers=AUTH)
         assert resp.status == 404
     await r.aclose()
+
+
+async def test_readyz_checks_redis_and_every_store(redis_server, tmp_path):
+    """/readyz of the whole service is 200 with every store answering, 503 naming
+    the store when one cannot be read, and 503 when Redis is down."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ingest_service.admin import AdminConfig
+    from ingest_service.admin_checkpoints import StoreRoot
+    from tests.admin_helpers import service_app
+
+    good = tmp_path / "good"
+    save_checkpoints(str(good), [1], {0: "1-0"})
+    broken = tmp_path / "a-file"
+    broken.write_text("not a directory")
+    for stores, want in (({"good": good}, 200), ({"good": good, "broken": broken}, 503)):
+        roots = {n: StoreRoot(n, str(u)) for n, u in stores.items()}
+        app = service_app(AdminConfig(redis_server.url, None, roots))
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            resp = await client.get("/readyz")
+            body = await resp.json()
+            assert resp.status == want, body
+            assert body["stores"]["good"] == "ok"
+            if want == 503:
+                assert body["ready"] is False and "broken" in body["reason"]
+    app = service_app(AdminConfig(redis_server.url, None, {
+        "good": StoreRoot("good", str(good))}))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        redis_server.kill()
+        resp = await client.get("/readyz")
+        assert resp.status == 503
