@@ -1,0 +1,165 @@
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine: the
+compose-spec JSON schema, then what a schema cannot see (health dependencies,
+commands that exist, ports and environment names that match the code)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from trainguard.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+CODE_DIRS = ("trainguard", "ingest_service", "checkpoint_store", "trainer_client", "examples")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _command(service: dict[str, Any]) -> list[str]:
+    cmd = service.get("command", [])
+    return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+
+
+def _flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_compose_file_matches_the_compose_spec_schema():
+    """check-jsonschema with its vendored compose-spec schema (works offline)
+    accepts the file."""
+    binary = Path(sys.executable).with_name("check-jsonschema")
+    result = subprocess.run(
+        [str(binary), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_schema_check_rejects_a_broken_file(tmp_path):
+    """The schema check is not vacuous: a misspelled service key fails it."""
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE.read_text().replace("    healthcheck:", "    healthchek:", 1))
+    binary = Path(sys.executable).with_name("check-jsonschema")
+    result = subprocess.run(
+        [str(binary), "--builtin-schema", "vendor.compose-spec", str(broken)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1 and "healthchek" in result.stdout
+
+
+def test_health_dependencies_have_healthchecks_and_profiles_line_up(compose):
+    """Every depends_on target exists; every service_healthy target has a
+    healthcheck; a service outside a profile never depends on a profiled one."""
+    services = compose["services"]
+    for name, svc in services.items():
+        for target, cond in (svc.get("depends_on") or {}).items():
+            assert target in services, (name, target)
+            if cond.get("condition") == "service_healthy":
+                assert "healthcheck" in services[target], (name, target)
+            if not svc.get("profiles"):
+                assert not services[target].get("profiles"), (name, target)
+
+
+def test_redis_is_aof_everysec_on_a_named_volume(compose):
+    """Redis 7, AOF with appendfsync everysec, data on a declared named volume."""
+    redis = compose["services"]["redis"]
+    assert re.match(r"redis:7(\.|-|$)", redis["image"])
+    cmd = _command(redis)
+    assert _flag(cmd, "--appendonly") == "yes" and _flag(cmd, "--appendfsync") == "everysec"
+    (volume,) = [v for v in redis["volumes"] if v.endswith(":/data")]
+    assert volume.split(":")[0] in compose["volumes"]
+
+
+def test_trainguard_commands_exist_and_ports_match(compose):
+    """Every `trainguard ...` command in compose and the Dockerfile parses with the
+    real CLI; the service serves on 0.0.0.0 inside, on the port it publishes (host
+    side 127.0.0.1), which its healthcheck probes on /readyz; EXPOSE agrees."""
+    parser = build_parser()
+    svc = compose["services"]["trainguard"]
+    cmd = _command(svc)
+    assert cmd[0] == "trainguard"
+    args = parser.parse_args(cmd[1:])
+    assert args.handler is not None
+    assert _flag(cmd, "--host") == "0.0.0.0"
+    port = _flag(cmd, "--port")
+    (published,) = svc["ports"]
+    host_ip, _host_port, container_port = published.split(":")
+    assert (host_ip, container_port) == ("127.0.0.1", port)
+    health = " ".join(svc["healthcheck"]["test"])
+    assert f"127.0.0.1:{port}/readyz" in health
+    docker = DOCKERFILE.read_text()
+    assert re.search(rf"^EXPOSE {port}$", docker, re.M)
+    assert f"127.0.0.1:{port}/readyz" in docker
+    cmd_line = re.search(r"^CMD (\[.*\])$", docker, re.M)
+    assert cmd_line is not None
+    docker_cmd = yaml.safe_load(cmd_line.group(1))
+    assert docker_cmd[0] == "trainguard"
+    assert parser.parse_args(docker_cmd[1:]).handler is not None
+
+
+def test_example_trainer_command_runs(compose):
+    """The trainer profile's command is a script in the repo that starts (--help)
+    with its imports (trainer_client, torch) resolved."""
+    cmd = _command(compose["services"]["trainer"])
+    assert cmd[0] == "python" and (ROOT / cmd[1]).is_file()
+    result = subprocess.run(
+        [sys.executable, cmd[1], "--help"], cwd=ROOT, capture_output=True, text=True,
+        timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    # Every flag the compose command passes is one the script accepts.
+    for flag in (c for c in cmd[2:] if c.startswith("--")):
+        assert flag in result.stdout, flag
+
+
+def test_environment_names_are_read_by_the_code(compose):
+    """Every TRAINGUARD_* variable compose sets is read somewhere in the code, so a
+    typo cannot silently do nothing."""
+    sources = "\n".join(
+        p.read_text() for d in CODE_DIRS for p in (ROOT / d).rglob("*.py")
+    )
+    names = {
+        name
+        for svc in compose["services"].values()
+        for name in (svc.get("environment") or {})
+        if name.startswith("TRAINGUARD_")
+    }
+    assert names
+    for name in names:
+        assert f'"{name}"' in sources, name
+
+
+def test_dockerfile_copies_what_exists_and_dockerignore_keeps_it():
+    """Every COPY source is in the repo and not excluded by .dockerignore."""
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), src
+                assert src not in ignored, src
+
+
+def test_urls_name_services_and_store_roots_parse(compose):
+    """Every redis:// or http:// host in commands and environment is a compose
+    service, and the admin's checkpoint store setting parses."""
+    from ingest_service.admin_checkpoints import parse_store_roots
+
+    services = compose["services"]
+    text = yaml.safe_dump(services)
+    hosts = set(re.findall(r"(?:redis|http)://([a-z0-9_-]+):\d+", text))
+    assert hosts - {"127.0.0.1"} <= set(services), hosts
+    assert "redis" in hosts
+    stores = services["trainguard"]["environment"]["TRAINGUARD_CHECKPOINT_STORES"]
+    assert parse_store_roots(stores)
