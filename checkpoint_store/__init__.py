@@ -1,0 +1,48 @@
+"""Crash-consistent checkpoints of training state: Zarr v3 arrays + an atomic manifest.
+
+```python
+store = CheckpointStore("file:///ckpt/run42", keep_last=3)
+handle = store.save({"model": model, "optim": opt, "step": 100}, step=100,
+                    extra={"offsets": {...}}, blocking=False)
+manifest = handle.wait()                       # durable and committed
+store.load({"model": model, "optim": opt})     # newest valid checkpoint, in place
+```
+The on-disk format is documented in ``FORMAT.md`` (shipped with the package).
+"""
+
+from checkpoint_store.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    DistributedSaveError,
+    NoCheckpointError,
+    PinnedCheckpointError,
+    SaveInProgressError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
+from checkpoint_store.handle import SaveHandle
+from checkpoint_store.manifest import FORMAT_VERSION, Manifest
+from checkpoint_store.retention import GcReport
+from checkpoint_store.shard import Shard
+from checkpoint_store.store import CheckpointStore
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "CheckpointStore",
+    "CheckpointWriteError",
+    "CommitConflictError",
+    "CorruptCheckpointError",
+    "DistributedSaveError",
+    "GcReport",
+    "Manifest",
+    "NoCheckpointError",
+    "PinnedCheckpointError",
+    "SaveHandle",
+    "SaveInProgressError",
+    "Shard",
+    "StateMismatchError",
+    "UnsupportedValueError",
+]

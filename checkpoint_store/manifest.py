@@ -1,0 +1,132 @@
+"""The manifest: the immutable JSON commit record of one checkpoint.
+
+A save is committed when its manifest exists under ``manifests/<step>-<uid>.json``.
+The document carries its own checksum: ``"checksum": "sha256:<hex>"`` over the
+canonical JSON (sorted keys, no whitespace, ASCII) of every other field, so a damaged
+or half-written manifest is recognised and skipped. See FORMAT.md for every field.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkpoint_store.errors import CorruptCheckpointError
+from checkpoint_store.layout import data_dir, parse_manifest_name
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Manifest", "encode_manifest", "parse_manifest"]
+
+FORMAT_NAME = "trainguard.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_KEYS = frozenset(
+    {
+        "format", "version", "step", "uid", "created_at", "parent", "world_size", "nbytes",
+        "extra", "arrays", "tensors", "state", "checksum",
+    }
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Manifest:
+    """One committed checkpoint. ``extra`` is exactly the ``extra`` given to ``save``;
+    ``pinned`` reflects the pin marker when the manifest was read."""
+
+    name: str
+    step: int
+    uid: str
+    created_at: float
+    parent: str | None
+    world_size: int
+    nbytes: int
+    extra: dict[str, Any]
+    pinned: bool = False
+    tensors: dict[str, Any] = field(default_factory=dict, repr=False)
+    arrays: dict[str, Any] = field(default_factory=dict, repr=False)
+    state: bytes = field(default=b"", repr=False)
+
+    @property
+    def data_dir(self) -> str:
+        """The save's Zarr group, relative to the store root."""
+        return data_dir(self.uid)
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode()
+
+
+def encode_manifest(
+    *, step: int, uid: str, created_at: float, parent: str | None, world_size: int,
+    extra: dict[str, Any], arrays: dict[str, Any], tensors: dict[str, Any], state: bytes,
+) -> bytes:
+    body: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "uid": uid,
+        "created_at": created_at,
+        "parent": parent,
+        "world_size": world_size,
+        "nbytes": sum(int(s["nbytes"]) for t in tensors.values() for s in t["shards"]),
+        "extra": extra,
+        "arrays": arrays,
+        "tensors": tensors,
+        "state": {"encoding": "msgpack", "base64": base64.b64encode(state).decode()},
+    }
+    body["checksum"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
+    return _canonical(body) + b"\n"
+
+
+def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
+    """Parse and verify; raises CorruptCheckpointError on any mismatch."""
+    parsed_name = parse_manifest_name(name)
+    if parsed_name is None:
+        raise CorruptCheckpointError(f"{name!r} is not a manifest name (<step>-<uid>.json)")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"manifest {name} is not valid JSON ({e}); it is damaged or was not fully written"
+        ) from e
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"manifest {name} is not a {FORMAT_NAME} record")
+    if body.get("version") != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"manifest {name} has format version {body.get('version')!r}; this reader "
+            f"understands version {FORMAT_VERSION}: upgrade trainguard"
+        )
+    checksum = body.pop("checksum", None)
+    actual = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
+    if checksum != actual:
+        raise CorruptCheckpointError(
+            f"manifest {name} checksum mismatch (stored {checksum!r}, computed {actual!r}): "
+            "the record is damaged"
+        )
+    if set(body) | {"checksum"} != MANIFEST_KEYS:
+        raise CorruptCheckpointError(f"manifest {name} has fields {sorted(body)}, expected "
+                                     f"{sorted(MANIFEST_KEYS - {'checksum'})}")
+    if body["step"] != parsed_name.step or body["uid"] != parsed_name.uid:
+        raise CorruptCheckpointError(
+            f"manifest {name} records step {body['step']} uid {body['uid']}, which do not "
+            "match its name"
+        )
+    state = body["state"]
+    if state.get("encoding") != "msgpack":
+        raise CorruptCheckpointError(f"manifest {name}: unknown state encoding {state!r}")
+    return Manifest(
+        name=name,
+        step=int(body["step"]),
+        uid=str(body["uid"]),
+        created_at=float(body["created_at"]),
+        parent=body["parent"],
+        world_size=int(body["world_size"]),
+        nbytes=int(body["nbytes"]),
+        extra=body["extra"],
+        pinned=pinned,
+        tensors=body["tensors"],
+        arrays=body["arrays"],
+        state=base64.b64decode(state["base64"]),
+    )

@@ -1,0 +1,89 @@
+"""What one rank writes: which Zarr arrays, and where each tensor's bytes go.
+
+Pure data, computed before any I/O. Tensors of at least ``own_array_bytes`` (and at
+least one axis) get an array of their own, with their real shape and dtype. Smaller
+ones are packed, 64-byte aligned, into one ``uint8`` array per rank (``r<rank>/pack``),
+so a state of thousands of small tensors is a few chunk files, not thousands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from checkpoint_store.dtypes import dtype_name, zarr_data_type
+from checkpoint_store.flatten import TensorLeaf
+from checkpoint_store.layout import rank_group
+from checkpoint_store.zarr_format import ArrayLayout
+
+__all__ = ["PACK_ALIGN", "Placement", "RankPlan", "plan_rank"]
+
+PACK_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Bytes of leaf ``leaf`` are ``[offset, offset + nbytes)`` of array ``array``."""
+
+    leaf: int
+    array: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    arrays: tuple[ArrayLayout, ...]
+    placements: tuple[Placement, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.placements)
+
+
+def _align(n: int) -> int:
+    return -(-n // PACK_ALIGN) * PACK_ALIGN
+
+
+def plan_rank(
+    leaves: Sequence[TensorLeaf], *, rank: int, chunk_bytes: int, own_array_bytes: int
+) -> RankPlan:
+    group = rank_group(rank)
+    arrays: list[ArrayLayout] = []
+    placements: list[Placement] = []
+    pack_path = f"{group}/pack"
+    pack_end = 0
+    for i, leaf in enumerate(leaves):
+        t = leaf.tensor
+        nbytes = t.numel() * t.element_size()
+        if t.dim() >= 1 and nbytes >= own_array_bytes:
+            path = f"{group}/t{len(arrays)}"
+            arrays.append(
+                ArrayLayout.chunked(
+                    path,
+                    tuple(t.shape),
+                    zarr_data_type(t.dtype),
+                    t.element_size(),
+                    target_chunk_bytes=chunk_bytes,
+                    attributes={"torch_dtype": dtype_name(t.dtype), "key": leaf.path},
+                )
+            )
+            placements.append(Placement(i, path, 0, nbytes))
+        else:
+            offset = _align(pack_end) if nbytes else pack_end
+            placements.append(Placement(i, pack_path, offset, nbytes))
+            pack_end = offset + nbytes
+    if pack_end:
+        pack = ArrayLayout.chunked(
+            pack_path, (pack_end,), "uint8", 1,
+            target_chunk_bytes=chunk_bytes, attributes={"packed": True},
+            row_multiple=PACK_ALIGN,
+        )
+        arrays.insert(0, pack)
+    else:
+        # Only empty tensors were packed: they need no bytes and no array.
+        placements = [
+            Placement(p.leaf, "", 0, 0) if p.array == pack_path else p for p in placements
+        ]
+    return RankPlan(rank, tuple(arrays), tuple(placements))

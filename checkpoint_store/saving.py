@@ -1,0 +1,224 @@
+"""The save protocol, run in the background writer thread on every rank.
+
+1. rank 0 picks the uid (sorting after every existing manifest) and broadcasts it;
+2. each rank writes its in-flight marker, then its arrays (every file and directory
+   fsync'd);
+3. ranks report success or failure to rank 0 (all-gather);
+4. rank 0, only if every rank succeeded, writes the manifest (exclusive create: the
+   commit point), then swaps LATEST; otherwise it removes the save's data;
+5. rank 0 broadcasts the outcome (the manifest bytes, or the error) to every rank;
+6. each rank removes its marker.
+
+A crash anywhere before step 4's manifest leaves only debris that ``gc`` removes; the
+previous checkpoint stays current.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from checkpoint_store import _faults
+from checkpoint_store.backends import Backend
+from checkpoint_store.dist import Comm, all_gather_json, broadcast_json
+from checkpoint_store.dtypes import dtype_name
+from checkpoint_store.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CommitConflictError,
+    DistributedSaveError,
+)
+from checkpoint_store.flatten import TensorLeaf
+from checkpoint_store.layout import (
+    LATEST,
+    MANIFEST_DIR,
+    ManifestName,
+    data_dir,
+    inflight_marker,
+    manifest_path,
+    new_uid,
+    parse_manifest_name,
+    uid_time_ns,
+)
+from checkpoint_store.manifest import Manifest, encode_manifest, parse_manifest
+from checkpoint_store.plan import RankPlan
+from checkpoint_store.staging import Staged
+from checkpoint_store.writer import write_rank, write_root_group
+
+__all__ = ["SaveJob", "latest_pointer", "run_save"]
+
+log = logging.getLogger("checkpoint_store")
+
+
+@dataclass
+class SaveJob:
+    step: int
+    extra: dict[str, Any]
+    leaves: Sequence[TensorLeaf]
+    plan: RankPlan
+    staged: Staged
+    skeleton: bytes
+
+
+def latest_pointer(name: str, step: int, uid: str) -> bytes:
+    return (json.dumps({"manifest": name, "step": step, "uid": uid}, sort_keys=True) + "\n").encode()
+
+
+def _newest_name(backend: Backend) -> ManifestName | None:
+    names = [p for p in map(parse_manifest_name, backend.listdir(MANIFEST_DIR)) if p]
+    return max(names) if names else None
+
+
+def _tensor_entries(job: SaveJob) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for p in job.plan.placements:
+        leaf = job.leaves[p.leaf]
+        out[leaf.path] = {
+            "dtype": dtype_name(leaf.tensor.dtype),
+            "shape": list(leaf.global_shape),
+            "sharded": leaf.sharded,
+            "shard": {
+                "array": p.array, "offset": p.offset, "nbytes": p.nbytes,
+                "shape": list(leaf.tensor.shape), "offsets": list(leaf.offsets),
+            },
+        }
+    return out
+
+
+def _merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for entries in per_rank:
+        for path, e in entries.items():
+            m = merged.setdefault(path, {"dtype": e["dtype"], "shape": e["shape"], "shards": []})
+            if (m["dtype"], m["shape"]) != (e["dtype"], e["shape"]):
+                raise CheckpointError(
+                    f"ranks disagree on tensor {path!r}: {m['dtype']} {m['shape']} vs "
+                    f"{e['dtype']} {e['shape']}; every rank must save the same global tensors"
+                )
+            m["shards"].append(e["shard"])
+    return merged
+
+
+def _as_save_error(e: BaseException, step: int) -> BaseException:
+    if isinstance(e, CheckpointError):
+        return e
+    if isinstance(e, OSError):
+        err = CheckpointWriteError(
+            e.errno or 0,
+            f"saving step {step} failed: {e.strerror or e} ({getattr(e, 'filename', None) or ''}); "
+            "nothing was committed and the previous checkpoint is intact; fix the storage "
+            "(free space, permissions) and save again",
+        )
+        err.__cause__ = e
+        return err
+    err2 = CheckpointError(f"saving step {step} failed: {type(e).__name__}: {e}")
+    err2.__cause__ = e
+    return err2
+
+
+def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
+             own_inflight: set[str]) -> Manifest:
+    rank = comm.rank
+    uid_doc: dict[str, Any] = {}
+    parent: str | None = None
+    if rank == 0:
+        try:
+            newest = _newest_name(backend)
+            parent = newest.name if newest else None
+            uid_doc = {"uid": new_uid(uid_time_ns(newest.uid) + 1 if newest else 0)}
+        except OSError as e:
+            uid_doc = {"error": f"{type(e).__name__}: {e}"}
+    uid_doc = broadcast_json(comm, uid_doc)
+    if "error" in uid_doc:
+        raise CheckpointWriteError(0, f"saving step {job.step} failed: rank 0 cannot list "
+                                      f"the store: {uid_doc['error']}")
+    uid = uid_doc["uid"]
+    ddir = data_dir(uid)
+    marker = inflight_marker(uid, rank)
+    own_inflight.add(uid)
+    local_error: BaseException | None = None
+    report: dict[str, Any]
+    try:
+        try:
+            backend.write_file(marker, [json.dumps({
+                "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
+                "step": job.step, "rank": rank,
+            }).encode()])
+            _faults.reached("before-data")
+            if rank == 0:
+                write_root_group(backend, ddir, {"trainguard": {"step": job.step, "uid": uid}})
+            if job.staged.ready is not None:
+                job.staged.ready.synchronize()
+            arrays = write_rank(backend, ddir, job.plan, job.staged.segments,
+                                io_threads=io_threads)
+            report = {"ok": True, "arrays": arrays, "tensors": _tensor_entries(job)}
+        except Exception as e:
+            local_error = _as_save_error(e, job.step)
+            report = {"ok": False, "error": f"{type(local_error).__name__}: {local_error}"}
+        reports = all_gather_json(comm, report)
+        outcome: dict[str, Any] = {}
+        manifest_bytes = b""
+        if rank == 0:
+            outcome, manifest_bytes = _commit(backend, job, uid, parent, reports, comm.world_size)
+        outcome = broadcast_json(comm, outcome)
+        manifest_bytes = comm.broadcast_bytes(manifest_bytes if rank == 0 else None)
+    finally:
+        with contextlib.suppress(OSError):
+            backend.remove(marker)
+        own_inflight.discard(uid)
+    if local_error is not None:
+        raise local_error
+    if not outcome["ok"]:
+        if outcome.get("errno"):
+            raise CheckpointWriteError(outcome["errno"], outcome["error"])
+        raise DistributedSaveError(outcome["error"])
+    return parse_manifest(outcome["name"], manifest_bytes)
+
+
+def _commit(backend: Backend, job: SaveJob, uid: str, parent: str | None,
+            reports: list[dict[str, Any]], world_size: int) -> tuple[dict[str, Any], bytes]:
+    ddir = data_dir(uid)
+    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if not rep["ok"]]
+    if failed:
+        with contextlib.suppress(OSError):
+            backend.remove_tree(ddir)
+        detail = "; ".join(f"rank {r}: {err}" for r, err in failed)
+        return {"ok": False, "error": f"save of step {job.step} aborted, nothing committed "
+                                      f"(previous checkpoint intact): {detail}"}, b""
+    name = ManifestName(uid=uid, step=job.step).name
+    try:
+        _faults.reached("after-data")
+        arrays: dict[str, Any] = {}
+        for rep in reports:
+            arrays.update(rep["arrays"])
+        raw = encode_manifest(
+            step=job.step, uid=uid, created_at=time.time(), parent=parent,
+            world_size=world_size, extra=job.extra, arrays=arrays,
+            tensors=_merge_tensors([rep["tensors"] for rep in reports]), state=job.skeleton,
+        )
+        try:
+            backend.exclusive_create(manifest_path(name), raw)
+        except FileExistsError as e:
+            raise CommitConflictError(f"manifest {name} already exists; uids are unique, so "
+                                      "another writer shares this store") from e
+        _faults.reached("before-pointer")
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            backend.remove_tree(ddir)
+        err = _as_save_error(e, job.step)
+        return {"ok": False, "error": str(err), "errno": getattr(err, "errno", None)}, b""
+    try:
+        # LATEST is a hint: the manifest above is the commit, so a failed swap leaves
+        # a stale pointer that readers detect, not a failed save.
+        backend.replace(LATEST, latest_pointer(name, job.step, uid))
+        _faults.reached("after-pointer")
+    except OSError as e:
+        log.warning("checkpoint %s committed but LATEST was not updated: %s", name, e)
+    return {"ok": True, "name": name}, raw

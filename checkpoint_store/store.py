@@ -1,0 +1,420 @@
+"""``CheckpointStore``: the facade users call. See FORMAT.md for what it writes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from checkpoint_store.backends import Backend, open_backend
+from checkpoint_store.dist import Comm, all_gather_json, make_comm
+from checkpoint_store.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    PinnedCheckpointError,
+    SaveInProgressError,
+    UnsupportedValueError,
+)
+from checkpoint_store.flatten import decode_skeleton, flatten
+from checkpoint_store.handle import SaveHandle
+from checkpoint_store.layout import (
+    LATEST,
+    MANIFEST_DIR,
+    PINS_DIR,
+    ManifestName,
+    data_dir,
+    manifest_path,
+    parse_manifest_name,
+)
+from checkpoint_store.loading import Applier
+from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.plan import plan_rank
+from checkpoint_store.reader import ChunkReader
+from checkpoint_store.retention import GcReport, apply_retention, choose_deletions, collect_garbage
+from checkpoint_store.saving import SaveJob, latest_pointer, run_save
+from checkpoint_store.staging import BufferPool, Staged, direct_segments
+
+__all__ = ["CheckpointStore"]
+
+log = logging.getLogger("checkpoint_store")
+
+DEFAULT_CHUNK_BYTES = 32 << 20
+OWN_ARRAY_BYTES = 4 << 20
+
+
+class CheckpointStore:
+    """Save, list, verify and load checkpoints under one root URL.
+
+    ``url``: ``file:///abs/path``, a plain path, ``memory://name``, ``s3://bucket/prefix``
+    (``storage_options`` go to fsspec). With torch.distributed initialized, the store
+    is collective: every rank constructs it, calls ``save`` and ``load`` in the same
+    order; rank 0 commits and applies retention.
+
+    ``chunk_bytes`` (target size of a chunk file) and ``io_threads`` (parallel chunk
+    I/O) tune throughput; ``stale_after_s`` is how old another host's in-flight marker
+    must be before ``gc`` treats its save as dead.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        process_group: Any = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        io_threads: int = 4,
+        stale_after_s: float = 24 * 3600.0,
+    ):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        url = os.fspath(url)
+        self.url = url
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.chunk_bytes = chunk_bytes
+        self.io_threads = io_threads
+        self.stale_after_s = stale_after_s
+        self._backend: Backend = open_backend(url, storage_options)
+        self._comm: Comm = make_comm(process_group)
+        self._pool = BufferPool()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
+        self._lock = threading.Lock()
+        self._current: SaveHandle | None = None
+        self._unreported: SaveHandle | None = None
+        self._own_inflight: set[str] = set()
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    # ---------------------------------------------------------------- save
+    def save(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        extra: Mapping[str, Any] | None = None,
+        blocking: bool = True,
+        if_busy: str = "wait",
+    ) -> SaveHandle:
+        """Stage ``state`` and write it as checkpoint ``step``.
+
+        ``blocking=False`` returns once the tensors are copied to host buffers; the
+        handle completes when the manifest is committed. A second save waits for the
+        one in flight (``if_busy="wait"``) or raises SaveInProgressError
+        (``"raise"``). A background failure nobody has seen through ``wait()`` is
+        raised here, by the next save."""
+        if self._closed:
+            raise CheckpointError("the store is closed")
+        if if_busy not in ("wait", "raise"):
+            raise ValueError(f"if_busy must be 'wait' or 'raise', got {if_busy!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        extra_doc = _json_extra(extra)
+        with self._lock:
+            current = self._current
+        if current is not None and not current.done():
+            if if_busy == "raise":
+                raise SaveInProgressError(
+                    f"the save of step {current.step} is still being written; wait for its "
+                    "handle or pass if_busy='wait'"
+                )
+            current._done.wait()
+        self._raise_unreported()
+        leaves, skeleton = flatten(state)
+        if self.world_size > 1 and self.rank != 0:
+            # Replicated (non-Shard) values are rank 0's to write.
+            leaves = [leaf for leaf in leaves if leaf.sharded]
+        plan = plan_rank(leaves, rank=self.rank, chunk_bytes=self.chunk_bytes,
+                         own_array_bytes=min(OWN_ARRAY_BYTES, self.chunk_bytes))
+        on_cpu = all(not leaf.tensor.is_cuda for leaf in leaves)
+        if blocking and on_cpu:
+            staged = Staged(direct_segments(leaves, plan), None)
+        else:
+            staged = self._pool.stage(leaves, plan)
+        job = SaveJob(step, extra_doc, leaves, plan, staged, skeleton)
+        handle = SaveHandle(step)
+        with self._lock:
+            self._current = handle
+        self._executor.submit(self._run, handle, job)
+        if blocking:
+            handle.wait()
+        return handle
+
+    def _run(self, handle: SaveHandle, job: SaveJob) -> None:
+        try:
+            manifest = run_save(self._backend, self._comm, job, io_threads=self.io_threads,
+                                own_inflight=self._own_inflight)
+        except BaseException as e:
+            with self._lock:
+                self._unreported = handle
+            handle._finish(None, e)
+            return
+        if self.rank == 0:
+            try:
+                self._apply_retention(protect=manifest.name)
+            except Exception:
+                log.exception("retention after committing %s failed", manifest.name)
+        handle._finish(manifest, None)
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            failed, self._unreported = self._unreported, None
+        if failed is not None and not failed.error_reported and failed.error is not None:
+            failed.error_reported = True
+            raise CheckpointError(
+                f"the previous save (step {failed.step}) failed in the background: "
+                f"{failed.error}; nothing was committed for it"
+            ) from failed.error
+
+    # ---------------------------------------------------------------- read side
+    def _names(self) -> list[ManifestName]:
+        """Manifest names in commit order (oldest first)."""
+        return sorted(p for p in map(parse_manifest_name,
+                                     self._backend.listdir(MANIFEST_DIR)) if p)
+
+    def _pins(self) -> set[str]:
+        return set(self._backend.listdir(PINS_DIR))
+
+    def _read_manifest(self, name: str, pins: set[str] | None = None) -> Manifest:
+        try:
+            raw = self._backend.read(manifest_path(name))
+        except FileNotFoundError as e:
+            raise NoCheckpointError(f"manifest {name} does not exist") from e
+        pinned = name in (pins if pins is not None else self._pins())
+        return parse_manifest(name, raw, pinned=pinned)
+
+    def list(self) -> list[Manifest]:
+        """Committed, readable manifests, oldest first (damaged ones are logged)."""
+        pins = self._pins()
+        out = []
+        for n in self._names():
+            try:
+                out.append(self._read_manifest(n.name, pins))
+            except CorruptCheckpointError as e:
+                log.warning("skipping damaged manifest %s: %s", n.name, e)
+            except NoCheckpointError:
+                continue  # deleted between listing and reading
+        return out
+
+    def latest(self) -> Manifest | None:
+        """The newest manifest whose checksum holds; no tensor data is read."""
+        pins = self._pins()
+        for n in reversed(self._names()):
+            try:
+                return self._read_manifest(n.name, pins)
+            except CorruptCheckpointError as e:
+                log.warning("skipping damaged manifest %s: %s", n.name, e)
+            except NoCheckpointError:
+                continue
+        return None
+
+    def _check_latest_pointer(self, newest: ManifestName | None) -> str | None:
+        """A problem with LATEST (it is a hint: loads never depend on it), or None."""
+        try:
+            raw = self._backend.read(LATEST)
+        except FileNotFoundError:
+            return None if newest is None else f"LATEST is missing (newest is {newest.name})"
+        try:
+            doc = json.loads(raw)
+            name, step, uid = doc["manifest"], doc["step"], doc["uid"]
+        except (ValueError, KeyError, TypeError) as e:
+            return f"LATEST is unreadable ({e})"
+        parsed = parse_manifest_name(name) if isinstance(name, str) else None
+        if parsed is None or (parsed.step, parsed.uid) != (step, uid):
+            return f"LATEST is inconsistent: {doc!r}"
+        if newest is not None and parsed > newest:
+            return f"LATEST names {name}, which is not among the manifests"
+        return None
+
+    def _candidates(self, step: int | None) -> list[ManifestName]:
+        names = self._names()
+        if step is not None:
+            names = [n for n in names if n.step == step]
+        return list(reversed(names))
+
+    def load(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        keys: Iterable[str] | None = None,
+        strict: bool = False,
+    ) -> Manifest | None:
+        """Load the newest valid checkpoint (or ``step``) into ``state`` in place.
+
+        Every chunk read is verified before anything in ``state`` changes. A damaged
+        checkpoint is skipped with a warning and the previous one loaded;
+        ``strict=True`` raises CorruptCheckpointError instead. Returns None when the
+        store holds no checkpoint at all."""
+        self._wait_current()
+        keys = list(keys) if keys is not None else None
+        candidates = self._candidates(step)
+        if not candidates:
+            if step is not None:
+                raise NoCheckpointError(f"no checkpoint of step {step} in {self.url}")
+            return None
+        if step is None:
+            problem = self._check_latest_pointer(candidates[0])
+            if problem is not None:
+                if strict:
+                    raise CorruptCheckpointError(f"{problem} in {self.url}")
+                log.warning("%s in %s; using the manifest listing", problem, self.url)
+        damaged: list[str] = []
+        pins = self._pins()
+        for n in candidates:
+            applier: Applier | None = None
+            error = ""
+            manifest: Manifest | None = None
+            try:
+                manifest = self._read_manifest(n.name, pins)
+                reader = ChunkReader(self._backend, data_dir(manifest.uid), manifest.arrays,
+                                     io_threads=self.io_threads)
+                applier = Applier(manifest.name, manifest.tensors, reader)
+                with torch.no_grad():
+                    applier.prepare(state, decode_skeleton(manifest.state), keys)
+            except CorruptCheckpointError as e:
+                error = str(e)
+            except NoCheckpointError:
+                continue
+            verdicts = all_gather_json(self._comm, error)
+            bad = [(r, v) for r, v in enumerate(verdicts) if v]
+            if not bad:
+                assert applier is not None and manifest is not None
+                with torch.no_grad():
+                    applier.apply(state)
+                if damaged:
+                    log.warning("loaded %s after skipping damaged %s", manifest.name, damaged)
+                return manifest
+            detail = "; ".join(f"rank {r}: {v}" for r, v in bad)
+            if strict:
+                raise CorruptCheckpointError(f"checkpoint {n.name} is damaged: {detail}")
+            log.warning("checkpoint %s is damaged (%s); falling back to the previous one",
+                        n.name, detail)
+            damaged.append(n.name)
+        raise CorruptCheckpointError(
+            f"no loadable checkpoint in {self.url}: damaged {damaged}; restore from a copy"
+        )
+
+    def verify(self, step: int) -> Manifest:
+        """Read every chunk of the newest checkpoint of ``step`` and check its CRC."""
+        candidates = self._candidates(step)
+        if not candidates:
+            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url}")
+        manifest = self._read_manifest(candidates[0].name)
+        reader = ChunkReader(self._backend, data_dir(manifest.uid), manifest.arrays,
+                             io_threads=self.io_threads)
+        for path, meta in manifest.arrays.items():
+            for i in range(len(meta["crc32c"])):
+                reader.fetch([(path, i * int(meta["chunk_bytes"]), 1)])
+                reader.drop()
+        decode_skeleton(manifest.state)
+        for path, entry in manifest.tensors.items():
+            for s in entry["shards"]:
+                meta = manifest.arrays.get(s["array"])
+                if s["nbytes"] and (meta is None or s["offset"] + s["nbytes"] >
+                                    len(meta["crc32c"]) * int(meta["chunk_bytes"])):
+                    raise CorruptCheckpointError(
+                        f"tensor {path!r} of {manifest.name} points outside its array"
+                    )
+        return manifest
+
+    # ---------------------------------------------------------------- retention
+    def _apply_retention(self, protect: str | None = None) -> list[str]:
+        manifests = self.list()
+        doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
+                                              keep_every=self.keep_every)
+                  if m.name != protect]
+        return apply_retention(self._backend, doomed)
+
+    def gc(self) -> GcReport:
+        """Remove debris of crashed saves and apply retention; a save in flight (here
+        or in a live process) is left alone."""
+        return collect_garbage(
+            self._backend, own_inflight=set(self._own_inflight),
+            stale_after_s=self.stale_after_s, retention=self._apply_retention,
+        )
+
+    def _by_step(self, step: int) -> list[Manifest]:
+        found = [m for m in self.list() if m.step == step]
+        if not found:
+            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url}")
+        return found
+
+    def pin(self, step: int) -> Manifest:
+        """Keep the newest checkpoint of ``step`` forever (until unpinned)."""
+        m = self._by_step(step)[-1]
+        self._backend.replace(f"{PINS_DIR}/{m.name}", b"")
+        return self._read_manifest(m.name)
+
+    def unpin(self, step: int) -> None:
+        for m in self._by_step(step):
+            self._backend.remove(f"{PINS_DIR}/{m.name}")
+
+    def delete(self, step: int) -> list[str]:
+        """Delete every checkpoint of ``step`` (manifest first, then data)."""
+        found = self._by_step(step)
+        pinned = [m.name for m in found if m.pinned]
+        if pinned:
+            raise PinnedCheckpointError(f"checkpoints {pinned} are pinned; unpin step {step} "
+                                        "before deleting it")
+        deleted = apply_retention(self._backend, found)
+        newest = self.latest()
+        if newest is None:
+            self._backend.remove(LATEST)
+        else:
+            self._backend.replace(LATEST, latest_pointer(newest.name, newest.step, newest.uid))
+        return deleted
+
+    # ---------------------------------------------------------------- lifecycle
+    def _wait_current(self) -> None:
+        with self._lock:
+            current = self._current
+        if current is not None:
+            current._done.wait()
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the writer thread."""
+        if self._closed:
+            return
+        self._wait_current()
+        self._closed = True
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.url!r}, rank={self.rank}/{self.world_size})"
+
+
+def _json_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise UnsupportedValueError(f"extra must be a JSON-able mapping, got {type(extra).__name__}")
+    try:
+        return json.loads(json.dumps(dict(extra), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise UnsupportedValueError(f"extra must be JSON-able (no NaN): {e}") from e

@@ -1,0 +1,72 @@
+"""Shared helpers of the checkpoint_store tests (importable by subprocess workers)."""
+
+from __future__ import annotations
+
+import torch
+
+from checkpoint_store.dtypes import _BY_NAME, is_supported
+
+SUPPORTED_DTYPES = sorted((d for d in _BY_NAME.values() if is_supported(d)), key=str)
+SHAPES: list[tuple[int, ...]] = [(), (0,), (0, 3), (7,), (3, 5), (2, 3, 4)]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random bits of ``dtype`` (NaNs and all): only a bit-exact store round-trips them."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes in C order, as uint8 (for bit-exact comparison)."""
+    if t.dtype == torch.complex128:
+        flat = t.clone().contiguous().reshape(-1).view(torch.float64)
+    else:
+        from checkpoint_store.dtypes import raw_view
+
+        flat = raw_view(t).clone().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def zeroed(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous all-zero-bits tensor like ``t`` (works for dtypes without kernels)."""
+    from checkpoint_store.dtypes import raw_view
+
+    out = torch.empty(t.shape, dtype=t.dtype)
+    raw_view(out).zero_()
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def state_for(step: int, *, width: int = 8) -> dict[str, object]:
+    """A small training-like state whose every value depends on ``step``."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(width, width, generator=g),
+        "b": torch.randn(width, generator=g).to(torch.bfloat16),
+        "step": step,
+        "name": f"run-{step}",
+    }
+
+
+_bucket_ids = iter(range(1_000_000))
+
+
+def make_bucket(moto_server) -> str:
+    """A fresh bucket on the moto server. (The shared ``s3_bucket`` fixture goes
+    through ``s3fs.mkdir``, which sends LocationConstraint=us-east-1, which S3 and
+    moto refuse; a plain CreateBucket is what AWS expects in us-east-1.)"""
+    import os
+
+    import s3fs
+
+    name = f"tg-ckpt-{os.getpid()}-{next(_bucket_ids)}"
+    fs = s3fs.S3FileSystem(**moto_server.storage_options())
+    fs.call_s3("create_bucket", Bucket=name)
+    return name
