@@ -227,8 +227,11 @@ class CheckpointStore:
                 continue
         return None
 
-    def _check_latest_pointer(self, newest: ManifestName | None) -> str | None:
-        """A problem with LATEST (it is a hint: loads never depend on it), or None."""
+    def _check_latest_pointer(self, names: list[ManifestName]) -> str | None:
+        """A problem with LATEST (it is a hint: loads never depend on it), or None.
+        A LATEST older than the newest manifest is no problem: a crash after the
+        commit and before the pointer swap leaves it so."""
+        newest = max(names) if names else None
         try:
             raw = self._backend.read(LATEST)
         except FileNotFoundError:
@@ -241,7 +244,7 @@ class CheckpointStore:
         parsed = parse_manifest_name(name) if isinstance(name, str) else None
         if parsed is None or (parsed.step, parsed.uid) != (step, uid):
             return f"LATEST is inconsistent: {doc!r}"
-        if newest is not None and parsed > newest:
+        if parsed not in names:
             return f"LATEST names {name}, which is not among the manifests"
         return None
 
@@ -273,7 +276,7 @@ class CheckpointStore:
                 raise NoCheckpointError(f"no checkpoint of step {step} in {self.url}")
             return None
         if step is None:
-            problem = self._check_latest_pointer(candidates[0])
+            problem = self._check_latest_pointer(candidates)
             if problem is not None:
                 if strict:
                     raise CorruptCheckpointError(f"{problem} in {self.url}")

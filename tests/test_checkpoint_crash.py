@@ -1,0 +1,128 @@
+"""Crash consistency: a saving process SIGKILLed at each step of the commit protocol
+leaves the last committed checkpoint loadable, and gc removes exactly the debris."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint_store import CheckpointStore
+from checkpoint_store._faults import CRASH_ENV, PHASES, STOP_ENV
+from tests._ckpt_helpers import make_bucket, state_for
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests" / "_ckpt_worker.py"
+CHUNK = 4096  # the 64x64 float32 weight becomes 4 chunk files: "mid-data" is real
+COMMITTED_AFTER = {"before-pointer", "after-pointer"}
+
+
+def _spawn(url: str, step: int, env_extra: dict[str, str], options: dict | None = None):
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env_extra}
+    args = [sys.executable, str(WORKER), url, str(step), str(CHUNK)]
+    if options is not None:
+        args.append(json.dumps(options))
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _target() -> dict[str, object]:
+    return {"w": torch.zeros(64, 64), "b": torch.zeros(64, dtype=torch.bfloat16), "step": -1}
+
+
+def _assert_loads_step(store: CheckpointStore, step: int) -> None:
+    target = _target()
+    manifest = store.load(target, strict=True)
+    assert manifest is not None and manifest.step == step
+    expected = state_for(step, width=64)
+    assert torch.equal(target["w"], expected["w"]) and torch.equal(target["b"], expected["b"])
+    assert target["step"] == step and manifest.extra == {"offsets": {"p0": f"1-{step}"}}
+
+
+def _local_debris(root: Path, store: CheckpointStore) -> set[str]:
+    kept = {m.uid for m in store.list()}
+    data = {p.name for p in (root / "data").iterdir()} - kept
+    inflight = {p.name for p in (root / "inflight").iterdir()} if (root / "inflight").exists() else set()
+    temps = {p.name for p in root.rglob(".tmp-*")}
+    return data | inflight | temps
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_kill_9_at_each_phase_keeps_last_committed(tmp_path, phase):
+    """SIGKILL at ``phase`` of saving step 2 over a committed step 1: before the
+    manifest exists, step 1 loads (strict, so nothing damaged is seen); from the
+    manifest on, step 2 loads. gc then leaves only committed data behind."""
+    root = tmp_path / "ckpt"
+    url = f"file://{root}"
+    store = CheckpointStore(url, chunk_bytes=CHUNK)
+    store.save(state_for(1, width=64), step=1, extra={"offsets": {"p0": "1-1"}})
+
+    proc = _spawn(url, 2, {CRASH_ENV: phase})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    assert b"saved" not in out
+
+    committed = 2 if phase in COMMITTED_AFTER else 1
+    _assert_loads_step(store, committed)
+    assert [m.step for m in store.list()] == ([1, 2] if committed == 2 else [1])
+
+    report = store.gc()
+    assert _local_debris(root, store) == set()
+    if phase in ("mid-data", "after-data", "mid-manifest"):
+        assert len(report.removed_data) == 1
+    assert report.in_flight == []
+    _assert_loads_step(store, committed)
+
+
+@pytest.mark.parametrize("phase", ["mid-data", "mid-manifest", "before-pointer"])
+def test_kill_9_on_s3(moto_server, phase):
+    """The same on S3 (moto over HTTP): an unfinished manifest upload publishes
+    nothing; a finished one is the commit even without LATEST."""
+    bucket = make_bucket(moto_server)
+    url, options = f"s3://{bucket}/run", moto_server.storage_options()
+    store = CheckpointStore(url, storage_options=options, chunk_bytes=CHUNK)
+    store.save(state_for(1, width=64), step=1, extra={"offsets": {"p0": "1-1"}})
+    proc = _spawn(url, 2, {CRASH_ENV: phase}, options)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    committed = 2 if phase in COMMITTED_AFTER else 1
+    _assert_loads_step(store, committed)
+    store.gc()
+    data = store._backend.listdir("data")
+    assert sorted(data) == sorted(m.uid for m in store.list())
+
+
+def _wait_stopped(pid: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"worker {pid} did not reach the stop phase")
+
+
+def test_gc_leaves_a_live_save_in_flight_alone(tmp_path):
+    """A writer stopped mid-data (alive, not crashed) keeps its data through gc;
+    once resumed it commits and its checkpoint loads."""
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(f"file://{root}", chunk_bytes=CHUNK)
+    store.save(state_for(1, width=64), step=1, extra={"offsets": {"p0": "1-1"}})
+    proc = _spawn(f"file://{root}", 2, {STOP_ENV: "mid-data"})
+    try:
+        _wait_stopped(proc.pid)
+        report = store.gc()
+        assert len(report.in_flight) == 1 and report.removed_data == []
+        assert (root / "data" / report.in_flight[0]).is_dir()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"saved" in out, err.decode()[-2000:]
+    _assert_loads_step(store, 2)
+    assert store.gc().removed_data == []
