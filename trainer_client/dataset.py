@@ -107,9 +107,15 @@ def _stack_arrays(entries: list[dict[bytes, bytes]], in_worker: bool) -> torch.T
     out = torch.empty((len(entries), *shape), dtype=tdtype)
     if in_worker:
         out.share_memory_()
-    flat = out.numpy().reshape(len(entries), -1).view(np.uint8)
+    view = memoryview(out.numpy()).cast("B")
+    step = len(view) // len(entries)
     for i, e in enumerate(entries):
-        flat[i] = np.frombuffer(e[streams.F_DATA], dtype=np.uint8)
+        data = e[streams.F_DATA]
+        if len(data) != step:
+            raise streams.ContractError(
+                f"record of {len(data)} bytes does not match its dtype {dtype} and shape {shape}"
+            )
+        view[i * step : (i + 1) * step] = data
     return out
 
 
@@ -121,6 +127,7 @@ class _Reader:
         self.partitions = partitions
         self.consumer = consumer
         self.client: redis.Redis | None = None
+        self.conn: redis.Connection | None = None
         self.positions: dict[int, str] = {}
         self.parsed: dict[int, streams.StreamId] = {}
         self.batches: dict[int, int] = {}
@@ -136,9 +143,14 @@ class _Reader:
         return self.client
 
     def _drop(self) -> None:
+        # A connection cut off mid-command may still have a reply in flight: never
+        # reuse it (this is what makes an interrupted blocking read safe).
         if self.client is not None:
             self.client.close()
             self.client = None
+        if self.conn is not None:
+            self.conn.disconnect()
+            self.conn = None
 
     def close(self) -> None:
         self._drop()
@@ -176,15 +188,68 @@ class _Reader:
             self.parsed[p] = streams.parse_id(i)
             self.batches[p] = n
 
+    def _raw(self) -> redis.Connection:
+        if self.conn is None:
+            kw = redis.connection.parse_url(self.ds.redis_url)
+            self.conn = redis.Connection(
+                **kw, protocol=2, socket_timeout=30.0, socket_connect_timeout=5.0
+            )
+            self.conn.connect()
+        return self.conn
+
+    def _fenced_read(self, counts: dict[int, int]) -> dict[int, list[Any]]:
+        """XREADGROUP of each partition in one MULTI, under WATCH of the partitions'
+        fences: a trainer whose generation is no longer the newest reads nothing.
+
+        Optimistic instead of a Lua script because Lua copies every reply into Lua
+        values and back, which costs most of the throughput for large records.
+        """
+        ds = self.ds
+        order = list(counts)
+        fences = [streams.fence_key(ds.dataset, p, ds.group) for p in order]
+        while True:
+            conn = self._raw()
+            conn.send_packed_command(
+                conn.pack_commands([("WATCH", *fences), *(("GET", k) for k in fences)])
+            )
+            conn.read_response()
+            gens = [int(conn.read_response() or 0) for _ in fences]
+            if max(gens) != ds.generation or min(gens) != ds.generation:
+                conn.send_command("UNWATCH")
+                conn.read_response()
+                # Raises FencedError when newer; re-asserts a fence Redis lost.
+                ofs.assert_generation(self._connect(), ds.dataset, ds.group, ds.generation, order)
+                continue
+            cmds: list[tuple[Any, ...]] = [("MULTI",)]
+            for p in order:
+                cmds.append((
+                    "XREADGROUP", "GROUP", ds.group, self.consumer, "COUNT", counts[p],
+                    "STREAMS", streams.partition_key(ds.dataset, p), ">",
+                ))
+            cmds.append(("EXEC",))
+            conn.send_packed_command(conn.pack_commands(cmds))
+            for _ in range(len(order) + 1):
+                conn.read_response()  # OK, QUEUED...
+            results = conn.read_response()
+            if results is None:
+                continue  # a fence changed under WATCH: look again
+            missing = {p: self.positions[p] for p, r in zip(order, results)
+                       if isinstance(r, Exception) and "NOGROUP" in str(r)}
+            for r in results:
+                if isinstance(r, Exception) and "NOGROUP" not in str(r):
+                    raise r
+            if missing:  # Redis lost the group (restart): recreate it where we are
+                ofs.seek_group(self._connect(), ds.dataset, ds.group, ds.generation, missing)
+                continue
+            return {p: (r[0][1] if r else []) for p, r in zip(order, results)}
+
     def read(self, counts: dict[int, int]) -> dict[int, list[tuple[str, dict[bytes, bytes]]]]:
         """Up to ``counts[p]`` new entries of each partition (possibly none), with the
         producer's end marks refreshed in the same round trip."""
-        ds = self.ds
 
         def call(c: redis.Redis) -> Any:
-            req = {p: (n, self.positions[p]) for p, n in counts.items()}
-            got = ofs.read_group(c, ds.dataset, ds.group, ds.generation, self.consumer, req)
-            if ds.finite:
+            got = self._fenced_read(counts)
+            if self.ds.finite:
                 self._refresh_ends(c)
             return got
 

@@ -1,8 +1,9 @@
 """Consumer-group positions, acknowledgements and fencing, as fenced Lua scripts.
 
-Every operation that moves a run's consumer group (read, seek, acknowledge) runs as a
-Lua script on the partition's own keys (stream, fence, seek: one hash slot), which
-first compares the caller's fencing generation with the partition's fence:
+Every operation that moves a run's consumer group (seek, acknowledge) runs as a Lua
+script on the partition's own keys (stream, fence, seek: one hash slot), which first
+compares the caller's fencing generation with the partition's fence (reads do the same
+check optimistically, with WATCH and MULTI: see ``trainer_client.dataset``):
 
 - fence > mine: a newer trainer of the run restored since; the script refuses with
   ``TGFENCED <current>`` and changes nothing (raised as :class:`FencedError`);
@@ -27,10 +28,10 @@ from trainguard import streams
 
 __all__ = [
     "ack_upto",
+    "assert_generation",
     "bump_generation",
     "current_generations",
     "is_fenced_error",
-    "read_group",
     "seek_group",
     "start_pass",
     "write_seek",
@@ -52,19 +53,6 @@ local function setid(id)
     redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], id, 'MKSTREAM')
   end
 end
-"""
-
-# KEYS: stream, fence.  ARGV: group, generation, consumer, count, create-at ID.
-READ_LUA = _FENCE_CHECK + """
-local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[3], 'COUNT', ARGV[4],
-                      'STREAMS', KEYS[1], '>')
-if type(r) == 'table' and r.err then
-  if not string.find(r.err, 'NOGROUP') then return r end
-  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], ARGV[5], 'MKSTREAM')
-  r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[3], 'COUNT', ARGV[4],
-                 'STREAMS', KEYS[1], '>')
-end
-return r
 """
 
 # KEYS: stream, fence, seek.  ARGV: group, generation, ID, batches, write-seek (0/1).
@@ -132,7 +120,7 @@ return new
 _scripts: dict[str, str] = {}
 
 
-def _sha(client: redis.Redis, source: str) -> str:
+def _sha(source: str) -> str:
     sha = _scripts.get(source)
     if sha is None:
         import hashlib
@@ -150,7 +138,7 @@ def eval_many(client: redis.Redis, source: str, calls: list[tuple[list[str], lis
     """
     if not calls:
         return []
-    sha = _sha(client, source)
+    sha = _sha(source)
     for attempt in range(2):
         pipe = client.pipeline(transaction=False)
         for keys, args in calls:
@@ -189,27 +177,6 @@ def _pkeys(dataset: str, p: int, group: str) -> list[str]:
         streams.fence_key(dataset, p, group),
         streams.seek_key(dataset, p, group),
     ]
-
-
-def read_group(
-    client: redis.Redis,
-    dataset: str,
-    group: str,
-    generation: int,
-    consumer: str,
-    requests: Mapping[int, tuple[int, str]],
-) -> dict[int, list[Any]]:
-    """``{partition: (count, create-at ID)}`` -> ``{partition: [[id, [f, v, ...]], ...]}``."""
-    order = list(requests)
-    calls = [
-        (_pkeys(dataset, p, group)[:2], [group, generation, consumer, requests[p][0], requests[p][1]])
-        for p in order
-    ]
-    results = _check(eval_many(client, READ_LUA, calls), group=group, mine=generation, what="read")
-    out: dict[int, list[Any]] = {}
-    for p, r in zip(order, results):
-        out[p] = r[0][1] if r else []
-    return out
 
 
 def seek_group(
@@ -268,6 +235,19 @@ def ack_upto(
     calls = [(_pkeys(dataset, p, group)[:2], [group, generation, i]) for p, i in sorted(offsets.items())]
     results = _check(eval_many(client, ACK_LUA, calls), group=group, mine=generation, what="acknowledge")
     return sum(int(r) for r in results)
+
+
+def assert_generation(
+    client: redis.Redis, dataset: str, group: str, generation: int, partitions: Iterable[int]
+) -> None:
+    """Raise FencedError if a partition's fence is above ``generation``; set fences
+    that are below it (Redis lost them) back to it."""
+    calls = [([streams.fence_key(dataset, p, group)], [generation]) for p in partitions]
+    for r in eval_many(client, BUMP_LUA, calls):
+        if isinstance(r, Exception):
+            raise r
+        if int(r) > generation:
+            raise FencedError(group=group, mine=generation, current=int(r), what="read")
 
 
 def current_generations(client: redis.Redis, dataset: str, group: str, partitions: int) -> list[int]:

@@ -1,0 +1,164 @@
+"""Consumer throughput: raw Redis read limit vs StreamingDataset vs a DataLoader.
+
+One redis-server (started here on a free port), a dataset of P partitions filled with
+records of 8 KiB and of 128 KiB (NumPy uint8 arrays, the contract's ``nd`` kind). For
+each size it measures, over the same entries:
+
+1. raw: pipelined XRANGE of every partition, replies read but not decoded (the limit);
+2. StreamingDataset iterated in this process (fenced XREADGROUP, batch tensors);
+3. the same through ``DataLoader(num_workers=2)``;
+
+and prints MB/s and the ratios to raw. Then the time a checkpoint spends committing
+offsets (acknowledging and publishing them after the manifest commit), with a
+``TrainingSession`` on a local checkpoint store.
+
+    .venv/bin/python bench/consume.py --mb 64          # a small run
+    .venv/bin/python bench/consume.py --mb 512 --partitions 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.servers import RedisServer  # noqa: E402
+from trainer_client import StreamingDataset, TrainingSession  # noqa: E402
+from trainguard import streams  # noqa: E402
+
+
+def fill(url: str, name: str, partitions: int, size: int, count: int) -> None:
+    spec = streams.DatasetSpec(name=name, partitions=partitions, source="bench://", format="npy",
+                               sample_len=size)
+    client = redis.Redis.from_url(url)
+    client.hset(streams.meta_key(name), mapping=spec.to_redis())
+    client.sadd(streams.datasets_key(), name)
+    payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    fields = streams.encode_record(payload)
+    per = [0] * partitions
+    pipe = client.pipeline(transaction=False)
+    for i in range(count):
+        p = i % partitions
+        pipe.xadd(streams.partition_key(name, p), fields, id=streams.make_id(0, per[p]))
+        per[p] += 1
+        if i % 256 == 255:
+            pipe.execute()
+    pipe.execute()
+    progress = {streams.PROGRESS_FINISHED: b"1"}
+    for p in range(partitions):
+        if per[p]:
+            progress[streams.progress_end_field(p)] = streams.make_id(0, per[p] - 1).encode()
+    client.hset(streams.progress_key(name), mapping=progress)
+    client.close()
+
+
+def raw_read(port: int, name: str, partitions: int, chunk: int) -> int:
+    """Bytes of record payload read with pipelined XRANGE, replies parsed by hiredis
+    but not turned into Python dicts (redis-py's response callbacks are bypassed)."""
+    conn = redis.Connection(host="127.0.0.1", port=port)
+    conn.connect()
+    starts = {p: "-" for p in range(partitions)}
+    total = 0
+    while starts:
+        order = list(starts)
+        cmds = [("XRANGE", streams.partition_key(name, p), starts[p], "+", "COUNT", chunk) for p in order]
+        conn.send_packed_command(conn.pack_commands(cmds))
+        for p in order:
+            entries = conn.read_response()
+            for _eid, flat in entries:
+                total += len(flat[3])  # k, kind, d, <payload>, ...
+            if len(entries) < chunk:
+                del starts[p]
+            else:
+                starts[p] = "(" + entries[-1][0].decode()
+    conn.disconnect()
+    return total
+
+
+def dataset_read(url: str, name: str, group: str, batch: int, workers: int | None) -> int:
+    ds = StreamingDataset(url, name, group, batch_size=batch)
+    source = ds if workers is None else DataLoader(ds, batch_size=None, num_workers=workers)
+    total = 0
+    for b in source:
+        total += b.data.numel() * b.data.element_size()
+    return total
+
+
+def timed(fn, *args) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    n = fn(*args)
+    return time.perf_counter() - t0, n
+
+
+def commit_cost(url: str, name: str, store_dir: str, batch: int, rounds: int) -> list[float]:
+    session = TrainingSession(url, dataset=name, run="commitbench", store=f"file://{store_dir}",
+                              keep_last=2)
+    model = torch.nn.Linear(16, 16)
+    state = {"model": model}
+    session.restore(state)
+    it = iter(session.batches(session.dataset(batch_size=batch)))
+    costs = []
+    for step in range(1, rounds + 1):
+        for _ in range(4):
+            next(it)
+        session.checkpoint(state, step, blocking=True)
+        assert session.last_commit_offsets_s is not None
+        costs.append(session.last_commit_offsets_s)
+    session.close()
+    return costs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=64, help="MiB of records per record size")
+    ap.add_argument("--partitions", type=int, default=16)
+    ap.add_argument("--sizes-kib", default="8,128")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp) / "redis").start()
+        try:
+            url = server.url
+            print(f"redis-server :{server.port}, {args.partitions} partitions, {args.mb} MiB per size")
+            for kib in (int(s) for s in args.sizes_kib.split(",")):
+                size = kib * 1024
+                count = max(args.partitions, args.mb * 1024 * 1024 // size)
+                name = f"bench{kib}"
+                fill(url, name, args.partitions, size, count)
+                batch = max(1, (1024 * 1024) // size)  # ~1 MiB batches
+                chunk = max(1, batch)
+                t_raw, n_raw = timed(raw_read, server.port, name, args.partitions, chunk)
+                t_one, n_one = timed(dataset_read, url, name, "one", batch, None)
+                t_dl, n_dl = timed(dataset_read, url, name, "dl2", batch, 2)
+                assert n_raw == n_one == n_dl == count * size, (n_raw, n_one, n_dl, count * size)
+                raw = n_raw / t_raw / 1e6
+                one = n_one / t_one / 1e6
+                dl = n_dl / t_dl / 1e6
+                print(f"{kib:>4} KiB x {count}: raw XRANGE {raw:8.1f} MB/s | StreamingDataset "
+                      f"{one:8.1f} MB/s ({one / raw:.2f}x raw) | DataLoader(2 workers) "
+                      f"{dl:8.1f} MB/s ({dl / raw:.2f}x raw)")
+                client = redis.Redis.from_url(url)
+                for p in range(args.partitions):
+                    client.delete(streams.partition_key(name, p))
+                client.close()
+            fill(url, "commits", args.partitions, 1024, 20000)
+            costs = commit_cost(url, "commits", str(Path(tmp) / "ckpt"), 64, 20)
+            print(f"committing offsets after a checkpoint ({args.partitions} partitions, "
+                  f"256 entries acknowledged each): median {statistics.median(costs) * 1e3:.2f} ms, "
+                  f"max {max(costs) * 1e3:.2f} ms")
+        finally:
+            server.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The ledger training job (run by tests as a subprocess, killed with SIGKILL).
+
+The model holds ``counts``, one float per record of the dataset; every optimizer step
+adds 1 to the count of each record in the batch it consumed (summed over ranks, so
+the buffer is the same on every rank, like gradients under DDP). A run that trained on
+every record exactly once ends with all counts equal to 1.
+
+Prints ``<rank>: READY <step>`` after restoring, ``SAVE <step>`` before each checkpoint call,
+``COMMITTED <step>`` once its manifest is committed and ``DONE <step>`` at the end (the
+parent kills at those moments). Multi-rank: RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT in the environment (gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from trainer_client import TrainingSession
+
+
+class Ledger(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        self.register_buffer("counts", torch.zeros(n))
+
+
+def make_state(n: int) -> tuple[dict[str, object], Ledger, torch.optim.Optimizer]:
+    model = Ledger(n)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return {"model": model, "optim": opt}, model, opt
+
+
+RANK = [0]
+
+
+def say(line: str) -> None:
+    sys.stdout.write(f"{RANK[0]}: {line}\n")
+    sys.stdout.flush()
+
+
+def committed(handle: object, step: int) -> None:
+    try:
+        handle.wait()  # type: ignore[attr-defined]
+    except Exception:
+        return
+    say(f"COMMITTED {step}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--redis", required=True)
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--n", type=int, required=True)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--sleep-ms", type=float, default=0.0)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--trace", default="", help="append each consumed batch's record IDs here")
+    args = ap.parse_args(argv)
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    RANK[0] = rank
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    state, model, opt = make_state(args.n)
+    session = TrainingSession(
+        args.redis, dataset=args.dataset, run=args.run, store=args.store,
+        rank=rank, world_size=world, keep_last=2, deterministic=args.deterministic,
+        block_ms=200,
+    )
+    step = session.restore(state)
+    say(f"READY {step}")
+    loader = DataLoader(
+        session.dataset(batch_size=args.batch_size), batch_size=None,
+        num_workers=args.workers, persistent_workers=args.workers > 0,
+    )
+    trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115
+    it = iter(session.batches(loader))
+    saved = step
+    while True:
+        batch = next(it, None)
+        local = torch.zeros(args.n)
+        if batch is not None:
+            idx = batch.data[:, 0].long()
+            local.index_add_(0, idx, torch.ones(len(idx)))
+        if world > 1:
+            more = torch.tensor([0.0 if batch is None else 1.0])
+            dist.all_reduce(more)
+            if more.item() == 0:
+                break
+            dist.all_reduce(local)
+        elif batch is None:
+            break
+        if batch is not None:
+            x = batch.data.float() / args.n
+            loss = model.lin(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if trace is not None:
+                trace.write(" ".join(str(i) for i in idx.tolist()) + "\n")
+                trace.flush()
+        model.counts += local
+        step += 1
+        if args.sleep_ms:
+            time.sleep(args.sleep_ms / 1000)
+        if step % args.ckpt_every == 0:
+            say(f"SAVE {step}")
+            handle = session.checkpoint(state, step)
+            if rank == 0:
+                handle.add_done_callback(lambda h, s=step: committed(h, s))
+            saved = step
+    if saved != step:
+        say(f"SAVE {step}")
+        session.checkpoint(state, step, blocking=True)
+    session.close()
+    say(f"DONE {step}")
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Test helper: a fork server for the ledger job, so each restart skips importing torch.
+
+Reads one JSON request per line on stdin (``{"rank": r, "args": [...], "env": {...}}``),
+forks a child that runs ``tests/_client_train.py``'s ``main(args)`` with that
+environment, and prints ``<rank>: PID <pid>``, later ``<rank>: EXIT <code>`` (a child
+killed by SIGKILL exits with -9). Children are real, separate processes: the tests kill
+them with SIGKILL by PID. Torch has run no operation here, so forking is safe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import traceback
+
+from tests import _client_train as job
+
+_lock = threading.Lock()
+
+
+def _out(line: str) -> None:
+    with _lock:
+        os.write(1, (line + "\n").encode())
+
+
+def _reap(pid: int, rank: int) -> None:
+    _, status = os.waitpid(pid, 0)
+    _out(f"{rank}: EXIT {os.waitstatus_to_exitcode(status)}")
+
+
+def main() -> None:
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.environ.update(req["env"])
+                code = job.main(req["args"])
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _out(f"{req['rank']}: PID {pid}")
+        threading.Thread(target=_reap, args=(pid, req["rank"]), daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()
