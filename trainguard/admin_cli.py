@@ -305,8 +305,9 @@ def _register_offsets(sub: Any) -> None:
 
 
 def register(sub: Any) -> None:
-    from trainguard import ckpt_cli
+    from trainguard import ckpt_cli, demo
 
     _register_datasets(sub)
     _register_offsets(sub)
     ckpt_cli.register(sub)
+    demo.register(sub)

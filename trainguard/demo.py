@@ -1,0 +1,439 @@
+"""``trainguard demo``: ingest, train, kill -9 the trainer, resume, count.
+
+What it does, all on this machine and cleaned up afterwards:
+
+1. starts its own ``redis-server`` (free port, temporary directory);
+2. writes a dataset of token records (JSON Lines) and registers it;
+3. starts the ingest service (``trainguard serve``, free port, admin API with a fresh
+   token), which shards the records into Redis streams;
+4. trains a small next-token MLP (``examples/train_mlp.py``) through
+   ``StreamingDataset`` + ``TrainingSession`` with checkpoints; the trainer's state
+   includes a ledger (times each record ID went through an optimizer step);
+5. kills the trainer with SIGKILL between two checkpoints, restarts it, lets it
+   finish;
+6. loads the final checkpoint's ledger independently and prints: records ingested,
+   trained, duplicated, lost, checkpoints, resume time.
+
+Every child runs in its own process group (and, on Linux, dies with the demo); the
+demo kills them all on exit, on Ctrl-C and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from trainguard.cli import EXIT_FAILED, EXIT_OK
+
+__all__ = ["main", "register", "run_demo"]
+
+DATASET, RUN, STORE_NAME = "demo", "mlp", "demo"
+VOCAB, LENGTH = 64, 16
+TRAINER = Path(__file__).resolve().parents[1] / "examples" / "train_mlp.py"
+
+
+class DemoError(RuntimeError):
+    """A step of the demo failed; the message says which and where its logs are."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child: own process group, and SIGKILL when the demo dies (Linux)."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Children:
+    """Every process the demo started; ``kill_all`` leaves none behind."""
+
+    def __init__(self, log: IO[str]):
+        self.procs: list[tuple[str, subprocess.Popen[Any]]] = []
+        self.log = log
+
+    def start(self, name: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        proc = subprocess.Popen(argv, preexec_fn=_die_with_parent, **kwargs)
+        self.procs.append((name, proc))
+        print(f"started {name} pid={proc.pid}", file=self.log, flush=True)
+        return proc
+
+    @staticmethod
+    def kill_group(proc: subprocess.Popen[Any], sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+    def kill_all(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                self.kill_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for _, proc in reversed(self.procs):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            # Whatever is left in the group (the process or its children) goes now.
+            self.kill_group(proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def write_dataset(path: Path, records: int, seed: int) -> None:
+    """Token sequences from a few affine rules with some noise: learnable, not trivial."""
+    rng = random.Random(seed)
+    rules = [(rng.randrange(1, VOCAB, 2), rng.randrange(VOCAB)) for _ in range(4)]
+    with path.open("w") as f:
+        for i in range(records):
+            a, b = rules[rng.randrange(len(rules))]
+            tok = [rng.randrange(VOCAB)]
+            while len(tok) < LENGTH:
+                nxt = (a * tok[-1] + b) % VOCAB
+                tok.append(nxt if rng.random() > 0.1 else rng.randrange(VOCAB))
+            f.write(json.dumps({"id": i, "tokens": tok}) + "\n")
+
+
+def start_redis(children: Children, workdir: Path) -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise DemoError("redis-server is not on PATH: run `make demo` (it installs it) or "
+                        "install it (Debian/Ubuntu: apt-get install redis-server)")
+    port = free_port()
+    (workdir / "redis").mkdir()
+    children.start("redis-server", [
+        binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir / "redis"),
+        "--save", "", "--appendonly", "no", "--daemonize", "no",
+        "--logfile", str(workdir / "redis" / "redis.log"),
+    ], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    _wait(lambda: _redis_ping(url), 15, f"redis-server on port {port}")
+    return url
+
+
+def _redis_ping(url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.exceptions.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _wait(check: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise DemoError(f"{what} was not up within {timeout_s} s")
+
+
+def register_dataset(redis_url: str, source: Path, partitions: int) -> None:
+    import redis.asyncio as aioredis
+
+    from ingest_service.datasets import create_dataset
+    from trainguard.streams import DatasetSpec
+
+    async def go() -> None:
+        r = aioredis.Redis.from_url(redis_url)
+        try:
+            await create_dataset(r, DatasetSpec(name=DATASET, partitions=partitions,
+                                                source=str(source), format="jsonl", seed=7))
+        finally:
+            await r.aclose()
+
+    asyncio.run(go())
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def start_service(children: Children, workdir: Path, redis_url: str, store: Path,
+                  token: str, port: int) -> str:
+    env = {**os.environ, "TRAINGUARD_ADMIN_TOKEN": token,
+           "TRAINGUARD_CHECKPOINT_STORES": f"{STORE_NAME}={store}"}
+    log = (workdir / "service.log").open("w")
+    proc = children.start("ingest service", [
+        sys.executable, "-m", "trainguard", "serve", "--host", "127.0.0.1",
+        "--port", str(port), "--redis-url", redis_url,
+    ], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise DemoError(f"the ingest service exited with {proc.returncode}; "
+                            f"see {workdir / 'service.log'}")
+        return _ready(url)
+
+    _wait(up, 60, f"the ingest service on {url}")
+    return url
+
+
+def records_ingested(redis_url: str) -> tuple[int, bool, int]:
+    """(records the producer appended, producer finished, dead letters)."""
+    import redis.asyncio as aioredis
+
+    from ingest_service import inspect
+
+    async def go() -> dict[str, Any]:
+        r = aioredis.Redis.from_url(redis_url)
+        try:
+            return await inspect.show_dataset(r, DATASET)
+        finally:
+            await r.aclose()
+
+    info = asyncio.run(go())
+    total = sum(p["producer_position"]["records"] for p in info["partitions"]
+                if p["producer_position"])
+    return total, bool(info["producer"]["finished"]), int(info["dead_letters"])
+
+
+class Trainer:
+    """One trainer subprocess; its JSON events are read line by line."""
+
+    def __init__(self, children: Children, argv: list[str], log: Path, env: dict[str, str]):
+        self.log = log.open("w")
+        self.proc = children.start("trainer", argv, stdout=subprocess.PIPE,
+                                   stderr=self.log, text=True, env=env)
+        self.started = time.monotonic()
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.strip()
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    yield json.loads(line)
+
+
+def run_trainer(
+    children: Children, argv: list[str], log: Path, env: dict[str, str], *,
+    kill_after_step: int | None, say: Any,
+) -> dict[str, Any]:
+    """Run one trainer until it is done or (with ``kill_after_step``) SIGKILL it
+    once it reported that step. Returns what it reported."""
+    trainer = Trainer(children, argv, log, env)
+    out: dict[str, Any] = {"killed_at_step": None, "checkpoints": [], "restored": None,
+                           "done": None, "first_step_s": None, "last_step": None,
+                           "started_at": trainer.started}
+    for ev in trainer.events():
+        kind = ev.get("event")
+        if kind == "restored":
+            out["restored"] = ev
+            say(f"trainer restored step {ev['step']} "
+                f"({ev['trained']} records already in the model) in {ev['resume_s']} s")
+        elif kind == "step":
+            out["last_step"] = ev["step"]
+            if out["first_step_s"] is None:
+                out["first_step_s"] = time.monotonic() - trainer.started
+            if kill_after_step is not None and ev["step"] >= kill_after_step:
+                Children.kill_group(trainer.proc)
+                trainer.proc.wait()
+                out["killed_at_step"] = ev["step"]
+                say(f"SIGKILL the trainer after it reported step {ev['step']} "
+                    f"(loss {ev['loss']})")
+                break
+        elif kind == "checkpoint":
+            out["checkpoints"].append(ev["step"])
+            say(f"checkpoint of step {ev['step']} (offsets inside; commits in the background)")
+        elif kind == "done":
+            out["done"] = ev
+    code = trainer.proc.wait()
+    if out["killed_at_step"] is None and (code != 0 or out["done"] is None):
+        raise DemoError(f"the trainer exited with code {code} before it was done; see {log}")
+    return out
+
+
+def final_ledger(store: Path, records: int) -> tuple[list[int], int]:
+    """The ledger of the newest checkpoint, loaded (and verified) by the store."""
+    import torch
+
+    from checkpoint_store import CheckpointStore
+
+    with CheckpointStore(str(store)) as cs:
+        state = {"ledger": torch.zeros(records, dtype=torch.int32)}
+        manifest = cs.load(state, keys=["ledger"], strict=True)
+        if manifest is None:
+            raise DemoError(f"no checkpoint in {store}")
+        return state["ledger"].tolist(), len(cs.list())
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_demo(args: argparse.Namespace, say: Any) -> dict[str, Any]:
+    if not TRAINER.is_file():
+        raise DemoError(f"the example trainer {TRAINER} is missing: run the demo from a "
+                        "source checkout (git clone, then make demo)")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="trainguard-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    children = Children(sys.stderr)
+    started = time.monotonic()
+    try:
+        redis_url = start_redis(children, workdir)
+        say(f"redis-server at {redis_url} (data in {workdir / 'redis'})")
+        source = workdir / "tokens.jsonl"
+        write_dataset(source, args.records, args.seed)
+        register_dataset(redis_url, source, args.partitions)
+        say(f"dataset {DATASET!r}: {args.records} token records in {source}, "
+            f"{args.partitions} partitions")
+        store = workdir / "checkpoints"
+        token = secrets.token_urlsafe(16)
+        api = start_service(children, workdir, redis_url, store, token, args.port or free_port())
+        say(f"admin API while it runs: {api}/admin/datasets/{DATASET}  "
+            f"{api}/admin/datasets/{DATASET}/groups  {api}/admin/checkpoints/{STORE_NAME}  "
+            f"(mutations: Authorization: Bearer {token})")
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(TRAINER.parents[1]), os.environ.get("PYTHONPATH")]))}
+        argv = [sys.executable, str(TRAINER), "--redis-url", redis_url, "--dataset", DATASET,
+                "--run", RUN, "--store", str(store), "--records", str(args.records),
+                "--batch-size", str(args.batch_size), "--checkpoint-every",
+                str(args.checkpoint_every), "--step-delay-ms", str(args.step_delay_ms)]
+        steps_total = -(-args.records // args.batch_size)
+        kill_at = min(2 * args.checkpoint_every + max(1, args.checkpoint_every // 2),
+                      max(1, steps_total - 2))
+        first = run_trainer(children, argv, workdir / "trainer-1.log", env,
+                            kill_after_step=kill_at, say=say)
+        killed_at = time.monotonic()
+        second = run_trainer(children, argv, workdir / "trainer-2.log", env,
+                             kill_after_step=None, say=say)
+        restored = second["restored"] or {}
+        done = second["done"] or {}
+        ingested, finished, dead = records_ingested(redis_url)
+        ledger, checkpoints = final_ledger(store, args.records)
+        trained = sum(ledger)
+        summary = {
+            "records_generated": args.records,
+            "records_ingested": ingested,
+            "producer_finished": finished,
+            "dead_letters": dead,
+            "records_trained": trained,
+            "duplicated": sum(c - 1 for c in ledger if c > 1),
+            "lost": sum(1 for c in ledger[:ingested] if c == 0) + (args.records - ingested),
+            "kills": 1 if first["killed_at_step"] is not None else 0,
+            "killed_at_step": first["killed_at_step"],
+            "resumed_from_step": restored.get("step"),
+            "steps_redone": (first["killed_at_step"] or 0) - (restored.get("step") or 0),
+            "final_step": done.get("step"),
+            "final_loss": done.get("loss"),
+            "checkpoints_written": len(first["checkpoints"]) + len(second["checkpoints"]),
+            "checkpoints_kept": checkpoints,
+            "restore_s": restored.get("resume_s"),
+            # From the SIGKILL to the first training step of the restarted trainer
+            # (process start, imports, restore, first batch).
+            "resume_s": round(second["started_at"] + (second["first_step_s"] or 0.0)
+                              - killed_at, 3),
+            "admin_api": api,
+            "workdir": str(workdir),
+            "elapsed_s": round(time.monotonic() - started, 1),
+        }
+        return summary
+    finally:
+        children.kill_all()
+        if not args.keep and not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _human(s: dict[str, Any]) -> str:
+    ok = s["lost"] == 0 and s["duplicated"] == 0 and s["kills"] == 1
+    lines = [
+        "",
+        "trainguard demo summary",
+        f"  records ingested     {s['records_ingested']} (dead letters: {s['dead_letters']})",
+        f"  records trained      {s['records_trained']}",
+        f"  duplicated           {s['duplicated']}",
+        f"  lost                 {s['lost']}",
+        f"  trainer SIGKILLed    after step {s['killed_at_step']}, resumed from checkpoint of "
+        f"step {s['resumed_from_step']} ({s['steps_redone']} steps redone, each record "
+        "still counted once)",
+        f"  checkpoints          {s['checkpoints_written']} written, "
+        f"{s['checkpoints_kept']} kept (retention)",
+        f"  resume time          {s['resume_s']} s from restart to the first step "
+        f"(restore itself: {s['restore_s']} s)",
+        f"  final step / loss    {s['final_step']} / {s['final_loss']}",
+        f"  admin API (was)      {s['admin_api']}",
+        f"  took                 {s['elapsed_s']} s",
+        "",
+        "OK: every record trained exactly once." if ok else "FAILED: see the counts above.",
+    ]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Signal handlers turn SIGTERM into the same clean exit as Ctrl-C."""
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    log = sys.stderr if args.json else sys.stdout
+
+    def say(msg: str) -> None:
+        print(f"[demo] {msg}", file=log, flush=True)
+
+    try:
+        summary = run_demo(args, say)
+    except DemoError as exc:
+        print(f"trainguard demo: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        print(_human(summary))
+    ok = summary["lost"] == 0 and summary["duplicated"] == 0 and summary["kills"] == 1
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo", help="ingest, train, kill -9 the trainer, resume, count (0 lost, 0 duplicated)",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--records", type=int, default=3000, help="records to generate (default 3000)")
+    p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--step-delay-ms", type=float, default=15.0,
+                   help="sleep per training step, so the run can be watched (default 15)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=None, help="service port (default: a free one)")
+    p.add_argument("--workdir", help="keep everything here (default: a temp dir, removed)")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir")
+    p.add_argument("--json", action="store_true", help="the summary as JSON on stdout")
+    p.set_defaults(handler=main)
