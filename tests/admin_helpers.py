@@ -73,10 +73,14 @@ def save_checkpoints(url: str, steps: list[int], offsets: Mapping[int, str],
 
 @asynccontextmanager
 async def admin_client(
-    redis_url: str, *, token: str | None = TOKEN, stores: Mapping[str, Path | str] | None = None
+    redis_url: str, *, token: str | None = TOKEN,
+    stores: Mapping[str, Path | str | StoreRoot] | None = None,
 ) -> AsyncIterator[TestClient]:
     app = web.Application()
-    roots = {name: StoreRoot(name, str(url)) for name, url in (stores or {}).items()}
+    roots = {
+        name: url if isinstance(url, StoreRoot) else StoreRoot(name, str(url))
+        for name, url in (stores or {}).items()
+    }
     setup_admin(app, AdminConfig(redis_url, token, roots))
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield client

@@ -217,3 +217,13 @@ def test_config_from_env_reads_token_and_stores(monkeypatch):
         "a": ("file:///x", None), "b": ("file:///y", "s3://b/y")}
     monkeypatch.setenv("TRAINGUARD_ADMIN_TOKEN", "t")
     assert AdminConfig.from_env("redis://127.0.0.1:1/0").token == "t"
+
+
+def test_service_binds_loopback_unless_told_otherwise():
+    """`trainguard serve` (which serves the admin API) binds 127.0.0.1 by default;
+    another address needs an explicit --host."""
+    from trainguard.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).host == "127.0.0.1"
+    assert parser.parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"

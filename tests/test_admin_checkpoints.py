@@ -3,6 +3,7 @@ pin/unpin, delete refusals, seek to a checkpoint's offsets."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -162,3 +163,32 @@ async def test_readyz_checks_redis_and_every_store(redis_server, tmp_path):
         redis_server.kill()
         resp = await client.get("/readyz")
         assert resp.status == 503
+
+
+async def test_status_local_only_and_remote_tier(redis_server, tmp_path, moto_server):
+    """With a remote tier (real S3 on moto), a checkpoint whose manifest is also
+    under the remote root is "remote", one only on local disk is "local_only"."""
+    import s3fs
+
+    from ingest_service.admin_checkpoints import StoreRoot
+
+    local = tmp_path / "ck"
+    save_checkpoints(str(local), [1, 2], {0: "1-0"})
+    fs = s3fs.S3FileSystem(**moto_server.storage_options())
+    # A plain CreateBucket: the shared s3_bucket fixture's s3fs.mkdir sends a
+    # LocationConstraint of us-east-1, which moto (like S3) refuses.
+    s3_bucket = f"tg-admin-{os.getpid()}-{tmp_path.name}".lower().replace("_", "-")[:63]
+    fs.call_s3("create_bucket", Bucket=s3_bucket)
+    fs.put(str(local) + "/", f"{s3_bucket}/run/", recursive=True)  # what a tier sync does
+    save_checkpoints(str(local), [3], {0: "1-0"})
+    root = StoreRoot("main", str(local), f"s3://{s3_bucket}/run",
+                     storage_options=moto_server.storage_options())
+    async with admin_client(redis_server.url, stores={"main": root}) as client:
+        resp = await client.post("/admin/checkpoints/main/1/pin", headers=AUTH)
+        assert resp.status == 200
+        rows = (await (await client.get("/admin/checkpoints/main")).json())["checkpoints"]
+    assert [(r["step"], r["status"]) for r in rows] == [
+        (1, ["committed", "pinned", "remote"]),
+        (2, ["committed", "remote"]),
+        (3, ["committed", "local_only"]),
+    ]

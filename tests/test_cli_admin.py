@@ -168,7 +168,7 @@ def _leaf_parsers(parser, prefix=()):
     yield prefix
 
 
-@pytest.mark.parametrize("command", ["datasets", "offsets", "ckpt"])
+@pytest.mark.parametrize("command", ["datasets", "offsets", "ckpt", "demo"])
 def test_every_command_has_help(command, capsys):
     """--help works on the group and on each of its subcommands (exit 0, usage)."""
     leaves = [p for p in _leaf_parsers(build_parser()) if p[0] == command]
