@@ -349,10 +349,14 @@ class TrainingSession:
                 else:
                     return
             finally:
-                shutdown = getattr(it, "_shutdown_workers", None)
+                # Stop an abandoned pass's workers before the next pass seeks, so none
+                # of them reads on. Persistent workers stay: the loader's next pass
+                # resets them, and each starts its new pass at the seek.
+                if not getattr(loader, "persistent_workers", False):
+                    shutdown = getattr(it, "_shutdown_workers", None)
+                    if shutdown is not None:
+                        shutdown()
                 del it
-                if shutdown is not None:
-                    shutdown()
 
     def _ordered(self, it: Iterator[Batch], owned: Mapping[int, list[int]]) -> Iterator[Batch]:
         with self._lock:

@@ -1,0 +1,286 @@
+"""TrainingSession with a real redis-server and a real checkpoint store: offsets go into
+manifests, acknowledgements follow commits, restores re-read exactly the uncommitted
+records, prefetched batches do not count, zombies are fenced, errors are clear."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from torch.utils.data import DataLoader
+
+from tests import _client_fill as cf
+from trainer_client import (
+    Batch,
+    CheckpointMismatchError,
+    DatasetNotFoundError,
+    FencedError,
+    PartitionCountError,
+    TrainingSession,
+)
+from trainer_client import offsets as ofs
+from trainguard import streams
+
+
+def _state() -> dict[str, object]:
+    model = torch.nn.Linear(4, 2)
+    return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def _session(url: str, tmp: Path, **kw: object) -> TrainingSession:
+    kw.setdefault("dataset", "tok")
+    kw.setdefault("run", "exp")
+    kw.setdefault("block_ms", 100)
+    return TrainingSession(url, store=f"file://{tmp}/ckpt", **kw)  # type: ignore[arg-type]
+
+
+def _recs(batches: list[Batch]) -> list[int]:
+    return [int(i) for b in batches for i in b.data[:, 0].tolist()]
+
+
+def _take(it, n: int) -> list[Batch]:  # type: ignore[no-untyped-def]
+    return [next(it) for _ in range(n)]
+
+
+def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(redis_server, tmp_path) -> None:
+    """No checkpoint: restore returns 0 and reads every partition from its start; the
+    final checkpoint's manifest holds the last IDs, and after it nothing is pending,
+    the committed offsets and the floor are published."""
+    spec = cf.create(redis_server.url, "tok", partitions=3)
+    cf.fill(redis_server.url, spec, 90)
+    s = _session(redis_server.url, tmp_path)
+    state = _state()
+    assert s.restore(state) == 0
+    got = list(s.batches(DataLoader(s.dataset(batch_size=7), batch_size=None)))
+    assert sorted(_recs(got)) == list(range(90))
+    m = s.checkpoint(state, 13, blocking=True).wait()
+    s.close()
+    ends = {p: streams.make_id(0, 29) for p in range(3)}
+    assert streams.offsets_from_wire(m.extra["trainguard"]["offsets"]) == ends
+    client = redis.Redis.from_url(redis_server.url)
+    assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends
+    assert streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp"))) == ends
+    for p in range(3):
+        assert client.xpending(streams.partition_key("tok", p), "exp")["pending"] == 0
+
+
+def test_restart_rereads_exactly_the_uncommitted_records(redis_server, tmp_path) -> None:
+    """A trainer consumes 5 batches, checkpoints, consumes 3 more and dies. The next one
+    restores the checkpoint's step and reads exactly the records after its offsets:
+    checkpointed + re-read = every record once. Entries at or below the offsets are
+    acknowledged, the ones after them pending until re-delivered."""
+    spec = cf.create(redis_server.url, "tok", partitions=4)
+    cf.fill(redis_server.url, spec, 200)
+    a = _session(redis_server.url, tmp_path)
+    state = _state()
+    a.restore(state)
+    it = iter(a.batches(DataLoader(a.dataset(batch_size=8), batch_size=None)))
+    first = _take(it, 5)
+    a.checkpoint(state, 5, blocking=True)
+    assert a.offsets == {**{p: "0-0" for p in range(4)}, **{p: i for b in first for p, i in b.offsets.items()}}
+    _take(it, 3)  # consumed but never checkpointed: lost with the crash
+    client = redis.Redis.from_url(redis_server.url)
+    committed = streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp")))
+    for p in range(4):
+        pending = client.xpending_range(streams.partition_key("tok", p), "exp", "-", "+", 1000)
+        assert all(streams.parse_id(e["message_id"]) > streams.parse_id(committed[p]) for e in pending)
+
+    b = _session(redis_server.url, tmp_path)
+    assert b.restore(_state()) == 5
+    rest = list(b.batches(DataLoader(b.dataset(batch_size=8), batch_size=None)))
+    seen = _recs(first) + _recs(rest)
+    assert sorted(seen) == list(range(200))
+    b.checkpoint(_state(), 99, blocking=True)
+    b.close()
+
+
+def test_prefetched_batches_are_not_committed(redis_server, tmp_path) -> None:
+    """With 2 workers prefetching 4 batches each, a checkpoint after 3 consumed batches
+    holds exactly those 3 batches' offsets; a restart then reads every other record,
+    including the ones that sat prefetched in the DataLoader's queues."""
+    spec = cf.create(redis_server.url, "tok", partitions=4)
+    cf.fill(redis_server.url, spec, 400)
+    a = _session(redis_server.url, tmp_path)
+    state = _state()
+    a.restore(state)
+    loader = DataLoader(a.dataset(batch_size=5), batch_size=None, num_workers=2, prefetch_factor=4)
+    it = iter(a.batches(loader))
+    first = _take(it, 3)
+    import time
+
+    time.sleep(0.5)  # let the workers fill their prefetch queues
+    m = a.checkpoint(state, 3, blocking=True).wait()
+    expect = {p: "0-0" for p in range(4)}
+    for b in first:
+        expect.update(b.offsets)
+    assert streams.offsets_from_wire(m.extra["trainguard"]["offsets"]) == expect
+    client = redis.Redis.from_url(redis_server.url)
+    delivered = sum(client.xpending(streams.partition_key("tok", p), "exp")["pending"] for p in range(4))
+    assert delivered > 0  # the workers really read ahead (still pending, not acked)
+    it.close()
+
+    b = _session(redis_server.url, tmp_path)
+    b.restore(_state())
+    rest = list(b.batches(DataLoader(b.dataset(batch_size=5), batch_size=None, num_workers=2)))
+    assert sorted(_recs(first) + _recs(rest)) == list(range(400))
+    b.close()
+    a.close()
+
+
+def test_zombie_cannot_read_ack_or_commit(redis_server, tmp_path) -> None:
+    """Trainer A restores; trainer B of the same run restores after it. A's reads,
+    acknowledgements and checkpoints are refused with FencedError, and nothing of A's
+    reaches the store or Redis."""
+    spec = cf.create(redis_server.url, "tok", partitions=2)
+    cf.fill(redis_server.url, spec, 100)
+    a = _session(redis_server.url, tmp_path)
+    state = _state()
+    a.restore(state)
+    it = iter(a.batches(DataLoader(a.dataset(batch_size=10), batch_size=None)))
+    consumed = _take(it, 2)
+    b = _session(redis_server.url, tmp_path)
+    b.restore(_state())
+    assert b.generation == (a.generation or 0) + 1
+    manifests_before = len(b.store.list())
+
+    with pytest.raises(FencedError, match="checkpoint refused") as info:
+        a.checkpoint(state, 2)
+    assert (info.value.mine, info.value.current) == (a.generation, b.generation)
+    assert len(b.store.list()) == manifests_before
+    client = redis.Redis.from_url(redis_server.url)
+    offsets = {p: i for bt in consumed for p, i in bt.offsets.items()}
+    pending_before = [client.xpending(streams.partition_key("tok", p), "exp")["pending"] for p in range(2)]
+    with pytest.raises(FencedError, match="acknowledge refused"):
+        ofs.ack_upto(client, "tok", "exp", a.generation or 0, offsets)
+    pending_after = [client.xpending(streams.partition_key("tok", p), "exp")["pending"] for p in range(2)]
+    assert pending_after == pending_before
+    # A's reader is fenced as soon as it needs more data
+    with pytest.raises(FencedError, match="read refused"):
+        for _ in range(20):
+            next(it)
+    # B still reads everything after the (absent) checkpoint: all 100 records
+    got = list(b.batches(DataLoader(b.dataset(batch_size=10), batch_size=None)))
+    assert sorted(_recs(got)) == list(range(100))
+    b.close()
+
+
+def test_zombie_commit_in_flight_is_not_acknowledged(redis_server, tmp_path) -> None:
+    """A zombie whose async checkpoint commits after the newer trainer restored gets
+    its acknowledgement refused (raised by its next call), and the newer trainer's
+    restores prefer its own generation's manifests over the zombie's late one."""
+    spec = cf.create(redis_server.url, "tok", partitions=2)
+    cf.fill(redis_server.url, spec, 60)
+    a = _session(redis_server.url, tmp_path)
+    state = _state()
+    a.restore(state)
+    it = iter(a.batches(DataLoader(a.dataset(batch_size=10), batch_size=None)))
+    _take(it, 2)
+    gen_a = a._gen()
+    b = _session(redis_server.url, tmp_path)
+    b.restore(_state())
+    b.checkpoint(_state(), 1, blocking=True)  # B's lineage: step 1, nothing consumed
+    # A passed its fence check before B restored; its commit lands now.
+    a._check_fence = lambda gen: None  # type: ignore[method-assign]
+    handle = a.checkpoint(state, 50)
+    handle.wait()
+    a.wait()
+    with pytest.raises(FencedError, match="acknowledge refused"):
+        a.checkpoint(state, 51)
+    assert a.generation == gen_a
+    c = _session(redis_server.url, tmp_path)
+    assert c.restore(_state()) == 1  # B's step 1, not the zombie's step 50
+    c.close()
+    b.close()
+
+
+def test_missing_dataset(redis_server, tmp_path) -> None:
+    """A session for a dataset that does not exist fails at once, naming it."""
+    with pytest.raises(DatasetNotFoundError, match="'tok' does not exist"):
+        _session(redis_server.url, tmp_path)
+
+
+def test_checkpoint_of_another_dataset(redis_server, tmp_path) -> None:
+    """Restoring from a store whose newest checkpoint belongs to another dataset is
+    refused with CheckpointMismatchError (a ValueError) naming both."""
+    for name in ("tok", "other"):
+        cf.fill(redis_server.url, cf.create(redis_server.url, name, partitions=2), 10)
+    a = _session(redis_server.url, tmp_path, dataset="other")
+    a.restore(_state())
+    a.checkpoint(_state(), 1, blocking=True)
+    a.close()
+    b = _session(redis_server.url, tmp_path)
+    with pytest.raises(CheckpointMismatchError, match="belongs to dataset 'other'") as info:
+        b.restore(_state())
+    assert isinstance(info.value, ValueError)
+
+
+def test_partition_count_changed(redis_server, tmp_path) -> None:
+    """A dataset recreated with another partition count cannot take the old offsets:
+    PartitionCountError says both counts."""
+    cf.fill(redis_server.url, cf.create(redis_server.url, "tok", partitions=4), 20)
+    a = _session(redis_server.url, tmp_path)
+    a.restore(_state())
+    a.checkpoint(_state(), 1, blocking=True)
+    a.close()
+    client = redis.Redis.from_url(redis_server.url)
+    client.delete(streams.meta_key("tok"))
+    cf.create(redis_server.url, "tok", partitions=3)
+    b = _session(redis_server.url, tmp_path)
+    with pytest.raises(PartitionCountError, match=r"written for 4 partitions.*now has 3"):
+        b.restore(_state())
+
+
+def test_rollback_rereads_from_the_checkpoint(redis_server, tmp_path) -> None:
+    """rollback() inside the loop reloads the weights of the checkpoint and the
+    running batches() generator continues at its offsets: the records consumed after
+    the checkpoint come again, once, and training then runs to the end."""
+    spec = cf.create(redis_server.url, "tok", partitions=3)
+    cf.fill(redis_server.url, spec, 150)
+    s = _session(redis_server.url, tmp_path)
+    state = _state()
+    model = state["model"]
+    assert isinstance(model, torch.nn.Linear)
+    s.restore(state)
+    it = iter(s.batches(DataLoader(s.dataset(batch_size=6), batch_size=None, num_workers=2)))
+    before = _take(it, 4)
+    saved = model.weight.detach().clone()
+    s.checkpoint(state, 4, blocking=True)
+    after = _take(it, 3)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert s.rollback(state) == 4
+    assert torch.equal(model.weight, saved)
+    rest = list(it)
+    assert set(_recs(after)) <= set(_recs(rest))
+    assert sorted(_recs(before) + _recs(rest)) == list(range(150))
+    s.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_deterministic_resume_yields_the_same_batches(redis_server, tmp_path, workers: int) -> None:
+    """Deterministic mode: a run interrupted after 7 batches (an odd count, so the
+    workers are out of phase) and resumed from its checkpoint yields exactly the batch
+    sequence of an uninterrupted run, with partitions of unequal length."""
+    spec = cf.create(redis_server.url, "tok", partitions=5)
+    cf.fill(redis_server.url, spec, 233)
+
+    def run(name: str, stop: int | None) -> list[list[str]]:
+        s = _session(redis_server.url, tmp_path / name, run=name, deterministic=True)
+        s.restore(_state())
+        loader = DataLoader(s.dataset(batch_size=4), batch_size=None, num_workers=workers)
+        out = []
+        for i, b in enumerate(s.batches(loader)):
+            out.append([f"{p}:{x}" for p, ids in b.ids.items() for x in ids])
+            if stop is not None and i + 1 == stop:
+                s.checkpoint(_state(), stop, blocking=True)
+                break
+        s.close()
+        return out
+
+    whole = run("whole", None)
+    head = run("cut", 7)
+    tail = run("cut", None)
+    assert head + tail == whole
+    assert len({x for b in whole for x in b}) == 233
