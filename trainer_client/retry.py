@@ -100,9 +100,12 @@ def _backoff_hook(
 ) -> Callable[[Exception], bool | float]:
     def hook(exc: Exception) -> bool | float:
         if isinstance(exc, CircuitOpenError):
-            # Sleep until the breaker admits a probe; the jitter keeps a crowd of
+            # Sleep until the breaker admits a probe (at least wait_initial_s while
+            # another caller's probe is in flight); the jitter keeps a crowd of
             # waiting callers from arriving at the same instant.
-            return exc.retry_after_s + random.uniform(0.0, policy.wait_initial_s)
+            return max(exc.retry_after_s, policy.wait_initial_s) + random.uniform(
+                0.0, policy.wait_initial_s
+            )
         return isinstance(exc, on)
 
     return hook
