@@ -4,8 +4,12 @@ fail-closed errors, no GPU, and the background monitor (fake NVML where no GPU).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pynvml
 import pytest
@@ -22,6 +26,7 @@ from trainer_client.health import (
     Status,
 )
 
+REPO = Path(__file__).resolve().parent.parent
 ALL_SIGNALS = ["memory", "temperature", "clocks_event_reasons", "ecc_uncorrected",
                "remapped_rows", "pcie_replay", "pcie_throughput", "xid"]
 
@@ -272,3 +277,39 @@ def test_monitor_fails_closed_when_the_probe_crashes() -> None:
     assert report.status is Status.CRITICAL
     assert report.checks[0].reason == "health probe crashed: RuntimeError: driver bug"
     assert monitor.critical is report
+
+
+def run_worker(mode: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "tests" / "_health_worker.py"), mode],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_training_loop_checkpoints_and_exits_75() -> None:
+    """A loop that calls monitor.check() between steps gets GpuCriticalError after the
+    GPU turns CRITICAL, checkpoints on its own thread, and exits with code 75."""
+    proc = run_worker("loop")
+    assert proc.returncode == EXIT_GPU_CRITICAL, proc.stderr
+    assert proc.stdout.startswith("checkpoint at step ")
+
+
+def test_hung_process_is_ended_with_75() -> None:
+    """A process whose main thread never checks (hung collective) is still ended with
+    exit code 75 by exit_if_not_handled after its grace period."""
+    proc = run_worker("hung")
+    assert proc.returncode == EXIT_GPU_CRITICAL, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_broken_callback_does_not_stop_the_monitor() -> None:
+    """An on_report callback that raises is logged; the report is still recorded and
+    returned, and on_critical still fires."""
+    fired: list[HealthReport] = []
+
+    def broken(report: HealthReport) -> None:
+        raise ValueError("dashboard down")
+
+    monitor = HealthMonitor(HealthProbe(nvml=FakeNvml([FakeGpu(ecc_uncorrected=1)])),
+                            on_report=broken, on_critical=fired.append)
+    report = monitor.probe_now()
+    assert monitor.latest is report and fired == [report]

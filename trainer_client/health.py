@@ -34,9 +34,10 @@ into the training loop with :meth:`HealthMonitor.check` between steps (raises
 :class:`~trainer_client.errors.GpuCriticalError`, whose ``exit_code`` is 75): then
 the checkpoint is taken on the training thread, consistent with the step. The
 optional ``on_critical`` callback runs once, on the monitor thread, at the first
-CRITICAL report: use it for thread-safe reactions (log, alert, or a hard
-``os._exit(EXIT_GPU_CRITICAL)`` after a grace period if the loop is stuck in a hung
-collective).
+CRITICAL report: use it for thread-safe reactions (log, alert), or pass
+:func:`exit_if_not_handled` so that a loop stuck in a hung collective still ends
+with exit code 75 after a grace period. Exceptions from callbacks are logged and do
+not stop the monitor.
 
 The NVML module is a constructor parameter so that tests without a GPU pass a fake.
 """
@@ -44,6 +45,8 @@ The NVML module is a constructor parameter so that tests without a GPU pass a fa
 from __future__ import annotations
 
 import enum
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +55,8 @@ from types import ModuleType
 from typing import Any
 
 from trainer_client.errors import GpuCriticalError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CLOCKS_HW_POWER_BRAKE",
@@ -67,6 +72,7 @@ __all__ = [
     "HealthReport",
     "HealthThresholds",
     "Status",
+    "exit_if_not_handled",
 ]
 
 EXIT_GPU_CRITICAL = 75
@@ -465,6 +471,30 @@ class HealthProbe:
                      {"xid_events": float(len(seen))})
 
 
+def exit_if_not_handled(
+    grace_s: float = 300.0, *, exit_fn: Callable[[int], object] = os._exit
+) -> Callable[[HealthReport], None]:
+    """An ``on_critical`` callback of last resort.
+
+    It gives the training loop ``grace_s`` seconds to notice (:meth:`HealthMonitor.check`
+    between steps), checkpoint and exit with :data:`EXIT_GPU_CRITICAL` itself. If the
+    process is still alive then, the loop is stuck (typically in a collective on a dead
+    GPU), and the process is ended with ``os._exit(EXIT_GPU_CRITICAL)``: no new
+    checkpoint, the last committed one is restored on the replacement node.
+    ``sys.exit`` would not do: on the monitor thread it only ends that thread.
+    """
+
+    def on_critical(report: HealthReport) -> None:
+        log.critical("GPU health CRITICAL (%s); exiting with code %d in %.0f s unless the "
+                     "training loop exits first", "; ".join(report.problems()),
+                     EXIT_GPU_CRITICAL, grace_s)
+        timer = threading.Timer(grace_s, exit_fn, args=(EXIT_GPU_CRITICAL,))
+        timer.daemon = True
+        timer.start()
+
+    return on_critical
+
+
 class HealthMonitor:
     """Probes in a daemon thread every ``interval_s``; see the module docstring."""
 
@@ -512,10 +542,14 @@ class HealthMonitor:
             if report.status is Status.CRITICAL and self._critical is None:
                 self._critical = report
                 fire = True
-        if self._on_report is not None:
-            self._on_report(report)
-        if fire and self._on_critical is not None:
-            self._on_critical(report)
+        for callback in (self._on_report, self._on_critical if fire else None):
+            if callback is None:
+                continue
+            try:
+                callback(report)
+            except Exception:
+                # A broken callback must not end the monitoring (nor the caller).
+                log.exception("health monitor callback %r failed", callback)
         return report
 
     def check(self) -> None:
