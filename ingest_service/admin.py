@@ -229,11 +229,11 @@ async def _seek(request: web.Request) -> web.Response:
         result = await inspect.seek_group(r, dataset, group, to=body["to"])
     else:
         spec_partitions = (await inspect.dataset_spec(r, dataset)).partitions
-        if "ids" in body:
-            ids = inspect.parse_seek_ids(body["ids"], spec_partitions)
-        else:
-            ids = await request.app[_STORES].checkpoint_offsets(body["checkpoint"], dataset)
-            ids = inspect.parse_seek_ids(ids, spec_partitions)
+        raw = (
+            body["ids"] if "ids" in body
+            else await request.app[_STORES].checkpoint_offsets(body["checkpoint"], dataset)
+        )
+        ids = inspect.parse_seek_ids(raw, spec_partitions)
         result = await inspect.seek_group(r, dataset, group, ids=ids)
     return web.json_response(result)
 

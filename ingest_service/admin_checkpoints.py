@@ -275,4 +275,7 @@ class StoreSet:
         return out
 
     def close(self) -> None:
-        self._stores.clear()
+        """Stop each opened store's writer thread (they never save here)."""
+        stores, self._stores = list(self._stores.values()), {}
+        for store in stores:
+            store.close()

@@ -14,9 +14,14 @@ Seeking moves a consumer group's last-delivered ID with ``XGROUP SETID``. The gr
 then reads the entries *after* that ID. A seek is refused when those entries may be
 missing: below the group's own retention floor (the producer may trim up to the
 oldest floor, and a group that reads below its own floor could have data trimmed
-under it once other groups move on) or below the highest ID Redis already deleted
-(``max-deleted-entry-id``). Pending entries of the group stay pending; a restarted
-trainer settles them on restore.
+under it once other groups move on) or below what Redis already deleted or trimmed.
+Pending entries of the group stay pending.
+
+A seek moves the Redis side only. A ``TrainingSession`` treats its checkpoint
+manifest as the truth: its ``restore`` moves the run's group to the manifest's
+offsets, overriding any seek. So a seek matters to readers that do not restore from
+a checkpoint; to rewind a TrainingSession run, restore or roll back to an older
+checkpoint (and delete the newer ones).
 """
 
 from __future__ import annotations

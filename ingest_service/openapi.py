@@ -49,7 +49,7 @@ _DATASET = _param("dataset", _NAME, "dataset name")
 _GROUP = _param("group", _NAME, "consumer group (one per training run)")
 _STORE = _param("store", _NAME, "configured checkpoint store name")
 _STEP = _param("step", {"type": "integer", "minimum": 0}, "checkpoint step")
-_BEARER = [{"bearer": []}]
+_BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
 
 _READ_ERRORS = (400, 404, 503)
 _WRITE_ERRORS = (400, 401, 403, 404, 409, 413, 503)
