@@ -150,7 +150,8 @@ class Producer:
     async def run(self) -> None:
         """Produce every epoch (a finite dataset), or until ``stop()`` (an endless one)."""
         await create_dataset(self.redis, self.spec)
-        maintenance = asyncio.create_task(self._maintain(), name=f"maintain-{self.spec.name}")
+        done = asyncio.Event()
+        maintenance = asyncio.create_task(self._maintain(done), name=f"maintain-{self.spec.name}")
         attempt = 0
         try:
             while not self._stop.is_set():
@@ -168,9 +169,10 @@ class Producer:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._stop.wait(), delay)
         finally:
-            maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await maintenance
+            # An event, not cancel(): redis-py may swallow a cancellation that lands
+            # inside a command, which would leave the task running.
+            done.set()
+            await maintenance
             await self._clear_paused()
 
     # ------------------------------------------------------------------ sync
@@ -416,9 +418,10 @@ class Producer:
 
     # ------------------------------------------------------------------ maintenance
 
-    async def _maintain(self) -> None:
-        """Every interval: advance backlogs to new commits, trim, export gauges."""
-        while True:
+    async def _maintain(self, done: asyncio.Event) -> None:
+        """Every interval until ``done``: advance backlogs to new commits, trim, export
+        gauges."""
+        while not done.is_set():
             try:
                 committed = await self._refresh_committed(force=True)
                 for p in range(self.spec.partitions):
@@ -432,4 +435,5 @@ class Producer:
                     self.metrics.backlog.labels(dataset=self.spec.name, partition=str(p)).set(n)
             except _RETRYABLE as exc:
                 log.debug("dataset %s maintenance skipped: %s", self.spec.name, exc)
-            await asyncio.sleep(self.maintenance_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), self.maintenance_interval_s)

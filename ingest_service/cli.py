@@ -1,0 +1,164 @@
+"""``trainguard ingest`` and ``trainguard serve`` (also ``python -m ingest_service``).
+
+``ingest`` registers the dataset from the flags when it does not exist (or checks the
+flags against it when it does), then produces until the dataset is complete, showing
+progress per dataset on stderr. SIGTERM or Ctrl-C stop it after the batches in flight.
+``serve`` runs the aiohttp service (see :mod:`ingest_service.app`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from typing import Any, TextIO
+
+from ingest_service.config import DEFAULT_REDIS_URL, REDIS_URL_ENV, IngestConfig
+from ingest_service.errors import DatasetExistsError, DatasetNotFoundError, SourceError
+from trainguard import streams
+from trainguard.cli import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+)
+
+__all__ = ["register", "add_serve_arguments", "run_serve"]
+
+
+def _redis_url_default() -> str:
+    return os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
+
+
+def register(subparsers: Any) -> None:
+    ingest = subparsers.add_parser(
+        "ingest", help="register a dataset and produce it into Redis streams",
+        description="Create the dataset if needed, then produce every epoch of it.",
+    )
+    ingest.add_argument("--redis-url", default=None,
+                        help=f"Redis URL (default: ${REDIS_URL_ENV} or {DEFAULT_REDIS_URL})")
+    ingest.add_argument("--dataset", required=True, help="dataset name")
+    ingest.add_argument("--source", help="fsspec URL, folder or glob (omit to produce an "
+                                         "already registered dataset)")
+    ingest.add_argument("--format", default="jsonl", choices=[f for f in streams.FORMATS if f != "push"])
+    ingest.add_argument("--partitions", type=int, default=streams.DEFAULT_PARTITIONS)
+    ingest.add_argument("--seed", type=int, default=0)
+    ingest.add_argument("--epochs", type=int, default=1, help="passes over the source; 0: endless")
+    ingest.add_argument("--sample-len", type=int, default=None, help="tokens per record (npy)")
+    ingest.add_argument("--shuffle-buffer", type=int, default=4096)
+    ingest.add_argument("--max-record-bytes", type=int, default=16 * 1024 * 1024)
+    ingest.set_defaults(handler=_run_ingest)
+
+    serve = subparsers.add_parser("serve", help="run the ingestion service (HTTP)")
+    add_serve_arguments(serve)
+    serve.set_defaults(handler=run_serve)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--redis-url", default=None,
+                        help=f"Redis URL (default: ${REDIS_URL_ENV} or {DEFAULT_REDIS_URL})")
+    parser.add_argument("--dataset", action="append", default=None,
+                        help="produce only this dataset (repeatable; default: all registered)")
+    parser.add_argument("--no-produce", action="store_true",
+                        help="serve push and health only, run no file producers")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ingest_service.app import serve
+
+    config = IngestConfig.from_env(
+        redis_url=args.redis_url, host=args.host, port=args.port,
+        datasets=tuple(args.dataset) if args.dataset else None, produce=not args.no_produce,
+    )
+    return serve(config)
+
+
+# --------------------------------------------------------------------------- ingest
+
+
+def _spec_from_args(args: argparse.Namespace) -> streams.DatasetSpec:
+    return streams.DatasetSpec(
+        name=args.dataset, partitions=args.partitions, source=args.source, format=args.format,
+        seed=args.seed, epochs=args.epochs or None, sample_len=args.sample_len,
+        shuffle_buffer=args.shuffle_buffer, max_record_bytes=args.max_record_bytes,
+    )
+
+
+def _run_ingest(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_ingest(args))
+    except streams.ContractError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DatasetExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except DatasetNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except SourceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+async def _ingest(args: argparse.Namespace) -> int:
+    from redis.asyncio import Redis
+
+    from ingest_service.datasets import create_dataset, describe_dataset
+    from ingest_service.producer import Producer
+
+    client = Redis.from_url(args.redis_url or _redis_url_default())
+    try:
+        if args.source:
+            spec = await create_dataset(client, _spec_from_args(args))
+        else:
+            spec = await describe_dataset(client, args.dataset)
+        producer = Producer(client, spec)
+        interrupted = False
+
+        def on_signal(signum: int) -> None:
+            nonlocal interrupted
+            interrupted = signum == signal.SIGINT
+            producer.stop()
+
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal, signum)
+        task = asyncio.create_task(producer.run())
+        started = time.monotonic()
+        while not task.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), 1.0)
+            _show(spec, producer, started, sys.stderr, final=task.done())
+        await task
+        if interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_OK
+    finally:
+        await client.aclose()
+
+
+def _show(spec: streams.DatasetSpec, producer: Any, started: float, out: TextIO, *, final: bool) -> None:
+    prog = producer.progress
+    elapsed = max(time.monotonic() - started, 1e-9)
+    epochs = f"{prog.epoch + 1}/{spec.epochs}" if spec.finite else f"{prog.epoch + 1}/endless"
+    state = "done" if prog.finished else ("stopped" if producer.stopping else "producing")
+    paused = f" paused {sorted(prog.paused)}" if prog.paused else ""
+    line = (
+        f"{spec.name}: {state} epoch {epochs}  {prog.records:,} records  "
+        f"{prog.bytes / 1e6:,.1f} MB  {prog.records / elapsed:,.0f} rec/s  "
+        f"dead letters {prog.dead_letters}{paused}"
+    )
+    if out.isatty():
+        out.write("\r\x1b[K" + line + ("\n" if final else ""))
+    else:
+        out.write(line + "\n")
+    out.flush()

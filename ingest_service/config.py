@@ -1,0 +1,65 @@
+"""The service's configuration and the typed keys under which the app holds its parts.
+
+Other route modules (the admin API) reach the shared Redis client and config through
+these keys: ``app[REDIS_KEY]``, ``app[CONFIG_KEY]``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from ingest_service.backlog import BacklogLimits
+from ingest_service.metrics import IngestMetrics
+
+__all__ = [
+    "REDIS_URL_ENV",
+    "DEFAULT_REDIS_URL",
+    "IngestConfig",
+    "REDIS_KEY",
+    "CONFIG_KEY",
+    "METRICS_KEY",
+]
+
+REDIS_URL_ENV = "TRAINGUARD_REDIS_URL"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    redis_url: str = DEFAULT_REDIS_URL
+    host: str = "127.0.0.1"
+    port: int = 8080
+    produce: bool = True
+    """Run a producer in the background for every registered file dataset."""
+    datasets: tuple[str, ...] | None = None
+    """Only these datasets (None: all registered ones)."""
+    discover_interval_s: float = 2.0
+    """How often the service looks for newly registered datasets."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """fsspec options of the sources (credentials, endpoint): never stored in Redis."""
+    limits: BacklogLimits = field(default_factory=BacklogLimits)
+    max_push_body_bytes: int = 64 * 1024 * 1024
+    push_retry_after_s: int = 1
+    maintenance_interval_s: float = 1.0
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM: how long in-flight push requests may take to finish."""
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> IngestConfig:
+        """Defaults, then ``TRAINGUARD_REDIS_URL``, then ``overrides`` (None ignored)."""
+        values: dict[str, Any] = {}
+        if os.environ.get(REDIS_URL_ENV):
+            values["redis_url"] = os.environ[REDIS_URL_ENV]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+REDIS_KEY = web.AppKey("trainguard_ingest_redis", Redis)
+CONFIG_KEY = web.AppKey("trainguard_ingest_config", IngestConfig)
+METRICS_KEY = web.AppKey("trainguard_ingest_metrics", IngestMetrics)

@@ -1,0 +1,216 @@
+"""The aiohttp service over a real socket: health, metrics, push, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import msgpack
+from aiohttp.test_utils import TestClient, TestServer
+from redis.asyncio import Redis
+
+from ingest_service.app import create_app
+from ingest_service.backlog import BacklogLimits
+from ingest_service.config import IngestConfig
+from ingest_service.datasets import create_dataset
+from tests._ingest_util import until, write_jsonl
+from tests.servers import RedisServer, free_port
+from trainguard import streams
+
+ROOT = Path(__file__).resolve().parent.parent
+URL = "/v1/datasets/{}/records"
+
+
+@asynccontextmanager
+async def serving(config: IngestConfig) -> AsyncIterator[TestClient]:
+    async with TestClient(TestServer(create_app(config), host="127.0.0.1")) as client:
+        yield client
+
+
+def _config(redis_server: RedisServer, **kw: object) -> IngestConfig:
+    base: dict[str, object] = dict(
+        redis_url=redis_server.url, discover_interval_s=0.05, maintenance_interval_s=0.05
+    )
+    base.update(kw)
+    return IngestConfig(**base)  # type: ignore[arg-type]
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name}{{{want}}} not found")
+
+
+async def _push(client: TestClient, name: str, producer: str, seq: int, body: bytes,
+                content_type: str = "application/x-ndjson", **params: str):  # type: ignore[no-untyped-def]
+    return await client.post(
+        URL.format(name), params={"producer_id": producer, "seq": str(seq), **params},
+        data=body, headers={"Content-Type": content_type},
+    )
+
+
+def _lines(*values: object) -> bytes:
+    return b"".join(json.dumps(v).encode() + b"\n" for v in values)
+
+
+async def test_health_ready_and_background_producer_metrics(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """/healthz and /readyz answer 200; a file dataset registered while the app runs is
+    produced in the background, and /metrics counts exactly its records."""
+    write_jsonl(tmp_path, 700)
+    async with serving(_config(redis_server)) as client:
+        assert (await client.get("/healthz")).status == 200
+        ready = await client.get("/readyz")
+        assert ready.status == 200 and (await ready.json())["ready"] is True
+        r = Redis.from_url(redis_server.url)
+        spec = streams.DatasetSpec(name="bg", partitions=3, source=str(tmp_path / "*.jsonl"))
+        await create_dataset(r, spec)
+
+        async def finished() -> bool:
+            return await r.hget(streams.progress_key("bg"), streams.PROGRESS_FINISHED) == b"1"
+
+        await until(finished)
+        text = await (await client.get("/metrics")).text()
+        assert _metric(text, "trainguard_ingest_records_total", dataset="bg") == 700
+        await r.aclose()
+
+
+async def test_readyz_is_503_without_redis(redis_server: RedisServer) -> None:
+    """With Redis gone, /readyz says 503 with the reason, /healthz still 200."""
+    async with serving(_config(redis_server, produce=False)) as client:
+        redis_server.kill()
+        ready = await client.get("/readyz")
+        assert ready.status == 503 and "redis" in (await ready.json())["reason"]
+        assert (await client.get("/healthz")).status == 200
+
+
+async def test_push_retry_is_appended_once_and_producers_keep_their_sequences(
+    redis_server: RedisServer,
+) -> None:
+    """The same batch sent 3 times is appended once (the retries answer appended=false);
+    two producers pushing concurrently each keep their own marks; the partition holds
+    every record once, each producer's in its seq order."""
+    r = Redis.from_url(redis_server.url)
+    await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
+    async with serving(_config(redis_server)) as client:
+        answers = []
+        for _ in range(3):
+            resp = await _push(client, "rl", "a", 0, _lines({"p": "a", "n": 0}, {"p": "a", "n": 1}))
+            assert resp.status == 200
+            answers.append(await resp.json())
+        assert [a["appended"] for a in answers] == [True, False, False]
+        assert len(answers[0]["ids"]) == 2
+
+        async def producer(name: str) -> None:
+            for seq in range(1, 21):
+                body = msgpack.packb([{"p": name, "n": seq * 10}, {"p": name, "n": seq * 10 + 1}])
+                for _ in range(2):  # every batch also retried once
+                    resp = await _push(client, "rl", name, seq, body, "application/msgpack")
+                    assert resp.status == 200
+
+        await asyncio.gather(producer("a"), producer("b"))
+    entries = await r.xrange(streams.partition_key("rl", 0))
+    marks = await r.hgetall(streams.seq_key("rl", 0))
+    await r.aclose()
+    got = [streams.decode_record(f) for _, f in entries]
+    assert len(got) == 2 + 2 * 20 * 2
+    assert marks == {b"a": b"20", b"b": b"20"}
+    for name, first in (("a", [0, 1]), ("b", [])):
+        ns = [v["n"] for v in got if v["p"] == name]
+        assert ns == first + [n for seq in range(1, 21) for n in (seq * 10, seq * 10 + 1)]
+
+
+async def test_push_rejects_malformed_and_oversized_bodies(redis_server: RedisServer) -> None:
+    """400 with the reason for bad JSON, bad msgpack, a missing seq or an empty body;
+    413 for a body over the limit and for a record over max_record_bytes; 404 for an
+    unknown dataset; 409 for a file dataset. Nothing is appended by any of them."""
+    r = Redis.from_url(redis_server.url)
+    await create_dataset(r, streams.DatasetSpec(name="rl", partitions=2, format="push",
+                                                max_record_bytes=200))
+    await create_dataset(r, streams.DatasetSpec(name="files", source="memory://x.jsonl"))
+    async with serving(_config(redis_server, produce=False, max_push_body_bytes=1000)) as client:
+        cases = [
+            (await _push(client, "rl", "a", 0, b'{"ok": 1}\n{broken\n'), 400, "line 2"),
+            (await _push(client, "rl", "a", 0, b"\xc1", "application/msgpack"), 400, "msgpack"),
+            (await _push(client, "rl", "a", 0, msgpack.packb({"a": 1}), "application/msgpack"),
+             400, "array"),
+            (await client.post(URL.format("rl"), params={"producer_id": "a"}, data=b"{}"),
+             400, "seq"),
+            (await _push(client, "rl", "a", 0, b"\n\n"), 400, "no record"),
+            (await _push(client, "rl", "a", 0, b"[" + b"1," * 600 + b"1]"), 413, "limit"),
+            (await _push(client, "rl", "a", 0, _lines("x" * 300)), 413, "line 1"),
+            (await _push(client, "nope", "a", 0, _lines(1)), 404, "not registered"),
+            (await _push(client, "files", "a", 0, _lines(1)), 409, "push"),
+        ]
+        for resp, status, reason in cases:
+            assert resp.status == status, (status, await resp.text())
+            assert reason in (await resp.json())["error"]
+    for p in range(2):
+        assert await r.xlen(streams.partition_key("rl", p)) == 0
+    await r.aclose()
+
+
+async def test_push_backlog_full_is_429_until_consumers_commit(redis_server: RedisServer) -> None:
+    """At the backlog bound a new batch gets 429 with Retry-After (a retry of an appended
+    batch is still acknowledged); once the consumer group commits, pushes go through."""
+    r = Redis.from_url(redis_server.url)
+    await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
+    await r.sadd(streams.groups_key("rl"), "run1")
+    config = _config(redis_server, produce=False, limits=BacklogLimits(max_entries=4))
+    async with serving(config) as client:
+        first = await _push(client, "rl", "a", 0, _lines(1, 2, 3, 4))
+        ids = (await first.json())["ids"]
+        full = await _push(client, "rl", "a", 1, _lines(5))
+        assert full.status == 429 and full.headers["Retry-After"] == "1"
+        assert "bound" in (await full.json())["error"]
+        retry = await _push(client, "rl", "a", 0, _lines(1, 2, 3, 4))
+        assert retry.status == 200 and (await retry.json())["appended"] is False
+        await r.hset(streams.committed_key("rl", "run1"), "0", ids[1])
+        assert (await _push(client, "rl", "a", 1, _lines(5, 6))).status == 200
+        assert (await _push(client, "rl", "a", 2, _lines(7))).status == 429
+        text = await (await client.get("/metrics")).text()
+        assert _metric(text, "trainguard_ingest_push_requests_total", dataset="rl", status="429") == 2
+    assert await r.xlen(streams.partition_key("rl", 0)) == 6
+    await r.aclose()
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return int(resp.status)
+    except OSError:
+        return 0
+
+
+def test_sigterm_stops_the_service_with_exit_0(redis_server: RedisServer) -> None:
+    """``python -m ingest_service`` serves /healthz, and exits 0 on SIGTERM."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": redis_server.url}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ingest_service", "--port", str(port)], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while _get(f"http://127.0.0.1:{port}/healthz") != 200:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
