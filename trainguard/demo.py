@@ -302,6 +302,7 @@ def run_demo(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     children = Children(sys.stderr)
     started = time.monotonic()
+    failed = False
     try:
         redis_url = start_redis(children, workdir)
         say(f"redis-server at {redis_url} (data in {workdir / 'redis'})")
@@ -343,7 +344,9 @@ def run_demo(args: argparse.Namespace, say: Any) -> dict[str, Any]:
             "dead_letters": dead,
             "records_trained": trained,
             "duplicated": sum(c - 1 for c in ledger if c > 1),
-            "lost": sum(1 for c in ledger[:ingested] if c == 0) + (args.records - ingested),
+            # Record IDs are 0..records-1: a generated record never trained is lost,
+            # whether it went missing in ingestion or in training.
+            "lost": sum(1 for c in ledger if c == 0),
             "kills": 1 if first["killed_at_step"] is not None else 0,
             "killed_at_step": first["killed_at_step"],
             "resumed_from_step": restored.get("step"),
@@ -362,9 +365,14 @@ def run_demo(args: argparse.Namespace, say: Any) -> dict[str, Any]:
             "elapsed_s": round(time.monotonic() - started, 1),
         }
         return summary
+    except DemoError:
+        failed = True  # keep the logs the message points to
+        raise
     finally:
         children.kill_all()
-        if not args.keep and not args.workdir:
+        if failed:
+            print(f"logs kept in {workdir}", file=sys.stderr)
+        elif not args.keep and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
