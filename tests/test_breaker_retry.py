@@ -13,13 +13,15 @@ import stamina
 from prometheus_client import CollectorRegistry
 
 from tests._http_servers import ManualClock
-from tests.servers import RedisServer
+from tests.servers import MotoServer, RedisServer
 from trainer_client.breaker import BreakerState, CircuitBreaker
 from trainer_client.errors import CircuitOpenError
 from trainer_client.retry import (
     Retrier,
     RetryPolicy,
     aredis_call,
+    object_store_breaker,
+    object_store_retrier,
     redis_breaker,
     redis_call,
     redis_retrier,
@@ -167,3 +169,64 @@ def test_policy_validation() -> None:
 
 def _raise_connection_error() -> None:
     raise ConnectionError("refused")
+
+
+def test_object_store_outage_waits_and_recovers() -> None:
+    """With the S3 endpoint (a real moto server) killed, a write through
+    object_store_retrier neither crashes nor gives up: the breaker opens (s3fs raises
+    botocore's EndpointConnectionError, not an OSError, and it still counts), and once
+    S3 is back on the same port the write lands. A missing key is raised at once as
+    FileNotFoundError and is no breaker failure."""
+    import s3fs
+
+    server = MotoServer().start()
+    try:
+        opts = {**server.storage_options(),
+                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2,
+                                  "read_timeout": 5}}
+        fs = s3fs.S3FileSystem(**opts)
+        registry = CollectorRegistry()
+        breaker = object_store_breaker("s3", failure_threshold=2, reset_timeout_s=0.2,
+                                       registry=registry)
+        retrier = object_store_retrier(breaker, FAST)
+
+        def put(path: str, data: bytes) -> None:
+            # Idempotent: the restarted moto is empty, so the bucket is made again.
+            # (A plain CreateBucket: s3fs.mkdir sends a LocationConstraint that moto
+            # refuses for us-east-1.)
+            fs.invalidate_cache()
+            if not fs.exists("ckpt"):
+                fs.call_s3("create_bucket", Bucket="ckpt")
+            fs.pipe_file(path, data)
+
+        retrier.call(put, "ckpt/a", b"1")
+        calls = 0
+
+        def read_missing() -> bytes:
+            nonlocal calls
+            calls += 1
+            return bytes(fs.cat_file("ckpt/missing"))
+
+        with pytest.raises(FileNotFoundError):
+            retrier.call(read_missing)
+        assert calls == 1
+        server.stop()
+        reborn = MotoServer(port=server.port)
+        opened = threading.Event()
+
+        def restart() -> None:
+            while breaker.state is not BreakerState.OPEN:
+                opened.wait(0.01)
+            reborn.start()
+
+        restarter = threading.Thread(target=restart, daemon=True)
+        restarter.start()
+        retrier.call(put, "ckpt/b", b"2")
+        restarter.join(60)
+        assert fs.cat_file("ckpt/b") == b"2"
+        assert breaker.state is BreakerState.CLOSED
+        assert sample(registry, "trainguard_breaker_transitions_total", breaker="s3",
+                      from_state="closed", to_state="open") >= 1
+        reborn.stop()
+    finally:
+        server.stop()

@@ -12,8 +12,8 @@ crashing::
 
     breaker = redis_breaker("redis:trainer")          # one per Redis, shared
     offsets = redis_call(breaker, client.hgetall, key)
-    s3 = Retrier(on=(OSError,), breaker=CircuitBreaker("s3"))
-    s3.call(fs.pipe_file, path, data)
+    s3 = object_store_retrier(object_store_breaker("s3:ckpt"))
+    s3.call(fs.pipe_file, path, data)   # waits out an S3 outage, raises FileNotFoundError
 
 When the policy's attempts or timeout run out, the last exception is raised
 unchanged (a ``CircuitOpenError`` or the dependency's own error).
@@ -38,11 +38,16 @@ from trainer_client.errors import CircuitOpenError
 
 __all__ = [
     "DEFAULT_POLICY",
+    "OBJECT_STORE_NOT_TRANSIENT",
+    "OBJECT_STORE_POLICY",
     "REDIS_POLICY",
     "REDIS_RETRY_ON",
     "Retrier",
     "RetryPolicy",
     "aredis_call",
+    "object_store_breaker",
+    "object_store_errors",
+    "object_store_retrier",
     "redis_breaker",
     "redis_call",
     "redis_retrier",
@@ -96,7 +101,9 @@ def retry_testing(attempts: int = 1) -> AbstractContextManager[None]:
 
 
 def _backoff_hook(
-    on: tuple[type[BaseException], ...], policy: RetryPolicy
+    on: tuple[type[BaseException], ...],
+    ignore: tuple[type[BaseException], ...],
+    policy: RetryPolicy,
 ) -> Callable[[Exception], bool | float]:
     def hook(exc: Exception) -> bool | float:
         if isinstance(exc, CircuitOpenError):
@@ -106,23 +113,25 @@ def _backoff_hook(
             return max(exc.retry_after_s, policy.wait_initial_s) + random.uniform(
                 0.0, policy.wait_initial_s
             )
-        return isinstance(exc, on)
+        return isinstance(exc, on) and not isinstance(exc, ignore)
 
     return hook
 
 
 class Retrier:
-    """Retries calls on ``on`` (and waits out an open ``breaker``, through which every
-    attempt goes) with jittered exponential backoff. Stateless apart from its
-    configuration: share one per dependency."""
+    """Retries calls on ``on`` but not ``ignore`` (and waits out an open ``breaker``,
+    through which every attempt goes) with jittered exponential backoff. Stateless
+    apart from its configuration: share one per dependency."""
 
     def __init__(
         self,
         *,
         on: tuple[type[BaseException], ...],
+        ignore: tuple[type[BaseException], ...] = (),
         breaker: CircuitBreaker | None = None,
         policy: RetryPolicy = DEFAULT_POLICY,
     ) -> None:
+        self.ignore = ignore
         self.on = on
         self.breaker = breaker
         self.policy = policy
@@ -133,7 +142,7 @@ class Retrier:
     def _kwargs(self) -> dict[str, Any]:
         p = self.policy
         return {
-            "on": _backoff_hook(self.on, p),
+            "on": _backoff_hook(self.on, self.ignore, p),
             "attempts": p.attempts,
             "timeout": p.timeout_s,
             "wait_initial": p.wait_initial_s,
@@ -189,3 +198,45 @@ async def aredis_call(
 ) -> T:
     """The async twin of :func:`redis_call`."""
     return await redis_retrier(breaker).acall(fn, *args, **kwargs)
+
+
+# -- object stores (fsspec: s3fs, gcsfs, local) ----------------------------------------
+
+OBJECT_STORE_POLICY = RetryPolicy(attempts=None, timeout_s=900.0, wait_max_s=30.0)
+"""Object-store outages: keep trying for up to 15 minutes, backing off to 30 s."""
+
+OBJECT_STORE_NOT_TRANSIENT: tuple[type[Exception], ...] = (
+    FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
+)
+"""OSErrors that are answers, not outages: never retried, never breaker failures."""
+
+
+def object_store_errors() -> tuple[type[Exception], ...]:
+    """Transient object-store errors: ``OSError`` (``TimeoutError``, ``ConnectionError``),
+    plus botocore's connection and timeout errors when botocore is installed: s3fs
+    raises ``botocore.exceptions.EndpointConnectionError``, which is *not* an
+    ``OSError``, when the endpoint is down. Imported here, lazily, so that
+    trainer_client does not need the s3 extra."""
+    errors: tuple[type[Exception], ...] = (OSError,)
+    try:
+        from botocore import exceptions as boto
+    except ImportError:
+        return errors
+    return (*errors, boto.ConnectionError, boto.HTTPClientError)
+
+
+def object_store_breaker(name: str = "object-store", **kwargs: Any) -> CircuitBreaker:
+    """A breaker for one object store: transient errors are failures; "not found",
+    "exists", "permission denied" are answers."""
+    kwargs.setdefault("failure_exceptions", object_store_errors())
+    kwargs.setdefault("ignored_exceptions", OBJECT_STORE_NOT_TRANSIENT)
+    return CircuitBreaker(name, **kwargs)
+
+
+def object_store_retrier(
+    breaker: CircuitBreaker, policy: RetryPolicy = OBJECT_STORE_POLICY
+) -> Retrier:
+    """A :class:`Retrier` for fsspec calls through ``breaker``: an outage makes the
+    caller wait and retry; a missing file is raised at once."""
+    return Retrier(on=object_store_errors(), ignore=OBJECT_STORE_NOT_TRANSIENT,
+                   breaker=breaker, policy=policy)
