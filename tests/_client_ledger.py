@@ -9,6 +9,7 @@ killed with SIGKILL by PID.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -131,13 +132,18 @@ class Job:
         assert any(s.startswith("0: DONE") for s in self.seen), self.seen[-30:]
 
 
-def kill_at_random(job: Job, rng: random.Random, kind: int) -> bool:
+def kill_at_random(
+    job: Job, rng: random.Random, kind: int, during: Callable[[Job], None] | None = None
+) -> bool:
     """Kill the job at a moment of the given kind; False if it finished first.
 
     kind 0: a random time into the training loop; 1: during an async checkpoint
-    write (just after a SAVE line); 2: right after a manifest commit."""
+    write (just after a SAVE line); 2: right after a manifest commit. ``during(job)``
+    runs once the job is training (e.g. to kill Redis under it)."""
     if not job.wait_line("READY", 120):
         return False
+    if during is not None:
+        during(job)
     if kind == 0:
         if not job.sleep(rng.uniform(0.0, 0.5)):
             return False
@@ -169,19 +175,22 @@ def run_until_done(
     log: Path,
     world_for: Callable[[int], int] = lambda attempt: 1,
     between: Callable[[int], None] = lambda attempt: None,
+    during: Callable[[int, Job], None] | None = None,
     args_for: Callable[[int], list[str]] | None = None,
 ) -> int:
     """Start, kill ``kills`` times, then let it finish. Returns the kills done.
 
     ``between(attempt)`` runs after each kill (e.g. to restart Redis); ``world_for``
-    and ``args_for`` may change the world size and arguments per attempt."""
+    and ``args_for`` may change the world size and arguments per attempt; ``during``
+    runs while an attempt trains."""
     rng = random.Random(seed)
     done = 0
     attempt = 0
     with zygote(log) as z:
         while True:
             job = z.spawn(args_for(attempt) if args_for else args, world_for(attempt))
-            if done < kills and kill_at_random(job, rng, attempt % 3):
+            hook = functools.partial(during, attempt) if during is not None else None
+            if done < kills and kill_at_random(job, rng, attempt % 3, hook):
                 done += 1
                 between(attempt)
                 attempt += 1

@@ -232,10 +232,12 @@ def test_partition_count_changed(redis_server, tmp_path) -> None:
         b.restore(_state())
 
 
-def test_rollback_rereads_from_the_checkpoint(redis_server, tmp_path) -> None:
+@pytest.mark.parametrize("persistent", [False, True])
+def test_rollback_rereads_from_the_checkpoint(redis_server, tmp_path, persistent: bool) -> None:
     """rollback() inside the loop reloads the weights of the checkpoint and the
     running batches() generator continues at its offsets: the records consumed after
-    the checkpoint come again, once, and training then runs to the end."""
+    the checkpoint come again, once, and training then runs to the end (persistent
+    workers too: their second pass starts at the seek recorded in Redis)."""
     spec = cf.create(redis_server.url, "tok", partitions=3)
     cf.fill(redis_server.url, spec, 150)
     s = _session(redis_server.url, tmp_path)
@@ -243,7 +245,9 @@ def test_rollback_rereads_from_the_checkpoint(redis_server, tmp_path) -> None:
     model = state["model"]
     assert isinstance(model, torch.nn.Linear)
     s.restore(state)
-    it = iter(s.batches(DataLoader(s.dataset(batch_size=6), batch_size=None, num_workers=2)))
+    loader = DataLoader(s.dataset(batch_size=6), batch_size=None, num_workers=2,
+                        persistent_workers=persistent)
+    it = iter(s.batches(loader))
     before = _take(it, 4)
     saved = model.weight.detach().clone()
     s.checkpoint(state, 4, blocking=True)
@@ -252,6 +256,11 @@ def test_rollback_rereads_from_the_checkpoint(redis_server, tmp_path) -> None:
         model.weight.add_(1.0)
     assert s.rollback(state) == 4
     assert torch.equal(model.weight, saved)
+    # The abandoned pass's workers may still read after the rollback moved the group
+    # (tasks already queued to them); do the worst they could: move it to the end.
+    client = redis.Redis.from_url(redis_server.url)
+    for p in range(3):
+        client.xgroup_setid(streams.partition_key("tok", p), "exp", "$")
     rest = list(it)
     assert set(_recs(after)) <= set(_recs(rest))
     assert sorted(_recs(before) + _recs(rest)) == list(range(150))

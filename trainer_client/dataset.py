@@ -177,12 +177,24 @@ class _Reader:
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 2.0)
 
-    def start(self) -> None:
+    def start(self, seek: dict[int, tuple[str, int]] | None) -> None:
+        """Position the pass: at ``seek`` when given (the group is moved there), else at
+        the seek the trainer recorded in Redis, else where the group stands."""
         ds = self.ds
-        got = self._retry(
-            lambda c: ofs.start_pass(c, ds.dataset, ds.group, ds.generation, self.partitions),
-            reseek=False,
-        )
+        if seek is not None:
+            positions = {p: seek[p][0] for p in self.partitions}
+            self._retry(
+                lambda c: ofs.seek_group(c, ds.dataset, ds.group, ds.generation, positions),
+                reseek=False,
+            )
+            got = {p: seek[p] for p in self.partitions}
+        else:
+            got = self._retry(
+                lambda c: ofs.start_pass(
+                    c, ds.dataset, ds.group, ds.generation, self.partitions, use_seek=True
+                ),
+                reseek=False,
+            )
         for p, (i, n) in got.items():
             self.positions[p] = i
             self.parsed[p] = streams.parse_id(i)
@@ -359,6 +371,10 @@ class StreamingDataset(IterableDataset):
         self.reconnect_timeout_s = reconnect_timeout_s
         self.partitions = spec.partitions
         self.finite = spec.finite
+        self.seek: dict[int, tuple[str, int]] | None = None
+        """``{partition: (last consumed ID, batches consumed)}`` where the next pass
+        starts; set by ``TrainingSession.batches`` before each pass."""
+        self._passes = 0
 
     # ------------------------------------------------------------------ iteration
 
@@ -373,9 +389,14 @@ class StreamingDataset(IterableDataset):
             worker=worker,
         )
         reader = _Reader(self, owned, consumer=f"r{self.rank}w{worker}")
+        self._passes += 1
+        # The seek set on this object is current in the main process and on a worker's
+        # first pass (the worker got a copy of the object when it started). Persistent
+        # workers' later passes read the seek the session recorded in Redis instead.
+        seek = self.seek if (info is None or self._passes == 1) else None
         try:
             if owned:
-                reader.start()
+                reader.start(seek)
             if self.deterministic:
                 yield from self._deterministic(reader, worker, info is not None)
             else:

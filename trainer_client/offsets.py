@@ -68,11 +68,12 @@ redis.call('HSET', KEYS[3], 'id', ARGV[3], 'batches', ARGV[4])
 return 1
 """
 
-# Where a loader pass starts: the seek the trainer wrote, else where the group stands
-# (created at 0-0 when missing). Returns {id, batches}.
-# KEYS: stream, fence, seek.  ARGV: group, generation.
+# Where a loader pass starts: the seek the trainer wrote (when ARGV[3] is '1'), else
+# where the group stands (created at 0-0 when missing). Returns {id, batches}.
+# KEYS: stream, fence, seek.  ARGV: group, generation, use-seek (0/1).
 START_LUA = _FENCE_CHECK + _SETID + """
-local id = redis.call('HGET', KEYS[3], 'id')
+local id = false
+if ARGV[3] == '1' then id = redis.call('HGET', KEYS[3], 'id') end
 if id then
   setid(id)
   return {id, redis.call('HGET', KEYS[3], 'batches') or '0'}
@@ -216,11 +217,19 @@ def write_seek(
 
 
 def start_pass(
-    client: redis.Redis, dataset: str, group: str, generation: int, partitions: Iterable[int]
+    client: redis.Redis,
+    dataset: str,
+    group: str,
+    generation: int,
+    partitions: Iterable[int],
+    *,
+    use_seek: bool,
 ) -> dict[int, tuple[str, int]]:
-    """Where a loader pass starts reading each partition: ``{p: (last ID, batches)}``."""
+    """Where a loader pass starts reading each partition: ``{p: (last ID, batches)}``,
+    from the recorded seek (``use_seek``) or the group's position; the group is moved
+    (or created) there."""
     order = list(partitions)
-    calls = [(_pkeys(dataset, p, group), [group, generation]) for p in order]
+    calls = [(_pkeys(dataset, p, group), [group, generation, "1" if use_seek else "0"]) for p in order]
     results = _check(eval_many(client, START_LUA, calls), group=group, mine=generation, what="read")
     out: dict[int, tuple[str, int]] = {}
     for p, (i, n) in zip(order, results):

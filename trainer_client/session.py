@@ -332,6 +332,12 @@ class TrainingSession:
                 ofs.write_seek, self._redis, self.dataset_name, self.run, self._gen(),
                 positions, counts,
             )
+            ds = getattr(loader, "dataset", loader)
+            if isinstance(ds, StreamingDataset):
+                # Full table: the partitions of any rank could be asked for (a
+                # dataset made elsewhere); ours are the ones that changed.
+                with self._lock:
+                    ds.seek = {p: (self._offsets[p], self._batches[p]) for p in self._offsets}
             it = iter(loader)
             try:
                 source = self._ordered(it, owned) if self.deterministic else it
