@@ -419,9 +419,9 @@ class Producer:
     # ------------------------------------------------------------------ maintenance
 
     async def _maintain(self, done: asyncio.Event) -> None:
-        """Every interval until ``done``: advance backlogs to new commits, trim, export
-        gauges."""
-        while not done.is_set():
+        """Every interval, and once more after ``done``: advance backlogs to new commits,
+        trim, export gauges (so a finished run leaves its partitions trimmed)."""
+        while True:
             try:
                 committed = await self._refresh_committed(force=True)
                 for p in range(self.spec.partitions):
@@ -435,5 +435,7 @@ class Producer:
                     self.metrics.backlog.labels(dataset=self.spec.name, partition=str(p)).set(n)
             except _RETRYABLE as exc:
                 log.debug("dataset %s maintenance skipped: %s", self.spec.name, exc)
+            if done.is_set():
+                return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), self.maintenance_interval_s)

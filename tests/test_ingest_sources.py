@@ -1,0 +1,134 @@
+"""Source readers over fsspec: formats, globs, compression, S3, streaming memory use."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import tracemalloc
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+
+from ingest_service.errors import SourceError
+from ingest_service.producer import Producer
+from ingest_service.sources import BadRecord, GoodRecord, read_source
+from tests._ingest_util import expected_partitions, read_partitions, values
+from tests.servers import MotoServer, RedisServer
+from trainguard import streams
+
+
+def _spec(source: str, fmt: str, **kw: object) -> streams.DatasetSpec:
+    return streams.DatasetSpec(name="src", source=source, format=fmt, **kw)  # type: ignore[arg-type]
+
+
+def _good(items: list[GoodRecord | BadRecord]) -> list[object]:
+    return [streams.decode_record(i.fields) for i in items if isinstance(i, GoodRecord)]
+
+
+def test_memory_glob_reads_files_in_path_order_line_by_line() -> None:
+    """A memory:// glob matches several files; records come file by file in sorted path
+    order, blank lines skipped, each with its file:line position."""
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/glob/b.jsonl", b'{"n": 3}\n\n{"n": 4}\n')
+    fs.pipe("/glob/a.jsonl", b'{"n": 1}\n{"n": 2}\n')
+    fs.pipe("/glob/c.txt", b"not matched\n")
+    items = list(read_source(_spec("memory://glob/*.jsonl", "jsonl")))
+    assert _good(items) == [{"n": 1}, {"n": 2}, {"n": 3}, {"n": 4}]
+    assert [i.pos for i in items] == ["/glob/a.jsonl:1", "/glob/a.jsonl:2",
+                                      "/glob/b.jsonl:1", "/glob/b.jsonl:3"]
+
+
+def test_text_lines_and_gzip_and_bad_utf8(tmp_path: Path) -> None:
+    """Text lines become str records; a .gz file is decompressed on the fly; a line of
+    invalid UTF-8 is a bad record (undecodable), the lines after it are still read."""
+    with gzip.open(tmp_path / "t.txt.gz", "wb") as f:
+        f.write(b"first line\nsecond \xff\xfe line\nthird\n")
+    items = list(read_source(_spec(str(tmp_path / "t.txt.gz"), "text")))
+    assert _good(items) == ["first line", "third"]
+    bad = [i for i in items if isinstance(i, BadRecord)]
+    assert len(bad) == 1 and bad[0].reason == "undecodable" and bad[0].pos.endswith(":2")
+
+
+def test_npy_token_arrays_are_cut_into_samples(tmp_path: Path) -> None:
+    """A 1-D int32 token file of 1000 tokens with sample_len 64 gives 15 records of the
+    consecutive tokens (NumPy arrays of shape (64,)); the 40-token tail is no record."""
+    tokens = np.arange(1000, dtype=np.int32)
+    np.save(tmp_path / "tok.npy", tokens)
+    items = list(read_source(_spec(str(tmp_path / "tok.npy"), "npy", sample_len=64)))
+    samples = _good(items)
+    assert len(samples) == 15
+    for k, arr in enumerate(samples):
+        assert isinstance(arr, np.ndarray) and arr.dtype == np.int32 and arr.shape == (64,)
+        assert np.array_equal(arr, tokens[64 * k: 64 * (k + 1)])
+
+
+def test_folder_of_files_one_record_each_raw(tmp_path: Path) -> None:
+    """Each file of a folder (recursively) is one raw-bytes record, in path order; a file
+    over max_record_bytes is dead-lettered with only its head read."""
+    (tmp_path / "img" / "sub").mkdir(parents=True)
+    (tmp_path / "img" / "a.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "img" / "sub" / "b.bin").write_bytes(b"\xff" * 10)
+    (tmp_path / "img" / "big.bin").write_bytes(b"x" * 5000)
+    items = list(read_source(_spec(str(tmp_path / "img"), "files", max_record_bytes=1000)))
+    assert _good(items) == [b"\x00\x01", b"\xff" * 10]
+    bad = [i for i in items if isinstance(i, BadRecord)]
+    assert [(b.reason, b.pos.endswith("big.bin"), len(b.payload)) for b in bad] == [
+        ("oversized", True, streams.DL_PAYLOAD_LIMIT)
+    ]
+
+
+def test_parquet_rows_are_records(tmp_path: Path) -> None:
+    """Rows of a Parquet file become msgpack records (needs the parquet extra)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"a": [1, 2, 3], "b": ["x", "y", "z"]}), tmp_path / "t.parquet")
+    items = list(read_source(_spec(str(tmp_path / "t.parquet"), "parquet")))
+    assert _good(items) == [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}, {"a": 3, "b": "z"}]
+
+
+def test_missing_source_is_a_clear_error(tmp_path: Path) -> None:
+    """A URL that matches nothing raises SourceError naming the URL."""
+    with pytest.raises(SourceError, match="matches no file"):
+        list(read_source(_spec(str(tmp_path / "none-*.jsonl"), "jsonl")))
+
+
+def test_reading_streams_instead_of_loading_the_source(tmp_path: Path) -> None:
+    """Reading a 32 MiB token file allocates at most a few samples at a time: the peak
+    of traced Python memory stays under 2 MiB while every record is read."""
+    np.save(tmp_path / "big.npy", np.zeros(8 * 1024 * 1024, dtype=np.int32))
+    spec = _spec(str(tmp_path / "big.npy"), "npy", sample_len=4096)
+    tracemalloc.start()
+    try:
+        count = sum(1 for _ in read_source(spec))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert count == 2048
+    assert peak < 2 * 1024 * 1024
+
+
+async def test_s3_glob_source_through_the_producer(
+    redis_server: RedisServer, moto_server: MotoServer, tmp_path: Path
+) -> None:
+    """A glob over JSON Lines objects in S3 (moto) is produced exactly as planned."""
+    opts = moto_server.storage_options()
+    fs = fsspec.filesystem("s3", **opts)
+    # A plain CreateBucket: the shared s3_bucket fixture's mkdir sends a location
+    # constraint this moto refuses for us-east-1.
+    s3_bucket = f"tg-ingest-{tmp_path.name}".lower().replace("_", "-")[:63]
+    fs.call_s3("create_bucket", Bucket=s3_bucket)
+    for f in range(3):
+        body = "".join(json.dumps({"f": f, "i": i}) + "\n" for i in range(100))
+        fs.pipe(f"{s3_bucket}/data/part-{f}.jsonl", body.encode())
+    spec = streams.DatasetSpec(name="s3", partitions=4, source=f"s3://{s3_bucket}/data/*.jsonl",
+                               seed=5)
+    client = Redis.from_url(redis_server.url)
+    await Producer(client, spec, storage_options=opts).run()
+    await client.aclose()
+    parts = read_partitions(redis_server.url, spec)
+    assert parts == expected_partitions(spec, opts)
+    got = sorted((v["f"], v["i"]) for p in parts for v in values(p))
+    assert got == [(f, i) for f in range(3) for i in range(100)]
