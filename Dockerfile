@@ -18,7 +18,7 @@ RUN pip install ".[s3]"
 COPY examples ./examples
 
 RUN useradd --uid 10001 --create-home trainguard \
-    && mkdir -p /checkpoints && chown trainguard /checkpoints
+    && mkdir -p /checkpoints /data && chown trainguard /checkpoints /data
 USER trainguard
 
 EXPOSE 8080

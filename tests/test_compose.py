@@ -109,19 +109,35 @@ def test_trainguard_commands_exist_and_ports_match(compose):
     assert parser.parse_args(docker_cmd[1:]).handler is not None
 
 
-def test_example_trainer_command_runs(compose):
-    """The trainer profile's command is a script in the repo that starts (--help)
-    with its imports (trainer_client, torch) resolved."""
-    cmd = _command(compose["services"]["trainer"])
-    assert cmd[0] == "python" and (ROOT / cmd[1]).is_file()
-    result = subprocess.run(
-        [sys.executable, cmd[1], "--help"], cwd=ROOT, capture_output=True, text=True,
-        timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert result.returncode == 0, result.stderr
-    # Every flag the compose command passes is one the script accepts.
-    for flag in (c for c in cmd[2:] if c.startswith("--")):
-        assert flag in result.stdout, flag
+def test_python_commands_are_scripts_that_start(compose):
+    """Every `python <script>` command (example data, example trainer) is a script in
+    the repo that starts (--help) with its imports resolved, and accepts every flag
+    compose passes to it."""
+    commands = [_command(s) for s in compose["services"].values()]
+    scripts = [c for c in commands if c and c[0] == "python"]
+    assert {c[1] for c in scripts} == {"examples/train_mlp.py", "examples/make_tokens.py"}
+    for cmd in scripts:
+        assert (ROOT / cmd[1]).is_file(), cmd
+        result = subprocess.run(
+            [sys.executable, cmd[1], "--help"], cwd=ROOT, capture_output=True, text=True,
+            timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        )
+        assert result.returncode == 0, result.stderr
+        for flag in (c for c in cmd[2:] if c.startswith("--")):
+            assert flag in result.stdout, (cmd[1], flag)
+
+
+def test_trainer_profile_chain_is_complete(compose):
+    """The trainer waits for the service to be healthy and the example data to be
+    registered; the data volume the producer reads is mounted in the service."""
+    services = compose["services"]
+    needs = services["trainer"]["depends_on"]
+    assert needs["example-data"]["condition"] == "service_completed_successfully"
+    assert needs["trainguard"]["condition"] == "service_healthy"
+    out = _flag(_command(services["example-data"]), "--out")
+    assert out is not None
+    mounts = [v.split(":")[1] for v in services["trainguard"]["volumes"]]
+    assert any(out.startswith(m + "/") for m in mounts), (out, mounts)
 
 
 def test_environment_names_are_read_by_the_code(compose):
@@ -163,3 +179,29 @@ def test_urls_name_services_and_store_roots_parse(compose):
     assert "redis" in hosts
     stores = services["trainguard"]["environment"]["TRAINGUARD_CHECKPOINT_STORES"]
     assert parse_store_roots(stores)
+
+
+def test_example_data_script_writes_and_registers(redis_server, tmp_path):
+    """examples/make_tokens.py writes N token records and registers the dataset
+    (a re-run with the same settings is accepted, as a container restart does)."""
+    import redis
+
+    from trainguard.streams import DatasetSpec, meta_key
+
+    out = tmp_path / "data" / "tokens.jsonl"
+    argv = [sys.executable, "examples/make_tokens.py", "--out", str(out), "--records", "50",
+            "--dataset", "ex", "--redis-url", redis_server.url]
+    for _ in range(2):
+        result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        assert result.returncode == 0, result.stderr
+    lines = out.read_text().splitlines()
+    assert len(lines) == 50 and [json_id(line) for line in lines] == list(range(50))
+    spec = DatasetSpec.from_redis(redis.Redis.from_url(redis_server.url).hgetall(meta_key("ex")))
+    assert (spec.source, spec.format, spec.partitions) == (str(out), "jsonl", 4)
+
+
+def json_id(line: str) -> int:
+    import json
+
+    return int(json.loads(line)["id"])
