@@ -80,7 +80,11 @@ def test_kill_9_at_each_phase_keeps_last_committed(tmp_path, phase):
     _assert_loads_step(store, committed)
 
 
-@pytest.mark.parametrize("phase", ["mid-data", "mid-manifest", "before-pointer"])
+@pytest.mark.parametrize("phase", [
+    "mid-manifest",
+    pytest.param("mid-data", marks=pytest.mark.chaos),
+    pytest.param("before-pointer", marks=pytest.mark.chaos),
+])
 def test_kill_9_on_s3(moto_server, phase):
     """The same on S3 (moto over HTTP): an unfinished manifest upload publishes
     nothing; a finished one is the commit even without LATEST."""

@@ -1,0 +1,137 @@
+"""Golden test of the on-disk format: pins FORMAT.md (manifest fields, array
+metadata, chunk bytes, msgpack skeleton, LATEST) so a change to any of them is a
+deliberate format change (bump FORMAT_VERSION and update FORMAT.md)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import struct
+from pathlib import Path
+
+import crc32c
+import torch
+
+import checkpoint_store
+from checkpoint_store import FORMAT_VERSION, CheckpointStore
+from checkpoint_store.manifest import MANIFEST_KEYS
+
+FORMAT_MD = Path(checkpoint_store.__file__).with_name("FORMAT.md")
+
+EXPECTED_BODY = {
+    "arrays": {
+        "r0/pack": {"chunk_bytes": 4, "chunk_rows": 4, "crc32c": [1387516326],
+                    "data_type": "uint8", "shape": [4]},
+        "r0/t0": {"chunk_bytes": 160, "chunk_rows": 10, "crc32c": [584263131, 5669496],
+                  "data_type": "float32", "shape": [20, 4]},
+    },
+    "extra": {"offsets": {"p0": "1-7"}},
+    "format": "trainguard.checkpoint",
+    "nbytes": 324,
+    "parent": None,
+    "state": {"base64": "g6F31AF3oWLUAWKkc3RlcAM=", "encoding": "msgpack"},
+    "step": 3,
+    "tensors": {
+        "b": {"dtype": "bfloat16", "shape": [2], "shards": [
+            {"array": "r0/pack", "nbytes": 4, "offset": 0, "offsets": [0], "shape": [2]}]},
+        "w": {"dtype": "float32", "shape": [20, 4], "shards": [
+            {"array": "r0/t0", "nbytes": 320, "offset": 0, "offsets": [0, 0],
+             "shape": [20, 4]}]},
+    },
+    "version": 1,
+    "world_size": 1,
+}
+
+EXPECTED_T0 = {
+    "attributes": {"key": "w", "torch_dtype": "float32"},
+    "chunk_grid": {"configuration": {"chunk_shape": [10, 4]}, "name": "regular"},
+    "chunk_key_encoding": {"configuration": {"separator": "."}, "name": "v2"},
+    "codecs": [{"configuration": {"endian": "little"}, "name": "bytes"}, {"name": "crc32c"}],
+    "data_type": "float32",
+    "fill_value": 0.0,
+    "node_type": "array",
+    "shape": [20, 4],
+    "zarr_format": 3,
+}
+
+
+def _save(root: Path):
+    store = CheckpointStore(root, chunk_bytes=256)
+    state = {"w": torch.arange(80, dtype=torch.float32).reshape(20, 4),
+             "b": torch.ones(2, dtype=torch.bfloat16), "step": 3}
+    return store.save(state, step=3, extra={"offsets": {"p0": "1-7"}}).wait()
+
+
+def test_manifest_is_canonical_json_with_pinned_fields(tmp_path):
+    """Exact manifest content (minus uid, time and checksum), canonical encoding, and
+    a sha256 checksum over the canonical form of the other fields."""
+    manifest = _save(tmp_path)
+    raw = (tmp_path / "manifests" / manifest.name).read_bytes()
+    doc = json.loads(raw)
+    assert re.fullmatch(r"000000000003-[0-9a-f]{16}-[0-9a-f]{8}\.json", manifest.name)
+    assert raw == json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+    checksum = doc.pop("checksum")
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    assert checksum == "sha256:" + hashlib.sha256(canonical).hexdigest()
+    assert doc.pop("uid") == manifest.uid and isinstance(doc.pop("created_at"), float)
+    assert doc == EXPECTED_BODY
+    assert FORMAT_VERSION == 1
+
+
+def test_zarr_metadata_chunks_and_latest_are_pinned(tmp_path):
+    """zarr.json documents, chunk file bytes (payload + little-endian CRC-32C, last
+    chunk full size) and LATEST are exactly as FORMAT.md says."""
+    manifest = _save(tmp_path)
+    data = tmp_path / "data" / manifest.uid
+    assert json.loads((data / "zarr.json").read_text()) == {
+        "attributes": {"trainguard": {"step": 3, "uid": manifest.uid}},
+        "node_type": "group", "zarr_format": 3}
+    assert json.loads((data / "r0" / "zarr.json").read_text()) == {
+        "attributes": {}, "node_type": "group", "zarr_format": 3}
+    assert json.loads((data / "r0" / "t0" / "zarr.json").read_text()) == EXPECTED_T0
+    pack_meta = json.loads((data / "r0" / "pack" / "zarr.json").read_text())
+    assert pack_meta["attributes"] == {"packed": True} and pack_meta["data_type"] == "uint8"
+    assert sorted(p.name for p in (data / "r0" / "t0").iterdir()) == ["0.0", "1.0", "zarr.json"]
+
+    chunk = (data / "r0" / "t0" / "1.0").read_bytes()
+    payload = torch.arange(40, 80, dtype=torch.float32).numpy().tobytes()
+    assert chunk == payload + struct.pack("<I", crc32c.crc32c(payload))
+    pack = (data / "r0" / "pack" / "0").read_bytes()
+    assert pack[:4] == bytes([0x80, 0x3F, 0x80, 0x3F])  # bfloat16 1.0, raw little-endian
+    assert pack[4:] == struct.pack("<I", crc32c.crc32c(pack[:4]))
+
+    latest = (tmp_path / "LATEST").read_bytes()
+    assert latest == (json.dumps({"manifest": manifest.name, "step": 3, "uid": manifest.uid},
+                                 sort_keys=True) + "\n").encode()
+
+
+def test_state_skeleton_extension_types_are_pinned(tmp_path):
+    """msgpack skeleton bytes for tensor references, tuples, numpy arrays and scalars
+    and big ints are exactly the documented extension types 1-5."""
+    import numpy as np
+
+    store = CheckpointStore(tmp_path, chunk_bytes=256)
+    state = {"t": torch.zeros(1, dtype=torch.uint8), "tup": (1, "a"),
+             "arr": np.array([1, 2], dtype="<i2"), "sc": np.float32(1.0), "big": -(2**64)}
+    manifest = store.save(state, step=0).wait()
+    skeleton = base64.b64decode(json.loads(
+        (tmp_path / "manifests" / manifest.name).read_bytes())["state"]["base64"])
+    assert skeleton == bytes.fromhex(
+        "85"                                    # map of 5
+        "a174" "d40174"                         # "t": ext 1 (fixext1) "t"
+        "a3747570" "d602" "9201a161"            # "tup": ext 2 (fixext4) [1, "a"]
+        "a3617272" "c70d03" "93a33c6932" "9102" "c404" "01000200"  # "arr": ext 3
+        "a27363" "c70b04" "92a33c6634" "c404" "0000803f"           # "sc": ext 4
+        "a3626967" "c70905" "ff" "0000000000000000"                # "big": ext 5
+    )
+
+
+def test_format_md_documents_every_manifest_field():
+    """The manifest field table in FORMAT.md lists exactly the fields written."""
+    text = FORMAT_MD.read_text()
+    section = text.split("## Manifest", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M))
+    assert documented == set(MANIFEST_KEYS)
+    assert f"format, version {FORMAT_VERSION}" in text.splitlines()[0]
