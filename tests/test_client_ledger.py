@@ -4,10 +4,14 @@ is consumed ends with every record counted exactly once: 0 lost, 0 duplicated.""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 import torch
@@ -32,9 +36,10 @@ def _check(url: str, store: str) -> None:
     assert (lost, dup) == (0, 0), f"{lost} records lost, {dup} trained more than once"
     assert torch.equal(counts, torch.ones(N))
     # the final manifest's offsets are each partition's last ID, and Redis agrees
-    ends = {p: streams.make_id(0, len(range(p, N, P)) - 1) for p in range(P)}
-    assert streams.offsets_from_wire(extra["trainguard"]["offsets"]) == ends
     client = redis.Redis.from_url(url)
+    progress = client.hgetall(streams.progress_key("tok"))
+    ends = {p: progress[streams.progress_end_field(p)].decode() for p in range(P)}
+    assert streams.offsets_from_wire(extra["trainguard"]["offsets"]) == ends
     assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends
     for p in range(P):
         assert client.xpending(streams.partition_key("tok", p), "exp")["pending"] == 0
@@ -98,6 +103,55 @@ def test_ledger_redis_killed_with_aof_everysec(redis_factory, tmp_path: Path) ->
     )
     assert kills == 6
     _check(server.url, store)
+
+
+def test_ledger_producer_killed_too(redis_server, tmp_path: Path) -> None:
+    """The real ingest producer (backlog bound 150 entries per partition, so it keeps
+    pausing for the trainer's commits) is SIGKILLed and restarted while trainers are
+    killed: the producer resumes from the partitions' last IDs, the trainer from its
+    checkpoint, and every record is counted once."""
+    source = tmp_path / "tokens.npy"
+    np.save(source, np.repeat(np.arange(N, dtype=np.int64), 8))
+    cmd = [sys.executable, str(ledger.ROOT / "tests" / "_client_produce.py"), redis_server.url,
+           "tok", str(source), str(P), "150"]
+    env = {**os.environ, "PYTHONPATH": str(ledger.ROOT)}
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def producer_alive() -> bool:
+        return bool(procs) and procs[-1].poll() is None
+
+    def start_producer() -> None:
+        with open(tmp_path / "producer.log", "ab") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+
+    rng = random.Random(8)
+
+    def during(attempt: int, job: ledger.Job) -> None:
+        if attempt % 2 == 0 and producer_alive():
+            job.sleep(rng.uniform(0.0, 0.3))
+            procs[-1].kill()
+            procs[-1].wait()
+            start_producer()
+
+    client = redis.Redis.from_url(redis_server.url)
+    start_producer()
+    try:
+        deadline = time.monotonic() + 60
+        while not client.exists(streams.meta_key("tok")):
+            assert time.monotonic() < deadline and producer_alive(), "producer did not create the dataset"
+            time.sleep(0.05)
+        store = f"file://{tmp_path}/ckpt"
+        kills = ledger.run_until_done(_args(redis_server.url, store), kills=6, seed=9,
+                                      log=tmp_path / "job.log", during=during)
+        assert kills == 6
+        assert procs[-1].wait(60) == 0
+        assert len(procs) > 1  # it really was killed and restarted
+        _check(redis_server.url, store)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 @pytest.mark.chaos
