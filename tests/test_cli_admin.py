@@ -178,3 +178,13 @@ def test_every_command_has_help(command, capsys):
             main([*argv, "--help"])
         assert exc.value.code == 0
         assert "usage: trainguard " + " ".join(argv) in capsys.readouterr().out
+
+
+def test_redis_down_is_exit_1_with_a_message(capsys):
+    """A Redis that does not answer: exit 1 and one line naming the URL, no traceback."""
+    from tests.servers import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    code = main(["datasets", "ls", "--redis-url", url])
+    err = capsys.readouterr().err
+    assert code == 1 and url in err and "Traceback" not in err

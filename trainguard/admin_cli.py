@@ -168,7 +168,8 @@ def _datasets_create(args: argparse.Namespace) -> int:
     )
     stored = _with_redis(args, lambda r: create_dataset(r, spec))
     emit(args, {"created": stored.name, "partitions": stored.partitions},
-         lambda d: f"dataset {d['created']} ready ({d['partitions']} partitions)")
+         lambda d: f"dataset {d['created']} registered ({d['partitions']} partitions); a "
+                   "running `trainguard serve` produces it, or run `trainguard ingest`")
     return EXIT_OK
 
 
