@@ -7,8 +7,11 @@ so no test sleeps for the breaker or asserts on elapsed time.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -395,3 +398,32 @@ def test_invalid_configuration_is_refused() -> None:
         CircuitBreaker("x", failure_threshold=0, registry=CollectorRegistry())
     with pytest.raises(ValueError, match="failure_rate_threshold"):
         CircuitBreaker("x", failure_rate_threshold=1.5, registry=CollectorRegistry())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_does_not_inherit_a_held_lock(
+    clock: ManualClock, registry: CollectorRegistry
+) -> None:
+    """A fork while another thread is inside the breaker (its lock held) leaves the
+    child with a working breaker (fresh lock, inherited state) instead of a deadlock."""
+    breaker = make_breaker(clock, registry)
+    with breaker._lock:
+        pid = os.fork()
+        if pid == 0:  # child: the parent's holder thread does not exist here
+            code = 3
+            try:
+                ok = breaker.call(lambda: 7) == 7 and breaker.state is BreakerState.CLOSED
+                code = 0 if ok else 1
+            finally:
+                os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child deadlocked on the breaker's lock")
+    assert os.waitstatus_to_exitcode(status) == 0

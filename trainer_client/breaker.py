@@ -12,7 +12,8 @@ While OPEN every call fails fast with :class:`CircuitOpenError`. In HALF_OPEN ex
 one call (the probe) reaches the dependency; every concurrent caller, thread or
 asyncio task, fails fast. Admission and outcome are decided under one
 ``threading.Lock`` that is never held across a call or an ``await``, so the same
-breaker serves threads and event loops at once.
+breaker serves threads and event loops at once. A forked child (DataLoader worker)
+gets fresh locks and inherits the state.
 
 Outcomes: an exception that is an instance of ``failure_exceptions`` and not of
 ``ignored_exceptions`` is a failure. Any other exception means the dependency
@@ -38,6 +39,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import os
 import threading
 import time
 import weakref
@@ -85,6 +87,20 @@ _metrics_lock = threading.Lock()
 _metrics_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = (
     weakref.WeakKeyDictionary()
 )
+_live_breakers: weakref.WeakSet[CircuitBreaker] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # DataLoader workers fork. A lock that another parent thread held at the fork
+    # stays locked forever in the child (that thread does not exist there): give
+    # every breaker, and the metrics registry map, a fresh lock.
+    global _metrics_lock
+    _metrics_lock = threading.Lock()
+    for breaker in list(_live_breakers):
+        breaker._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _metrics_for(registry: CollectorRegistry) -> _Metrics:
@@ -172,6 +188,7 @@ class CircuitBreaker:
         self._probe_in_flight = False
         self._metrics = _metrics_for(registry if registry is not None else REGISTRY)
         self._metrics.state.labels(name).state(self._state.value)
+        _live_breakers.add(self)
 
     def __repr__(self) -> str:
         return f"CircuitBreaker({self.name!r}, state={self.state.value})"
