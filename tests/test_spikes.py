@@ -192,9 +192,11 @@ class Run:
     lrs: list[float] = field(default_factory=list)
 
 
-def train(batches: list[tuple[str, torch.Tensor, torch.Tensor]], guard: SpikeGuard | None) -> Run:
+def train(batches: list[tuple[str, torch.Tensor, torch.Tensor]], guard: SpikeGuard | None,
+          *, grad_norm: bool = False) -> Run:
     """A real loop: checkpoint every CKPT_EVERY steps (in memory), observe the loss
-    before the optimizer step, roll back weights, optimizer and data position together."""
+    (and the gradient norm) after backward and before the optimizer step, roll back
+    weights, optimizer and data position together."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=BASE_LR, momentum=0.9)
@@ -215,8 +217,13 @@ def train(batches: list[tuple[str, torch.Tensor, torch.Tensor]], guard: SpikeGua
         for group in opt.param_groups:
             group["lr"] = lr
         loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        norm = None
+        if grad_norm:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
         if guard is not None:
-            decision = guard.observe(step, loss.item(), batch_id=batch_id)
+            decision = guard.observe(step, loss.item(), batch_id=batch_id, grad_norm=norm)
             if decision.action is Action.STOP:
                 decision.raise_for_stop()
             if decision.action is Action.ROLLBACK:
@@ -226,8 +233,6 @@ def train(batches: list[tuple[str, torch.Tensor, torch.Tensor]], guard: SpikeGua
                 pos, step, run.trained = ck.pos, ck.step, list(ck.ledger)
                 run.rollbacks.append((decision.step, decision.skip_batch_ids, ck.step))
                 continue
-        opt.zero_grad()
-        loss.backward()
         opt.step()
         run.lrs.append(lr)
         run.trained.append(batch_id)
@@ -238,8 +243,8 @@ def train(batches: list[tuple[str, torch.Tensor, torch.Tensor]], guard: SpikeGua
     return run
 
 
-def guard_for(**rollback: Any) -> SpikeGuard:
-    return SpikeGuard(LossSpikeDetector(SpikeConfig(window=20, warmup_steps=5)),
+def guard_for(spikes: SpikeConfig | None = None, **rollback: Any) -> SpikeGuard:
+    return SpikeGuard(LossSpikeDetector(spikes or SpikeConfig(window=20, warmup_steps=5)),
                       RollbackPolicy(RollbackConfig(**rollback)))
 
 
@@ -309,3 +314,20 @@ def test_guard_state_survives_a_restart() -> None:
     decision = restored.observe(130, math.nan, batch_id="bad")
     assert decision.action is Action.STOP
     assert isinstance(decision.error, RollbackLimitError)
+
+
+def test_grad_norm_spike_rolls_back_in_the_loop() -> None:
+    """With the loss check effectively off (factor 1e12), a batch whose inputs are
+    scaled by 300 is caught by its gradient norm alone (factor 5) and rolled back;
+    without grad-norm checking the same run trains it."""
+    batches = make_batches({})
+    bid, x, y = batches[23]
+    batches[23] = (bid, x * 300.0, y)
+    cfg = SpikeConfig(window=20, warmup_steps=5, factor=1e12, grad_norm_factor=5.0)
+    guard = guard_for(cfg)
+    run = train(batches, guard, grad_norm=True)
+    assert [r[1] for r in run.rollbacks] == [("b023",)]
+    assert "grad norm" in guard.policy.state_dict()["history"][0]["reason"]
+    assert "b023" not in run.trained and len(run.trained) == N_BATCHES - 1
+    blind = train(batches, guard_for(cfg), grad_norm=False)
+    assert blind.rollbacks == [] and "b023" in blind.trained
