@@ -227,3 +227,24 @@ def test_service_binds_loopback_unless_told_otherwise():
     parser = build_parser()
     assert parser.parse_args(["serve"]).host == "127.0.0.1"
     assert parser.parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
+
+
+async def test_seek_earliest_after_trim_reads_exactly_what_is_left(redis_server):
+    """After trimming, 'earliest' is the ID just below the first entry left, so the
+    group's next read starts at exactly that entry: within an epoch (1-2 -> 1-1) and
+    across an epoch boundary (2-0 -> 1-<max>)."""
+    r = aioredis.Redis.from_url(redis_server.url)
+    await make_dataset(r, partitions=2, per_partition=4)
+    key0, key1 = streams.partition_key("toy", 0), streams.partition_key("toy", 1)
+    await r.xadd(key1, streams.encode_record({"epoch": 1}), id=streams.make_id(1, 0))
+    await make_group(r, "toy", "run1", 2)
+    await r.xtrim(key0, minid="1-2", approximate=False)
+    await r.xtrim(key1, minid="2-0", approximate=False)
+    async with admin_client(redis_server.url) as client:
+        resp = await client.post("/admin/datasets/toy/groups/run1/seek",
+                                 json={"to": "earliest"}, headers=AUTH)
+        assert resp.status == 200
+        assert (await resp.json())["offsets"] == {"0": "1-1", "1": f"1-{2**64 - 1}"}
+    got = await r.xreadgroup("run1", "c", {key0: ">", key1: ">"}, count=1)
+    assert {k.decode(): entries[0][0] for k, entries in got} == {key0: b"1-2", key1: b"2-0"}
+    await r.aclose()
