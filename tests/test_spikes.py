@@ -14,6 +14,7 @@ import torch
 from trainer_client.errors import RollbackLimitError, TrainerClientError
 from trainer_client.spikes import (
     Action,
+    BatchId,
     LossSpikeDetector,
     RollbackConfig,
     RollbackPolicy,
@@ -188,7 +189,7 @@ class Snapshot:
 class Run:
     model: torch.nn.Linear
     trained: list[str]
-    rollbacks: list[tuple[int, tuple[str, ...], int]] = field(default_factory=list)
+    rollbacks: list[tuple[int, tuple[BatchId, ...], int]] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
 
 

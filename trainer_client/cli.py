@@ -48,7 +48,7 @@ from trainer_client.health import (
 
 __all__ = ["ProbeServer", "exit_code_for", "format_table", "register"]
 
-DEFAULT_PORT = 9464
+DEFAULT_PORT = 9435
 
 
 class _ReportCollector(Collector):
