@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,8 +69,10 @@ def test_demo_reduced_counts_exactly_once_and_cleans_up():
     assert not Path(summary["workdir"]).exists()
 
 
-def test_demo_interrupted_leaves_no_process():
-    """Ctrl-C (SIGINT) while the trainer runs: exit code 130, every child gone."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_interrupted_leaves_no_process(sig):
+    """Ctrl-C (SIGINT) or SIGTERM while the trainer runs: exit code 130, every
+    child gone."""
     proc = _demo("--records", "3000", "--step-delay-ms", "200")
     assert proc.stderr is not None
     seen = ""
@@ -81,7 +85,7 @@ def test_demo_interrupted_leaves_no_process():
             seen += line
         assert "started trainer" in seen, seen
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, rest = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
