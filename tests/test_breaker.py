@@ -427,3 +427,27 @@ def test_forked_child_does_not_inherit_a_held_lock(
         os.waitpid(pid, 0)
         pytest.fail("the forked child deadlocked on the breaker's lock")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+async def test_acall_timeout_counts_hangs_as_failures(
+    server: ControlledServer, clock: ManualClock, registry: CollectorRegistry
+) -> None:
+    """With acall_timeout_s, coroutines hanging on the server time out as failures and
+    open the breaker; the client itself has no timeout at all."""
+    breaker = make_breaker(clock, registry, acall_timeout_s=0.3)
+    server.set_mode("hang")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+
+        async def fetch() -> int:
+            async with http.get(server.url) as resp:
+                return resp.status
+
+        for _ in range(3):
+            with pytest.raises(TimeoutError):
+                await breaker.acall(fetch)
+        assert breaker.state is BreakerState.OPEN
+        with pytest.raises(CircuitOpenError):
+            await breaker.acall(fetch)
+    assert server.hits == 3
+    assert sample(registry, "trainguard_breaker_calls_total", breaker="dep",
+                  outcome="failure") == 3

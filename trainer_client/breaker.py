@@ -36,6 +36,7 @@ Metrics (on ``registry``, default :data:`REGISTRY`, not prometheus' global one):
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import functools
 import inspect
@@ -141,6 +142,9 @@ class CircuitBreaker:
     ``failure_threshold`` consecutive failures open it. If ``failure_rate_threshold``
     is set, it also opens when, over the last ``window_size`` decided calls (at least
     ``min_calls`` of them), the fraction of failures reaches that rate.
+    ``acall_timeout_s`` bounds each :meth:`acall` (the ``TimeoutError`` is a failure):
+    a timeout put *around* ``acall`` cancels it instead, and a cancelled call decides
+    nothing, so hangs would never open the breaker.
     ``clock`` returns seconds on a monotonic scale; tests pass their own.
     """
 
@@ -155,6 +159,7 @@ class CircuitBreaker:
         min_calls: int = 10,
         failure_exceptions: tuple[type[BaseException], ...] = (Exception,),
         ignored_exceptions: tuple[type[BaseException], ...] = (),
+        acall_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -178,6 +183,7 @@ class CircuitBreaker:
         self.min_calls = min_calls
         self.failure_exceptions = failure_exceptions
         self.ignored_exceptions = ignored_exceptions
+        self.acall_timeout_s = acall_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
         self._state = BreakerState.CLOSED
@@ -299,7 +305,11 @@ class CircuitBreaker:
         """Await ``fn(*args, **kwargs)`` through the breaker."""
         ticket = self._admit()
         try:
-            result = await fn(*args, **kwargs)
+            if self.acall_timeout_s is None:
+                result = await fn(*args, **kwargs)
+            else:
+                async with asyncio.timeout(self.acall_timeout_s):
+                    result = await fn(*args, **kwargs)
         except BaseException as exc:
             self._record(ticket, exc)
             raise
