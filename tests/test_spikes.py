@@ -332,3 +332,18 @@ def test_grad_norm_spike_rolls_back_in_the_loop() -> None:
     assert "b023" not in run.trained and len(run.trained) == N_BATCHES - 1
     blind = train(batches, guard_for(cfg), grad_norm=False)
     assert blind.rollbacks == [] and "b023" in blind.trained
+
+
+def test_restart_mid_suspicious_run_keeps_the_batch_ids() -> None:
+    """With persistence 2, a restart between the first and second high step still
+    skips both batches when the spike fires after the restart."""
+    cfg = SpikeConfig(window=10, warmup_steps=2, persistence=2)
+    guard = guard_for(cfg)
+    for i in range(4):
+        guard.observe(i, 1.0, batch_id=f"ok{i}")
+    assert guard.observe(4, 50.0, batch_id="hi4").action is Action.CONTINUE
+    restarted = guard_for(cfg)
+    restarted.load_state_dict(msgpack.unpackb(msgpack.packb(guard.state_dict())))
+    decision = restarted.observe(5, 60.0, batch_id="hi5")
+    assert decision.action is Action.ROLLBACK
+    assert decision.skip_batch_ids == ("hi4", "hi5")

@@ -350,6 +350,9 @@ class SpikeGuard:
         return {
             "version": STATE_VERSION,
             "clock": self._clock,
+            # Batch IDs of a suspicious run in progress, so a restart mid-run still
+            # knows which batches to skip if the run becomes a spike.
+            "recent": [[s, b] for s, b in self._recent],
             "detector": self.detector.state_dict(),
             "policy": self.policy.state_dict(),
         }
@@ -360,3 +363,4 @@ class SpikeGuard:
         self.detector.load_state_dict(state["detector"])
         self.policy.load_state_dict(state["policy"])
         self._recent.clear()
+        self._recent.extend((int(s), b) for s, b in state["recent"])
