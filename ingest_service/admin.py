@@ -215,18 +215,21 @@ async def _seek(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     r = request.app[_REDIS]
     dataset, group = request.match_info["dataset"], request.match_info["group"]
+    force = body.pop("force", False)
+    if not isinstance(force, bool):
+        raise BadRequest("bad_force", f"'force' must be true or false, got {force!r}")
     unknown = set(body) - {"to", "ids", "checkpoint"}
     if unknown or len(body) != 1:
         raise BadRequest(
             "bad_target",
             "the body must have exactly one of 'to' (\"earliest\"|\"latest\"), 'ids' "
-            "({partition: ID}) or 'checkpoint' ({\"store\": name, \"step\": n}); "
-            f"got keys {sorted(body)}",
+            "({partition: ID}) or 'checkpoint' ({\"store\": name, \"step\": n}), and "
+            f"optionally 'force'; got keys {sorted(body)}",
         )
     if "to" in body:
         if not isinstance(body["to"], str):
             raise BadRequest("bad_target", "'to' must be \"earliest\" or \"latest\"")
-        result = await inspect.seek_group(r, dataset, group, to=body["to"])
+        result = await inspect.seek_group(r, dataset, group, to=body["to"], force=force)
     else:
         spec_partitions = (await inspect.dataset_spec(r, dataset)).partitions
         raw = (
@@ -234,7 +237,7 @@ async def _seek(request: web.Request) -> web.Response:
             else await request.app[_STORES].checkpoint_offsets(body["checkpoint"], dataset)
         )
         ids = inspect.parse_seek_ids(raw, spec_partitions)
-        result = await inspect.seek_group(r, dataset, group, ids=ids)
+        result = await inspect.seek_group(r, dataset, group, ids=ids, force=force)
     return web.json_response(result)
 
 

@@ -346,6 +346,32 @@ def parse_seek_ids(raw: Any, partitions: int) -> dict[int, str]:
     return out
 
 
+ACTIVE_IDLE_MS = 30_000
+"""A consumer that read within this many milliseconds counts as running."""
+
+
+async def _refuse_if_active(r: aioredis.Redis, dataset: str, group: str, parts: list[int]) -> None:
+    pipe = r.pipeline(transaction=False)
+    for p in parts:
+        pipe.xinfo_consumers(streams.partition_key(dataset, p), group)
+    active = sorted(
+        {
+            _text(c["name"])
+            for reply in await pipe.execute(raise_on_error=False)
+            if not isinstance(reply, Exception)
+            for c in reply
+            if int(c["idle"]) < ACTIVE_IDLE_MS
+        }
+    )
+    if active:
+        raise Refused(
+            "group_active",
+            f"group {group!r} has consumers that read in the last {ACTIVE_IDLE_MS // 1000} s "
+            f"({', '.join(active)}): a trainer is probably running and would skip or repeat "
+            "records. Stop it first, or force the seek",
+        )
+
+
 async def seek_group(
     r: aioredis.Redis,
     dataset: str,
@@ -353,6 +379,7 @@ async def seek_group(
     *,
     to: str | None = None,
     ids: Mapping[int, str] | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Move ``group`` to ``ids`` (a subset of partitions), or every partition to
     ``to`` = ``"earliest"`` (the lowest position whose following entries are all
@@ -360,7 +387,9 @@ async def seek_group(
 
     All targets are checked before any partition moves, so a refused seek changes
     nothing. The group must be registered on the dataset (``tg:{D}:groups``); it is
-    created on partitions where it does not exist yet.
+    created on partitions where it does not exist yet. Unless ``force``, a group with
+    a consumer active in the last ``ACTIVE_IDLE_MS`` is refused: moving a running
+    trainer's group under it makes it skip or repeat records.
     """
     spec = await dataset_spec(r, dataset)
     try:
@@ -385,6 +414,8 @@ async def seek_group(
             "first reads",
         )
     parts = sorted(ids) if ids is not None else list(streams.all_partitions(spec))
+    if not force:
+        await _refuse_if_active(r, dataset, group, parts)
     floor = _safe_offsets(await r.hgetall(streams.floor_key(dataset, group)))
     pipe = r.pipeline(transaction=False)
     for p in parts:

@@ -119,11 +119,13 @@ _SCHEMAS: dict[str, Any] = {
         },
     },
     "SeekRequest": {
-        "description": "Exactly one of: to, ids, checkpoint.",
+        "description": "Exactly one of: to, ids, checkpoint; optionally force (seek "
+                       "even while a consumer of the group read in the last 30 s).",
         "type": "object",
         "minProperties": 1,
-        "maxProperties": 1,
+        "maxProperties": 2,
         "properties": {
+            "force": {"type": "boolean", "default": False},
             "to": {"type": "string", "enum": ["earliest", "latest"]},
             "ids": {"type": "object", "additionalProperties": _ID,
                     "description": "partition (as a string) -> stream ID"},

@@ -248,3 +248,29 @@ async def test_seek_earliest_after_trim_reads_exactly_what_is_left(redis_server)
     got = await r.xreadgroup("run1", "c", {key0: ">", key1: ">"}, count=1)
     assert {k.decode(): entries[0][0] for k, entries in got} == {key0: b"1-2", key1: b"2-0"}
     await r.aclose()
+
+
+async def test_seek_refuses_a_group_with_an_active_consumer_unless_forced(redis_server):
+    """A consumer that just read (a running trainer) makes a seek 409 group_active
+    and nothing moves; with "force": true the seek goes through; a non-boolean force
+    is 400."""
+    r = aioredis.Redis.from_url(redis_server.url)
+    await make_dataset(r, partitions=2, per_partition=4)
+    await make_group(r, "toy", "run1", 2)
+    key1 = streams.partition_key("toy", 1)
+    await r.xreadgroup("run1", "rank0", {key1: ">"}, count=1)
+    url = "/admin/datasets/toy/groups/run1/seek"
+    async with admin_client(redis_server.url) as client:
+        resp = await client.post(url, json={"to": "latest"}, headers=AUTH)
+        body = await resp.json()
+        assert resp.status == 409 and body["error"]["code"] == "group_active"
+        assert "rank0" in body["error"]["message"]
+        assert (await r.xinfo_groups(key1))[0]["last-delivered-id"] == b"1-0"
+        resp = await client.post(url, json={"to": "latest", "force": "yes"}, headers=AUTH)
+        assert resp.status == 400
+        resp = await client.post(url, json={"force": True}, headers=AUTH)
+        assert resp.status == 400
+        resp = await client.post(url, json={"to": "latest", "force": True}, headers=AUTH)
+        assert resp.status == 200
+        assert (await r.xinfo_groups(key1))[0]["last-delivered-id"] == b"1-3"
+    await r.aclose()

@@ -225,7 +225,8 @@ def _offsets_seek(args: argparse.Namespace) -> int:
 
     async def op(r: Any) -> dict[str, Any]:
         if args.to:
-            return await inspect.seek_group(r, args.dataset, args.group, to=args.to)
+            return await inspect.seek_group(r, args.dataset, args.group, to=args.to,
+                                            force=args.force)
         spec = await inspect.dataset_spec(r, args.dataset)
         if args.ids:
             raw = _parse_ids_arg(args.ids)
@@ -234,7 +235,7 @@ def _offsets_seek(args: argparse.Namespace) -> int:
             raw = await stores.checkpoint_offsets({"store": "cli", "step": args.step},
                                                   args.dataset)
         ids = inspect.parse_seek_ids(raw, spec.partitions)
-        return await inspect.seek_group(r, args.dataset, args.group, ids=ids)
+        return await inspect.seek_group(r, args.dataset, args.group, ids=ids, force=args.force)
 
     if args.checkpoint and args.step is None:
         return fail(EXIT_USAGE, "--checkpoint needs --step")
@@ -301,6 +302,8 @@ def _register_offsets(sub: Any) -> None:
     target.add_argument("--checkpoint", metavar="STORE_URL",
                         help="the offsets committed in this store's checkpoint --step")
     p.add_argument("--step", type=int, help="checkpoint step (with --checkpoint)")
+    p.add_argument("--force", action="store_true",
+                   help="seek even while a consumer of the group read in the last 30 s")
     _common(p)
     p.set_defaults(handler=guarded(_offsets_seek))
 
