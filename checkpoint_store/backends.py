@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 from checkpoint_store import _faults
 from checkpoint_store.layout import TMP_PREFIX
 
-__all__ = ["Backend", "FsspecBackend", "LocalBackend", "open_backend"]
+__all__ = ["Backend", "FsspecBackend", "LocalBackend", "aligned_buffer", "open_backend"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -46,6 +46,10 @@ class Backend(Protocol):
 
     def read(self, path: str) -> bytes: ...
 
+    def read_buffer(self, path: str) -> memoryview:
+        """The file's bytes in a 64-byte aligned buffer, so tensors can be viewed in
+        place by kernels that need aligned data (wide and vectorised dtypes)."""
+
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) directly under ``path``; empty if it does not exist."""
 
@@ -56,6 +60,13 @@ class Backend(Protocol):
 
     def remove_tree(self, path: str) -> None:
         """Remove a directory and everything under it; missing is fine."""
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """A writable, 64-byte aligned byte buffer (torch allocations are aligned)."""
+    import torch
+
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
 
 
 def _write_all(fd: int, data: Buffer) -> None:
@@ -146,6 +157,18 @@ class LocalBackend:
         with open(self._abs(path), "rb") as f:
             return f.read()
 
+    def read_buffer(self, path: str) -> memoryview:
+        with open(self._abs(path), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = aligned_buffer(size)
+            got = f.readinto(buf)
+            while got < size:
+                n = f.readinto(buf[got:])
+                if not n:
+                    break
+                got += n
+            return buf[:got]
+
     def listdir(self, path: str) -> list[str]:
         try:
             return sorted(os.listdir(self._abs(path)))
@@ -233,6 +256,12 @@ class FsspecBackend:
 
     def read(self, path: str) -> bytes:
         return bytes(self.fs.cat_file(self._abs(path)))
+
+    def read_buffer(self, path: str) -> memoryview:
+        raw = self.fs.cat_file(self._abs(path))
+        buf = aligned_buffer(len(raw))
+        buf[:] = raw
+        return buf
 
     def listdir(self, path: str) -> list[str]:
         full = self._abs(path)

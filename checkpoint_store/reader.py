@@ -39,7 +39,7 @@ class ChunkReader:
         key = ".".join([str(index)] + ["0"] * (ndim - 1))
         path = f"{self.data_dir}/{array}/{key}"
         try:
-            raw = self.backend.read(path)
+            raw = self.backend.read_buffer(path)
         except FileNotFoundError as e:
             raise CorruptCheckpointError(
                 f"chunk {path} is missing: the checkpoint is incomplete; load an earlier one"

@@ -133,7 +133,7 @@ def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
 
 
-def decode_chunk(raw: bytes, *, expected_len: int, expected_crc: int, where: str) -> memoryview:
+def decode_chunk(raw: bytes | memoryview, *, expected_len: int, expected_crc: int, where: str) -> memoryview:
     """The payload of a chunk file, after checking its length, its own CRC and the
     CRC the manifest recorded (which also catches a valid chunk from another save)."""
     if len(raw) != expected_len + CRC_BYTES:

@@ -195,3 +195,17 @@ def test_empty_store_and_unknown_step(tmp_path):
         store.load({"x": torch.zeros(1)}, step=5)
     with pytest.raises(NoCheckpointError):
         store.verify(5)
+
+
+@pytest.mark.parametrize("backend", ["file", "memory", "s3"])
+def test_manifest_create_is_exclusive(tmp_path, request, backend):
+    """The commit primitive refuses to replace an existing manifest on every backend
+    (on S3 through If-None-Match, enforced by the moto server); the first stays."""
+    moto = request.getfixturevalue("moto_server") if backend == "s3" else None
+    url, opts = _store_url(backend, tmp_path, moto)
+    store = CheckpointStore(url, storage_options=opts)
+    backend_ = store._backend
+    backend_.exclusive_create("manifests/x.json", b"first")
+    with pytest.raises(FileExistsError):
+        backend_.exclusive_create("manifests/x.json", b"second")
+    assert backend_.read("manifests/x.json") == b"first"
