@@ -166,7 +166,9 @@ class MotoServer:
         import s3fs
 
         fs = s3fs.S3FileSystem(**self.storage_options())  # type: ignore[arg-type]
-        fs.mkdir(name)
+        # A plain CreateBucket: s3fs.mkdir sends a LocationConstraint, which moto
+        # (like AWS) refuses for us-east-1.
+        fs.call_s3("create_bucket", Bucket=name)
         return name
 
     def stop(self) -> None:
