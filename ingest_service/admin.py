@@ -11,6 +11,14 @@ Errors under ``/admin/`` and ``/openapi.json`` are JSON of one shape,
 404 unknown dataset/group/store/checkpoint, 409 refused in the current state,
 413 body too large, 503 Redis or a store unreachable.
 
+Readiness: the ingest app's ``/readyz`` checks Redis; with checkpoint stores
+configured, a middleware here makes it also check that every store root answers
+(503 naming the failing store otherwise).
+
+Configuration (environment, read when the app is created): ``TRAINGUARD_ADMIN_TOKEN``
+and ``TRAINGUARD_CHECKPOINT_STORES`` = ``name=url[|remote_url],...`` (see
+:mod:`ingest_service.admin_checkpoints`).
+
 Security: routes that change state (seek, pin, unpin, delete) need
 ``Authorization: Bearer <token>``, compared in constant time with the token from
 ``TRAINGUARD_ADMIN_TOKEN``. Without a configured token they are refused (403), never
@@ -64,7 +72,7 @@ class AdminConfig:
     @classmethod
     def from_env(cls, redis_url: str | None = None) -> AdminConfig:
         """``TRAINGUARD_ADMIN_TOKEN``, ``TRAINGUARD_CHECKPOINT_STORES``
-        (``name=url[,name=url...]``) and, unless given, ``TRAINGUARD_REDIS_URL``."""
+        (``name=url[|remote_url],...``) and, unless given, ``TRAINGUARD_REDIS_URL``."""
         url = redis_url or os.environ.get(REDIS_ENV, "redis://127.0.0.1:6379/0")
         token = os.environ.get(TOKEN_ENV) or None
         return cls(url, token, parse_store_roots(os.environ.get(STORES_ENV, "")))
