@@ -161,7 +161,9 @@ class StoreSet:
         return rows
 
     def _manifest(self, root: StoreRoot, step: int) -> Any:
-        for m in self._open(root.url, root).list():
+        """The newest manifest of ``step`` (a step saved twice, e.g. after a rollback,
+        means its newest save, as the store's verify/pin/load do)."""
+        for m in reversed(self._open(root.url, root).list()):
             if m.step == step:
                 return m
         raise NotFound(
@@ -171,7 +173,7 @@ class StoreSet:
         )
 
     def _row(self, root: StoreRoot, step: int) -> dict[str, Any]:
-        for row in self._rows(root):
+        for row in reversed(self._rows(root)):
             if row["step"] == step:
                 return row
         raise NotFound("checkpoint_not_found", f"store {root.name!r} has no step {step}")

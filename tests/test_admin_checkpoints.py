@@ -192,3 +192,22 @@ async def test_status_local_only_and_remote_tier(redis_server, tmp_path, moto_se
         (2, ["committed", "remote"]),
         (3, ["committed", "local_only"]),
     ]
+
+
+async def test_a_step_saved_twice_means_its_newest_save(redis_server, tmp_path):
+    """When a step was saved twice (e.g. after a rollback), show and seek use the
+    newest save of that step, as the store's own verify, pin and load do."""
+    r = aioredis.Redis.from_url(redis_server.url)
+    await make_dataset(r, partitions=2, per_partition=5)
+    await make_group(r, "toy", "run1", 2)
+    root = tmp_path / "ck"
+    save_checkpoints(str(root), [5], {0: "1-1", 1: "1-1"})
+    save_checkpoints(str(root), [5], {0: "1-3", 1: "1-2"})
+    async with admin_client(redis_server.url, stores={"main": root}) as client:
+        manifest = await (await client.get("/admin/checkpoints/main/5")).json()
+        assert manifest["extra"]["trainguard"]["offsets"] == {"0": "1-3", "1": "1-2"}
+        resp = await client.post("/admin/datasets/toy/groups/run1/seek",
+                                 json={"checkpoint": {"store": "main", "step": 5}},
+                                 headers=AUTH)
+        assert (await resp.json())["offsets"] == {"0": "1-3", "1": "1-2"}
+    await r.aclose()

@@ -39,7 +39,7 @@ def _find(store: Any, step: int | None) -> Any:
         raise LookupError("the store has no committed checkpoint")
     if step is None:
         return manifests[-1]
-    for m in manifests:
+    for m in reversed(manifests):  # a step saved twice: its newest save
         if m.step == step:
             return m
     raise LookupError(f"no checkpoint at step {step}; it has steps {[m.step for m in manifests]}")
