@@ -45,9 +45,19 @@ while i <= #ARGV do
   local n = tonumber(ARGV[i + 1])
   local a1, a2 = parse(id)
   if less(l1, l2, a1, a2) then
-    local args = {'XADD', KEYS[1], id}
-    for j = 1, 2 * n do args[#args + 1] = ARGV[i + 1 + j] end
-    redis.call(unpack(args))
+    local b = i + 1
+    -- Fixed arities (the producer's entries have 3 or 5 fields) skip building a table.
+    if n == 3 then
+      redis.call('XADD', KEYS[1], id, ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4],
+                 ARGV[b + 5], ARGV[b + 6])
+    elseif n == 5 then
+      redis.call('XADD', KEYS[1], id, ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4],
+                 ARGV[b + 5], ARGV[b + 6], ARGV[b + 7], ARGV[b + 8], ARGV[b + 9], ARGV[b + 10])
+    else
+      local args = {'XADD', KEYS[1], id}
+      for j = 1, 2 * n do args[#args + 1] = ARGV[b + j] end
+      redis.call(unpack(args))
+    end
     l1, l2 = a1, a2
     added = added + 1
   else

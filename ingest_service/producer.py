@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 from collections.abc import Iterator, Mapping
@@ -34,8 +35,10 @@ from typing import Any
 
 import redis.exceptions as redis_errors
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from ingest_service import _lua
+from ingest_service._resp import Link, bulk, call_packed_script, xadd_parts
 from ingest_service.backlog import (
     Backlog,
     BacklogLimits,
@@ -116,10 +119,11 @@ class Producer:
         self.maintenance_interval_s = maintenance_interval_s
         self.progress = ProducerProgress()
         self._stop = asyncio.Event()
-        self._append = redis.register_script(_lua.APPEND)
+        self._append_sha = hashlib.sha1(_lua.APPEND.encode()).hexdigest().encode()
         self._last_id = redis.register_script(_lua.LAST_ID)
         p = spec.partitions
         self._keys = [streams.partition_key(spec.name, i) for i in range(p)]
+        self._key_bulk = [bulk(k.encode()) for k in self._keys]
         self._position: list[streams.StreamId | None] = [None] * p
         """Last ID known to be in each partition (None: nothing)."""
         self._may_create: list[bool] = [True] * p
@@ -266,7 +270,7 @@ class Producer:
     async def _produce_epoch(self, epoch: int) -> bool:
         """Append what is missing of ``epoch``; False when stopped before its end."""
         p_count = self.spec.partitions
-        queues: list[asyncio.Queue[list[Planned] | None]] = [
+        queues: list[asyncio.Queue[tuple[list[Planned], int] | None]] = [
             asyncio.Queue(maxsize=2) for _ in range(p_count)
         ]
         async with asyncio.TaskGroup() as tg:
@@ -277,7 +281,7 @@ class Producer:
                 await q.put(None)
         return complete and not self._stop.is_set()
 
-    async def _read_epoch(self, epoch: int, queues: list[asyncio.Queue[list[Planned] | None]]) -> bool:
+    async def _read_epoch(self, epoch: int, queues: list[asyncio.Queue[tuple[list[Planned], int] | None]]) -> bool:
         spec = self.spec
         plan = plan_epoch(
             read_source(spec, self.storage_options), partitions=spec.partitions, seed=spec.seed,
@@ -301,48 +305,83 @@ class Producer:
                 if item.index < next_index[p]:
                     continue
                 pending[p].append(item)
+                # Backlog bytes count payloads (field names and IDs are noise).
                 pending_bytes[p] += len(item.fields.get(streams.F_DATA, b""))
                 if len(pending[p]) >= self.batch_records or pending_bytes[p] >= self.batch_bytes:
-                    await queues[p].put(pending[p])
+                    await queues[p].put((pending[p], pending_bytes[p]))
                     pending[p], pending_bytes[p] = [], 0
             if dead:
                 await self._dead_letters(dead, epoch)
         for p in range(spec.partitions):
             if pending[p]:
-                await queues[p].put(pending[p])
+                await queues[p].put((pending[p], pending_bytes[p]))
         return not self._stop.is_set()
 
     # ------------------------------------------------------------------ writing
 
-    async def _writer(self, p: int, queue: asyncio.Queue[list[Planned] | None], epoch: int) -> None:
-        while (batch := await queue.get()) is not None:
-            size = sum(streams.record_size(item.fields) for item in batch)
-            if await self._wait_room(p, len(batch), size):
-                await self._write(p, batch, epoch, size)
-            # else: stopped while paused: drop the batch (it is re-planned next run) and
-            # keep draining, so that the reader never blocks on a full queue.
+    async def _writer(self, p: int, queue: asyncio.Queue[tuple[list[Planned], int] | None], epoch: int) -> None:
+        link = Link(self.redis)
+        broken = True
+        try:
+            await link.open()
+            await self._verify(p, link)
+            while (got := await queue.get()) is not None:
+                batch, size = got
+                if await self._wait_room(p, len(batch), size):
+                    await self._write(p, batch, epoch, size, link)
+                # else: stopped while paused: drop the batch (it is re-planned next run)
+                # and keep draining, so that the reader never blocks on a full queue.
+            broken = False
+        finally:
+            await link.close(broken=broken)
 
-    async def _write(self, p: int, batch: list[Planned], epoch: int, size: int) -> None:
+    async def _verify(self, p: int, link: Link) -> None:
+        """On the writer's own connection: the partition still ends where the producer
+        thinks it does (no restart of Redis since the sync)."""
+        raw = await link.call("EVAL", _lua.LAST_ID, 1, self._keys[p])
         known = self._position[p]
-        args: list[bytes | str | int] = [
-            "" if self._may_create[p] or known is None else streams.format_id(known)
-        ]
+        if raw is None:
+            if not self._may_create[p]:
+                raise _StreamLost(f"partition {p} stream is gone")
+            return
+        last = streams.parse_id(raw)
+        if known is not None and last < known:
+            raise _StreamLost(f"partition {p} ends at {streams.format_id(last)}, "
+                              f"before {streams.format_id(known)}")
+        self._may_create[p] = False
+
+    async def _write(self, p: int, batch: list[Planned], epoch: int, size: int, link: Link) -> None:
+        """Pipelined ``XADD key NOMKSTREAM <id> ...`` of one batch on the writer's link.
+
+        NOMKSTREAM: a stream that vanished (deleted, or lost with its Redis) is never
+        re-created behind the producer's back. An XADD refused because its ID is not
+        above the stream's last one means the entry is already there (another producer
+        or a previous attempt); any other refusal fails the run."""
+        nomk = not self._may_create[p]
+        key = self._key_bulk[p]
+        parts: list[bytes] = []
+        ms = epoch + 1
         for item in batch:
-            args.append(streams.make_id(epoch, item.index))
-            args.append(len(item.fields))
-            for k, v in item.fields.items():
-                args.append(k)
-                args.append(v)
-        added, skipped, seq = await self._append(keys=[self._keys[p]], args=args)
-        if added == -1:
-            raise _StreamLost(f"partition {p} stream is gone")
-        if added == -2:
-            raise _StreamLost(f"partition {p} ends at {skipped}-{seq}, before {args[0]!r}")
-        first = (epoch + 1, batch[0].index)
-        last = (epoch + 1, batch[-1].index)
+            xadd_parts(parts, key, b"%d-%d" % (ms, item.index), item.fields, nomkstream=nomk)
+        replies = await link.send_many(parts, len(batch))
+        added = skipped = 0
+        refused: ResponseError | None = None
+        for reply in replies:
+            if reply is None:
+                raise _StreamLost(f"partition {p} stream is gone")
+            if isinstance(reply, ResponseError):
+                refused = refused or reply
+                skipped += 1
+            else:
+                added += 1
+        last = (ms, batch[-1].index)
+        if refused is not None:
+            raw = await link.call("EVAL", _lua.LAST_ID, 1, self._keys[p])
+            if raw is None or streams.parse_id(raw) < last:
+                raise refused
         self._position[p] = last
         self._may_create[p] = False
-        self._backlogs[p].add(first, last, len(batch), size)
+        self._backlogs[p].add((ms, batch[0].index), last, len(batch), size)
         self.progress.records += added
         self.progress.skipped += skipped
         added_bytes = size * added // len(batch)
@@ -351,21 +390,36 @@ class Producer:
         self.metrics.bytes.labels(**self._labels).inc(added_bytes)
         self._set_lag(p)
 
+    async def _append_entries(
+        self, key: str, expected: str, entries: list[tuple[str, dict[bytes, bytes]]]
+    ) -> tuple[int, int, int]:
+        """One ``_lua.APPEND`` call: returns (added, skipped, 0) or the script's alarms."""
+        args: list[bytes] = [expected.encode()]
+        for stream_id, fields in entries:
+            args.append(stream_id.encode())
+            args.append(b"%d" % len(fields))
+            for k, v in fields.items():
+                args.append(k)
+                args.append(v)
+        result = await call_packed_script(
+            self.redis, _lua.APPEND, self._append_sha, [key.encode()], args
+        )
+        added, skipped, seq = result  # type: ignore[misc]
+        return int(added), int(skipped), int(seq)
+
     async def _dead_letters(self, items: list[PlannedDeadLetter], epoch: int) -> None:
-        args: list[bytes | str | int] = [""]
-        for item in items:
-            fields = streams.encode_dead_letter(
+        entries = [
+            (streams.make_id(epoch, item.index), streams.encode_dead_letter(
                 item.record.reason, item.record.pos, item.record.payload,
                 detail=item.record.detail, epoch=epoch,
-            )
-            args += [streams.make_id(epoch, item.index), len(fields)]
-            for k, v in fields.items():
-                args += [k, v]
-        added, _skipped, _ = await self._append(keys=[streams.dlq_key(self.spec.name)], args=args)
+            ))
+            for item in items
+        ]
+        added, _skipped, _ = await self._append_entries(streams.dlq_key(self.spec.name), "", entries)
         # The script skips a prefix (entries already there) and adds the rest.
-        for item in items[len(items) - int(added):]:
+        for item in items[len(items) - added:]:
             self.metrics.dead_letters.labels(dataset=self.spec.name, reason=item.record.reason).inc()
-        self.progress.dead_letters += int(added)
+        self.progress.dead_letters += added
 
     # ------------------------------------------------------------------ backpressure
 
