@@ -92,6 +92,7 @@ class CheckpointStore:
         self._pool = BufferPool()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
         self._current: SaveHandle | None = None
         self._unreported: SaveHandle | None = None
         self._own_inflight: set[str] = set()
@@ -129,6 +130,12 @@ class CheckpointStore:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         extra_doc = _json_extra(extra)
+        # One caller at a time from here to the hand-off: the staging buffer is shared.
+        with self._save_lock:
+            return self._save_locked(state, step, extra_doc, blocking, if_busy)
+
+    def _save_locked(self, state: Mapping[str, Any], step: int, extra_doc: dict[str, Any],
+                     blocking: bool, if_busy: str) -> SaveHandle:
         with self._lock:
             current = self._current
         if current is not None and not current.done():
@@ -418,6 +425,13 @@ def _json_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(extra, Mapping):
         raise UnsupportedValueError(f"extra must be a JSON-able mapping, got {type(extra).__name__}")
     try:
-        return json.loads(json.dumps(dict(extra), allow_nan=False))
+        doc = json.loads(json.dumps(dict(extra), allow_nan=False))
     except (TypeError, ValueError) as e:
         raise UnsupportedValueError(f"extra must be JSON-able (no NaN): {e}") from e
+    if doc != extra:
+        # Checked so that manifest.extra is exactly what was given, not a lossy copy.
+        raise UnsupportedValueError(
+            "extra must survive JSON unchanged: use str keys and lists (not int keys or "
+            f"tuples); got {extra!r}"
+        )
+    return doc

@@ -166,6 +166,8 @@ def test_unsupported_values_name_their_key_path(tmp_path):
         assert isinstance(info.value, UnsupportedValueError)
     with pytest.raises(TypeError, match="extra"):
         store.save({"x": 1}, step=1, extra={"bad": object()})
+    with pytest.raises(TypeError, match="str keys"):
+        store.save({"x": 1}, step=1, extra={"offsets": {0: "1-5"}})
     assert store.list() == [] and store.latest() is None
 
 
