@@ -457,6 +457,9 @@ class Producer:
             while not self._stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.limits.poll_interval_s)
+                if not await self.redis.exists(streams.meta_key(self.spec.name)):
+                    # Deleted (or Redis lost it) while paused: the sync tells which.
+                    raise _StreamLost(f"dataset {self.spec.name!r} is gone")
                 self._advance(p, await self._refresh_committed())
                 if backlog.has_room(count, size, self.limits):
                     await self.redis.srem(streams.paused_key(self.spec.name), str(p))

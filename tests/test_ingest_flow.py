@@ -143,3 +143,31 @@ async def test_retention_trims_only_below_the_smallest_floor_of_all_groups(
     for p, entries in enumerate(read_partitions(redis_server.url, capped)):
         assert entries == expected_partitions(capped)[p][-30:]
     await client.aclose()
+
+
+async def test_deleting_a_dataset_stops_its_producer_without_recreating_it(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A producer paused by backpressure notices its dataset was deleted, returns with
+    progress.deleted, and never re-creates the deleted partitions (NOMKSTREAM)."""
+    from ingest_service.datasets import delete_dataset
+
+    write_jsonl(tmp_path, 2000)
+    spec = streams.DatasetSpec(name="gone", partitions=2, source=str(tmp_path / "*.jsonl"))
+    client = Redis.from_url(redis_server.url)
+    await client.sadd(streams.groups_key("gone"), "run1")
+    producer = Producer(client, spec, limits=BacklogLimits(max_entries=40, poll_interval_s=0.01),
+                        batch_records=20)
+    task = asyncio.create_task(producer.run())
+
+    async def paused() -> bool:
+        return bool(await client.smembers(streams.paused_key("gone")))
+
+    await until(paused)
+    await delete_dataset(client, "gone")
+    await asyncio.wait_for(task, 60)
+    assert producer.progress.deleted and not producer.progress.finished
+    for p in range(2):
+        assert await client.exists(streams.partition_key("gone", p)) == 0
+    assert await client.exists(streams.meta_key("gone")) == 0
+    await client.aclose()
