@@ -78,16 +78,35 @@ def _translate(exc: Exception) -> Exception:
     return exc
 
 
-def newest_valid(store: Any) -> Any:
-    """The newest checkpoint whose data verifies: the one a restart resumes from."""
+def _session_order(m: Any) -> tuple[int, int, int]:
+    """How a TrainingSession picks the checkpoint to restore: by its fencing
+    generation and commit counter (kept in ``extra["trainguard"]``), then step, so a
+    late manifest of a fenced zombie loses to the newer generation's."""
+    tg = (m.extra or {}).get("trainguard") or {}
+    try:
+        return int(tg.get("generation", 0)), int(tg.get("commit", 0)), int(m.step)
+    except (TypeError, ValueError):
+        return 0, 0, int(m.step)
+
+
+def newest_valid(store: Any) -> list[Any]:
+    """The checkpoints a restart may resume from: the newest whose data verifies in
+    the store's commit order and in the order a TrainingSession restores by (one
+    manifest when they agree; they differ when a fenced zombie committed late)."""
     from checkpoint_store.errors import CorruptCheckpointError
 
-    for m in reversed(store.list()):
-        try:
-            return store.verify(m.step)
-        except CorruptCheckpointError:
-            continue
-    return None
+    manifests = store.list()
+    found: dict[str, Any] = {}
+    for order in (list(reversed(manifests)), sorted(manifests, key=_session_order,
+                                                    reverse=True)):
+        for m in order:
+            try:
+                store.verify(m.step)
+            except CorruptCheckpointError:
+                continue
+            found[m.name] = m
+            break
+    return list(found.values())
 
 
 class StoreSet:
@@ -212,12 +231,12 @@ class StoreSet:
         def run(root: StoreRoot) -> dict[str, Any]:
             self._manifest(root, step)
             store = self._open(root.url, root)
-            newest = newest_valid(store)
-            if newest is not None and newest.step == step:
+            if any(m.step == step for m in newest_valid(store)):
                 raise Refused(
                     "newest_checkpoint",
-                    f"step {step} is the newest valid checkpoint of store {root.name!r}: "
-                    "a restart would have nothing to resume from. Expected an older step",
+                    f"step {step} is the newest valid checkpoint of store {root.name!r} "
+                    "(in commit order, or in the order a TrainingSession restores in): "
+                    "a restart resumes from it. Expected an older step",
                 )
             if self._manifest(root, step).pinned:
                 raise Refused(

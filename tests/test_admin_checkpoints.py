@@ -211,3 +211,28 @@ async def test_a_step_saved_twice_means_its_newest_save(redis_server, tmp_path):
                                  headers=AUTH)
         assert (await resp.json())["offsets"] == {"0": "1-3", "1": "1-2"}
     await r.aclose()
+
+
+async def test_delete_protects_the_checkpoint_a_session_restores_from(redis_server, tmp_path):
+    """A zombie trainer (older fencing generation) may commit after the newer one:
+    then the newest in commit order (the zombie's step 30) and the one a
+    TrainingSession restores (generation 2, step 15) are both refused; older go."""
+    import torch
+
+    root = tmp_path / "ck"
+    store = CheckpointStore(str(root), keep_last=100)
+    state = {"w": torch.zeros(3)}
+    for step, gen, commit in ((10, 1, 1), (20, 1, 2), (15, 2, 3), (30, 1, 3)):
+        tg = {"dataset": "toy", "run": "run1", "generation": gen, "commit": commit,
+              "offsets": {"0": "1-0"}}
+        store.save(state, step=step, extra={"trainguard": tg}, blocking=True)
+    store.close()
+    async with admin_client(redis_server.url, stores={"main": root}) as client:
+        for step in (15, 30):
+            resp = await client.delete(f"/admin/checkpoints/main/{step}", headers=AUTH)
+            assert resp.status == 409, step
+            assert (await resp.json())["error"]["code"] == "newest_checkpoint"
+        for step in (10, 20):
+            resp = await client.delete(f"/admin/checkpoints/main/{step}", headers=AUTH)
+            assert resp.status == 200, step
+    assert [m.step for m in CheckpointStore(str(root)).list()] == [15, 30]
