@@ -54,19 +54,3 @@ def state_for(step: int, *, width: int = 8) -> dict[str, object]:
         "name": f"run-{step}",
     }
 
-
-_bucket_ids = iter(range(1_000_000))
-
-
-def make_bucket(moto_server) -> str:
-    """A fresh bucket on the moto server. (The shared ``s3_bucket`` fixture goes
-    through ``s3fs.mkdir``, which sends LocationConstraint=us-east-1, which S3 and
-    moto refuse; a plain CreateBucket is what AWS expects in us-east-1.)"""
-    import os
-
-    import s3fs
-
-    name = f"tg-ckpt-{os.getpid()}-{next(_bucket_ids)}"
-    fs = s3fs.S3FileSystem(**moto_server.storage_options())
-    fs.call_s3("create_bucket", Bucket=name)
-    return name

@@ -16,7 +16,7 @@ import torch
 
 from checkpoint_store import CheckpointStore
 from checkpoint_store._faults import CRASH_ENV, PHASES, STOP_ENV
-from tests._ckpt_helpers import make_bucket, state_for
+from tests._ckpt_helpers import state_for
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "_ckpt_worker.py"
@@ -85,11 +85,10 @@ def test_kill_9_at_each_phase_keeps_last_committed(tmp_path, phase):
     pytest.param("mid-data", marks=pytest.mark.chaos),
     pytest.param("before-pointer", marks=pytest.mark.chaos),
 ])
-def test_kill_9_on_s3(moto_server, phase):
+def test_kill_9_on_s3(moto_server, s3_bucket, phase):
     """The same on S3 (moto over HTTP): an unfinished manifest upload publishes
     nothing; a finished one is the commit even without LATEST."""
-    bucket = make_bucket(moto_server)
-    url, options = f"s3://{bucket}/run", moto_server.storage_options()
+    url, options = f"s3://{s3_bucket}/run", moto_server.storage_options()
     store = CheckpointStore(url, storage_options=options, chunk_bytes=CHUNK)
     store.save(state_for(1, width=64), step=1, extra={"offsets": {"p0": "1-1"}})
     proc = _spawn(url, 2, {CRASH_ENV: phase}, options)
@@ -130,3 +129,33 @@ def test_gc_leaves_a_live_save_in_flight_alone(tmp_path):
     assert proc.returncode == 0 and b"saved" in out, err.decode()[-2000:]
     _assert_loads_step(store, 2)
     assert store.gc().removed_data == []
+
+
+@pytest.mark.chaos
+def test_kill_9_at_random_moments(tmp_path):
+    """50 times: a process saving continuously (keep_last=2, blocking and async) is
+    SIGKILLed at a random moment; each time a strict load returns a committed step
+    whose data is exact, the newest step never goes back, and gc leaves no debris."""
+    import random
+
+    root = tmp_path / "ckpt"
+    url = f"file://{root}"
+    store = CheckpointStore(url, chunk_bytes=CHUNK)
+    rng = random.Random(1234)
+    newest, next_step = 0, 1
+    for _ in range(50):
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), url, str(next_step), str(CHUNK), "loop"],
+            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE)
+        time.sleep(rng.uniform(1.0, 4.0))
+        proc.kill()
+        proc.communicate(timeout=60)
+        latest = store.latest()
+        if latest is None:
+            continue
+        assert latest.step >= newest
+        newest = latest.step
+        _assert_loads_step(store, newest)
+        store.gc()
+        assert _local_debris(root, store) == set()
+        next_step = newest + 1

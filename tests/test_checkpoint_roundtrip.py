@@ -23,7 +23,6 @@ from checkpoint_store.dtypes import dtype_from_name
 from tests._ckpt_helpers import (
     SHAPES,
     SUPPORTED_DTYPES,
-    make_bucket,
     random_tensor,
     same_bits,
     zeroed,
@@ -41,12 +40,13 @@ def _all_dtypes_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def _store_url(backend: str, tmp_path: Path, moto_server) -> tuple[str, dict | None]:
+def _store_url(backend: str, tmp_path: Path, request) -> tuple[str, dict | None]:
     if backend == "file":
         return f"file://{tmp_path}/ckpt", None
     if backend == "memory":
         return f"memory://rt-{uuid.uuid4().hex}", None
-    return f"s3://{make_bucket(moto_server)}/run", moto_server.storage_options()
+    bucket = request.getfixturevalue("s3_bucket")
+    return f"s3://{bucket}/run", request.getfixturevalue("moto_server").storage_options()
 
 
 @pytest.mark.parametrize("backend", ["file", "memory", "s3"])
@@ -54,8 +54,7 @@ def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path, request, backend)
     """Each supported dtype in 0-d, empty, 1-3-d and non-contiguous shapes comes back
     with the same dtype, shape and bits, both into fresh keys and in place; chunk
     size 256 B makes the larger tensors own arrays of several chunks."""
-    moto = request.getfixturevalue("moto_server") if backend == "s3" else None
-    url, opts = _store_url(backend, tmp_path, moto)
+    url, opts = _store_url(backend, tmp_path, request)
     store = CheckpointStore(url, storage_options=opts, chunk_bytes=256)
     saved = _all_dtypes_state()
     store.save(saved, step=1)
@@ -203,8 +202,7 @@ def test_empty_store_and_unknown_step(tmp_path):
 def test_manifest_create_is_exclusive(tmp_path, request, backend):
     """The commit primitive refuses to replace an existing manifest on every backend
     (on S3 through If-None-Match, enforced by the moto server); the first stays."""
-    moto = request.getfixturevalue("moto_server") if backend == "s3" else None
-    url, opts = _store_url(backend, tmp_path, moto)
+    url, opts = _store_url(backend, tmp_path, request)
     store = CheckpointStore(url, storage_options=opts)
     backend_ = store._backend
     backend_.exclusive_create("manifests/x.json", b"first")
