@@ -8,7 +8,9 @@ persistence), for records of 100 B, 8 KiB and 128 KiB:
 2. trainguard: the Producer from a file source (a uint8 ``.npy`` cut into records of
    that size), shuffle, deterministic IDs, exactly-once Lua appends.
 
-Prints records/s, MB/s (payload bytes) and trainguard/raw. Not a test: numbers vary.
+Prints records/s, MB/s (payload bytes) and trainguard/raw, plus the producer's MB per
+CPU-second of its own process (what one free core would give it; this number depends
+less on what else the machine runs). Not a test: numbers vary.
 Usage: python bench/ingest.py [--mb 64] [--partitions 16]
 """
 
@@ -62,17 +64,21 @@ def run_raw(server: RedisServer, path: Path) -> float:
     return elapsed
 
 
-async def run_trainguard(url: str, source: Path, size: int, partitions: int) -> tuple[float, int]:
+async def run_trainguard(
+    url: str, source: Path, size: int, partitions: int
+) -> tuple[float, float, int]:
     client = Redis.from_url(url)
     spec = streams.DatasetSpec(name=f"tg{size}", partitions=partitions, source=str(source),
                                format="npy", sample_len=size, shuffle_buffer=1024)
     producer = Producer(client, spec)
+    cpu = time.process_time()
     start = time.perf_counter()
     await producer.run()
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     await client.flushall()
     await client.aclose()
-    return elapsed, producer.progress.records
+    return elapsed, cpu, producer.progress.records
 
 
 def main() -> None:
@@ -88,7 +94,7 @@ def main() -> None:
         print(f"redis-server :{server.port}, {args.partitions} partitions, "
               f"{args.mb} MB of payload per size")
         print(f"{'size':>8} {'records':>9} | {'raw rec/s':>11} {'raw MB/s':>9} | "
-              f"{'tg rec/s':>11} {'tg MB/s':>9} | {'ratio':>5}")
+              f"{'tg rec/s':>11} {'tg MB/s':>9} | {'ratio':>5} | {'tg MB/cpu-s':>11}")
         for size in SIZES:
             count = max(1000, args.mb * 1_000_000 // size)
             cmds = tmp / f"raw-{size}.resp"
@@ -100,13 +106,16 @@ def main() -> None:
             redis.Redis(port=server.port).flushall()
             source = tmp / f"tokens-{size}.npy"
             np.save(source, np.full(count * size, ord("x"), dtype=np.uint8))
-            tg_s, records = asyncio.run(run_trainguard(server.url, source, size, args.partitions))
+            tg_s, tg_cpu, records = asyncio.run(
+                run_trainguard(server.url, source, size, args.partitions)
+            )
             source.unlink()
             if records != count:
                 raise RuntimeError(f"producer appended {records} records, expected {count}")
             mb = count * size / 1e6
             print(f"{size:>8} {count:>9} | {count / raw_s:>11,.0f} {mb / raw_s:>9,.1f} | "
-                  f"{count / tg_s:>11,.0f} {mb / tg_s:>9,.1f} | {raw_s / tg_s:>5.2f}")
+                  f"{count / tg_s:>11,.0f} {mb / tg_s:>9,.1f} | {raw_s / tg_s:>5.2f} | "
+                  f"{mb / tg_cpu:>11,.1f}")
     finally:
         server.kill()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import fsspec.utils
 import redis.exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -135,6 +136,11 @@ class Producer:
         self._committed_lock = asyncio.Lock()
         self._run_id: str | None = None
         self._labels = {"dataset": spec.name}
+        # Local and in-memory sources are read on the event loop, in chunks: a reader
+        # thread would only compete with the loop for the GIL (a hand-off after every
+        # socket call). Remote sources are read in a thread, so that a slow network
+        # read does not stall the writers.
+        self._inline_reads = fsspec.utils.get_protocol(spec.source) in ("file", "local", "memory")
 
     # ------------------------------------------------------------------ public
 
@@ -293,7 +299,11 @@ class Producer:
         pending: list[list[Planned]] = [[] for _ in range(spec.partitions)]
         pending_bytes = [0] * spec.partitions
         while not self._stop.is_set():
-            chunk = await asyncio.to_thread(_take, plan, 2048, 4 * self.batch_bytes)
+            if self._inline_reads:
+                chunk = _take(plan, 2048, 4 * self.batch_bytes)
+                await asyncio.sleep(0)  # let the writers run between chunks
+            else:
+                chunk = await asyncio.to_thread(_take, plan, 2048, 4 * self.batch_bytes)
             if not chunk:
                 break
             dead: list[PlannedDeadLetter] = []
@@ -479,6 +489,7 @@ class Producer:
         """Every interval, and once more after ``done``: advance backlogs to new commits,
         trim, export gauges (so a finished run leaves its partitions trimmed)."""
         while True:
+            final = done.is_set()  # a pass that starts after the last append
             try:
                 committed = await self._refresh_committed(force=True)
                 for p in range(self.spec.partitions):
@@ -492,7 +503,7 @@ class Producer:
                     self.metrics.backlog.labels(dataset=self.spec.name, partition=str(p)).set(n)
             except _RETRYABLE as exc:
                 log.debug("dataset %s maintenance skipped: %s", self.spec.name, exc)
-            if done.is_set():
+            if final:
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), self.maintenance_interval_s)
