@@ -27,6 +27,7 @@ from checkpoint_store.manifest import FORMAT_VERSION, Manifest
 from checkpoint_store.retention import GcReport
 from checkpoint_store.shard import Shard
 from checkpoint_store.store import CheckpointStore
+from checkpoint_store.tiered import TieredCheckpointStore, TierState, TierStatus
 
 __all__ = [
     "FORMAT_VERSION",
@@ -44,5 +45,8 @@ __all__ = [
     "SaveInProgressError",
     "Shard",
     "StateMismatchError",
+    "TierState",
+    "TierStatus",
+    "TieredCheckpointStore",
     "UnsupportedValueError",
 ]

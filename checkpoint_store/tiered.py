@@ -1,0 +1,533 @@
+"""``TieredCheckpointStore``: the last K checkpoints on local disk, every checkpoint
+uploaded to a remote root in the background.
+
+```python
+store = TieredCheckpointStore("/nvme/ckpt/run42", "s3://bucket/run42", keep_last=3)
+store.save(state, step=100, blocking=False).wait()   # committed locally
+store.tier_status(100).state                         # local -> uploading -> remote
+store.load(state)                 # local copy, or the remote one if local is gone/damaged
+store.close(wait_upload=60.0)     # optionally drain the upload queue
+```
+
+Same public API as :class:`~checkpoint_store.CheckpointStore`, so a
+``TrainingSession`` takes it as ``store=``. Both roots have the FORMAT.md layout and a
+checkpoint has the same manifest name in both; see ``upload.py`` for the upload order
+(data, then the manifest with an exclusive create, then LATEST).
+
+Rules:
+
+- ``save`` never waits for the remote tier; its handle completes when the checkpoint
+  is committed locally. Remote trouble opens ``remote_breaker`` and the uploader
+  backs off; the queue is kept and resumes when the remote answers again.
+- Local retention keeps the newest ``keep_last``, every ``keep_every``-th step and the
+  pinned ones, and on top of that never deletes a checkpoint whose remote copy is not
+  committed, nor the newest remote-committed one. Remote retention (``remote_keep_last``,
+  default: keep all) runs after each upload.
+- ``load`` prefers the local copy and falls back (logged) to the remote copy when the
+  local one is missing or fails verification, then to older checkpoints.
+- On start the uploader lists both roots and uploads every local checkpoint the
+  remote lacks: an upload cut short by a crash is redone.
+- ``list`` is the union of both tiers. The first listing in a process waits for the
+  remote (a restart with a wiped disk must not mistake an unreachable remote for "no
+  checkpoint"); later ones try once and fall back to the last listing seen.
+
+Single process only (world size 1): the remote tier is written by one uploader.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import enum
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from checkpoint_store.backends import LocalBackend, open_backend
+from checkpoint_store.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    PinnedCheckpointError,
+)
+from checkpoint_store.handle import SaveHandle
+from checkpoint_store.layout import MANIFEST_DIR, PINS_DIR, manifest_path, parse_manifest_name
+from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.retention import GcReport, apply_retention, choose_deletions
+from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
+from checkpoint_store.upload import Uploader
+from trainer_client.breaker import CircuitBreaker
+from trainer_client.errors import CircuitOpenError
+from trainer_client.retry import (
+    OBJECT_STORE_POLICY,
+    RetryPolicy,
+    object_store_breaker,
+    object_store_errors,
+    object_store_retrier,
+)
+
+__all__ = ["UPLOAD_POLICY", "TierState", "TierStatus", "TieredCheckpointStore"]
+
+log = logging.getLogger("checkpoint_store.tiered")
+
+UPLOAD_POLICY = RetryPolicy(attempts=None, timeout_s=60.0, wait_max_s=10.0)
+"""Per remote operation of an upload. When it runs out the uploader itself backs off
+and tries the checkpoint again, so this only bounds how long ``close`` may wait for
+the upload thread to notice a stop."""
+
+_NO_LIMIT = sys.maxsize
+
+
+class TierState(enum.StrEnum):
+    LOCAL = "local"  # committed locally, remote copy not committed (queued)
+    UPLOADING = "uploading"  # being copied now
+    REMOTE = "remote"  # remote manifest exists (local copy may or may not)
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    name: str
+    step: int
+    uid: str
+    state: TierState
+    local: bool
+    remote: bool
+    pinned: bool
+
+    def labels(self) -> list[str]:
+        """The admin API's status words: committed, pinned, remote | local_only."""
+        out = ["committed"]
+        if self.pinned:
+            out.append("pinned")
+        out.append("remote" if self.remote else "local_only")
+        return out
+
+
+class TieredCheckpointStore:
+    """A local :class:`CheckpointStore` plus a remote copy of every checkpoint.
+
+    ``local_url`` must be a local directory (plain path or ``file://``);
+    ``remote_url`` any fsspec URL (``storage_options`` are the remote's).
+    ``remote_breaker`` (default: a fresh ``object_store_breaker``) guards every remote
+    call; ``upload_policy`` bounds each upload operation's retries and
+    ``remote_read_policy`` each remote read made by ``load``/``list``/``pin``/...
+    ``upload_backoff_s`` is (first, max) wait of the uploader after a failed attempt.
+    """
+
+    def __init__(
+        self,
+        local_url: str | os.PathLike[str],
+        remote_url: str,
+        *,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        remote_keep_last: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        remote_breaker: CircuitBreaker | None = None,
+        upload_policy: RetryPolicy = UPLOAD_POLICY,
+        remote_read_policy: RetryPolicy = OBJECT_STORE_POLICY,
+        upload_backoff_s: tuple[float, float] = (0.2, 10.0),
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        io_threads: int = 4,
+        stale_after_s: float = 24 * 3600.0,
+    ):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        if remote_keep_last is not None and remote_keep_last < keep_last:
+            raise ValueError(
+                f"remote_keep_last ({remote_keep_last}) must be >= keep_last ({keep_last}) "
+                "or None: the remote tier keeps at least what local disk keeps"
+            )
+        # The local store keeps everything itself; this class decides what goes.
+        self.local = CheckpointStore(
+            local_url, keep_last=_NO_LIMIT, keep_every=keep_every, chunk_bytes=chunk_bytes,
+            io_threads=io_threads, stale_after_s=stale_after_s,
+        )
+        if self.local.world_size > 1:
+            self.local.close()
+            raise ValueError(
+                "TieredCheckpointStore supports one process (world size 1); with "
+                "torch.distributed use a CheckpointStore per tier"
+            )
+        local_backend = open_backend(self.local.url)
+        if not isinstance(local_backend, LocalBackend):
+            raise ValueError(f"local_url must be a local directory, got {self.local.url!r}")
+        self.remote = CheckpointStore(
+            remote_url, keep_last=remote_keep_last or _NO_LIMIT, keep_every=keep_every,
+            storage_options=storage_options, chunk_bytes=chunk_bytes, io_threads=io_threads,
+            stale_after_s=stale_after_s,
+        )
+        self.url = self.local.url
+        self.remote_url = remote_url
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.remote_keep_last = remote_keep_last
+        self.breaker = remote_breaker or object_store_breaker(f"ckpt-remote:{remote_url}")
+        self._read = object_store_retrier(self.breaker, remote_read_policy)
+        self._transient: tuple[type[BaseException], ...] = (CircuitOpenError,
+                                                             *object_store_errors())
+        self._local_backend = local_backend
+        self._remote_backend = open_backend(remote_url, storage_options)
+        self._lock = threading.Lock()
+        self._retention_lock = threading.Lock()
+        self._last_handle: SaveHandle | None = None
+        self._remote_cache: dict[str, Manifest] = {}
+        self._remote_listed = False
+        self._closed = False
+        self._uploader = Uploader(
+            local_backend, self._remote_backend,
+            object_store_retrier(self.breaker, upload_policy).call,
+            on_committed=self._on_remote_commit, backoff_s=upload_backoff_s,
+        )
+        self._uploader.start()
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    # ---------------------------------------------------------------- save
+    def save(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        extra: Mapping[str, Any] | None = None,
+        blocking: bool = True,
+        if_busy: str = "wait",
+    ) -> SaveHandle:
+        """As :meth:`CheckpointStore.save`; the handle completes when the checkpoint is
+        committed locally. Its upload is queued then; it never delays this call."""
+        if self._closed:
+            raise CheckpointError("the store is closed")
+        handle = self.local.save(state, step=step, extra=extra, blocking=blocking,
+                                 if_busy=if_busy)
+        with self._lock:
+            self._last_handle = handle
+        handle.add_done_callback(self._on_local_commit)
+        return handle
+
+    def _on_local_commit(self, handle: SaveHandle) -> None:
+        if handle.error is not None or handle.manifest is None:
+            return
+        self._uploader.enqueue(handle.manifest.name)
+        self._retain_local()
+
+    def _on_remote_commit(self, name: str) -> None:
+        if self._closed:
+            return
+        if self.remote_keep_last is not None:
+            try:
+                self._retain_remote()
+            except Exception:
+                log.exception("remote retention in %s failed", self.remote_url)
+        self._retain_local()
+
+    def _wait_local(self) -> None:
+        with self._lock:
+            handle = self._last_handle
+        if handle is not None and not handle.done():
+            done = threading.Event()
+            handle.add_done_callback(lambda _h: done.set())
+            done.wait()
+
+    # ---------------------------------------------------------------- retention
+    def _retain_local(self) -> builtins.list[str]:
+        """Delete local checkpoints beyond retention that are safe to lose: remote
+        copy committed, and not the newest remote-committed checkpoint."""
+        with self._retention_lock:
+            manifests = self.local.list()
+            remote = self._uploader.remote_committed()
+            parsed = [p for p in map(parse_manifest_name, remote) if p]
+            newest_remote = max(parsed).name if parsed else None
+            doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
+                                                  keep_every=self.keep_every)
+                      if m.name in remote and m.name != newest_remote]
+            return apply_retention(self._local_backend, doomed)
+
+    def _retain_remote(self) -> None:
+        assert self.remote_keep_last is not None
+        remote = sorted(self._remote_catalog(wait=True).values(),
+                        key=lambda m: parse_manifest_name(m.name) or m.name)
+        doomed = choose_deletions(remote, keep_last=self.remote_keep_last,
+                                  keep_every=self.keep_every)
+        if doomed:
+            self._read.call(apply_retention, self._remote_backend, doomed)
+
+    # ---------------------------------------------------------------- catalog
+    def _remote_catalog(self, *, wait: bool) -> dict[str, Manifest]:
+        """Remote manifests by name. ``wait``: retry through an outage (raises
+        CheckpointError when the policy runs out); otherwise one try, and on failure
+        the last listing seen."""
+        call = self._read.call if wait else self.breaker.call
+        try:
+            names = [n for n in call(self._remote_backend.listdir, MANIFEST_DIR)
+                     if parse_manifest_name(n)]
+            pins = set(call(self._remote_backend.listdir, PINS_DIR))
+            found: dict[str, Manifest] = {}
+            for n in names:
+                m = self._remote_cache.get(n)
+                if m is None:
+                    try:
+                        m = parse_manifest(n, call(self._remote_backend.read, manifest_path(n)))
+                    except FileNotFoundError:
+                        continue  # deleted between listing and reading
+                    except CorruptCheckpointError as e:
+                        log.warning("skipping damaged remote manifest %s: %s", n, e)
+                        continue
+                found[n] = m
+        except self._transient as e:
+            if wait:
+                raise CheckpointError(
+                    f"the remote tier {self.remote_url} is unreachable ({type(e).__name__}: "
+                    f"{e}), so its checkpoints are unknown; retry when it is back"
+                ) from e
+            log.debug("remote tier %s unreachable (%s); using its last listing",
+                      self.remote_url, e)
+            return dict(self._remote_cache)
+        self._remote_cache = found
+        self._remote_listed = True
+        self._uploader.mark_remote(set(found))
+        return {n: dataclasses.replace(m, pinned=n in pins) for n, m in found.items()}
+
+    def _catalog(self, *, wait: bool | None = None) -> tuple[dict[str, Manifest],
+                                                           dict[str, Manifest]]:
+        local = {m.name: m for m in self.local.list()}
+        remote = self._remote_catalog(wait=not self._remote_listed if wait is None else wait)
+        return local, remote
+
+    @staticmethod
+    def _merged(local: dict[str, Manifest],
+                remote: dict[str, Manifest]) -> builtins.list[Manifest]:
+        both = {**remote, **local}
+        return [both[n] for n in sorted(both, key=lambda n: parse_manifest_name(n) or n)]
+
+    def list(self) -> builtins.list[Manifest]:
+        """Committed manifests of both tiers, oldest first (the local copy's record
+        where both have one)."""
+        return self._merged(*self._catalog())
+
+    def latest(self) -> Manifest | None:
+        found = self.list()
+        return found[-1] if found else None
+
+    def tiers(self) -> builtins.list[TierStatus]:
+        """Where each checkpoint is, oldest first. Never waits for the remote: while
+        it is unreachable, what the uploader and the last listing saw is reported."""
+        local, remote = self._catalog(wait=False)
+        committed = self._uploader.remote_committed() | set(remote)
+        uploading = self._uploader.uploading()
+        out = []
+        for m in self._merged(local, remote):
+            in_remote = m.name in committed
+            state = (TierState.REMOTE if in_remote else
+                     TierState.UPLOADING if m.name == uploading else TierState.LOCAL)
+            pinned = m.pinned or (m.name in remote and remote[m.name].pinned)
+            out.append(TierStatus(m.name, m.step, m.uid, state, m.name in local, in_remote,
+                                  pinned))
+        return out
+
+    def tier_status(self, step: int) -> TierStatus:
+        """Where the newest checkpoint of ``step`` is."""
+        found = [t for t in self.tiers() if t.step == step]
+        if not found:
+            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
+                                    f"{self.remote_url}")
+        return found[-1]
+
+    def wait_uploads(self, timeout_s: float | None = None) -> bool:
+        """Wait until every local checkpoint known so far is remote-committed (or
+        found damaged); False on timeout."""
+        return self._uploader.wait_idle(timeout_s)
+
+    @property
+    def upload_failures(self) -> int:
+        """Failed upload attempts so far (each was retried)."""
+        return self._uploader.failures
+
+    # ---------------------------------------------------------------- load / verify
+    @staticmethod
+    def _newest_of(step: int, names: Iterable[str]) -> str | None:
+        same = [p for p in map(parse_manifest_name, names) if p and p.step == step]
+        return max(same).name if same else None
+
+    def load(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        keys: Iterable[str] | None = None,
+        strict: bool = False,
+    ) -> Manifest | None:
+        """Load the newest checkpoint (or ``step``) into ``state`` in place: the local
+        copy if it verifies, else the remote copy; if neither loads, the previous
+        checkpoint (``strict=True`` raises CorruptCheckpointError instead)."""
+        self._wait_local()
+        keys = list(keys) if keys is not None else None
+        local_names = {m.name for m in self.local.list()}
+        has_local = any(step is None or n.step == step
+                        for n in map(parse_manifest_name, local_names) if n)
+        remote = self._remote_catalog(wait=not self._remote_listed or not has_local)
+        parsed = sorted({p for p in map(parse_manifest_name, [*local_names, *remote]) if p},
+                        reverse=True)
+        candidates = [p for p in parsed if step is None or p.step == step]
+        if not candidates:
+            if step is not None:
+                raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
+                                        f"{self.remote_url}")
+            return None
+        problems: builtins.list[str] = []
+        for cand in candidates:
+            name, s = cand.name, cand.step
+            if name in local_names and self._newest_of(s, local_names) == name:
+                try:
+                    with self._retention_lock:
+                        return self.local.load(state, step=s, keys=keys, strict=True)
+                except (CorruptCheckpointError, NoCheckpointError) as e:
+                    problems.append(f"local {name}: {e}")
+                    log.warning("local copy of %s cannot be loaded (%s); falling back to the "
+                                "remote copy in %s", name, e, self.remote_url)
+            if name in remote and self._newest_of(s, remote) == name:
+                try:
+                    manifest = self._read.call(self.remote.load, state, step=s, keys=keys,
+                                               strict=True)
+                except (CorruptCheckpointError, NoCheckpointError) as e:
+                    problems.append(f"remote {name}: {e}")
+                    log.warning("remote copy of %s cannot be loaded either (%s)", name, e)
+                except self._transient as e:
+                    problems.append(f"remote {name}: unreachable ({e})")
+                    log.warning("remote copy of %s is unreachable (%s)", name, e)
+                else:
+                    log.warning("loaded checkpoint %s from the remote tier %s", name,
+                                self.remote_url)
+                    return manifest
+            if strict:
+                break
+            log.warning("checkpoint %s could not be loaded from either tier; trying the "
+                        "previous one", name)
+        raise CorruptCheckpointError(
+            f"no loadable checkpoint in {self.url} or {self.remote_url}: {problems}; "
+            "restore from another copy"
+        )
+
+    def verify(self, step: int) -> Manifest:
+        """Verify the newest checkpoint of ``step``: the local copy if there is one
+        (falling back to the remote copy if it is damaged), else the remote copy."""
+        local, remote = self._catalog()
+        name = self._newest_of(step, [*local, *remote])
+        if name is None:
+            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
+                                    f"{self.remote_url}")
+        if name in local and self._newest_of(step, local) == name:
+            try:
+                return self.local.verify(step)
+            except CorruptCheckpointError as e:
+                if name not in remote:
+                    raise
+                log.warning("local copy of %s is damaged (%s); verifying the remote copy",
+                            name, e)
+        return self._read.call(self.remote.verify, step)
+
+    # ---------------------------------------------------------------- pins, deletion, gc
+    def pin(self, step: int) -> Manifest:
+        """Pin the newest checkpoint of ``step`` in every tier that has it (an upload
+        later copies the pin)."""
+        local, remote = self._catalog()
+        name = self._newest_of(step, [*local, *remote])
+        if name is None:
+            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
+                                    f"{self.remote_url}")
+        result: Manifest | None = None
+        if name in local:
+            result = self.local.pin(step)
+        if name in remote:
+            pinned = self._read.call(self.remote.pin, step)
+            result = result or pinned
+        assert result is not None
+        return result
+
+    def unpin(self, step: int) -> None:
+        local, remote = self._catalog()
+        if not any(m.step == step for m in [*local.values(), *remote.values()]):
+            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
+                                    f"{self.remote_url}")
+        if any(m.step == step for m in local.values()):
+            self.local.unpin(step)
+        if any(m.step == step for m in remote.values()):
+            self._read.call(self.remote.unpin, step)
+
+    def delete(self, step: int) -> builtins.list[str]:
+        """Delete every checkpoint of ``step`` from both tiers."""
+        local, remote = self._catalog(wait=True)
+        found = [m for m in [*local.values(), *remote.values()] if m.step == step]
+        if not found:
+            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
+                                    f"{self.remote_url}")
+        pinned = sorted({m.name for m in found if m.pinned})
+        if pinned:
+            raise PinnedCheckpointError(f"checkpoints {pinned} are pinned; unpin step {step} "
+                                        "before deleting it")
+        for m in found:
+            self._uploader.forget(m.name)
+        deleted: set[str] = set()
+        if any(m.step == step for m in local.values()):
+            deleted.update(self.local.delete(step))
+        if any(m.step == step for m in remote.values()):
+            deleted.update(self._read.call(self.remote.delete, step))
+        for name in deleted:
+            self._remote_cache.pop(name, None)
+        return sorted(deleted)
+
+    def gc(self) -> GcReport:
+        """Local debris and retention; then the remote root's debris (one try: a
+        remote outage skips it). Remote paths are reported with the remote URL."""
+        report = self.local.gc()
+        report.deleted_checkpoints.extend(self._retain_local())
+        try:
+            remote = self.breaker.call(self.remote.gc)
+        except self._transient as e:
+            log.warning("remote gc of %s skipped: %s", self.remote_url, e)
+            return report
+        prefix = self.remote_url.rstrip("/") + "/"
+        report.removed_data.extend(prefix + p for p in remote.removed_data)
+        report.removed_files.extend(prefix + p for p in remote.removed_files)
+        report.deleted_checkpoints.extend(prefix + p for p in remote.deleted_checkpoints)
+        report.in_flight.extend(prefix + p for p in remote.in_flight)
+        return report
+
+    # ---------------------------------------------------------------- lifecycle
+    def close(self, wait_upload: bool | float = False) -> bool:
+        """Wait for the local save in flight; with ``wait_upload`` (True, or a timeout
+        in seconds) also for the upload queue. Returns False if uploads were left
+        pending (the next store on these roots uploads them)."""
+        if self._closed:
+            return True
+        self._wait_local()
+        self.local.close()
+        drained = self._uploader.idle()
+        if wait_upload is not False:
+            timeout = None if wait_upload is True else float(wait_upload)
+            drained = self._uploader.wait_idle(timeout)
+            if not drained:
+                log.warning("closing with uploads pending to %s; the next start resumes them",
+                            self.remote_url)
+        self._closed = True
+        self._uploader.stop(join_timeout_s=5.0)
+        self.remote.close()
+        return drained
+
+    def __enter__(self) -> TieredCheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TieredCheckpointStore({self.url!r}, {self.remote_url!r})"

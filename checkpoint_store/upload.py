@@ -1,0 +1,325 @@
+"""Background upload of locally committed checkpoints to a remote checkpoint root.
+
+The remote root has the same layout as a local one (FORMAT.md); a checkpoint keeps
+its manifest name, so ``<step>-<uid>.json`` names the same save in both tiers.
+Uploading one checkpoint is idempotent and resumable, in this order:
+
+1. the remote manifest exists: the checkpoint is remote-committed, nothing to do;
+2. the local copy is verified (manifest checksum, every chunk's CRC), so a damaged
+   local copy is never published remotely;
+3. an in-flight marker is written remotely (so a remote ``gc`` leaves the upload be);
+4. every data file is copied with one PUT each; a file already there with the same
+   size is skipped (a PUT is atomic: the object exists complete or not at all);
+5. the manifest is written with an exclusive create (``If-None-Match: *``): the
+   remote commit point; "exists" means an earlier attempt committed it;
+6. the remote LATEST is pointed at the newest remote manifest, the pin marker is
+   copied, the in-flight marker removed.
+
+A crash anywhere leaves the local checkpoint committed and the remote one absent (or
+committed); the next :class:`Uploader` scans for local checkpoints that are not
+remote-committed and uploads them again. Every remote call goes through a
+``Retrier`` (breaker + backoff); when its policy runs out the checkpoint stays
+queued and the uploader backs off and tries again, for as long as it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from checkpoint_store import _faults
+from checkpoint_store.backends import Backend, FsspecBackend, LocalBackend
+from checkpoint_store.errors import CorruptCheckpointError
+from checkpoint_store.layout import (
+    LATEST,
+    MANIFEST_DIR,
+    PINS_DIR,
+    TMP_PREFIX,
+    data_dir,
+    inflight_marker,
+    manifest_path,
+    parse_manifest_name,
+)
+from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.reader import ChunkReader
+from checkpoint_store.saving import latest_pointer
+
+__all__ = ["UPLOAD_PHASES", "Uploader", "local_files", "remote_sizes"]
+
+log = logging.getLogger("checkpoint_store.tiered")
+
+UPLOAD_PHASES = ("upload-before-data", "upload-mid-data", "upload-before-manifest",
+                 "upload-after-manifest")
+"""Fault-injection phases of an upload (``TRAINGUARD_CKPT_CRASH_AT`` etc., see _faults)."""
+
+
+class _Gone(Exception):
+    """The local checkpoint was deleted while it waited or uploaded."""
+
+
+def local_files(backend: LocalBackend, directory: str) -> list[tuple[str, int]]:
+    """``(path relative to the root, size)`` of every file under ``directory``,
+    temp files excluded, sorted."""
+    out = []
+    top = os.path.join(backend.root, *directory.split("/"))
+    for dirpath, _dirs, files in os.walk(top):
+        rel = os.path.relpath(dirpath, backend.root).replace(os.sep, "/")
+        for f in files:
+            if not f.startswith(TMP_PREFIX):
+                out.append((f"{rel}/{f}", os.path.getsize(os.path.join(dirpath, f))))
+    return sorted(out)
+
+
+def remote_sizes(backend: Backend, directory: str) -> dict[str, int]:
+    """Sizes of the files under ``directory`` of a remote root, by relative path."""
+    if isinstance(backend, LocalBackend):
+        return dict(local_files(backend, directory))
+    if not isinstance(backend, FsspecBackend):
+        raise TypeError(f"cannot list files of backend {type(backend).__name__}")
+    top = f"{backend.root}/{directory}"
+    try:
+        found = backend.fs.find(top, detail=True)
+    except FileNotFoundError:
+        return {}
+    prefix = backend.root + "/"
+    return {path[len(prefix):]: int(info.get("size") or 0) for path, info in found.items()
+            if path.startswith(prefix)}
+
+
+class Uploader:
+    """One background thread that uploads queued checkpoints oldest first.
+
+    ``call(fn, *args)`` runs one remote operation (retries, breaker); ``on_committed``
+    is called with each newly remote-committed manifest name (from this thread).
+    ``backoff_s`` is (first, max) wait after a failed upload, doubling in between.
+    """
+
+    def __init__(
+        self,
+        local: LocalBackend,
+        remote: Backend,
+        call: Callable[..., Any],
+        *,
+        on_committed: Callable[[str], None],
+        backoff_s: tuple[float, float] = (0.2, 10.0),
+    ):
+        self.local = local
+        self.remote = remote
+        self._call = call
+        self._on_committed = on_committed
+        self._backoff_s = backoff_s
+        self._cond = threading.Condition()
+        self._pending: dict[str, None] = {}  # insertion-ordered set of manifest names
+        self._remote: set[str] = set()
+        self._damaged: set[str] = set()
+        self._uploading: str | None = None
+        self._scanned = False
+        self._stop = False
+        self.failures = 0
+        self.last_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
+
+    # ------------------------------------------------------------ state (any thread)
+    def start(self) -> None:
+        self._thread.start()
+
+    def enqueue(self, name: str) -> None:
+        with self._cond:
+            if name not in self._remote:
+                self._pending[name] = None
+            self._cond.notify_all()
+
+    def forget(self, name: str) -> None:
+        """The checkpoint was deleted on purpose: stop tracking it."""
+        with self._cond:
+            self._pending.pop(name, None)
+            self._remote.discard(name)
+
+    def remote_committed(self) -> set[str]:
+        with self._cond:
+            return set(self._remote)
+
+    def mark_remote(self, names: set[str]) -> None:
+        """Names seen in a remote listing (by the facade) are remote-committed."""
+        with self._cond:
+            self._remote |= names
+            for n in names:
+                self._pending.pop(n, None)
+
+    def uploading(self) -> str | None:
+        with self._cond:
+            return self._uploading
+
+    def damaged(self) -> set[str]:
+        with self._cond:
+            return set(self._damaged)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return self._scanned and not self._pending and self._uploading is None
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until the start-up scan ran and the queue is empty; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while not (self._scanned and not self._pending and self._uploading is None):
+                if self._stop or not self._thread.is_alive():
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 1.0)
+            return True
+
+    def stop(self, join_timeout_s: float | None) -> bool:
+        """Ask the thread to stop after its current remote call; True if it ended."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(join_timeout_s)
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------ the thread
+    def _sleep(self, seconds: float) -> None:
+        with self._cond:
+            if not self._stop:
+                self._cond.wait(seconds)
+
+    def _loop(self) -> None:
+        delay = self._backoff_s[0]
+        while True:
+            with self._cond:
+                while self._scanned and not self._pending and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                name = next(iter(self._pending), None) if self._scanned else None
+                self._uploading = name
+            try:
+                if name is None:
+                    self._scan()
+                else:
+                    self._upload(name)
+                delay = self._backoff_s[0]
+            except Exception as e:  # remote down or refusing: back off, keep the queue
+                self.failures += 1
+                self.last_error = e
+                log.warning("upload to %s failed (%s: %s); retrying in %.1f s",
+                            self.remote.url, type(e).__name__, e, delay)
+                with self._cond:
+                    self._uploading = None
+                    self._cond.notify_all()
+                self._sleep(delay)
+                delay = min(delay * 2, self._backoff_s[1])
+                continue
+            with self._cond:
+                self._uploading = None
+                self._cond.notify_all()
+
+    def _scan(self) -> None:
+        """Queue every local checkpoint whose remote manifest does not exist, oldest
+        first (this is how an upload cut short by a crash is resumed)."""
+        remote = set(self._call(self.remote.listdir, MANIFEST_DIR))
+        local = sorted(p for p in map(parse_manifest_name, self.local.listdir(MANIFEST_DIR))
+                       if p)
+        with self._cond:
+            self._remote |= {n for n in remote if parse_manifest_name(n)}
+            queued = dict(self._pending)
+            self._pending = {p.name: None for p in local if p.name not in self._remote}
+            self._pending.update({n: None for n in queued if n not in self._remote})
+            self._scanned = True
+            self._cond.notify_all()
+        if self._pending:
+            log.info("%d local checkpoints are not yet in %s; uploading them",
+                     len(self._pending), self.remote.url)
+
+    def _read_local_manifest(self, name: str) -> tuple[bytes, Manifest]:
+        try:
+            raw = self.local.read(manifest_path(name))
+        except FileNotFoundError as e:
+            raise _Gone(name) from e
+        return raw, parse_manifest(name, raw)
+
+    def _verify_local(self, m: Manifest) -> None:
+        reader = ChunkReader(self.local, data_dir(m.uid), m.arrays, io_threads=1)
+        for path, meta in m.arrays.items():
+            for i in range(len(meta["crc32c"])):
+                reader.fetch([(path, i * int(meta["chunk_bytes"]), 1)])
+                reader.drop()
+
+    def _upload(self, name: str) -> None:
+        try:
+            self._upload_once(name)
+        except (_Gone, CorruptCheckpointError) as e:
+            gone = isinstance(e, _Gone) or not os.path.exists(
+                os.path.join(self.local.root, MANIFEST_DIR, name))
+            with self._cond:
+                self._pending.pop(name, None)
+                if not gone:
+                    self._damaged.add(name)
+            if gone:
+                log.info("checkpoint %s was deleted locally before its upload", name)
+            else:
+                log.error("local checkpoint %s is damaged (%s); it is not uploaded and stays "
+                          "on local disk for inspection", name, e)
+
+    def _upload_once(self, name: str) -> None:
+        mpath = manifest_path(name)
+        if self._call(self.remote.mtime, mpath) is not None:
+            self._committed(name, fresh=False)
+            return
+        raw, manifest = self._read_local_manifest(name)
+        self._verify_local(manifest)
+        marker = inflight_marker(manifest.uid, 0)
+        self._call(self.remote.replace, marker, json.dumps({
+            "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
+            "rank": 0, "upload_of": name,
+        }).encode())
+        _faults.reached("upload-before-data")
+        have = self._call(remote_sizes, self.remote, data_dir(manifest.uid))
+        for i, (path, size) in enumerate(local_files(self.local, data_dir(manifest.uid))):
+            if have.get(path) == size:
+                continue
+            try:
+                data = self.local.read(path)
+            except FileNotFoundError as e:
+                raise _Gone(name) from e
+            if path in have:
+                self._call(self.remote.remove, path)  # a stale object of another size
+            self._call(self.remote.write_file, path, [data])
+            if i == 0:
+                _faults.reached("upload-mid-data")
+        _faults.reached("upload-before-manifest")
+        try:
+            self._call(self.remote.exclusive_create, mpath, raw)
+        except FileExistsError:
+            log.info("remote manifest %s already exists (an earlier attempt committed it)",
+                     name)
+        _faults.reached("upload-after-manifest")
+        self._committed(name, fresh=True)
+        self._call(self.remote.remove, marker)
+
+    def _committed(self, name: str, *, fresh: bool) -> None:
+        names = [p for p in map(parse_manifest_name,
+                                self._call(self.remote.listdir, MANIFEST_DIR)) if p]
+        if fresh and names:
+            newest = max(names)
+            self._call(self.remote.replace, LATEST,
+                       latest_pointer(newest.name, newest.step, newest.uid))
+        if os.path.exists(os.path.join(self.local.root, PINS_DIR, name)):
+            self._call(self.remote.replace, f"{PINS_DIR}/{name}", b"")
+        with self._cond:
+            self._remote.add(name)
+            self._remote |= {n.name for n in names}
+            self._pending.pop(name, None)
+        if fresh:
+            log.info("checkpoint %s is committed in %s", name, self.remote.url)
+        self._on_committed(name)
+

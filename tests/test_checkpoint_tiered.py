@@ -1,0 +1,214 @@
+"""Tiered checkpoints: last K on local disk, every checkpoint uploaded to S3 (a real
+moto server over HTTP) in the background; restore falls back to the remote copy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import s3fs
+import torch
+
+from checkpoint_store import CheckpointStore, TierState
+from tests._ckpt_helpers import same_bits, state_for
+from tests._tier_helpers import fast_options, open_tiered
+from tests.servers import MotoServer
+from trainer_client.breaker import BreakerState
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests" / "_tier_worker.py"
+
+
+def _target(width: int = 8) -> dict[str, object]:
+    return {"w": torch.zeros(width, width), "b": torch.zeros(width, dtype=torch.bfloat16),
+            "step": -1, "name": ""}
+
+
+def _assert_state(target: dict[str, object], step: int, width: int = 8) -> None:
+    expected = state_for(step, width=width)
+    assert same_bits(target["w"], expected["w"])  # type: ignore[arg-type]
+    assert same_bits(target["b"], expected["b"])  # type: ignore[arg-type]
+    assert target["step"] == step and target["name"] == f"run-{step}"
+
+
+def _local_steps(root: Path) -> list[int]:
+    return sorted(m.step for m in CheckpointStore(root).list())
+
+
+def _remote_store(url: str, options: dict) -> CheckpointStore:
+    return CheckpointStore(url, storage_options=fast_options(options))
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_uploads_every_checkpoint_and_keeps_last_k_locally(tmp_path, moto_server, s3_bucket):
+    """Five saves with keep_last=2: all five become remote-committed (manifest, LATEST
+    naming the newest, no in-flight marker left), local disk keeps exactly the newest
+    two, list() shows all five, and an evicted one loads bit-exact from the remote."""
+    remote_url = f"s3://{s3_bucket}/run"
+    options = moto_server.storage_options()
+    store = open_tiered(str(tmp_path / "local"), remote_url, options)
+    for step in range(1, 6):
+        store.save(state_for(step), step=step, blocking=False).wait()
+    assert store.wait_uploads(60.0)
+    remote = _remote_store(remote_url, options)
+    assert [m.step for m in remote.list()] == [1, 2, 3, 4, 5]
+    latest = json.loads(remote._backend.read("LATEST"))
+    assert latest["step"] == 5 and latest["manifest"] == remote.list()[-1].name
+    assert remote._backend.listdir("inflight") == []
+    assert _local_steps(tmp_path / "local") == [4, 5]
+    assert [m.step for m in store.list()] == [1, 2, 3, 4, 5]
+    status = {t.step: t for t in store.tiers()}
+    assert all(t.state is TierState.REMOTE and t.remote for t in status.values())
+    assert [s for s, t in status.items() if t.local] == [4, 5]
+    assert status[1].labels() == ["committed", "remote"]
+    target = _target()
+    manifest = store.load(target, step=1)
+    assert manifest is not None and manifest.step == 1
+    _assert_state(target, 1)
+    assert store.close()
+
+
+def test_remote_outage_keeps_local_copies_until_uploaded(tmp_path):
+    """With S3 down from before the first upload: saves still commit locally (the
+    handle completes, nothing waits on S3), the breaker opens, and local retention
+    keeps all five checkpoints (keep_last=2) because none is remote-committed. After
+    S3 comes back on the same port, every checkpoint is uploaded and only then does
+    local disk shrink to the newest two."""
+    server = MotoServer().start()
+    try:
+        bucket = server.create_bucket("tier-outage")
+        remote_url = f"s3://{bucket}/run"
+        options = server.storage_options()
+        store = open_tiered(str(tmp_path / "local"), remote_url, options)
+        assert store.wait_uploads(30.0)  # start-up scan done while S3 is up
+        server.stop()
+        for step in range(1, 6):
+            store.save(state_for(step), step=step, blocking=False).wait()
+        _wait_for(lambda: store.breaker.state is not BreakerState.CLOSED, "the breaker to open")
+        assert store.upload_failures > 0
+        assert _local_steps(tmp_path / "local") == [1, 2, 3, 4, 5]
+        assert all(t.state is not TierState.REMOTE for t in store.tiers())
+        assert not store.wait_uploads(0.5)
+
+        server = MotoServer(port=server.port).start()
+        server.create_bucket(bucket)  # moto keeps data in memory: recreate the bucket
+        assert store.wait_uploads(60.0)
+        assert [m.step for m in _remote_store(remote_url, options).list()] == [1, 2, 3, 4, 5]
+        assert _local_steps(tmp_path / "local") == [4, 5]
+        assert store.breaker.state is BreakerState.CLOSED
+        assert [t.state for t in store.tiers()] == [TierState.REMOTE] * 5
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_wiped_local_disk_restores_from_remote_bit_exact(tmp_path, moto_server, s3_bucket,
+                                                          caplog):
+    """After the local directory is deleted, a new tiered store on the same roots
+    lists the remote checkpoints and restores the newest one bit-exact (logged as a
+    remote load); the next save goes on locally and is uploaded too."""
+    remote_url = f"s3://{s3_bucket}/run"
+    options = moto_server.storage_options()
+    local = tmp_path / "local"
+    with open_tiered(str(local), remote_url, options) as store:
+        for step in range(1, 4):
+            store.save(state_for(step), step=step)
+        assert store.close(wait_upload=60.0)
+    shutil.rmtree(local)
+
+    store = open_tiered(str(local), remote_url, options)
+    assert [m.step for m in store.list()] == [1, 2, 3]
+    target = _target()
+    with caplog.at_level(logging.WARNING, logger="checkpoint_store.tiered"):
+        manifest = store.load(target)
+    assert manifest is not None and manifest.step == 3
+    _assert_state(target, 3)
+    assert "from the remote tier" in caplog.text
+    assert store.verify(3).step == 3
+    store.save(state_for(4), step=4)
+    assert store.close(wait_upload=60.0)
+    assert [m.step for m in _remote_store(remote_url, options).list()] == [1, 2, 3, 4]
+
+
+def _flip_byte_in_chunk(root: Path, uid: str) -> Path:
+    chunks = sorted(p for p in (root / "data" / uid).rglob("*")
+                    if p.is_file() and p.name != "zarr.json")
+    assert chunks, f"no chunk files under data/{uid}"
+    raw = bytearray(chunks[0].read_bytes())
+    raw[0] ^= 0xFF
+    chunks[0].write_bytes(bytes(raw))
+    return chunks[0]
+
+
+def test_damaged_local_chunk_falls_back_to_remote_copy(tmp_path, moto_server, s3_bucket,
+                                                       caplog):
+    """A flipped byte in a local chunk of the newest checkpoint: a plain local load
+    would fall back to the older step 1, the tiered load instead loads step 2 from
+    the remote copy, bit-exact, and logs the fallback."""
+    remote_url = f"s3://{s3_bucket}/run"
+    options = moto_server.storage_options()
+    local = tmp_path / "local"
+    store = open_tiered(str(local), remote_url, options)
+    store.save(state_for(1), step=1)
+    newest = store.save(state_for(2), step=2).wait()
+    assert store.wait_uploads(60.0)
+    _flip_byte_in_chunk(local, newest.uid)
+
+    plain = _target()
+    assert CheckpointStore(local).load(plain).step == 1  # local alone loses step 2
+
+    target = _target()
+    with caplog.at_level(logging.WARNING, logger="checkpoint_store.tiered"):
+        manifest = store.load(target)
+    assert manifest is not None and manifest.name == newest.name
+    _assert_state(target, 2)
+    assert "falling back to the remote copy" in caplog.text
+    store.close()
+
+
+@pytest.mark.parametrize("phase", ["upload-mid-data", "upload-before-manifest"])
+def test_kill_9_mid_upload_is_finished_by_next_store(tmp_path, moto_server, s3_bucket, phase):
+    """A process SIGKILLs itself in the middle of uploading step 1 (after the first
+    data file / after all data, before the manifest): the remote root has no manifest
+    (nothing committed there), the local checkpoint is intact; the next tiered store
+    on the same roots finds it and finishes the upload, which then loads bit-exact
+    from the remote root alone."""
+    remote_url = f"s3://{s3_bucket}/run"
+    options = moto_server.storage_options()
+    local = tmp_path / "local"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRAINGUARD_CKPT_CRASH_AT": phase}
+    proc = subprocess.run([sys.executable, str(WORKER), str(local), remote_url,
+                           json.dumps(options)], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+
+    fs = s3fs.S3FileSystem(**options)
+    assert not fs.exists(f"{s3_bucket}/run/manifests") or fs.ls(f"{s3_bucket}/run/manifests") == []
+    assert fs.find(f"{s3_bucket}/run/data"), "the crash came after some data was uploaded"
+    assert len(fs.ls(f"{s3_bucket}/run/inflight")) == 1  # the dead upload's marker
+    assert _local_steps(local) == [1]
+
+    store = open_tiered(str(local), remote_url, options)
+    assert store.wait_uploads(60.0)
+    assert store.tier_status(1).state is TierState.REMOTE
+    store.close()
+    remote = _remote_store(remote_url, options)
+    assert remote._backend.listdir("inflight") == []
+    target = _target(64)
+    manifest = remote.load(target, strict=True)
+    assert manifest is not None and manifest.step == 1
+    _assert_state(target, 1, width=64)
