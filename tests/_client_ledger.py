@@ -137,22 +137,26 @@ def kill_at_random(
 ) -> bool:
     """Kill the job at a moment of the given kind; False if it finished first.
 
-    kind 0: a random time into the training loop; 1: during an async checkpoint
+    kind 0: a random moment after 1-16 training steps; 1: during an async checkpoint
     write (just after a SAVE line); 2: right after a manifest commit. ``during(job)``
     runs once the job is training (e.g. to kill Redis under it)."""
     if not job.wait_line("READY", 120):
         return False
     if during is not None:
         during(job)
+    # Kill points are counted in steps, not seconds, so that a kill lands before the
+    # job finishes however fast this machine is today.
     if kind == 0:
-        if not job.sleep(rng.uniform(0.0, 0.5)):
+        if not job.wait_line("STEP", 120, nth=rng.randint(1, 16)):
+            return False
+        if not job.sleep(rng.uniform(0.0, 0.005)):
             return False
     elif kind == 1:
-        if not job.wait_line("SAVE", 120, nth=rng.randint(1, 3)):
+        if not job.wait_line("SAVE", 120, nth=rng.randint(1, 2)):
             return False
         if not job.sleep(rng.uniform(0.0, 0.01)):
             return False
-    elif not job.wait_line("COMMITTED", 120, nth=rng.randint(1, 2)):
+    elif not job.wait_line("COMMITTED", 120):
         return False
     job.kill()
     return True

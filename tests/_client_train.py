@@ -6,7 +6,7 @@ the buffer is the same on every rank, like gradients under DDP). A run that trai
 every record exactly once ends with all counts equal to 1.
 
 Prints ``<rank>: READY <step>`` after restoring, ``SAVE <step>`` before each checkpoint call,
-``COMMITTED <step>`` once its manifest is committed and ``DONE <step>`` at the end (the
+``STEP <step>`` after each step, ``COMMITTED <step>`` once its manifest is committed and ``DONE <step>`` at the end (the
 parent kills at those moments). Multi-rank: RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT in the environment (gloo).
 """
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 trace.flush()
         model.counts += local
         step += 1
+        say(f"STEP {step}")
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
         if step % args.ckpt_every == 0:

@@ -4,7 +4,8 @@ Reads one JSON request per line on stdin (``{"rank": r, "args": [...], "env": {.
 forks a child that runs ``tests/_client_train.py``'s ``main(args)`` with that
 environment, and prints ``<rank>: PID <pid>``, later ``<rank>: EXIT <code>`` (a child
 killed by SIGKILL exits with -9). Children are real, separate processes: the tests kill
-them with SIGKILL by PID. Torch has run no operation here, so forking is safe.
+them with SIGKILL by PID. Torch runs one warm-up step here with OMP_NUM_THREADS=1 (no
+thread pool to lose in the fork).
 """
 
 from __future__ import annotations
@@ -30,7 +31,19 @@ def _reap(pid: int, rank: int) -> None:
     _out(f"{rank}: EXIT {os.waitstatus_to_exitcode(status)}")
 
 
+def _warm_up() -> None:
+    """Pay the lazy imports (Adam pulls in torch._dynamo: seconds; the session imports
+    checkpoint_store when it makes its store) once, here. Starts no thread."""
+    import checkpoint_store
+
+    assert checkpoint_store.CheckpointStore
+    state, model, opt = job.make_state(8)
+    model.lin(job.torch.zeros(2, 8)).sum().backward()
+    opt.step()
+
+
 def main() -> None:
+    _warm_up()
     for line in sys.stdin:
         req = json.loads(line)
         pid = os.fork()

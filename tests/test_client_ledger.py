@@ -163,7 +163,10 @@ def test_ledger_survives_200_kills(redis_server, tmp_path: Path) -> None:
     store = f"file://{tmp_path}/ckpt"
     args = _args(redis_server.url, store)
     args[args.index("--n") + 1] = str(n_big)
-    kills = ledger.run_until_done(args, kills=200, seed=2, log=tmp_path / "job.log")
+    kills = ledger.run_until_done(
+        args, kills=200, seed=2, log=tmp_path / "job.log",
+        args_for=lambda attempt: [*args, "--workers", "2" if attempt % 5 in (1, 2) else "0"],
+    )
     assert kills == 200
     counts, _ = ledger.final_counts(store, n_big)
     assert torch.equal(counts, torch.ones(n_big))
