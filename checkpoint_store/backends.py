@@ -66,7 +66,7 @@ def aligned_buffer(size: int) -> memoryview:
     """A writable, 64-byte aligned byte buffer (torch allocations are aligned)."""
     import torch
 
-    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
+    return torch.empty(size, dtype=torch.uint8).numpy().data.cast("B")
 
 
 def _write_all(fd: int, data: Buffer) -> None:

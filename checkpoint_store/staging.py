@@ -45,7 +45,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = raw_view(t).contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def direct_segments(leaves: Sequence[TensorLeaf], plan: RankPlan) -> list[Segment]:
@@ -101,7 +101,7 @@ class BufferPool:
                 else:
                     dst_typed.copy_(raw_view(src))
                 segments.append(
-                    Segment(p.array, p.offset, memoryview(np_buf[start : start + p.nbytes]))
+                    Segment(p.array, p.offset, np_buf[start : start + p.nbytes].data)
                 )
             ready = None
             if any_cuda:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
@@ -193,7 +194,7 @@ class CheckpointStore:
             ) from failed.error
 
     # ---------------------------------------------------------------- read side
-    def _names(self) -> list[ManifestName]:
+    def _names(self) -> builtins.list[ManifestName]:
         """Manifest names in commit order (oldest first)."""
         return sorted(p for p in map(parse_manifest_name,
                                      self._backend.listdir(MANIFEST_DIR)) if p)
@@ -209,7 +210,7 @@ class CheckpointStore:
         pinned = name in (pins if pins is not None else self._pins())
         return parse_manifest(name, raw, pinned=pinned)
 
-    def list(self) -> list[Manifest]:
+    def list(self) -> builtins.list[Manifest]:
         """Committed, readable manifests, oldest first (damaged ones are logged)."""
         pins = self._pins()
         out = []
@@ -234,7 +235,7 @@ class CheckpointStore:
                 continue
         return None
 
-    def _check_latest_pointer(self, names: list[ManifestName]) -> str | None:
+    def _check_latest_pointer(self, names: builtins.list[ManifestName]) -> str | None:
         """A problem with LATEST (it is a hint: loads never depend on it), or None.
         A LATEST older than the newest manifest is no problem: a crash after the
         commit and before the pointer swap leaves it so."""
@@ -255,7 +256,7 @@ class CheckpointStore:
             return f"LATEST names {name}, which is not among the manifests"
         return None
 
-    def _candidates(self, step: int | None) -> list[ManifestName]:
+    def _candidates(self, step: int | None) -> builtins.list[ManifestName]:
         names = self._names()
         if step is not None:
             names = [n for n in names if n.step == step]
@@ -288,7 +289,7 @@ class CheckpointStore:
                 if strict:
                     raise CorruptCheckpointError(f"{problem} in {self.url}")
                 log.warning("%s in %s; using the manifest listing", problem, self.url)
-        damaged: list[str] = []
+        damaged: builtins.list[str] = []
         pins = self._pins()
         for n in candidates:
             applier: Applier | None = None
@@ -348,7 +349,7 @@ class CheckpointStore:
         return manifest
 
     # ---------------------------------------------------------------- retention
-    def _apply_retention(self, protect: str | None = None) -> list[str]:
+    def _apply_retention(self, protect: str | None = None) -> builtins.list[str]:
         manifests = self.list()
         doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
                                               keep_every=self.keep_every)
@@ -363,7 +364,7 @@ class CheckpointStore:
             stale_after_s=self.stale_after_s, retention=self._apply_retention,
         )
 
-    def _by_step(self, step: int) -> list[Manifest]:
+    def _by_step(self, step: int) -> builtins.list[Manifest]:
         found = [m for m in self.list() if m.step == step]
         if not found:
             raise NoCheckpointError(f"no checkpoint of step {step} in {self.url}")
@@ -379,7 +380,7 @@ class CheckpointStore:
         for m in self._by_step(step):
             self._backend.remove(f"{PINS_DIR}/{m.name}")
 
-    def delete(self, step: int) -> list[str]:
+    def delete(self, step: int) -> builtins.list[str]:
         """Delete every checkpoint of ``step`` (manifest first, then data)."""
         found = self._by_step(step)
         pinned = [m.name for m in found if m.pinned]
