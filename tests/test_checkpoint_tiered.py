@@ -212,3 +212,76 @@ def test_kill_9_mid_upload_is_finished_by_next_store(tmp_path, moto_server, s3_b
     manifest = remote.load(target, strict=True)
     assert manifest is not None and manifest.step == 1
     _assert_state(target, 1, width=64)
+
+
+def _train(redis_url: str, store, n: int, *, stop_after: int | None) -> tuple[int, int, torch.Tensor]:
+    """Train on the ``tok`` dataset, adding 1 to each consumed record's count and
+    checkpointing every 5 steps; ``stop_after`` abandons the run at that step (the
+    steps since the last checkpoint are lost with the process state, as in a crash).
+    Returns (restored step, last step, counts)."""
+    from torch.utils.data import DataLoader
+
+    from trainer_client import TrainingSession
+
+    state = {"counts": torch.zeros(n)}
+    session = TrainingSession(redis_url, dataset="tok", run="exp", store=store, block_ms=200)
+    start = session.restore(state)
+    loader = DataLoader(session.dataset(batch_size=8), batch_size=None, num_workers=0)
+    step = start
+    for batch in session.batches(loader):
+        idx = batch.data[:, 0].long()
+        state["counts"].index_add_(0, idx, torch.ones(len(idx)))
+        step += 1
+        if step % 5 == 0:
+            session.checkpoint(state, step)
+        if step == stop_after:
+            break
+    if stop_after is None:
+        session.checkpoint(state, step, blocking=True)
+    session.close()
+    return start, step, state["counts"]
+
+
+def test_ledger_exactly_once_after_local_disk_wiped(tmp_path, redis_server, moto_server,
+                                                    s3_bucket):
+    """A TrainingSession on a tiered store trains 23 steps (checkpoints at 5..20,
+    uploaded; local disk keeps 2) and is abandoned; the local directory is wiped; a
+    new session on a new tiered store restores step 20 from S3 and finishes the finite
+    dataset: every record is counted exactly once, and Redis' committed offsets are
+    each partition's end."""
+    import redis
+
+    from tests import _client_fill as cf
+    from trainguard import streams
+
+    n, partitions = 400, 4
+    spec = cf.create(redis_server.url, "tok", partitions=partitions)
+    cf.fill(redis_server.url, spec, n)
+    remote_url = f"s3://{s3_bucket}/run"
+    options = moto_server.storage_options()
+    local = tmp_path / "local"
+
+    store = open_tiered(str(local), remote_url, options)
+    start, stopped, _ = _train(redis_server.url, store, n, stop_after=23)
+    assert (start, stopped) == (0, 23)
+    assert store.close(wait_upload=60.0)
+    assert _local_steps(local) == [15, 20]
+    assert [m.step for m in _remote_store(remote_url, options).list()] == [5, 10, 15, 20]
+    shutil.rmtree(local)
+
+    store = open_tiered(str(local), remote_url, options)
+    start, last, counts = _train(redis_server.url, store, n, stop_after=None)
+    assert start == 20 and last == n // 8
+    assert torch.equal(counts, torch.ones(n)), (
+        f"{int((counts == 0).sum())} records lost, {int((counts > 1).sum())} counted twice")
+    assert store.close(wait_upload=60.0)
+
+    reloaded = {"counts": torch.zeros(n)}
+    fresh = open_tiered(str(tmp_path / "elsewhere"), remote_url, options)
+    assert fresh.load(reloaded).step == last
+    fresh.close()
+    assert torch.equal(reloaded["counts"], torch.ones(n))
+    client = redis.Redis.from_url(redis_server.url)
+    ends = {p: streams.make_id(0, len(range(p, n, partitions)) - 1) for p in range(partitions)}
+    assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends
+    client.close()
