@@ -293,3 +293,86 @@ def test_deterministic_resume_yields_the_same_batches(redis_server, tmp_path, wo
     tail = run("cut", None)
     assert head + tail == whole
     assert len({x for b in whole for x in b}) == 233
+
+
+@pytest.mark.parametrize(("workers_a", "workers_b"), [(2, 0), (0, 2)])
+def test_restart_with_other_num_workers(redis_server, tmp_path, workers_a: int, workers_b: int) -> None:
+    """A restart with another num_workers reassigns the partitions to other readers;
+    checkpointed + re-read records are still every record once."""
+    spec = cf.create(redis_server.url, "tok", partitions=5)
+    cf.fill(redis_server.url, spec, 300)
+    a = _session(redis_server.url, tmp_path)
+    state = _state()
+    a.restore(state)
+    it = iter(a.batches(DataLoader(a.dataset(batch_size=7), batch_size=None, num_workers=workers_a)))
+    first = _take(it, 9)
+    a.checkpoint(state, 9, blocking=True)
+    _take(it, 4)
+    b = _session(redis_server.url, tmp_path)
+    assert b.restore(_state()) == 9
+    rest = list(b.batches(DataLoader(b.dataset(batch_size=7), batch_size=None, num_workers=workers_b)))
+    assert sorted(_recs(first) + _recs(rest)) == list(range(300))
+    b.close()
+
+
+def test_damaged_newest_checkpoint_falls_back_with_its_offsets(redis_server, tmp_path) -> None:
+    """When the newest checkpoint's data is damaged, restore loads the previous one and
+    moves the group to *that* checkpoint's offsets: the records after them are read
+    again, once."""
+    spec = cf.create(redis_server.url, "tok", partitions=3)
+    cf.fill(redis_server.url, spec, 120)
+    a = _session(redis_server.url, tmp_path)
+    state = _state()
+    a.restore(state)
+    it = iter(a.batches(DataLoader(a.dataset(batch_size=5), batch_size=None)))
+    first = _take(it, 4)
+    old = a.checkpoint(state, 4, blocking=True).wait()
+    _take(it, 4)
+    newest = a.checkpoint(state, 8, blocking=True).wait()
+    a.close()
+    chunks = [f for f in (tmp_path / "ckpt").rglob("*") if f.is_file() and newest.uid in str(f)
+              and f.suffix != ".json" and "zarr.json" not in f.name]
+    assert chunks
+    for f in chunks:
+        f.write_bytes(b"\xff" * max(1, f.stat().st_size))
+    b = _session(redis_server.url, tmp_path)
+    assert b.restore(_state()) == old.step
+    rest = list(b.batches(DataLoader(b.dataset(batch_size=5), batch_size=None)))
+    assert sorted(_recs(first) + _recs(rest)) == list(range(120))
+    b.close()
+
+
+def test_cancelled_blocking_read_loses_and_repeats_nothing(redis_server, tmp_path) -> None:
+    """An endless dataset's blocking read is cut off by an exception (as a signal
+    handler or a timeout would); the next pass starts at the consumed offsets on a
+    fresh connection, and every record arrives once."""
+    import signal
+
+    spec = cf.create(redis_server.url, "live", partitions=2, epochs=None)
+    cf.fill(redis_server.url, spec, 40, finish=False)
+    s = _session(redis_server.url, tmp_path, dataset="live", block_ms=2000)
+    s.restore(_state())
+    ds = s.dataset(batch_size=10)
+    got: list[Batch] = []
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel(signum, frame):  # type: ignore[no-untyped-def]
+        raise Cancelled
+
+    old = signal.signal(signal.SIGALRM, cancel)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(Cancelled):
+            for b in s.batches(DataLoader(ds, batch_size=None)):
+                got.append(b)  # 4 batches, then blocked in XREAD until the alarm
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert sorted(_recs(got)) == list(range(40))
+    cf.fill(redis_server.url, spec, 80, start=40, finish=False)
+    it = iter(s.batches(DataLoader(ds, batch_size=None)))
+    more = _take(it, 4)
+    assert sorted(_recs(got + more)) == list(range(80))
+    s.close()

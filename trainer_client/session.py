@@ -37,6 +37,7 @@ from trainer_client.errors import (
     CheckpointMismatchError,
     FencedError,
     PartitionCountError,
+    TrainerClientError,
 )
 from trainguard import streams
 
@@ -48,6 +49,11 @@ MANIFEST_VERSION = 1
 """Version of what the session puts in a manifest's ``extra["trainguard"]``."""
 
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+_REFUSALS: dict[str, type[Exception]] = {
+    "CheckpointMismatchError": CheckpointMismatchError,
+    "PartitionCountError": PartitionCountError,
+    "LookupError": LookupError,
+}
 
 
 class TrainingSession:
@@ -172,28 +178,42 @@ class TrainingSession:
         return sorted(self.store.list(), key=order, reverse=True)
 
     def _load(self, state: Any, to_step: int | None) -> Any:
-        """Load the newest valid manifest (or ``to_step``) into ``state`` in place."""
+        """Load the newest valid manifest (or ``to_step``) into ``state`` in place.
+
+        Rank 0 chooses the candidates (newest first) and every rank tries them in that
+        order; a damaged checkpoint is skipped for the previous one. Refusals found by
+        rank 0 are raised on every rank (no rank is left waiting in a collective)."""
         from checkpoint_store import CorruptCheckpointError
 
-        chosen: int | None = None
+        plan: dict[str, Any] = {"steps": []}
         if self.rank == 0:
-            for m in self._candidates():
-                if to_step is None or m.step == to_step:
-                    self._check_manifest(m)
-                    chosen = m.step
-                    break
-            if to_step is not None and chosen is None:
-                raise LookupError(f"no checkpoint of step {to_step} for run {self.run!r}")
-        chosen = self._broadcast(chosen)
-        if chosen is None:
-            return None
-        try:
-            return self.store.load(state, step=chosen)
-        except CorruptCheckpointError:
-            if to_step is not None:
-                raise
-            log.warning("checkpoint of step %s is damaged; loading the newest valid one", chosen)
-            return self.store.load(state)
+            try:
+                cands = [m for m in self._candidates() if to_step is None or m.step == to_step]
+                if to_step is not None and not cands:
+                    raise LookupError(f"no checkpoint of step {to_step} for run {self.run!r}")
+                if cands:
+                    self._check_manifest(cands[0])
+                plan = {"steps": [int(m.step) for m in cands]}
+            except (TrainerClientError, LookupError) as exc:
+                plan = {"error": type(exc).__name__, "message": str(exc)}
+        plan = self._broadcast(plan)
+        if "error" in plan:
+            cls = _REFUSALS.get(plan["error"], LookupError)
+            raise cls(plan["message"])
+        damaged: Exception | None = None
+        for step in plan["steps"]:
+            try:
+                manifest = self.store.load(state, step=step)
+            except CorruptCheckpointError as exc:
+                log.warning("checkpoint of step %s is damaged (%s); trying the previous one", step, exc)
+                damaged = exc
+                continue
+            self._check_manifest(manifest)
+            return manifest
+        if damaged is not None:
+            # Starting over would silently throw the run away: let a person decide.
+            raise damaged
+        return None
 
     def _check_manifest(self, m: Any) -> None:
         tg = (m.extra or {}).get("trainguard")
