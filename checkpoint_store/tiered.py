@@ -70,7 +70,7 @@ from trainer_client.retry import (
     object_store_retrier,
 )
 
-__all__ = ["UPLOAD_POLICY", "TierState", "TierStatus", "TieredCheckpointStore"]
+__all__ = ["UPLOAD_POLICY", "TierState", "TierStatus", "TieredCheckpointStore", "tier_statuses"]
 
 log = logging.getLogger("checkpoint_store.tiered")
 
@@ -105,6 +105,31 @@ class TierStatus:
             out.append("pinned")
         out.append("remote" if self.remote else "local_only")
         return out
+
+
+def tier_statuses(
+    local: Iterable[Manifest],
+    remote: Iterable[Manifest],
+    *,
+    remote_committed: Iterable[str] = (),
+    uploading: str | None = None,
+) -> list[TierStatus]:
+    """Where each checkpoint is, oldest first, from the manifests of a local and a
+    remote root (e.g. two ``CheckpointStore.list()`` results; a checkpoint has the
+    same manifest name in both). ``remote_committed`` adds names known to be remote
+    without a listing, ``uploading`` names the one being copied now."""
+    local_by = {m.name: m for m in local}
+    remote_by = {m.name: m for m in remote}
+    committed = set(remote_committed) | set(remote_by)
+    out = []
+    for name in sorted({*local_by, *remote_by}, key=lambda n: parse_manifest_name(n) or n):
+        m = local_by.get(name) or remote_by[name]
+        in_remote = name in committed
+        state = (TierState.REMOTE if in_remote else
+                 TierState.UPLOADING if name == uploading else TierState.LOCAL)
+        pinned = any(x.pinned for x in (local_by.get(name), remote_by.get(name)) if x)
+        out.append(TierStatus(name, m.step, m.uid, state, name in local_by, in_remote, pinned))
+    return out
 
 
 class TieredCheckpointStore:
@@ -181,7 +206,8 @@ class TieredCheckpointStore:
         self._uploader = Uploader(
             local_backend, self._remote_backend,
             object_store_retrier(self.breaker, upload_policy).call,
-            on_committed=self._on_remote_commit, backoff_s=upload_backoff_s,
+            on_committed=self._on_remote_commit, on_scanned=self._on_scanned,
+            backoff_s=upload_backoff_s,
         )
         self._uploader.start()
 
@@ -223,12 +249,27 @@ class TieredCheckpointStore:
     def _on_remote_commit(self, name: str) -> None:
         if self._closed:
             return
+        try:
+            # The remote manifest is a byte copy of the local one: remember it, so
+            # that list() knows it without asking the remote (and after local eviction).
+            m = parse_manifest(name, self._local_backend.read(manifest_path(name)))
+        except (FileNotFoundError, CorruptCheckpointError):
+            pass
+        else:
+            with self._lock:
+                self._remote_cache.setdefault(name, m)
         if self.remote_keep_last is not None:
             try:
                 self._retain_remote()
             except Exception:
                 log.exception("remote retention in %s failed", self.remote_url)
         self._retain_local()
+
+    def _on_scanned(self) -> None:
+        # The remote answered the uploader: learn its manifests now, in this
+        # background thread, so that list() need not ask it later.
+        if not self._remote_listed:
+            self._remote_catalog(wait=False)
 
     def _wait_local(self) -> None:
         with self._lock:
@@ -260,20 +301,25 @@ class TieredCheckpointStore:
                                   keep_every=self.keep_every)
         if doomed:
             self._read.call(apply_retention, self._remote_backend, doomed)
+            with self._lock:
+                for m in doomed:
+                    self._remote_cache.pop(m.name, None)
 
     # ---------------------------------------------------------------- catalog
     def _remote_catalog(self, *, wait: bool) -> dict[str, Manifest]:
-        """Remote manifests by name. ``wait``: retry through an outage (raises
-        CheckpointError when the policy runs out); otherwise one try, and on failure
-        the last listing seen."""
+        """List the remote root (manifests are read once, then cached: they are
+        immutable). ``wait``: retry through an outage and raise CheckpointError when
+        the policy runs out; otherwise one try, and on failure the cached listing."""
         call = self._read.call if wait else self.breaker.call
+        with self._lock:
+            cache = dict(self._remote_cache)
         try:
             names = [n for n in call(self._remote_backend.listdir, MANIFEST_DIR)
                      if parse_manifest_name(n)]
             pins = set(call(self._remote_backend.listdir, PINS_DIR))
             found: dict[str, Manifest] = {}
             for n in names:
-                m = self._remote_cache.get(n)
+                m = cache.get(n)
                 if m is None:
                     try:
                         m = parse_manifest(n, call(self._remote_backend.read, manifest_path(n)))
@@ -282,26 +328,36 @@ class TieredCheckpointStore:
                     except CorruptCheckpointError as e:
                         log.warning("skipping damaged remote manifest %s: %s", n, e)
                         continue
-                found[n] = m
+                found[n] = dataclasses.replace(m, pinned=n in pins)
         except self._transient as e:
             if wait:
                 raise CheckpointError(
                     f"the remote tier {self.remote_url} is unreachable ({type(e).__name__}: "
                     f"{e}), so its checkpoints are unknown; retry when it is back"
                 ) from e
-            log.debug("remote tier %s unreachable (%s); using its last listing",
-                      self.remote_url, e)
-            return dict(self._remote_cache)
-        self._remote_cache = found
-        self._remote_listed = True
+            log.info("remote tier %s unreachable (%s: %s); using what is known of it",
+                     self.remote_url, type(e).__name__, e)
+            return cache
+        with self._lock:
+            self._remote_cache = found
+            self._remote_listed = True
         self._uploader.mark_remote(set(found))
-        return {n: dataclasses.replace(m, pinned=n in pins) for n, m in found.items()}
+        return dict(found)
 
-    def _catalog(self, *, wait: bool | None = None) -> tuple[dict[str, Manifest],
-                                                           dict[str, Manifest]]:
+    def _catalog(self, *, fresh: bool = False) -> tuple[dict[str, Manifest],
+                                                      dict[str, Manifest]]:
+        """(local, remote) manifests by name. The remote side comes from the cache
+        once a listing succeeded, unless ``fresh`` (list it now, waiting out an
+        outage). Before any listing: with no local checkpoint, wait for one (an
+        empty disk must not pass for a fresh start); else try once."""
         local = {m.name: m for m in self.local.list()}
-        remote = self._remote_catalog(wait=not self._remote_listed if wait is None else wait)
-        return local, remote
+        if fresh:
+            return local, self._remote_catalog(wait=True)
+        with self._lock:
+            listed, cache = self._remote_listed, dict(self._remote_cache)
+        if listed:
+            return local, cache
+        return local, self._remote_catalog(wait=not local)
 
     @staticmethod
     def _merged(local: dict[str, Manifest],
@@ -311,28 +367,27 @@ class TieredCheckpointStore:
 
     def list(self) -> builtins.list[Manifest]:
         """Committed manifests of both tiers, oldest first (the local copy's record
-        where both have one)."""
+        where both have one). No remote I/O once the remote has been listed: what
+        this store uploads is added as it goes; :meth:`refresh` lists it again."""
         return self._merged(*self._catalog())
+
+    def refresh(self) -> None:
+        """List the remote root again (waits out an outage), e.g. after another tool
+        changed it."""
+        self._remote_catalog(wait=True)
 
     def latest(self) -> Manifest | None:
         found = self.list()
         return found[-1] if found else None
 
     def tiers(self) -> builtins.list[TierStatus]:
-        """Where each checkpoint is, oldest first. Never waits for the remote: while
-        it is unreachable, what the uploader and the last listing saw is reported."""
-        local, remote = self._catalog(wait=False)
-        committed = self._uploader.remote_committed() | set(remote)
-        uploading = self._uploader.uploading()
-        out = []
-        for m in self._merged(local, remote):
-            in_remote = m.name in committed
-            state = (TierState.REMOTE if in_remote else
-                     TierState.UPLOADING if m.name == uploading else TierState.LOCAL)
-            pinned = m.pinned or (m.name in remote and remote[m.name].pinned)
-            out.append(TierStatus(m.name, m.step, m.uid, state, m.name in local, in_remote,
-                                  pinned))
-        return out
+        """Where each checkpoint is, oldest first. No remote I/O: the remote side is
+        what the uploader and the last listing saw."""
+        with self._lock:
+            remote = dict(self._remote_cache)
+        return tier_statuses(self.local.list(), remote.values(),
+                             remote_committed=self._uploader.remote_committed(),
+                             uploading=self._uploader.uploading())
 
     def tier_status(self, step: int) -> TierStatus:
         """Where the newest checkpoint of ``step`` is."""
@@ -371,10 +426,8 @@ class TieredCheckpointStore:
         checkpoint (``strict=True`` raises CorruptCheckpointError instead)."""
         self._wait_local()
         keys = list(keys) if keys is not None else None
-        local_names = {m.name for m in self.local.list()}
-        has_local = any(step is None or n.step == step
-                        for n in map(parse_manifest_name, local_names) if n)
-        remote = self._remote_catalog(wait=not self._remote_listed or not has_local)
+        local, remote = self._catalog()
+        local_names = set(local)
         parsed = sorted({p for p in map(parse_manifest_name, [*local_names, *remote]) if p},
                         reverse=True)
         candidates = [p for p in parsed if step is None or p.step == step]
@@ -465,7 +518,7 @@ class TieredCheckpointStore:
 
     def delete(self, step: int) -> builtins.list[str]:
         """Delete every checkpoint of ``step`` from both tiers."""
-        local, remote = self._catalog(wait=True)
+        local, remote = self._catalog(fresh=True)
         found = [m for m in [*local.values(), *remote.values()] if m.step == step]
         if not found:
             raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "

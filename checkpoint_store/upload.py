@@ -96,7 +96,8 @@ class Uploader:
     """One background thread that uploads queued checkpoints oldest first.
 
     ``call(fn, *args)`` runs one remote operation (retries, breaker); ``on_committed``
-    is called with each newly remote-committed manifest name (from this thread).
+    is called with each remote-committed manifest name and ``on_scanned`` after the
+    start-up scan (both from this thread; their errors are logged, not retried).
     ``backoff_s`` is (first, max) wait after a failed upload, doubling in between.
     """
 
@@ -107,12 +108,14 @@ class Uploader:
         call: Callable[..., Any],
         *,
         on_committed: Callable[[str], None],
+        on_scanned: Callable[[], None] = lambda: None,
         backoff_s: tuple[float, float] = (0.2, 10.0),
     ):
         self.local = local
         self.remote = remote
         self._call = call
         self._on_committed = on_committed
+        self._on_scanned = on_scanned
         self._backoff_s = backoff_s
         self._cond = threading.Condition()
         self._pending: dict[str, None] = {}  # insertion-ordered set of manifest names
@@ -239,6 +242,7 @@ class Uploader:
         if self._pending:
             log.info("%d local checkpoints are not yet in %s; uploading them",
                      len(self._pending), self.remote.url)
+        self._notify(self._on_scanned)
 
     def _read_local_manifest(self, name: str) -> tuple[bytes, Manifest]:
         try:
@@ -321,5 +325,11 @@ class Uploader:
             self._pending.pop(name, None)
         if fresh:
             log.info("checkpoint %s is committed in %s", name, self.remote.url)
-        self._on_committed(name)
+        self._notify(self._on_committed, name)
+
+    def _notify(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("a callback of the uploader to %s failed", self.remote.url)
 

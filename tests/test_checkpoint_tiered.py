@@ -100,7 +100,7 @@ def test_remote_outage_keeps_local_copies_until_uploaded(tmp_path):
         for step in range(1, 6):
             store.save(state_for(step), step=step, blocking=False).wait()
         _wait_for(lambda: store.breaker.state is not BreakerState.CLOSED, "the breaker to open")
-        assert store.upload_failures > 0
+        _wait_for(lambda: store.upload_failures > 0, "a failed upload attempt")
         assert _local_steps(tmp_path / "local") == [1, 2, 3, 4, 5]
         assert all(t.state is not TierState.REMOTE for t in store.tiers())
         assert not store.wait_uploads(0.5)
