@@ -117,6 +117,59 @@ def test_remote_outage_keeps_local_copies_until_uploaded(tmp_path):
         server.stop()
 
 
+def _process_state(pid: int) -> str:
+    # /proc/<pid>/stat: "pid (comm) S ..."; the comm may hold spaces, the state follows ")".
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_outage_in_the_middle_of_an_upload(tmp_path):
+    """A worker process is frozen after uploading the first data file of step 1; S3
+    goes down; the worker resumes and saves steps 2..5 (each commits locally, the
+    upload fails and is retried), local retention keeps all five (keep_last=2). S3
+    comes back on the same port (empty: moto keeps data in memory): every checkpoint
+    is uploaded, step 1 included and bit-exact, and only then local disk keeps two."""
+    server = MotoServer().start()
+    worker = None
+    try:
+        bucket = server.create_bucket("tier-mid-upload")
+        remote_url = f"s3://{bucket}/run"
+        options = server.storage_options()
+        local, go_file = tmp_path / "local", tmp_path / "go"
+        env = {**os.environ, "PYTHONPATH": str(REPO),
+               "TRAINGUARD_CKPT_STOP_AT": "upload-mid-data"}
+        worker = subprocess.Popen(
+            [sys.executable, str(WORKER), "outage", str(local), remote_url,
+             json.dumps(options), str(go_file)],
+            env=env, stdout=subprocess.PIPE, text=True)
+        _wait_for(lambda: _process_state(worker.pid) == "T", "the worker to freeze mid-upload",
+                  timeout_s=60.0)
+        fs = s3fs.S3FileSystem(**options)
+        assert len(fs.find(f"{bucket}/run/data")) == 1  # one data file, no manifest yet
+        assert not fs.exists(f"{bucket}/run/manifests")
+        server.stop()
+        go_file.touch()
+        os.kill(worker.pid, signal.SIGCONT)
+
+        saved = worker.stdout.readline().split()
+        assert saved[0] == "SAVED" and json.loads(saved[1]) == [1, 2, 3, 4, 5]
+        assert int(saved[2]) > 0
+        server = MotoServer(port=server.port).start()
+        server.create_bucket(bucket)
+        uploaded = worker.stdout.readline().split()
+        assert uploaded == ["UPLOADED", "true", "[4,5]"]
+        assert worker.wait(60) == 0
+        remote = _remote_store(remote_url, options)
+        assert [m.step for m in remote.list()] == [1, 2, 3, 4, 5]
+        target = _target(64)
+        assert remote.load(target, step=1, strict=True).step == 1
+        _assert_state(target, 1, width=64)
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        server.stop()
+
+
 def test_wiped_local_disk_restores_from_remote_bit_exact(tmp_path, moto_server, s3_bucket,
                                                           caplog):
     """After the local directory is deleted, a new tiered store on the same roots
@@ -192,7 +245,7 @@ def test_kill_9_mid_upload_is_finished_by_next_store(tmp_path, moto_server, s3_b
     options = moto_server.storage_options()
     local = tmp_path / "local"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRAINGUARD_CKPT_CRASH_AT": phase}
-    proc = subprocess.run([sys.executable, str(WORKER), str(local), remote_url,
+    proc = subprocess.run([sys.executable, str(WORKER), "crash", str(local), remote_url,
                            json.dumps(options)], env=env, capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
@@ -208,6 +261,7 @@ def test_kill_9_mid_upload_is_finished_by_next_store(tmp_path, moto_server, s3_b
     store.close()
     remote = _remote_store(remote_url, options)
     assert remote._backend.listdir("inflight") == []
+    assert json.loads(remote._backend.read("LATEST"))["step"] == 1
     target = _target(64)
     manifest = remote.load(target, strict=True)
     assert manifest is not None and manifest.step == 1
