@@ -57,13 +57,13 @@ def test_ledger_survives_20_kills(redis_server, tmp_path: Path) -> None:
 
 
 def test_ledger_two_workers(redis_server, tmp_path: Path) -> None:
-    """num_workers=2 (persistent), 6 SIGKILLs: every record counted once."""
+    """num_workers=2 (persistent), 10 SIGKILLs: every record counted once."""
     spec = cf.create(redis_server.url, "tok", partitions=P)
     cf.fill(redis_server.url, spec, N)
     store = f"file://{tmp_path}/ckpt"
-    kills = ledger.run_until_done(_args(redis_server.url, store, "--workers", "2"), kills=6,
+    kills = ledger.run_until_done(_args(redis_server.url, store, "--workers", "2"), kills=10,
                                   seed=3, log=tmp_path / "job.log")
-    assert kills == 6
+    assert kills == 10
     _check(redis_server.url, store)
 
 
@@ -98,10 +98,10 @@ def test_ledger_redis_killed_with_aof_everysec(redis_factory, tmp_path: Path) ->
             server.restart()
 
     kills = ledger.run_until_done(
-        _args(server.url, store), kills=6, seed=6, log=tmp_path / "job.log",
+        _args(server.url, store), kills=8, seed=6, log=tmp_path / "job.log",
         during=during, between=lambda attempt: server.restart() if attempt % 3 == 0 else None,
     )
-    assert kills == 6
+    assert kills == 8
     _check(server.url, store)
 
 
@@ -141,9 +141,9 @@ def test_ledger_producer_killed_too(redis_server, tmp_path: Path) -> None:
             assert time.monotonic() < deadline and producer_alive(), "producer did not create the dataset"
             time.sleep(0.05)
         store = f"file://{tmp_path}/ckpt"
-        kills = ledger.run_until_done(_args(redis_server.url, store), kills=6, seed=9,
+        kills = ledger.run_until_done(_args(redis_server.url, store), kills=8, seed=9,
                                       log=tmp_path / "job.log", during=during)
-        assert kills == 6
+        assert kills == 8
         assert procs[-1].wait(60) == 0
         assert len(procs) > 1  # it really was killed and restarted
         _check(redis_server.url, store)

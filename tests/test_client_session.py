@@ -58,6 +58,12 @@ def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(redis_server, 
     m = s.checkpoint(state, 13, blocking=True).wait()
     s.close()
     ends = {p: streams.make_id(0, 29) for p in range(3)}
+    assert m.extra == {"trainguard": {  # the manifest format, version 1 (see session.py)
+        "version": 1, "dataset": "tok", "run": "exp", "partitions": 3, "generation": 1,
+        "commit": 1, "world_size": 1, "num_workers": 0,
+        "offsets": {"0": "1-29", "1": "1-29", "2": "1-29"},
+        "batches": {"0": 0, "1": 0, "2": 0},
+    }}
     assert streams.offsets_from_wire(m.extra["trainguard"]["offsets"]) == ends
     client = redis.Redis.from_url(redis_server.url)
     assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends

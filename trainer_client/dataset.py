@@ -26,7 +26,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -64,7 +64,6 @@ class Batch:
     seq: int = -1
     final: bool = False
     """Deterministic mode: the worker's end-of-pass marker (no records)."""
-    meta: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.ids.values())

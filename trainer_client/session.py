@@ -10,9 +10,20 @@ Call order (each method's docstring has the details)::
         session.checkpoint(state, step)       # 3. offsets go into the manifest
     session.close()
 
-The checkpoint manifest is the truth: its ``extra`` holds the consumed offsets (per
-partition, the last stream ID the loop consumed), the dataset, the partition count
-and the fencing generation. Only after the manifest is committed are entries
+The checkpoint manifest is the truth. Its ``extra["trainguard"]`` (format version
+:data:`MANIFEST_VERSION`; the user's own ``extra`` keys sit beside it) is::
+
+    version      1
+    dataset      dataset name               run         the run (= consumer group)
+    partitions   partition count            world_size  ranks that wrote it
+    generation   fencing generation of the writer
+    commit       the writer's commit counter (restores pick the newest by
+                 (generation, commit, step): a rollback's lineage beats the higher
+                 steps it abandoned, a newer generation beats a zombie's late commit)
+    offsets      {"<partition>": "<last consumed stream ID>"} for every partition
+                 ("0-0": nothing consumed yet)
+    batches      {"<partition>": <batches consumed from it>} (deterministic mode)
+ Only after the manifest is committed are entries
 acknowledged (XACK) and the offsets published to Redis; a crash in between is
 harmless, because restore moves the group to the manifest's offsets and acknowledges
 again. A zombie (a trainer of the same run from before a newer restore) is refused by
@@ -54,6 +65,16 @@ _REFUSALS: dict[str, type[Exception]] = {
     "PartitionCountError": PartitionCountError,
     "LookupError": LookupError,
 }
+
+
+def _warn_if_reshaped(tg: Mapping[str, Any], world_size: int, num_workers: int) -> None:
+    if tg and (tg.get("world_size"), tg.get("num_workers")) != (world_size, num_workers):
+        log.warning(
+            "deterministic mode resumes a checkpoint written with world_size=%s "
+            "num_workers=%s on world_size=%s num_workers=%s: every record is still read "
+            "once, but the batch order differs from an uninterrupted run's",
+            tg.get("world_size"), tg.get("num_workers"), world_size, num_workers,
+        )
 
 
 class TrainingSession:
@@ -120,6 +141,8 @@ class TrainingSession:
         self._offsets: dict[int, str] = {p: streams.ZERO_ID for p in range(self.spec.partitions)}
         self._batches: dict[int, int] = {p: 0 for p in range(self.spec.partitions)}
         self._commits = 0
+        self._num_workers = 0
+        self._restored: Mapping[str, Any] = {}
         self._lock = threading.Lock()
         self._inflight: list[threading.Event] = []
         self._background_error: BaseException | None = None
@@ -277,6 +300,7 @@ class TrainingSession:
             self._offsets = offsets
             self._batches = batches
             self._commits = int(tg.get("commit", 0))
+            self._restored = dict(tg)
         for ds in self._datasets:
             ds.generation = gen
 
@@ -341,6 +365,9 @@ class TrainingSession:
         an uninterrupted run would have had them (the loader's workers are merged by
         each worker's batch index)."""
         num_workers = int(getattr(loader, "num_workers", 0))
+        if self.deterministic:
+            _warn_if_reshaped(self._restored, self.world_size, num_workers)
+        self._num_workers = num_workers
         owned = self._owned(num_workers)
         mine = sorted(p for ps in owned.values() for p in ps)
         while True:
@@ -352,7 +379,7 @@ class TrainingSession:
                 ofs.write_seek, self._redis, self.dataset_name, self.run, self._gen(),
                 positions, counts,
             )
-            ds = getattr(loader, "dataset", loader)
+            ds = loader if isinstance(loader, StreamingDataset) else getattr(loader, "dataset", None)
             if isinstance(ds, StreamingDataset):
                 # Full table: the partitions of any rank could be asked for (a
                 # dataset made elsewhere); ours are the ones that changed.
@@ -428,6 +455,8 @@ class TrainingSession:
         and the retention floor are published. A fenced trainer is refused here, and a
         refusal met in the background is raised by the next call.
         """
+        if extra is not None and "trainguard" in extra:
+            raise ValueError('extra must not use the key "trainguard": the session writes it')
         self._raise_background()
         gen = self._gen()
         self._check_fence(gen)
@@ -445,6 +474,7 @@ class TrainingSession:
             "generation": gen,
             "commit": self._commits,
             "world_size": self.world_size,
+            "num_workers": self._num_workers,
             "offsets": streams.offsets_to_wire(offsets),
             "batches": {str(p): n for p, n in sorted(batches.items())},
         }
