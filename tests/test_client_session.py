@@ -382,3 +382,30 @@ def test_cancelled_blocking_read_loses_and_repeats_nothing(redis_server, tmp_pat
     more = _take(it, 4)
     assert sorted(_recs(got + more)) == list(range(80))
     s.close()
+
+
+def test_retention_floor_is_below_every_kept_checkpoint(redis_server, tmp_path) -> None:
+    """keep_last=2 and four checkpoints: the published retention floor is at or below
+    the offsets of every checkpoint the store keeps (rolling back to any of them finds
+    its records untrimmed) and above those of the first, deleted one (it advances)."""
+    spec = cf.create(redis_server.url, "tok", partitions=3)
+    cf.fill(redis_server.url, spec, 300)
+    s = _session(redis_server.url, tmp_path, keep_last=2)
+    state = _state()
+    s.restore(state)
+    it = iter(s.batches(DataLoader(s.dataset(batch_size=5), batch_size=None)))
+    first: dict[int, str] = {}
+    for step in range(1, 5):
+        _take(it, 3)
+        m = s.checkpoint(state, step, blocking=True).wait()
+        if step == 1:
+            first = streams.offsets_from_wire(m.extra["trainguard"]["offsets"])
+    client = redis.Redis.from_url(redis_server.url)
+    floor = streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp")))
+    kept = s.store.list()
+    assert 1 not in {m.step for m in kept}
+    for m in kept:
+        offs = streams.offsets_from_wire(m.extra["trainguard"]["offsets"])
+        assert all(streams.parse_id(floor[p]) <= streams.parse_id(offs[p]) for p in range(3))
+    assert any(streams.parse_id(floor[p]) > streams.parse_id(first[p]) for p in range(3))
+    s.close()

@@ -108,7 +108,7 @@ def _stack_arrays(entries: list[dict[bytes, bytes]], in_worker: bool) -> torch.T
     out = torch.empty((len(entries), *shape), dtype=tdtype)
     if in_worker:
         out.share_memory_()
-    view = memoryview(out.numpy()).cast("B")
+    view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
     step = len(view) // len(entries)
     for i, e in enumerate(entries):
         data = e[streams.F_DATA]
@@ -308,7 +308,7 @@ class _Reader:
         ends: dict[int, str | None] = {}
         for p in self.partitions:
             v = prog.get(streams.progress_end_field(p))
-            ends[p] = v.decode() if v is not None else None
+            ends[p] = v.decode() if isinstance(v, bytes) else v
         self.ends = ends
 
     def finished(self, p: int) -> bool:
@@ -322,7 +322,9 @@ class _Reader:
         """Block until one of the partitions has entries after our position (or BLOCK
         passes). XREAD without a group changes nothing, so a wait that is cut off
         loses nothing."""
-        keys = {streams.partition_key(self.ds.dataset, p): self.positions[p] for p in partitions}
+        keys: dict[Any, Any] = {
+            streams.partition_key(self.ds.dataset, p): self.positions[p] for p in partitions
+        }
         self._retry(lambda c: c.xread(keys, count=1, block=self.ds.block_ms), reseek=True)
 
 

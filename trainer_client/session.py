@@ -540,10 +540,12 @@ class TrainingSession:
         r = self._redis
         self._call(ofs.ack_upto, r, self.dataset_name, self.run, gen, offsets)
         floor = self._floor(offsets)
+        committed: dict[Any, Any] = streams.offsets_to_wire(offsets)
+        floors: dict[Any, Any] = streams.offsets_to_wire(floor)
         pipe = r.pipeline(transaction=True)
-        pipe.hset(streams.committed_key(self.dataset_name, self.run), mapping=streams.offsets_to_wire(offsets))
+        pipe.hset(streams.committed_key(self.dataset_name, self.run), mapping=committed)
         pipe.delete(streams.floor_key(self.dataset_name, self.run))
-        pipe.hset(streams.floor_key(self.dataset_name, self.run), mapping=streams.offsets_to_wire(floor))
+        pipe.hset(streams.floor_key(self.dataset_name, self.run), mapping=floors)
         self._call(pipe.execute)
         self.last_commit_offsets_s = time.perf_counter() - t0
 
