@@ -195,3 +195,14 @@ def test_trainer_client_does_not_import_aiohttp() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_more_workers_than_partitions(redis_server) -> None:
+    """One partition, two workers: the worker that owns nothing ends at once, the
+    other reads every record once."""
+    spec = cf.create(redis_server.url, "tok", partitions=1)
+    cf.fill(redis_server.url, spec, 50)
+    ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=8)
+    batches = list(DataLoader(ds, batch_size=None, num_workers=2))
+    assert sorted(_ids(batches)) == list(range(50))
+    assert {b.worker for b in batches} == {0}
