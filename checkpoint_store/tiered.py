@@ -27,9 +27,12 @@ Rules:
   local one is missing or fails verification, then to older checkpoints.
 - On start the uploader lists both roots and uploads every local checkpoint the
   remote lacks: an upload cut short by a crash is redone.
-- ``list`` is the union of both tiers. The first listing in a process waits for the
-  remote (a restart with a wiped disk must not mistake an unreachable remote for "no
-  checkpoint"); later ones try once and fall back to the last listing seen.
+- ``list`` is the union of both tiers. The remote side is listed once (in the
+  background after the uploader's start-up scan, or by the first ``list``, which
+  waits for the remote when local disk holds no checkpoint: a restart with a wiped
+  disk must not mistake an unreachable remote for "no checkpoint"); from then on it
+  is a cache that uploads keep current, so ``list``, ``load`` and the trainer's
+  per-commit calls never wait on the remote. ``refresh()`` lists it again.
 
 Single process only (world size 1): the remote tier is written by one uploader.
 """
@@ -502,6 +505,8 @@ class TieredCheckpointStore:
             result = self.local.pin(step)
         if name in remote:
             pinned = self._read.call(self.remote.pin, step)
+            with self._lock:
+                self._remote_cache[name] = dataclasses.replace(remote[name], pinned=True)
             result = result or pinned
         assert result is not None
         return result
@@ -515,6 +520,10 @@ class TieredCheckpointStore:
             self.local.unpin(step)
         if any(m.step == step for m in remote.values()):
             self._read.call(self.remote.unpin, step)
+            with self._lock:
+                for n, m in remote.items():
+                    if m.step == step:
+                        self._remote_cache[n] = dataclasses.replace(m, pinned=False)
 
     def delete(self, step: int) -> builtins.list[str]:
         """Delete every checkpoint of ``step`` from both tiers."""
@@ -534,8 +543,9 @@ class TieredCheckpointStore:
             deleted.update(self.local.delete(step))
         if any(m.step == step for m in remote.values()):
             deleted.update(self._read.call(self.remote.delete, step))
-        for name in deleted:
-            self._remote_cache.pop(name, None)
+        with self._lock:
+            for name in deleted:
+                self._remote_cache.pop(name, None)
         return sorted(deleted)
 
     def gc(self) -> GcReport:

@@ -339,3 +339,62 @@ def test_ledger_exactly_once_after_local_disk_wiped(tmp_path, redis_server, moto
     ends = {p: streams.make_id(0, len(range(p, n, partitions)) - 1) for p in range(partitions)}
     assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends
     client.close()
+
+
+def test_local_retention_keeps_unuploaded_and_newest_remote(tmp_path, moto_server, s3_bucket,
+                                                            monkeypatch):
+    """keep_last=1: step 1 is uploaded; then every upload fails (an injected I/O error
+    before the data) while steps 2 and 3 are saved. Retention (run by gc) keeps step
+    1, the newest remote-committed checkpoint, and steps 2 and 3, not yet remote.
+    Once uploads succeed again, local disk holds step 3 only and S3 all three."""
+    from checkpoint_store._faults import FAIL_ENV
+
+    remote_url = f"s3://{s3_bucket}/run"
+    options = moto_server.storage_options()
+    local = tmp_path / "local"
+    store = open_tiered(str(local), remote_url, options, keep_last=1)
+    store.save(state_for(1), step=1)
+    assert store.wait_uploads(60.0)
+    monkeypatch.setenv(FAIL_ENV, "upload-before-data")
+    store.save(state_for(2), step=2)
+    store.save(state_for(3), step=3)
+    _wait_for(lambda: store.upload_failures > 0, "a failed upload attempt")
+    store.gc()
+    assert _local_steps(local) == [1, 2, 3]
+    states = [t.state for t in store.tiers()]
+    assert states[0] is TierState.REMOTE and states[2] is TierState.LOCAL
+    monkeypatch.delenv(FAIL_ENV)
+    assert store.wait_uploads(60.0)
+    assert _local_steps(local) == [3]
+    assert [m.step for m in _remote_store(remote_url, options).list()] == [1, 2, 3]
+    store.close()
+
+
+def test_pins_remote_retention_and_delete_span_both_tiers(tmp_path, moto_server, s3_bucket):
+    """keep_last=1, remote_keep_last=2, step 1 pinned before its upload: the upload
+    copies the pin, so both tiers keep step 1 besides their newest 1 / 2 checkpoints.
+    A pinned step cannot be deleted; unpinned, delete removes it from both tiers."""
+    from checkpoint_store import PinnedCheckpointError
+
+    remote_url = f"s3://{s3_bucket}/run"
+    options = moto_server.storage_options()
+    local = tmp_path / "local"
+    store = open_tiered(str(local), remote_url, options, keep_last=1, remote_keep_last=2)
+    store.save(state_for(1), step=1)
+    assert store.pin(1).pinned
+    for step in (2, 3, 4):
+        store.save(state_for(step), step=step)
+    assert store.wait_uploads(60.0)
+    remote = _remote_store(remote_url, options)
+    assert [(m.step, m.pinned) for m in remote.list()] == [(1, True), (3, False), (4, False)]
+    assert _local_steps(local) == [1, 4]
+    assert store.tier_status(1).labels() == ["committed", "pinned", "remote"]
+    assert [m.step for m in store.list()] == [1, 3, 4]
+    with pytest.raises(PinnedCheckpointError):
+        store.delete(1)
+    store.unpin(1)
+    assert len(store.delete(1)) == 1
+    assert [m.step for m in remote.list()] == [3, 4]
+    assert _local_steps(local) == [4]
+    assert [m.step for m in store.list()] == [3, 4]
+    store.close()
