@@ -48,7 +48,7 @@ import sys
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint_store.backends import LocalBackend, open_backend
 from checkpoint_store.errors import (
@@ -63,24 +63,14 @@ from checkpoint_store.manifest import Manifest, parse_manifest
 from checkpoint_store.retention import GcReport, apply_retention, choose_deletions
 from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
 from checkpoint_store.upload import Uploader
-from trainer_client.breaker import CircuitBreaker
-from trainer_client.errors import CircuitOpenError
-from trainer_client.retry import (
-    OBJECT_STORE_POLICY,
-    RetryPolicy,
-    object_store_breaker,
-    object_store_errors,
-    object_store_retrier,
-)
 
-__all__ = ["UPLOAD_POLICY", "TierState", "TierStatus", "TieredCheckpointStore", "tier_statuses"]
+if TYPE_CHECKING:
+    from trainer_client.breaker import CircuitBreaker
+    from trainer_client.retry import RetryPolicy
+
+__all__ = ["TierState", "TierStatus", "TieredCheckpointStore", "tier_statuses"]
 
 log = logging.getLogger("checkpoint_store.tiered")
-
-UPLOAD_POLICY = RetryPolicy(attempts=None, timeout_s=60.0, wait_max_s=10.0)
-"""Per remote operation of an upload. When it runs out the uploader itself backs off
-and tries the checkpoint again, so this only bounds how long ``close`` may wait for
-the upload thread to notice a stop."""
 
 _NO_LIMIT = sys.maxsize
 
@@ -141,8 +131,11 @@ class TieredCheckpointStore:
     ``local_url`` must be a local directory (plain path or ``file://``);
     ``remote_url`` any fsspec URL (``storage_options`` are the remote's).
     ``remote_breaker`` (default: a fresh ``object_store_breaker``) guards every remote
-    call; ``upload_policy`` bounds each upload operation's retries and
+    call; ``upload_policy`` bounds each upload operation's retries (default: 60 s;
+    when it runs out the uploader backs off and tries the checkpoint again, so it only
+    bounds how long ``close`` may wait for the thread to notice a stop) and
     ``remote_read_policy`` each remote read made by ``load``/``list``/``pin``/...
+    (default: ``OBJECT_STORE_POLICY``, waiting out an outage of up to 15 minutes).
     ``upload_backoff_s`` is (first, max) wait of the uploader after a failed attempt.
     """
 
@@ -156,13 +149,24 @@ class TieredCheckpointStore:
         remote_keep_last: int | None = None,
         storage_options: dict[str, Any] | None = None,
         remote_breaker: CircuitBreaker | None = None,
-        upload_policy: RetryPolicy = UPLOAD_POLICY,
-        remote_read_policy: RetryPolicy = OBJECT_STORE_POLICY,
+        upload_policy: RetryPolicy | None = None,
+        remote_read_policy: RetryPolicy | None = None,
         upload_backoff_s: tuple[float, float] = (0.2, 10.0),
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         io_threads: int = 4,
         stale_after_s: float = 24 * 3600.0,
     ):
+        # Imported here: only the tiered store needs trainer_client's breaker and retries
+        # (and, through them, redis' exception types); plain checkpoint_store does not.
+        from trainer_client.errors import CircuitOpenError
+        from trainer_client.retry import (
+            OBJECT_STORE_POLICY,
+            RetryPolicy,
+            object_store_breaker,
+            object_store_errors,
+            object_store_retrier,
+        )
+
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if remote_keep_last is not None and remote_keep_last < keep_last:
@@ -195,7 +199,7 @@ class TieredCheckpointStore:
         self.keep_every = keep_every
         self.remote_keep_last = remote_keep_last
         self.breaker = remote_breaker or object_store_breaker(f"ckpt-remote:{remote_url}")
-        self._read = object_store_retrier(self.breaker, remote_read_policy)
+        self._read = object_store_retrier(self.breaker, remote_read_policy or OBJECT_STORE_POLICY)
         self._transient: tuple[type[BaseException], ...] = (CircuitOpenError,
                                                              *object_store_errors())
         self._local_backend = local_backend
@@ -208,7 +212,8 @@ class TieredCheckpointStore:
         self._closed = False
         self._uploader = Uploader(
             local_backend, self._remote_backend,
-            object_store_retrier(self.breaker, upload_policy).call,
+            object_store_retrier(self.breaker, upload_policy or RetryPolicy(
+                attempts=None, timeout_s=60.0, wait_max_s=10.0)).call,
             on_committed=self._on_remote_commit, on_scanned=self._on_scanned,
             backoff_s=upload_backoff_s,
         )
