@@ -37,6 +37,7 @@ class Zygote:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
         )
         self.lines: queue.Queue[tuple[int, str]] = queue.Queue()
+        self.pids: set[int] = set()
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -62,6 +63,11 @@ class Zygote:
         return job
 
     def close(self) -> None:
+        # Jobs are the fork server's children, not ours: kill any still running (a
+        # failed test must not leave a trainer retrying against a dead Redis).
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
@@ -87,6 +93,7 @@ class Job:
         word, _, rest = line.partition(" ")
         if word == "PID":
             self.pids[rank] = int(rest)
+            self.zygote.pids.add(int(rest))
         elif word == "EXIT":
             self.exits[rank] = int(rest)
         return rank, line
