@@ -96,6 +96,7 @@ class Job:
             self.zygote.pids.add(int(rest))
         elif word == "EXIT":
             self.exits[rank] = int(rest)
+            self.zygote.pids.discard(self.pids.get(rank, -1))  # reaped: the PID is free
         return rank, line
 
     def wait_line(self, prefix: str, timeout_s: float, *, nth: int = 1) -> bool:

@@ -37,12 +37,25 @@ def _warm_up() -> None:
     import checkpoint_store
 
     assert checkpoint_store.CheckpointStore
-    state, model, opt = job.make_state(8)
+    _state, model, opt = job.make_state(8)
     model.lin(job.torch.zeros(2, 8)).sum().backward()
     opt.step()
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies, so that neither the fork
+    server nor a job outlives the test that started it."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
+    _die_with_parent()
     _warm_up()
     for line in sys.stdin:
         req = json.loads(line)
@@ -50,6 +63,7 @@ def main() -> None:
         if pid == 0:
             code = 1
             try:
+                _die_with_parent()
                 os.environ.update(req["env"])
                 code = job.main(req["args"])
             except SystemExit as exc:
