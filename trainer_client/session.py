@@ -10,20 +10,10 @@ Call order (each method's docstring has the details)::
         session.checkpoint(state, step)       # 3. offsets go into the manifest
     session.close()
 
-The checkpoint manifest is the truth. Its ``extra["trainguard"]`` (format version
-:data:`MANIFEST_VERSION`; the user's own ``extra`` keys sit beside it) is::
-
-    version      1
-    dataset      dataset name               run         the run (= consumer group)
-    partitions   partition count            world_size  ranks that wrote it
-    generation   fencing generation of the writer
-    commit       the writer's commit counter (restores pick the newest by
-                 (generation, commit, step): a rollback's lineage beats the higher
-                 steps it abandoned, a newer generation beats a zombie's late commit)
-    offsets      {"<partition>": "<last consumed stream ID>"} for every partition
-                 ("0-0": nothing consumed yet)
-    batches      {"<partition>": <batches consumed from it>} (deterministic mode)
- Only after the manifest is committed are entries
+The checkpoint manifest is the truth: its ``extra["trainguard"]`` holds the consumed
+offsets (per partition, the last stream ID the loop consumed), the dataset, the
+partition count and the fencing generation (format: :mod:`trainer_client.manifests`).
+Only after the manifest is committed are entries
 acknowledged (XACK) and the offsets published to Redis; a crash in between is
 harmless, because restore moves the group to the manifest's offsets and acknowledges
 again. A zombie (a trainer of the same run from before a newer restore) is refused by
@@ -42,8 +32,9 @@ import redis
 import redis.exceptions
 import torch.distributed as dist
 
+from trainer_client import manifests
 from trainer_client import offsets as ofs
-from trainer_client.dataset import Batch, StreamingDataset, load_spec
+from trainer_client.dataset import Batch, StreamingDataset, in_worker_order, load_spec
 from trainer_client.errors import (
     CheckpointMismatchError,
     FencedError,
@@ -52,12 +43,9 @@ from trainer_client.errors import (
 )
 from trainguard import streams
 
-__all__ = ["MANIFEST_VERSION", "TrainingSession"]
+__all__ = ["TrainingSession"]
 
 log = logging.getLogger(__name__)
-
-MANIFEST_VERSION = 1
-"""Version of what the session puts in a manifest's ``extra["trainguard"]``."""
 
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 _REFUSALS: dict[str, type[Exception]] = {
@@ -190,15 +178,8 @@ class TrainingSession:
     # ------------------------------------------------------------------ restore
 
     def _candidates(self) -> list[Any]:
-        """Manifests newest first: by (generation, commit number), so that after a
-        rollback the newer lineage wins over higher steps it abandoned, and a zombie's
-        late manifest never wins over a newer generation's."""
-
-        def order(m: Any) -> tuple[int, int, int]:
-            tg = (m.extra or {}).get("trainguard", {})
-            return (int(tg.get("generation", 0)), int(tg.get("commit", 0)), int(m.step))
-
-        return sorted(self.store.list(), key=order, reverse=True)
+        """Manifests newest first, in the order restores prefer them."""
+        return sorted(self.store.list(), key=manifests.restore_order, reverse=True)
 
     def _load(self, state: Any, to_step: int | None) -> Any:
         """Load the newest valid manifest (or ``to_step``) into ``state`` in place.
@@ -238,26 +219,10 @@ class TrainingSession:
             raise damaged
         return None
 
-    def _check_manifest(self, m: Any) -> None:
-        tg = (m.extra or {}).get("trainguard")
-        if tg is None:
-            raise CheckpointMismatchError(
-                f"checkpoint of step {m.step} has no trainguard offsets in its manifest: "
-                "expected one written by TrainingSession.checkpoint; use another store URL"
-            )
-        if tg.get("dataset") != self.dataset_name or tg.get("run") != self.run:
-            raise CheckpointMismatchError(
-                f"checkpoint of step {m.step} belongs to dataset {tg.get('dataset')!r} run "
-                f"{tg.get('run')!r}, expected dataset {self.dataset_name!r} run {self.run!r}: "
-                "use a separate checkpoint URL per run"
-            )
-        if int(tg.get("partitions", -1)) != self.spec.partitions:
-            raise PartitionCountError(
-                f"checkpoint of step {m.step} was written for {tg.get('partitions')} "
-                f"partitions, dataset {self.dataset_name!r} now has {self.spec.partitions}: "
-                "its offsets cannot be mapped; recreate the dataset with the old count or "
-                "start a new run"
-            )
+    def _check_manifest(self, m: Any) -> dict[str, Any]:
+        return manifests.check(
+            m, dataset=self.dataset_name, run=self.run, partitions=self.spec.partitions
+        )
 
     def restore(self, state: Any) -> int:
         """Load the newest valid checkpoint into ``state`` (in place) and move the
@@ -270,7 +235,7 @@ class TrainingSession:
         """
         self._raise_background()
         manifest = self._load(state, None)
-        tg = manifest.extra["trainguard"] if manifest is not None else {}
+        tg = manifests.of(manifest) if manifest is not None else {}
         self._apply_offsets(tg, new_generation=True)
         return int(manifest.step) if manifest is not None else 0
 
@@ -311,7 +276,7 @@ class TrainingSession:
         self.wait()
         self._raise_background()
         manifest = self._load(state, to_step)
-        tg = manifest.extra["trainguard"] if manifest is not None else {}
+        tg = manifests.of(manifest) if manifest is not None else {}
         self._apply_offsets(tg, new_generation=False)
         self._reseek = True
         return int(manifest.step) if manifest is not None else 0
@@ -387,7 +352,11 @@ class TrainingSession:
                     ds.seek = {p: (self._offsets[p], self._batches[p]) for p in self._offsets}
             it = iter(loader)
             try:
-                source = self._ordered(it, owned) if self.deterministic else it
+                source: Iterator[Batch] = it
+                if self.deterministic:
+                    with self._lock:
+                        nxt = {w: sum(self._batches[p] for p in ps) for w, ps in owned.items()}
+                    source = in_worker_order(it, nxt)
                 for batch in source:
                     if batch.final:
                         continue
@@ -411,32 +380,6 @@ class TrainingSession:
                         shutdown()
                 del it
 
-    def _ordered(self, it: Iterator[Batch], owned: Mapping[int, list[int]]) -> Iterator[Batch]:
-        with self._lock:
-            nxt = {w: sum(self._batches[p] for p in ps) for w, ps in owned.items()}
-        alive = set(owned)
-        held: dict[tuple[int, int], Batch] = {}
-
-        def ready() -> Iterator[Batch]:
-            while True:
-                keys = [(nxt[w], w) for w in owned if w in alive or (nxt[w], w) in held]
-                if not keys:
-                    return
-                key = min(keys)
-                if key not in held:
-                    return
-                nxt[key[1]] += 1
-                yield held.pop(key)
-
-        for b in it:
-            if b.final:
-                alive.discard(b.worker)
-            else:
-                held[(b.seq, b.worker)] = b
-            yield from ready()
-        alive.clear()
-        yield from ready()
-
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint(
@@ -455,8 +398,8 @@ class TrainingSession:
         and the retention floor are published. A fenced trainer is refused here, and a
         refusal met in the background is raised by the next call.
         """
-        if extra is not None and "trainguard" in extra:
-            raise ValueError('extra must not use the key "trainguard": the session writes it')
+        if extra is not None and manifests.KEY in extra:
+            raise ValueError(f"extra must not use the key {manifests.KEY!r}: the session writes it")
         self._raise_background()
         gen = self._gen()
         self._check_fence(gen)
@@ -466,19 +409,18 @@ class TrainingSession:
         if self.world_size > 1:
             offsets, batches = self._gather(offsets, batches)
         self._commits += 1
-        tg = {
-            "version": MANIFEST_VERSION,
-            "dataset": self.dataset_name,
-            "run": self.run,
-            "partitions": self.spec.partitions,
-            "generation": gen,
-            "commit": self._commits,
-            "world_size": self.world_size,
-            "num_workers": self._num_workers,
-            "offsets": streams.offsets_to_wire(offsets),
-            "batches": {str(p): n for p, n in sorted(batches.items())},
-        }
-        full_extra = {**(extra or {}), "trainguard": tg}
+        tg = manifests.build(
+            dataset=self.dataset_name,
+            run=self.run,
+            partitions=self.spec.partitions,
+            generation=gen,
+            commit=self._commits,
+            world_size=self.world_size,
+            num_workers=self._num_workers,
+            offsets=offsets,
+            batches=batches,
+        )
+        full_extra = {**(extra or {}), manifests.KEY: tg}
         handle = self.store.save(state, step=step, extra=full_extra, blocking=blocking)
         if self.rank != 0:
             return handle
@@ -539,7 +481,9 @@ class TrainingSession:
         t0 = time.perf_counter()
         r = self._redis
         self._call(ofs.ack_upto, r, self.dataset_name, self.run, gen, offsets)
-        floor = self._floor(offsets)
+        floor = manifests.floor(
+            offsets, self.store.list(), dataset=self.dataset_name, run=self.run
+        )
         committed: dict[Any, Any] = streams.offsets_to_wire(offsets)
         floors: dict[Any, Any] = streams.offsets_to_wire(floor)
         pipe = r.pipeline(transaction=True)
@@ -548,17 +492,6 @@ class TrainingSession:
         pipe.hset(streams.floor_key(self.dataset_name, self.run), mapping=floors)
         self._call(pipe.execute)
         self.last_commit_offsets_s = time.perf_counter() - t0
-
-    def _floor(self, newest: Mapping[int, str]) -> dict[int, str]:
-        """Per partition, the smallest offset over the kept checkpoints of this run."""
-        floor = dict(newest)
-        for m in self.store.list():
-            tg = (m.extra or {}).get("trainguard", {})
-            if tg.get("run") != self.run or tg.get("dataset") != self.dataset_name:
-                continue
-            for p, i in streams.offsets_from_wire(tg.get("offsets", {})).items():
-                floor[p] = streams.min_id(floor.get(p), i) or i
-        return floor
 
     def _raise_background(self) -> None:
         exc, self._background_error = self._background_error, None
