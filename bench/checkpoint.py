@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> None:
     bench = Bench(base, total)
     state = make_state(total, args.tensors)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    target = {k: torch.zeros_like(v) for k, v in state.items()}  # load target, paged in
     rss_before = peak_rss_mib()
 
     # trainguard first, so the peak-RSS reading covers only its phases.
@@ -107,7 +108,6 @@ def run(args: argparse.Namespace) -> None:
         durable = time.perf_counter() - t0
         bench.record(f"trainguard async save ({label}): blocked", blocked, moved=False)
         bench.record(f"trainguard async save ({label}): durable", durable)
-    target = {k: torch.empty_like(v) for k, v in state.items()}
     t, _ = timed(lambda: store.load(target))
     bench.record("trainguard load", t)
     assert all(torch.equal(target[k], state[k]) for k in state)
@@ -193,7 +193,8 @@ def print_table(bench: Bench, nbytes: int, tg_peak: float, args: argparse.Namesp
         print(f"{name:48s} {seconds:9.3f} {rate}")
     print("(* = no I/O; GiB/s is the copy rate)")
     print(f"peak RSS growth during trainguard save/async/load: {tg_peak:.0f} MiB "
-          f"(state {nbytes / 2**20:.0f} MiB)")
+          f"(state {nbytes / 2**20:.0f} MiB; the staging pool and the verified chunks "
+          "of a load each hold one copy)")
     r = bench.results
     ratios = [
         f"sync save vs raw write {r['raw write + fsync'] / r['trainguard sync save']:.2f}x",

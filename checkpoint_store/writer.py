@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from functools import partial
 from typing import Any
 
 from checkpoint_store import _faults
@@ -44,6 +45,22 @@ def _chunk_pieces(layout: ArrayLayout, segments: Sequence[Segment], index: int) 
     if cursor < end:
         pieces.extend(zero_bytes(end - cursor))
     return pieces
+
+
+def _run_all(jobs: Sequence[Callable[[], None]], io_threads: int) -> None:
+    """Run every job; the first failure cancels what has not started and is raised."""
+    if io_threads <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-io") as pool:
+        futures: list[Future[None]] = [pool.submit(job) for job in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            f.cancel()
+        for f in futures:
+            if not f.cancelled():
+                f.result()
 
 
 def _json_bytes(doc: dict[str, Any]) -> bytes:
@@ -86,22 +103,16 @@ def write_rank(
         if first:
             _faults.reached("mid-data")
 
-    for layout in plan.arrays:
+    def write_metadata(layout: ArrayLayout) -> None:
         backend.write_file(f"{data_dir}/{layout.path}/zarr.json", [_json_bytes(layout.metadata())])
-    jobs = [(a, i) for a in plan.arrays for i in range(a.nchunks)]
-    if io_threads <= 1 or len(jobs) <= 1:
-        for a, i in jobs:
-            write_chunk(a, i)
-    else:
-        with ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-io") as pool:
-            futures: list[Future[None]] = [pool.submit(write_chunk, a, i) for a, i in jobs]
-            wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                f.cancel()
-            for f in futures:
-                if not f.cancelled():
-                    f.result()
-    backend.sync_dirs([f"{data_dir}/{a.path}" for a in plan.arrays] + [group, data_dir])
+
+    # Every file is its own job: fsyncs of many small files overlap instead of queueing.
+    jobs: list[Callable[[], None]] = [partial(write_metadata, a) for a in plan.arrays]
+    jobs += [partial(write_chunk, a, i) for a in plan.arrays for i in range(a.nchunks)]
+    _run_all(jobs, io_threads)
+    dirs = [f"{data_dir}/{a.path}" for a in plan.arrays]
+    _run_all([partial(backend.sync_dirs, [d]) for d in dirs], io_threads)
+    backend.sync_dirs([group, data_dir])
     return {
         a.path: {
             "shape": list(a.shape),
