@@ -37,10 +37,12 @@ from checkpoint_store import _faults
 from checkpoint_store.backends import Backend, FsspecBackend, LocalBackend
 from checkpoint_store.errors import CorruptCheckpointError
 from checkpoint_store.layout import (
+    INFLIGHT_DIR,
     LATEST,
     MANIFEST_DIR,
     PINS_DIR,
     TMP_PREFIX,
+    ManifestName,
     data_dir,
     inflight_marker,
     manifest_path,
@@ -232,8 +234,17 @@ class Uploader:
         remote = set(self._call(self.remote.listdir, MANIFEST_DIR))
         local = sorted(p for p in map(parse_manifest_name, self.local.listdir(MANIFEST_DIR))
                        if p)
+        names = [p for p in map(parse_manifest_name, remote) if p]
+        if names:
+            self._point_latest(max(names))
+        committed_uids = {n.uid for n in names}
+        for marker in self._call(self.remote.listdir, INFLIGHT_DIR):
+            # A committed checkpoint's marker is left over from a crash after its
+            # manifest: the upload is finished, the marker is debris.
+            if marker.split(".", 1)[0] in committed_uids:
+                self._call(self.remote.remove, f"{INFLIGHT_DIR}/{marker}")
         with self._cond:
-            self._remote |= {n for n in remote if parse_manifest_name(n)}
+            self._remote |= {n.name for n in names}
             queued = dict(self._pending)
             self._pending = {p.name: None for p in local if p.name not in self._remote}
             self._pending.update({n: None for n in queued if n not in self._remote})
@@ -243,6 +254,17 @@ class Uploader:
             log.info("%d local checkpoints are not yet in %s; uploading them",
                      len(self._pending), self.remote.url)
         self._notify(self._on_scanned)
+
+    def _point_latest(self, newest: ManifestName) -> None:
+        """Make the remote LATEST name ``newest`` unless it does already (a crash
+        between an upload's manifest and its LATEST leaves it one behind)."""
+        pointer = latest_pointer(newest.name, newest.step, newest.uid)
+        try:
+            current = self._call(self.remote.read, LATEST)
+        except FileNotFoundError:
+            current = b""
+        if current != pointer:
+            self._call(self.remote.replace, LATEST, pointer)
 
     def _read_local_manifest(self, name: str) -> tuple[bytes, Manifest]:
         try:
@@ -313,10 +335,8 @@ class Uploader:
     def _committed(self, name: str, *, fresh: bool) -> None:
         names = [p for p in map(parse_manifest_name,
                                 self._call(self.remote.listdir, MANIFEST_DIR)) if p]
-        if fresh and names:
-            newest = max(names)
-            self._call(self.remote.replace, LATEST,
-                       latest_pointer(newest.name, newest.step, newest.uid))
+        if names:
+            self._point_latest(max(names))
         if os.path.exists(os.path.join(self.local.root, PINS_DIR, name)):
             self._call(self.remote.replace, f"{PINS_DIR}/{name}", b"")
         with self._cond:

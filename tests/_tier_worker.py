@@ -7,8 +7,9 @@ middle of the upload.
 ``outage``: save step 1; the test sets TRAINGUARD_CKPT_STOP_AT=upload-mid-data, so
 the process SIGSTOPs itself in the middle of that upload. The test stops S3, creates
 ``go_file`` and sends SIGCONT; the worker then saves steps 2..5 (S3 still down),
-prints ``SAVED <local steps> <upload failures>``, waits for every upload (the test
-brings S3 back) and prints ``UPLOADED <drained> <local steps>``.
+once an upload failed and the breaker left "closed" prints ``SAVED <local steps>
+<tier states> <breaker state>``, waits for every upload (the test brings S3 back)
+and prints ``UPLOADED <drained> <local steps> <tier states> <breaker state>``.
 
 argv: mode local_dir remote_url storage_options_json [go_file]
 """
@@ -33,6 +34,10 @@ def _local_steps(local: str) -> list[int]:
     return [m.step for m in CheckpointStore(local).list()]
 
 
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
 def main() -> int:
     mode, local, remote, options = sys.argv[1:5]
     store = open_tiered(local, remote, json.loads(options), chunk_bytes=CHUNK_BYTES)
@@ -47,11 +52,13 @@ def main() -> int:
     os.environ.pop(STOP_ENV, None)  # the retried upload must not stop again
     for step in range(2, 6):
         store.save(state_for(step, width=WIDTH), step=step, blocking=False).wait()
-    while store.upload_failures == 0:
+    while store.upload_failures == 0 or store.breaker.state.value == "closed":
         time.sleep(0.02)
-    print("SAVED", json.dumps(_local_steps(local), separators=(",", ":")), store.upload_failures, flush=True)
+    print("SAVED", _compact(_local_steps(local)), _compact([t.state for t in store.tiers()]),
+          store.breaker.state.value, flush=True)
     drained = store.wait_uploads(90.0)
-    print("UPLOADED", json.dumps(drained), json.dumps(_local_steps(local), separators=(",", ":")), flush=True)
+    print("UPLOADED", _compact(drained), _compact(_local_steps(local)),
+          _compact([t.state for t in store.tiers()]), store.breaker.state.value, flush=True)
     store.close()
     return 0
 
