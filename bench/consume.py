@@ -95,16 +95,18 @@ def dataset_read(url: str, name: str, group: str, batch: int, workers: int | Non
     return total
 
 
-def timed(fn, *args, repeat: int = 3) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+def timed(fn, *args, repeat: int = 3) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
     """Best of ``repeat`` runs (this machine is shared: the best run is the one least
-    disturbed). A ``group`` argument gets a fresh suffix per run."""
-    best, n = float("inf"), 0
+    disturbed): wall seconds, this process's CPU seconds, bytes. A ``group`` argument
+    gets a fresh suffix per run."""
+    best, cpu, n = float("inf"), float("inf"), 0
     for r in range(repeat):
         call_args = [f"{a}-{r}" if isinstance(a, str) and a.startswith("grp") else a for a in args]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         n = fn(*call_args)
         best = min(best, time.perf_counter() - t0)
-    return best, n
+        cpu = min(cpu, time.process_time() - c0)
+    return best, cpu, n
 
 
 def commit_cost(url: str, name: str, store_dir: str, batch: int, rounds: int) -> list[float]:
@@ -143,9 +145,9 @@ def main() -> None:
                 fill(url, name, args.partitions, size, count)
                 batch = max(1, (1024 * 1024) // size)  # ~1 MiB batches
                 chunk = max(1, batch)
-                t_raw, n_raw = timed(raw_read, server.port, name, args.partitions, chunk)
-                t_one, n_one = timed(dataset_read, url, name, "grp-one", batch, None)
-                t_dl, n_dl = timed(dataset_read, url, name, "grp-dl2", batch, 2)
+                t_raw, c_raw, n_raw = timed(raw_read, server.port, name, args.partitions, chunk)
+                t_one, c_one, n_one = timed(dataset_read, url, name, "grp-one", batch, None)
+                t_dl, _, n_dl = timed(dataset_read, url, name, "grp-dl2", batch, 2)
                 assert n_raw == n_one == n_dl == count * size, (n_raw, n_one, n_dl, count * size)
                 raw = n_raw / t_raw / 1e6
                 one = n_one / t_one / 1e6
@@ -153,6 +155,9 @@ def main() -> None:
                 print(f"{kib:>4} KiB x {count}: raw XRANGE {raw:8.1f} MB/s | StreamingDataset "
                       f"{one:8.1f} MB/s ({one / raw:.2f}x raw) | DataLoader(2 workers) "
                       f"{dl:8.1f} MB/s ({dl / raw:.2f}x raw)")
+                gib = n_raw / 2**30
+                print(f"{'':>4}     client CPU per GiB (less disturbed by a busy machine): raw "
+                      f"{c_raw / gib:.2f} s, StreamingDataset {c_one / gib:.2f} s")
                 client = redis.Redis.from_url(url)
                 for p in range(args.partitions):
                     client.delete(streams.partition_key(name, p))
