@@ -187,9 +187,12 @@ def test_reader_of_an_older_generation_is_fenced(redis_server) -> None:
 
 
 def test_trainer_client_does_not_import_aiohttp() -> None:
-    """Importing trainer_client (and using its dataset module) never loads aiohttp."""
+    """What a training script imports (trainer_client, its session and dataset, and
+    the checkpoint store the session opens) never loads aiohttp."""
     code = (
-        "import sys, trainer_client, trainer_client.session, trainer_client.dataset; "
+        "import sys, trainer_client, trainer_client.session, trainer_client.dataset, "
+        "trainer_client.offsets, trainer_client.manifests, checkpoint_store; "
+        "from trainer_client import TrainingSession, StreamingDataset, Batch; "
         "print('aiohttp' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
