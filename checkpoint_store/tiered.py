@@ -83,6 +83,9 @@ class TierState(enum.StrEnum):
 
 @dataclass(frozen=True)
 class TierStatus:
+    """One checkpoint's place: ``local`` (a local manifest exists), ``remote`` (the
+    remote manifest exists: committed there) and the resulting ``state``."""
+
     name: str
     step: int
     uid: str
@@ -174,6 +177,9 @@ class TieredCheckpointStore:
                 f"remote_keep_last ({remote_keep_last}) must be >= keep_last ({keep_last}) "
                 "or None: the remote tier keeps at least what local disk keeps"
             )
+        local_backend = open_backend(os.fspath(local_url))
+        if not isinstance(local_backend, LocalBackend):
+            raise ValueError(f"local_url must be a local directory, got {local_url!r}")
         # The local store keeps everything itself; this class decides what goes.
         self.local = CheckpointStore(
             local_url, keep_last=_NO_LIMIT, keep_every=keep_every, chunk_bytes=chunk_bytes,
@@ -185,9 +191,6 @@ class TieredCheckpointStore:
                 "TieredCheckpointStore supports one process (world size 1); with "
                 "torch.distributed use a CheckpointStore per tier"
             )
-        local_backend = open_backend(self.local.url)
-        if not isinstance(local_backend, LocalBackend):
-            raise ValueError(f"local_url must be a local directory, got {self.local.url!r}")
         self.remote = CheckpointStore(
             remote_url, keep_last=remote_keep_last or _NO_LIMIT, keep_every=keep_every,
             storage_options=storage_options, chunk_bytes=chunk_bytes, io_threads=io_threads,
