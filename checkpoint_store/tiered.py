@@ -139,7 +139,8 @@ class TieredCheckpointStore:
     bounds how long ``close`` may wait for the thread to notice a stop) and
     ``remote_read_policy`` each remote read made by ``load``/``list``/``pin``/...
     (default: ``OBJECT_STORE_POLICY``, waiting out an outage of up to 15 minutes).
-    ``upload_backoff_s`` is (first, max) wait of the uploader after a failed attempt.
+    ``upload_backoff_s`` is (first, max) wait of the uploader after a failed attempt;
+    ``io_threads`` also sets how many files an upload sends at once.
     """
 
     def __init__(
@@ -218,7 +219,7 @@ class TieredCheckpointStore:
             object_store_retrier(self.breaker, upload_policy or RetryPolicy(
                 attempts=None, timeout_s=60.0, wait_max_s=10.0)).call,
             on_committed=self._on_remote_commit, on_scanned=self._on_scanned,
-            backoff_s=upload_backoff_s,
+            backoff_s=upload_backoff_s, threads=io_threads,
         )
         self._uploader.start()
 

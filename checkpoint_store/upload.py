@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from checkpoint_store import _faults
@@ -100,7 +101,8 @@ class Uploader:
     ``call(fn, *args)`` runs one remote operation (retries, breaker); ``on_committed``
     is called with each remote-committed manifest name and ``on_scanned`` after the
     start-up scan (both from this thread; their errors are logged, not retried).
-    ``backoff_s`` is (first, max) wait after a failed upload, doubling in between.
+    ``backoff_s`` is (first, max) wait after a failed upload, doubling in between;
+    ``threads`` data files are uploaded in parallel.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class Uploader:
         on_committed: Callable[[str], None],
         on_scanned: Callable[[], None] = lambda: None,
         backoff_s: tuple[float, float] = (0.2, 10.0),
+        threads: int = 4,
     ):
         self.local = local
         self.remote = remote
@@ -119,6 +122,7 @@ class Uploader:
         self._on_committed = on_committed
         self._on_scanned = on_scanned
         self._backoff_s = backoff_s
+        self._threads = max(1, threads)
         self._cond = threading.Condition()
         self._pending: dict[str, None] = {}  # insertion-ordered set of manifest names
         self._remote: set[str] = set()
@@ -310,18 +314,18 @@ class Uploader:
         }).encode())
         _faults.reached("upload-before-data")
         have = self._call(remote_sizes, self.remote, data_dir(manifest.uid))
-        for i, (path, size) in enumerate(local_files(self.local, data_dir(manifest.uid))):
-            if have.get(path) == size:
-                continue
-            try:
-                data = self.local.read(path)
-            except FileNotFoundError as e:
-                raise _Gone(name) from e
-            if path in have:
-                self._call(self.remote.remove, path)  # a stale object of another size
-            self._call(self.remote.write_file, path, [data])
-            if i == 0:
-                _faults.reached("upload-mid-data")
+        todo = [(path, size) for path, size in local_files(self.local, data_dir(manifest.uid))
+                if have.get(path) != size]
+        if todo:
+            # The first file alone, so that "upload-mid-data" sees exactly one file
+            # uploaded; the rest in parallel (object-store PUTs are latency-bound).
+            self._put(name, todo[0][0], stale=todo[0][0] in have)
+            _faults.reached("upload-mid-data")
+        if len(todo) > 1:
+            with ThreadPoolExecutor(self._threads, thread_name_prefix="ckpt-upload-io") as pool:
+                for _ in pool.map(lambda t: self._put(name, t[0], stale=t[0] in have),
+                                  todo[1:]):
+                    pass
         _faults.reached("upload-before-manifest")
         try:
             self._call(self.remote.exclusive_create, mpath, raw)
@@ -329,8 +333,17 @@ class Uploader:
             log.info("remote manifest %s already exists (an earlier attempt committed it)",
                      name)
         _faults.reached("upload-after-manifest")
-        self._committed(name, fresh=True)
         self._call(self.remote.remove, marker)
+        self._committed(name, fresh=True)
+
+    def _put(self, name: str, path: str, *, stale: bool) -> None:
+        try:
+            data = self.local.read(path)
+        except FileNotFoundError as e:
+            raise _Gone(name) from e
+        if stale:
+            self._call(self.remote.remove, path)  # an object of another size: replace it
+        self._call(self.remote.write_file, path, [data])
 
     def _committed(self, name: str, *, fresh: bool) -> None:
         names = [p for p in map(parse_manifest_name,
