@@ -368,3 +368,30 @@ def test_pins_remote_retention_and_delete_span_both_tiers(tmp_path, moto_server,
     assert _local_steps(local) == [4]
     assert [m.step for m in store.list()] == [3, 4]
     store.close()
+
+
+def test_tier_statuses_match_the_admin_status_words():
+    """tier_statuses over two manifest listings (as the admin API has them): a
+    checkpoint only local is "local_only" (or "uploading" while being copied), one
+    with a remote manifest is "remote" whether or not it is still local, pins from
+    either tier count, and the order is commit order (uid), not step."""
+    from checkpoint_store import Manifest
+    from checkpoint_store.tiered import tier_statuses
+
+    def manifest(step: int, uid: str, pinned: bool = False) -> Manifest:
+        return Manifest(name=f"{step:012d}-{uid}.json", step=step, uid=uid, created_at=0.0,
+                        parent=None, world_size=1, nbytes=0, extra={}, pinned=pinned)
+
+    old = manifest(9, "0000000000000001-aaaaaaaa")  # step 9 committed first (rolled back)
+    mid = manifest(5, "0000000000000002-bbbbbbbb")
+    new = manifest(6, "0000000000000003-cccccccc")
+    up = manifest(7, "0000000000000004-dddddddd")
+    rows = tier_statuses([mid, new, up], [old, manifest(5, mid.uid, pinned=True)],
+                         uploading=up.name)
+    assert [r.step for r in rows] == [9, 5, 6, 7]
+    assert [(r.state.value, r.local, r.remote) for r in rows] == [
+        ("remote", False, True), ("remote", True, True), ("local", True, False),
+        ("uploading", True, False)]
+    assert [r.labels() for r in rows] == [
+        ["committed", "remote"], ["committed", "pinned", "remote"],
+        ["committed", "local_only"], ["committed", "local_only"]]
