@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["bulk", "evalsha_parts", "call_packed_script", "xadd_parts", "Link"]
+__all__ = ["bulk", "evalsha_parts", "call_packed_script", "xadd_parts", "Link", "honour_cancel"]
 
 
 def evalsha_parts(sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]) -> list[bytes]:
@@ -65,6 +65,14 @@ async def call_packed_script(
 _NOMKSTREAM = b"$10\r\nNOMKSTREAM\r\n"
 
 
+def honour_cancel() -> None:
+    """Re-raise a cancellation that redis-py swallowed inside a call (it catches
+    CancelledError in some connect/read paths): a task asked to stop must stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError("cancelled during a Redis call")
+
+
 def xadd_parts(
     parts: list[bytes], key_bulk: bytes, stream_id: bytes, fields: dict[bytes, bytes],
     *, nomkstream: bool,
@@ -105,6 +113,7 @@ class Link:
 
     async def open(self) -> None:
         self._conn = await self._pool.get_connection()
+        honour_cancel()
 
     def _live(self) -> Any:
         if self._conn is None or not self._conn.is_connected:
@@ -114,7 +123,9 @@ class Link:
     async def call(self, *args: Any) -> Any:
         conn = self._live()
         await conn.send_command(*args, check_health=False)
-        return await conn.read_response()
+        reply = await conn.read_response()
+        honour_cancel()
+        return reply
 
     async def send_many(self, parts: list[bytes], replies: int) -> list[Any]:
         """Send pre-packed commands, read their replies (error replies as exceptions).
@@ -134,6 +145,7 @@ class Link:
         except TimeoutError as exc:
             await conn.disconnect(nowait=True)
             raise RedisTimeoutError(f"no reply from Redis within {conn.socket_timeout or 60.0} s") from exc
+        honour_cancel()
         return out
 
     async def close(self, *, broken: bool) -> None:

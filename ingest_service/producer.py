@@ -39,7 +39,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from ingest_service import _lua
-from ingest_service._resp import Link, bulk, call_packed_script, xadd_parts
+from ingest_service._resp import Link, bulk, call_packed_script, honour_cancel, xadd_parts
 from ingest_service.backlog import (
     Backlog,
     BacklogLimits,
@@ -95,6 +95,29 @@ def _take(plan: Iterator[Planned | PlannedDeadLetter], max_items: int, max_bytes
     return out
 
 
+_Queue = asyncio.Queue[tuple[int, list[Planned], int] | None]
+
+
+class _ByteBudget:
+    """Bytes of batches handed to writers and not yet appended, bounded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._freed = asyncio.Event()
+
+    async def take(self, n: int) -> None:
+        # An empty budget admits any batch, so one batch over the limit still passes.
+        while self.used and self.used + n > self.limit:
+            self._freed.clear()
+            await self._freed.wait()
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._freed.set()
+
+
 class Producer:
     def __init__(
         self,
@@ -106,6 +129,8 @@ class Producer:
         metrics: IngestMetrics | None = None,
         batch_records: int = 512,
         batch_bytes: int = 1024 * 1024,
+        max_inflight_bytes: int = 64 * 1024 * 1024,
+        connections: int = 16,
         maintenance_interval_s: float = 1.0,
     ) -> None:
         if not spec.replayable:
@@ -117,6 +142,8 @@ class Producer:
         self.metrics = metrics or IngestMetrics()
         self.batch_records = max(1, min(batch_records, self.limits.max_entries))
         self.batch_bytes = batch_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.connections = max(1, connections)
         self.maintenance_interval_s = maintenance_interval_s
         self.progress = ProducerProgress()
         self._stop = asyncio.Event()
@@ -274,20 +301,29 @@ class Producer:
         return _NEVER
 
     async def _produce_epoch(self, epoch: int) -> bool:
-        """Append what is missing of ``epoch``; False when stopped before its end."""
-        p_count = self.spec.partitions
-        queues: list[asyncio.Queue[tuple[list[Planned], int] | None]] = [
-            asyncio.Queue(maxsize=2) for _ in range(p_count)
-        ]
+        """Append what is missing of ``epoch``; False when stopped before its end.
+
+        ``connections`` writers (each with its own link) serve the partitions
+        ``p % connections == w``: one writer per partition keeps its batches in order,
+        and the number of connections stays bounded however many partitions there are.
+        """
+        writers = min(self.spec.partitions, self.connections)
+        queues: list[_Queue] = [asyncio.Queue() for _ in range(writers)]
+        budget = _ByteBudget(self.max_inflight_bytes)
         async with asyncio.TaskGroup() as tg:
-            for p in range(p_count):
-                tg.create_task(self._writer(p, queues[p], epoch), name=f"write-{self.spec.name}-{p}")
-            complete = await self._read_epoch(epoch, queues)
+            for w in range(writers):
+                tg.create_task(
+                    self._writer(queues[w], epoch, budget), name=f"write-{self.spec.name}-{w}"
+                )
+            complete = await self._read_epoch(epoch, queues, budget)
             for q in queues:
-                await q.put(None)
+                q.put_nowait(None)
         return complete and not self._stop.is_set()
 
-    async def _read_epoch(self, epoch: int, queues: list[asyncio.Queue[tuple[list[Planned], int] | None]]) -> bool:
+    async def _read_epoch(self, epoch: int, queues: list[_Queue], budget: _ByteBudget) -> bool:
+        """Plan the epoch and hand each partition its batches. Memory: the shuffle buffer,
+        one chunk, and at most ``max_inflight_bytes`` of batches not yet appended (the
+        pending ones are flushed early when they would pass half of it)."""
         spec = self.spec
         plan = plan_epoch(
             read_source(spec, self.storage_options), partitions=spec.partitions, seed=spec.seed,
@@ -298,6 +334,15 @@ class Producer:
             return True  # every partition is past this epoch
         pending: list[list[Planned]] = [[] for _ in range(spec.partitions)]
         pending_bytes = [0] * spec.partitions
+        pending_total = 0
+
+        async def hand_over(p: int) -> None:
+            nonlocal pending_total
+            await budget.take(pending_bytes[p])
+            queues[p % len(queues)].put_nowait((p, pending[p], pending_bytes[p]))
+            pending_total -= pending_bytes[p]
+            pending[p], pending_bytes[p] = [], 0
+
         while not self._stop.is_set():
             if self._inline_reads:
                 chunk = _take(plan, 2048, 4 * self.batch_bytes)
@@ -316,31 +361,42 @@ class Producer:
                     continue
                 pending[p].append(item)
                 # Backlog bytes count payloads (field names and IDs are noise).
-                pending_bytes[p] += len(item.fields.get(streams.F_DATA, b""))
+                size = len(item.fields.get(streams.F_DATA, b""))
+                pending_bytes[p] += size
+                pending_total += size
                 if len(pending[p]) >= self.batch_records or pending_bytes[p] >= self.batch_bytes:
-                    await queues[p].put((pending[p], pending_bytes[p]))
-                    pending[p], pending_bytes[p] = [], 0
+                    await hand_over(p)
+            if pending_total > self.max_inflight_bytes // 2:
+                for p in range(spec.partitions):  # many partitions: do not hoard
+                    if pending[p]:
+                        await hand_over(p)
             if dead:
                 await self._dead_letters(dead, epoch)
         for p in range(spec.partitions):
             if pending[p]:
-                await queues[p].put((pending[p], pending_bytes[p]))
+                await hand_over(p)
         return not self._stop.is_set()
 
     # ------------------------------------------------------------------ writing
 
-    async def _writer(self, p: int, queue: asyncio.Queue[tuple[list[Planned], int] | None], epoch: int) -> None:
+    async def _writer(self, queue: _Queue, epoch: int, budget: _ByteBudget) -> None:
         link = Link(self.redis)
+        verified: set[int] = set()
         broken = True
         try:
             await link.open()
-            await self._verify(p, link)
             while (got := await queue.get()) is not None:
-                batch, size = got
-                if await self._wait_room(p, len(batch), size):
-                    await self._write(p, batch, epoch, size, link)
-                # else: stopped while paused: drop the batch (it is re-planned next run)
-                # and keep draining, so that the reader never blocks on a full queue.
+                p, batch, size = got
+                try:
+                    if p not in verified:
+                        await self._verify(p, link)
+                        verified.add(p)
+                    if await self._wait_room(p, len(batch), size):
+                        await self._write(p, batch, epoch, size, link)
+                    # else: stopped while paused: drop the batch (it is re-planned next
+                    # run) and keep draining, so that the reader never waits for us.
+                finally:
+                    budget.give(size)
             broken = False
         finally:
             await link.close(broken=broken)
@@ -467,6 +523,7 @@ class Producer:
             while not self._stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.limits.poll_interval_s)
+                honour_cancel()
                 if not await self.redis.exists(streams.meta_key(self.spec.name)):
                     # Deleted (or Redis lost it) while paused: the sync tells which.
                     raise _StreamLost(f"dataset {self.spec.name!r} is gone")

@@ -171,3 +171,29 @@ async def test_deleting_a_dataset_stops_its_producer_without_recreating_it(
         assert await client.exists(streams.partition_key("gone", p)) == 0
     assert await client.exists(streams.meta_key("gone")) == 0
     await client.aclose()
+
+
+async def test_memory_stays_bounded_with_many_partitions(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """24 MiB of 8 KiB records over 256 partitions (few records each, so no partition
+    fills a batch) with max_inflight_bytes=2 MiB: the producer's traced memory peak
+    stays under 12 MiB, and every record is appended."""
+    import tracemalloc
+
+    import numpy as np
+
+    np.save(tmp_path / "tok.npy", np.arange(3072 * 8192, dtype=np.uint8))
+    spec = streams.DatasetSpec(name="mem", partitions=256, source=str(tmp_path / "tok.npy"),
+                               format="npy", sample_len=8192, shuffle_buffer=16)
+    client = Redis.from_url(redis_server.url)
+    producer = Producer(client, spec, batch_bytes=256 * 1024, max_inflight_bytes=2 * 1024 * 1024)
+    tracemalloc.start()
+    try:
+        await producer.run()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    await client.aclose()
+    assert producer.progress.records == 3072
+    assert peak < 12 * 1024 * 1024
