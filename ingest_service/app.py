@@ -128,7 +128,9 @@ async def _push(request: web.Request, name: str) -> web.Response:
 def create_app(config: IngestConfig) -> web.Application:
     """The service as an aiohttp application (not started)."""
     app = web.Application(client_max_size=config.max_push_body_bytes)
-    client = Redis.from_url(config.redis_url, socket_timeout=30)
+    # Each producer holds its writer links (16 by default) for a whole epoch, so the
+    # pool must allow more than redis-py's default of 100 connections.
+    client = Redis.from_url(config.redis_url, socket_timeout=30, max_connections=4096)
     metrics_ = IngestMetrics()
     app[CONFIG_KEY] = config
     app[REDIS_KEY] = client

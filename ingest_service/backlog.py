@@ -15,6 +15,7 @@ the oldest checkpoint they keep (``floor_key``).
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,20 +56,26 @@ class BacklogLimits:
 class Backlog:
     """One partition's entries after the committed offset, as runs of appended entries.
 
-    Kept as ``(first_id, last_id, count, bytes)`` runs (one per appended batch), so its
-    memory is a few tuples per batch, not per record. A run partly committed keeps its
-    uncommitted share: the count exactly when the IDs are consecutive, the bytes pro rata.
+    Kept as ``(first_id, last_id, count, bytes, ids)`` runs (one per appended batch), so
+    its memory is a few tuples per batch, not per record. A run partly committed keeps
+    its uncommitted share: the count exactly when the run's IDs are known (``ids``, given
+    for push batches with automatic IDs) or consecutive in one epoch, the bytes pro rata.
     """
 
     def __init__(self) -> None:
-        self._runs: deque[tuple[streams.StreamId, streams.StreamId, int, int]] = deque()
+        self._runs: deque[
+            tuple[streams.StreamId, streams.StreamId, int, int, list[streams.StreamId] | None]
+        ] = deque()
         self.entries = 0
         self.bytes = 0
 
-    def add(self, first: streams.StreamId, last: streams.StreamId, count: int, size: int) -> None:
+    def add(
+        self, first: streams.StreamId, last: streams.StreamId, count: int, size: int,
+        ids: list[streams.StreamId] | None = None,
+    ) -> None:
         if count <= 0:
             return
-        self._runs.append((first, last, count, size))
+        self._runs.append((first, last, count, size, ids))
         self.entries += count
         self.bytes += size
 
@@ -79,17 +86,25 @@ class Backlog:
     def advance(self, committed: streams.StreamId) -> None:
         """Forget what is at or below ``committed``."""
         while self._runs:
-            first, last, count, size = self._runs[0]
+            first, last, count, size, ids = self._runs[0]
             if last <= committed:
                 self._runs.popleft()
                 self.entries -= count
                 self.bytes -= size
                 continue
-            if first <= committed and first[0] == last[0] == committed[0]:
-                done = committed[1] - first[1] + 1
+            if first <= committed:
+                if ids is not None:
+                    done = bisect.bisect_right(ids, committed)
+                    rest: list[streams.StreamId] | None = ids[done:]
+                    new_first = ids[done]
+                elif first[0] == last[0] == committed[0]:
+                    done = committed[1] - first[1] + 1
+                    rest, new_first = None, (committed[0], committed[1] + 1)
+                else:
+                    break  # not knowable: keep the whole run until it is committed
                 left = count - done
                 left_bytes = size * left // count
-                self._runs[0] = ((committed[0], committed[1] + 1), last, left, left_bytes)
+                self._runs[0] = (new_first, last, left, left_bytes, rest)
                 self.entries -= done
                 self.bytes -= size - left_bytes
             break

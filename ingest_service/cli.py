@@ -9,7 +9,6 @@ progress per dataset on stderr. SIGTERM or Ctrl-C stop it after the batches in f
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import signal
@@ -17,7 +16,6 @@ import sys
 import time
 from typing import Any, TextIO
 
-from ingest_service.config import DEFAULT_REDIS_URL, REDIS_URL_ENV, IngestConfig
 from ingest_service.errors import DatasetExistsError, DatasetNotFoundError, SourceError
 from trainguard import streams
 from trainguard.cli import (
@@ -30,6 +28,11 @@ from trainguard.cli import (
 )
 
 __all__ = ["register", "add_serve_arguments", "run_serve"]
+
+# Also in ingest_service.config; repeated here so that registering the commands
+# (every ``trainguard`` run) imports neither aiohttp nor redis.
+REDIS_URL_ENV = "TRAINGUARD_REDIS_URL"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def _redis_url_default() -> str:
@@ -73,6 +76,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from ingest_service.app import serve
+    from ingest_service.config import IngestConfig
 
     config = IngestConfig.from_env(
         redis_url=args.redis_url, host=args.host, port=args.port,
@@ -93,6 +97,10 @@ def _spec_from_args(args: argparse.Namespace) -> streams.DatasetSpec:
 
 
 def _run_ingest(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from redis.exceptions import RedisError
+
     try:
         return asyncio.run(_ingest(args))
     except streams.ContractError as exc:
@@ -107,9 +115,15 @@ def _run_ingest(args: argparse.Namespace) -> int:
     except SourceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except RedisError as exc:
+        print(f"error: Redis failed ({type(exc).__name__}: {exc}); check that it runs and that "
+              f"--redis-url / ${REDIS_URL_ENV} points at it", file=sys.stderr)
+        return EXIT_FAILED
 
 
 async def _ingest(args: argparse.Namespace) -> int:
+    import asyncio
+
     from redis.asyncio import Redis
 
     from ingest_service.datasets import create_dataset, describe_dataset

@@ -15,6 +15,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from ingest_service.backlog import BacklogLimits
+from ingest_service.cli import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from ingest_service.metrics import IngestMetrics
 
 __all__ = [
@@ -25,9 +26,6 @@ __all__ = [
     "CONFIG_KEY",
     "METRICS_KEY",
 ]
-
-REDIS_URL_ENV = "TRAINGUARD_REDIS_URL"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 @dataclass(frozen=True)

@@ -169,5 +169,6 @@ class PushIngest:
         if result[0] == 0:
             return PushResult(p, seq, False, [], int(result[1]))
         ids = [i.decode() if isinstance(i, bytes) else str(i) for i in result[1:]]
-        backlog.add(streams.parse_id(ids[0]), streams.parse_id(ids[-1]), len(ids), size)
+        parsed = [streams.parse_id(i) for i in ids]
+        backlog.add(parsed[0], parsed[-1], len(parsed), size, parsed)
         return PushResult(p, seq, True, ids, seq)

@@ -197,3 +197,23 @@ async def test_memory_stays_bounded_with_many_partitions(
     await client.aclose()
     assert producer.progress.records == 3072
     assert peak < 12 * 1024 * 1024
+
+
+def test_backlog_counts_partly_committed_runs_exactly() -> None:
+    """A run of consecutive IDs, and a run of automatic IDs across milliseconds (given
+    as a list), lose exactly the committed entries; a run of unknown layout is kept
+    whole until it is committed entirely."""
+    from ingest_service.backlog import Backlog
+
+    b = Backlog()
+    b.add((1, 0), (1, 9), 10, 1000)
+    b.advance((1, 3))
+    assert (b.entries, b.bytes) == (6, 600)
+    b.add((5, 0), (7, 1), 3, 300, [(5, 0), (6, 0), (7, 1)])
+    b.advance((6, 0))
+    assert (b.entries, b.bytes) == (1, 100)
+    b.add((8, 0), (9, 5), 4, 400)  # two epochs, IDs not listed
+    b.advance((8, 3))
+    assert (b.entries, b.bytes) == (4, 400)  # (7, 1) went; the 4-run stays whole
+    b.advance((9, 5))
+    assert (b.entries, b.bytes) == (0, 0)
