@@ -81,3 +81,41 @@ def test_trainguard_ingest_creates_produces_and_refuses_a_conflict(
     assert read_partitions(redis_server.url, spec) == expected_partitions(spec)
     conflict = _cli(*args[:-4], "--seed", "10", "--epochs", "2", url=redis_server.url)
     assert conflict.returncode == 4 and "seed" in conflict.stderr
+
+
+def test_trainguard_ingest_stops_on_sigterm_with_exit_0_and_resumes(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """SIGTERM during ``trainguard ingest`` ends it with exit 0 after the batches in
+    flight; running it again completes the dataset exactly as planned."""
+    import signal
+    import time
+
+    import redis as sync_redis
+
+    from tests._ingest_util import total_len
+
+    write_jsonl(tmp_path, 50_000, files=2)
+    args = ["ingest", "--dataset", "term", "--source", str(tmp_path / "*.jsonl"),
+            "--partitions", "4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": redis_server.url}
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    spec = streams.DatasetSpec(name="term", partitions=4, source=str(tmp_path / "*.jsonl"))
+    client = sync_redis.Redis.from_url(redis_server.url)
+    try:
+        while proc.poll() is None and total_len(client, spec) < 2000:
+            time.sleep(0.005)
+        assert proc.poll() is None, "finished before the signal: make the source bigger"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "term: stopped" in err
+        assert 0 < total_len(client, spec) < 50_000
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+    again = _cli(*args, url=redis_server.url)
+    assert again.returncode == 0, again.stderr
+    assert read_partitions(redis_server.url, spec) == expected_partitions(spec)
