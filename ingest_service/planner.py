@@ -7,18 +7,33 @@ robin over the partitions: the k-th record out of the shuffle goes to partition
 skip the shuffle and get their own running number in the epoch, which is their
 dead-letter ID, so dead letters are exactly-once as well.
 
-Memory: the shuffle buffer, nothing else.
+Memory: the shuffle buffer (``spec.shuffle_buffer`` records, at most
+``shuffle_buffer_bytes`` of payload), nothing else.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from ingest_service.sources import BadRecord, GoodRecord, SourceItem
+from ingest_service.sources import BadRecord, GoodRecord, SourceItem, read_source
+from trainguard import streams
 
-__all__ = ["Planned", "PlannedDeadLetter", "plan_epoch", "shuffle_rng"]
+__all__ = [
+    "DEFAULT_SHUFFLE_BUFFER_BYTES",
+    "Planned",
+    "PlannedDeadLetter",
+    "plan_epoch",
+    "plan_spec_epoch",
+    "shuffle_rng",
+]
+
+DEFAULT_SHUFFLE_BUFFER_BYTES = 64 * 1024 * 1024
+"""Payload bytes the shuffle buffer may hold, unless the dataset's
+``options["shuffle_buffer_bytes"]`` says otherwise (it is part of the dataset, because
+the order depends on it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,24 +55,38 @@ def shuffle_rng(seed: int, epoch: int) -> random.Random:
     return random.Random(f"trainguard-shuffle:{seed}:{epoch}")
 
 
-def _shuffled(items: Iterable[GoodRecord], rng: random.Random, size: int) -> Iterator[GoodRecord]:
+def _size(item: GoodRecord) -> int:
+    return len(item.fields.get(streams.F_DATA, b""))
+
+
+def _shuffled(
+    items: Iterable[GoodRecord], rng: random.Random, size: int, max_bytes: int
+) -> Iterator[GoodRecord]:
+    """A shuffle buffer of at most ``size`` records and ``max_bytes`` payload bytes (one
+    record over the byte bound still passes alone): each arriving record goes in, and
+    while the buffer is over a bound, a uniformly chosen record comes out."""
     if size <= 1:
         yield from items
         return
     buf: list[GoodRecord] = []
+    held = 0
     for item in items:
-        if len(buf) < size:
-            buf.append(item)
-            continue
-        j = rng.randrange(size)
-        out, buf[j] = buf[j], item
-        yield out
+        buf.append(item)
+        held += _size(item)
+        while len(buf) > size or (held > max_bytes and len(buf) > 1):
+            j = rng.randrange(len(buf))
+            out = buf[j]
+            buf[j] = buf[-1]
+            buf.pop()
+            held -= _size(out)
+            yield out
     rng.shuffle(buf)
     yield from buf
 
 
 def plan_epoch(
-    items: Iterable[SourceItem], *, partitions: int, seed: int, epoch: int, shuffle_buffer: int
+    items: Iterable[SourceItem], *, partitions: int, seed: int, epoch: int, shuffle_buffer: int,
+    shuffle_buffer_bytes: int = DEFAULT_SHUFFLE_BUFFER_BYTES,
 ) -> Iterator[Planned | PlannedDeadLetter]:
     dead = 0
 
@@ -71,10 +100,24 @@ def plan_epoch(
                 dead += 1
 
     dead_letters: list[PlannedDeadLetter] = []
-    for k, rec in enumerate(_shuffled(good(), shuffle_rng(seed, epoch), shuffle_buffer)):
+    shuffled = _shuffled(good(), shuffle_rng(seed, epoch), shuffle_buffer, shuffle_buffer_bytes)
+    for k, rec in enumerate(shuffled):
         if dead_letters:
             yield from dead_letters
             dead_letters.clear()
         yield Planned(k % partitions, k // partitions, rec.fields)
     yield from dead_letters
 
+
+
+def plan_spec_epoch(
+    spec: streams.DatasetSpec, epoch: int, storage_options: Mapping[str, Any] | None = None
+) -> Iterator[Planned | PlannedDeadLetter]:
+    """:func:`plan_epoch` over the dataset's own source and settings."""
+    return plan_epoch(
+        read_source(spec, storage_options), partitions=spec.partitions, seed=spec.seed,
+        epoch=epoch, shuffle_buffer=spec.shuffle_buffer,
+        shuffle_buffer_bytes=int(
+            spec.options.get("shuffle_buffer_bytes", DEFAULT_SHUFFLE_BUFFER_BYTES)
+        ),
+    )

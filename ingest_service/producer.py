@@ -49,8 +49,7 @@ from ingest_service.backlog import (
 )
 from ingest_service.datasets import create_dataset
 from ingest_service.metrics import IngestMetrics
-from ingest_service.planner import Planned, PlannedDeadLetter, plan_epoch
-from ingest_service.sources import read_source
+from ingest_service.planner import Planned, PlannedDeadLetter, plan_spec_epoch
 from trainguard import streams
 
 __all__ = ["Producer", "ProducerProgress"]
@@ -325,10 +324,7 @@ class Producer:
         one chunk, and at most ``max_inflight_bytes`` of batches not yet appended (the
         pending ones are flushed early when they would pass half of it)."""
         spec = self.spec
-        plan = plan_epoch(
-            read_source(spec, self.storage_options), partitions=spec.partitions, seed=spec.seed,
-            epoch=epoch, shuffle_buffer=spec.shuffle_buffer,
-        )
+        plan = plan_spec_epoch(spec, epoch, self.storage_options)
         next_index = [self._next_index(p, epoch) for p in range(spec.partitions)]
         if min(next_index) == _NEVER:
             return True  # every partition is past this epoch

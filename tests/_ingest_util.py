@@ -11,8 +11,7 @@ from typing import Any
 
 import redis
 
-from ingest_service.planner import Planned, plan_epoch
-from ingest_service.sources import read_source
+from ingest_service.planner import Planned, plan_spec_epoch
 from trainguard import streams
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
@@ -43,10 +42,7 @@ def expected_partitions(spec: streams.DatasetSpec, storage_options: Any = None) 
     """What every partition must hold after a complete run: the planner's output."""
     out: list[Entries] = [[] for _ in range(spec.partitions)]
     for epoch in range(spec.epochs or 1):
-        for item in plan_epoch(
-            read_source(spec, storage_options), partitions=spec.partitions, seed=spec.seed,
-            epoch=epoch, shuffle_buffer=spec.shuffle_buffer,
-        ):
+        for item in plan_spec_epoch(spec, epoch, storage_options):
             if isinstance(item, Planned):
                 out[item.partition].append(
                     (streams.make_id(epoch, item.index).encode(), item.fields)
