@@ -19,6 +19,7 @@ import bisect
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from redis.asyncio import Redis
 
@@ -119,10 +120,14 @@ class Backlog:
         self.clear()
         start = "(" + streams.format_id(after)
         while True:
-            page = await redis.xrange(key, min=start, max="+", count=1000)
+            page = cast(
+                list[tuple[bytes, dict[bytes, bytes]]],
+                await redis.xrange(key, min=start, max="+", count=1000),
+            )
             if not page:
                 return
-            size = sum(streams.record_size(fields) for _, fields in page)
+            # Payload bytes, as the producer counts them.
+            size = sum(len(fields.get(streams.F_DATA, b"")) for _, fields in page)
             first, last = streams.parse_id(page[0][0]), streams.parse_id(page[-1][0])
             self.add(first, last, len(page), size)
             start = "(" + streams.format_id(last)

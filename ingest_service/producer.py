@@ -31,7 +31,7 @@ import itertools
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import fsspec.utils
 import redis.exceptions as redis_errors
@@ -281,8 +281,8 @@ class Producer:
                 streams.progress_key(self.spec.name), streams.PROGRESS_EPOCHS_DONE, str(epoch + 1)
             )
         if self.spec.finite and not self._stop.is_set():
-            ends = {
-                streams.progress_end_field(p): streams.format_id(pos)
+            ends: dict[Any, Any] = {
+                streams.progress_end_field(p): streams.format_id(pos).encode()
                 for p, pos in enumerate(self._position) if pos is not None
             }
             await self.redis.hset(
@@ -466,7 +466,7 @@ class Producer:
         result = await call_packed_script(
             self.redis, _lua.APPEND, self._append_sha, [key.encode()], args
         )
-        added, skipped, seq = result  # type: ignore[misc]
+        added, skipped, seq = cast(list[int], result)
         return int(added), int(skipped), int(seq)
 
     async def _dead_letters(self, items: list[PlannedDeadLetter], epoch: int) -> None:

@@ -148,7 +148,7 @@ class PushIngest:
                 "of format 'push' (file datasets have deterministic IDs)"
             )
         p = choose_partition(producer_id, spec.partitions) if partition is None else partition
-        size = sum(streams.record_size(f) for f in records)
+        size = sum(len(f.get(streams.F_DATA, b"")) for f in records)  # payload bytes
         backlog, _ = await self._backlog(spec.name, p)
         if not backlog.has_room(len(records), size, self.limits):
             mark = await self.redis.hget(streams.seq_key(spec.name, p), producer_id)
