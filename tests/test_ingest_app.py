@@ -214,3 +214,22 @@ def test_sigterm_stops_the_service_with_exit_0(redis_server: RedisServer) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_service_trims_push_datasets_below_the_floor(redis_server: RedisServer) -> None:
+    """A push dataset has no producer; the service still applies retention to it: with
+    a group's floor at the 3rd of 6 pushed entries, the 2 entries below it go."""
+    r = Redis.from_url(redis_server.url)
+    await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
+    async with serving(_config(redis_server)) as client:
+        ids = (await (await _push(client, "rl", "a", 0, _lines(*range(6)))).json())["ids"]
+        await r.sadd(streams.groups_key("rl"), "run1")
+        await r.hset(streams.floor_key("rl", "run1"), "0", ids[2])
+
+        async def trimmed() -> bool:
+            return await r.xlen(streams.partition_key("rl", 0)) == 4
+
+        await until(trimmed)
+    first = await r.xrange(streams.partition_key("rl", 0), count=1)
+    assert first[0][0].decode() == ids[2]
+    await r.aclose()
