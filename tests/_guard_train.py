@@ -57,10 +57,10 @@ def records(batch: Batch) -> list[int]:
     return [int(i) for i in batch.data[:, 0].tolist()]
 
 
-def session(url: str, store: str, **kw: Any) -> TrainingSession:
+def session(url: str, store: str, *, deterministic: bool = True) -> TrainingSession:
     # keep_last=100: the tests read every manifest the run wrote.
-    return TrainingSession(url, dataset=DATASET, run=RUN, store=store, deterministic=True,
-                           block_ms=200, keep_last=100, **kw)
+    return TrainingSession(url, dataset=DATASET, run=RUN, store=store,
+                           deterministic=deterministic, block_ms=200, keep_last=100)
 
 
 def train_step(model: Ledger, n: int) -> Callable[[Batch], torch.Tensor]:
@@ -81,6 +81,8 @@ class Result:
     step: int
     rollbacks: list[tuple[int, str]] = field(default_factory=list)
     """(step of the spike, batch ID) per rollback."""
+    restored: list[int] = field(default_factory=list)
+    """The step each rollback went back to."""
     applied: list[str] = field(default_factory=list)
     """Batch IDs of the applied steps, in order (replays included)."""
     batches: dict[str, list[int]] = field(default_factory=dict)
@@ -97,12 +99,13 @@ def train(
     rollback: RollbackConfig | None = None,
     checkpoint_every: int = 5,
     stop_after_rollback: bool = False,
+    deterministic: bool = True,
 ) -> Result:
     """Run the guarded loop to the end of the data (or, with ``stop_after_rollback``,
     until just after the first rollback: blocking checkpoint, close, return).
     ``inject(batch, step)`` returns the loss to report instead of the normal one."""
     state, model, opt = make_state(n)
-    sess = session(url, store)
+    sess = session(url, store, deterministic=deterministic)
     guarded = GuardedTraining(sess, state, optimizer=opt, spike=spike, rollback=rollback)
     res = Result(guarded, model, guarded.restore())
     step_fn = train_step(model, n)
@@ -121,6 +124,7 @@ def train(
                 res.applied.append(bid)
             else:
                 res.rollbacks.append((spike_step, bid))
+                res.restored.append(guarded.step)
                 if stop_after_rollback:
                     guarded.checkpoint(blocking=True)
                     break

@@ -92,7 +92,7 @@ def test_spike_rolls_back_and_never_trains_the_batch(redis_server, tmp_path: Pat
                    spike=SpikeConfig(window=10, warmup_steps=5))
     assert len(res.rollbacks) == 1
     spike_step, bad = res.rollbacks[0]
-    assert spike_step == 26
+    assert spike_step == 26 and res.restored == [25]
     bad_records = res.batches[bad]
     assert POISON in bad_records and len(bad_records) == 8
     assert _records_in(redis_server.url, bad) == bad_records
@@ -137,15 +137,22 @@ def test_rollback_cap_stops_a_loop_that_always_spikes(redis_server, tmp_path: Pa
     third spike raises RollbackLimitError (max 2 within 100 steps) naming the cap and
     both earlier rollbacks, instead of looping through the whole dataset."""
     store = _setup(redis_server.url, tmp_path)
+    spikes: list[int] = []
+
+    def always_nan(batch: gt.Batch, step: int) -> float:
+        spikes.append(step)
+        # A guard whose history is reset by its rollbacks would loop here forever.
+        assert len(spikes) <= 10, f"no RollbackLimitError after {len(spikes)} spikes"
+        return math.nan
+
     with pytest.raises(RollbackLimitError) as info:
-        gt.train(redis_server.url, store, N, inject=lambda b, s: math.nan,
+        gt.train(redis_server.url, store, N, inject=always_nan,
                  rollback=RollbackConfig(max_rollbacks=2, within_steps=100))
+    assert spikes == [1, 1, 1]  # each rollback went back to the step-0 checkpoint
     msg = str(info.value)
     assert "would be rollback 3 within 100 executed steps; the policy allows 2" in msg
     assert msg.count("non-finite loss=nan") == 3  # this spike and the two earlier ones
-    # Both rollbacks went to step 0 and dropped the batches before the third.
-    skipped = _manifests(store)[-1].extra[SKIPPED_EXTRA_KEY]
-    assert skipped == []  # nothing was checkpointed after step 0
+    assert [m.step for m in _manifests(store)] == [0]  # nothing applied, nothing saved
 
 
 def test_restart_restores_guard_state(redis_server, tmp_path: Path) -> None:
@@ -249,3 +256,38 @@ def test_gpu_critical_checkpoints_and_exits_75(redis_server, tmp_path: Path) -> 
     expected = torch.zeros(N)
     expected[trained] = 1
     assert torch.equal(model.counts.detach(), expected)
+
+
+def test_checkpoints_back_and_a_second_spike_stay_in_the_lineage(redis_server, tmp_path: Path) -> None:
+    """checkpoints_back=1: the spike at step 26 rolls back to step 20 (not 25), a
+    second spike (record 333, step 41 after the drop) to step 35 of the new lineage;
+    both batches are listed as skipped, never trained, all other records once."""
+    store = _setup(redis_server.url, tmp_path)
+    first, second = _spike_once_at(POISON, 1e6), _spike_once_at(333, 1e6)
+    res = gt.train(redis_server.url, store, N, inject=lambda b, s: first(b, s) or second(b, s),
+                   spike=SpikeConfig(window=10, warmup_steps=5),
+                   rollback=RollbackConfig(checkpoints_back=1))
+    assert [s for s, _ in res.rollbacks] == [26, 41]
+    assert res.restored == [20, 35]
+    bad = [b for _, b in res.rollbacks]
+    assert res.guarded.dropped_batch_ids == bad
+    _check_ledger(res, res.batches[bad[0]] + res.batches[bad[1]])
+    final = _manifests(store)[-1]
+    assert final.step == res.step and final.extra[SKIPPED_EXTRA_KEY] == bad
+
+
+def test_greedy_mode_never_trains_a_spiking_record(redis_server, tmp_path: Path) -> None:
+    """Greedy (non-deterministic) reading may form other batches on the replay: every
+    replayed batch sharing a record with the spike's batch is dropped, the manifest's
+    skipped IDs name exactly the records with count 0 (the spike's among them), and
+    every other record is trained once."""
+    store = _setup(redis_server.url, tmp_path)
+    res = gt.train(redis_server.url, store, N, inject=_spike_once_at(POISON, 1e6),
+                   spike=SpikeConfig(window=10, warmup_steps=5), deterministic=False)
+    assert len(res.rollbacks) == 1
+    skipped = _manifests(store)[-1].extra[SKIPPED_EXTRA_KEY]
+    assert skipped == res.guarded.dropped_batch_ids and skipped
+    dropped = [r for bid in skipped for r in _records_in(redis_server.url, bid)]
+    assert set(res.batches[res.rollbacks[0][1]]) <= set(dropped)
+    assert len(dropped) == len(set(dropped))
+    _check_ledger(res, dropped)
