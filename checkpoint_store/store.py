@@ -145,7 +145,9 @@ class CheckpointStore:
                     f"the save of step {current.step} is still being written; wait for its "
                     "handle or pass if_busy='wait'"
                 )
-            current._done.wait()
+            # The finished write frees the staging buffer; its callbacks may still
+            # run, and the new job queues behind them in the writer thread.
+            current._result.wait()
         self._raise_unreported()
         leaves, skeleton = flatten(state)
         if self.world_size > 1 and self.rank != 0:
@@ -400,21 +402,30 @@ class CheckpointStore:
         with self._lock:
             current = self._current
         if current is not None:
-            current._done.wait()
+            current._settle()
 
     def close(self) -> None:
-        """Wait for the save in flight, then stop the writer thread."""
+        """Wait for the save in flight, stop the writer thread, and raise a background
+        failure that neither ``wait()`` nor a later ``save()`` reported."""
         if self._closed:
             return
         self._wait_current()
         self._closed = True
         self._executor.shutdown(wait=True)
+        self._raise_unreported()
 
     def __enter__(self) -> CheckpointStore:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError:
+            # Do not mask the exception already propagating; the failure is logged.
+            log.exception("a background save failed while the store was being closed")
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r}, rank={self.rank}/{self.world_size})"

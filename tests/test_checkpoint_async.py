@@ -69,8 +69,8 @@ def test_one_save_in_flight_wait_or_refuse():
 
 def test_background_failure_is_raised_by_wait_and_by_next_save():
     """A write that fails in the background (ENOSPC) is raised by wait(); if nobody
-    waits, the next save raises it; nothing is committed either time and the store
-    keeps working once there is space."""
+    waits, the next save raises it (or close(), if no save follows); nothing is
+    committed and the store keeps working once there is space."""
     store = CheckpointStore(f"{PROTOCOL}://run-{uuid.uuid4().hex}",
                             storage_options=limited_store_options(limit_bytes=30_000))
     store.save({"x": torch.ones(10)}, step=1)
@@ -81,13 +81,18 @@ def test_background_failure_is_raised_by_wait_and_by_next_save():
     assert info.value.errno == errno.ENOSPC and isinstance(handle.error, CheckpointWriteError)
 
     unseen = store.save(big, step=3, blocking=False)
-    unseen._done.wait(60)
+    unseen._settle(60)
     with pytest.raises(CheckpointError, match="step 3") as info2:
         store.save({"x": torch.ones(10)}, step=4)
     assert info2.value.__cause__ is unseen.error
     assert [m.step for m in store.list()] == [1]
     store.save({"x": torch.ones(10)}, step=4)
     assert [m.step for m in store.list()] == [1, 4]
+
+    last = store.save(big, step=5, blocking=False)
+    with pytest.raises(CheckpointError, match="step 5") as info3:
+        store.close()  # the last chance to report it
+    assert info3.value.__cause__ is last.error
 
 
 def test_done_callback_runs_after_commit_and_on_failure(tmp_path):
@@ -131,3 +136,4 @@ def test_staging_buffer_is_reused_across_saves(tmp_path):
     store.save({"w": torch.randn(512, 256)}, step=5, blocking=False).wait()
     assert store._pool.capacity > capacity
     assert [m.step for m in store.list()] == [4, 5]
+
