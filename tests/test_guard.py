@@ -291,3 +291,35 @@ def test_greedy_mode_never_trains_a_spiking_record(redis_server, tmp_path: Path)
     assert set(res.batches[res.rollbacks[0][1]]) <= set(dropped)
     assert len(dropped) == len(set(dropped))
     _check_ledger(res, dropped)
+
+
+def test_guard_takes_over_a_run_checkpointed_without_it(redis_server, tmp_path: Path) -> None:
+    """A run checkpointed by a plain TrainingSession (step 5, no guard state) restores
+    under GuardedTraining with a fresh guard, and a NaN at step 6 rolls back to that
+    step-5 checkpoint: its batch never trained, every record once."""
+    store = _setup(redis_server.url, tmp_path)
+    state, _, opt = gt.make_state(N)
+    sess = gt.session(redis_server.url, store)
+    try:
+        assert sess.restore(state) == 0
+        step_fn = gt.train_step(state["model"], N)
+        batches = sess.batches(sess.dataset(batch_size=8))
+        for _ in range(5):
+            step_fn(next(batches))
+            opt.step()
+            opt.zero_grad()
+        batches.close()
+        sess.checkpoint(state, 5, blocking=True)
+    finally:
+        sess.close()
+    hit: list[int] = []
+
+    def nan_at_6(batch: gt.Batch, step: int) -> float | None:
+        if step == 6 and not hit:
+            hit.append(step)
+            return math.nan
+        return None
+
+    res = gt.train(redis_server.url, store, N, inject=nan_at_6)
+    assert [s for s, _ in res.rollbacks] == [6] and res.restored == [5]
+    _check_ledger(res, res.batches[res.rollbacks[0][1]])

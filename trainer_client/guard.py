@@ -38,10 +38,10 @@ offending one is dropped (and listed), so a poisoned record is never trained.
 Guard state: the :class:`~trainer_client.spikes.SpikeGuard` state, the dropped batch
 IDs and the steps of the current lineage's checkpoints are saved in every checkpoint
 under the state key :data:`GUARD_STATE_KEY` and loaded by :meth:`restore` (a restart).
-A rollback loads the same checkpoints but keeps the guard's live state: the rollback
-history must survive rollbacks, or the cap would never trigger. The checkpoint's own
-guard state is older than the live one in every respect that matters (its detector
-window has no spike values either; spikes never enter it).
+A rollback loads only the training state and keeps the guard's live state: the rollback
+history must survive rollbacks, or the cap would never trigger (the detector window
+needs no rewinding either: spike values never enter it). A checkpoint without guard
+state (written before the run used the guard) restores with a fresh guard.
 
 A fresh run (no checkpoint yet) gets a blocking checkpoint of step 0 from
 :meth:`restore`, so a spike before the first periodic checkpoint (NaN during warmup)
@@ -125,8 +125,6 @@ class _GuardState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         o = self._owner
-        if o._rolling_back:
-            return  # keep the live history: see the module docstring
         if state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"guard state has version {state.get('version')!r}, expected {STATE_VERSION}: "
@@ -178,7 +176,6 @@ class GuardedTraining:
         """Batches dropped on replay so far: consumed, never trained."""
         self._lineage: list[int] = []  # steps of this lineage's checkpoints, oldest first
         self._stateful = _GuardState(self)
-        self._rolling_back = False
         self._base_lrs = [float(g["lr"]) for g in optimizer.param_groups] if optimizer else []
 
     # ------------------------------------------------------------------ state
@@ -204,11 +201,26 @@ class GuardedTraining:
     def restore(self) -> int:
         """Restore the newest checkpoint (guard state included) through the session;
         on a fresh run, write the step-0 checkpoint. Returns the step."""
+        # Lazy, as in the session: checkpoint_store imports trainer_client's breaker.
+        from checkpoint_store import StateMismatchError
+
         target = self._target()
-        self.step = self.session.restore(target)
-        self._copy_back(target)
-        if self.step == 0 and not self._lineage and self.initial_checkpoint:
-            self.checkpoint(blocking=True)
+        try:
+            self.step = self.session.restore(target)
+        except StateMismatchError:
+            # The newest checkpoint may predate the guard (a run switched onto it): it
+            # lacks only our key if the plain state loads; else this raises the same
+            # mismatch. The store checks keys before it changes anything.
+            self.step = self.session.restore(self.state)
+            log.warning("checkpoint of step %d has no guard state: the spike guard starts "
+                        "fresh", self.step)
+        else:
+            self._copy_back(target)
+        if not self._lineage:
+            if self.step > 0:
+                self._lineage = [self.step]  # the restored checkpoint is a rollback target
+            elif self.initial_checkpoint:
+                self.checkpoint(blocking=True)
         self._apply_lr()
         return self.step
 
@@ -247,8 +259,14 @@ class GuardedTraining:
         except GpuCriticalError as exc:
             log.critical("%s Checkpointing step %d, then exiting with code %d.",
                          exc, self.step, exc.exit_code)
-            self.checkpoint(blocking=True)
-            self.session.wait()
+            try:
+                self.checkpoint(blocking=True)
+                self.session.wait()
+            except Exception:
+                # A failing GPU may fail the save too: the node must still be replaced,
+                # and the last committed checkpoint is restored there.
+                log.exception("checkpoint after the CRITICAL health report failed; exiting "
+                              "with code %d anyway", exc.exit_code)
             raise SystemExit(exc.exit_code) from exc
 
     # ------------------------------------------------------------------ the loop
@@ -331,13 +349,9 @@ class GuardedTraining:
         to_step = self._rollback_target(decision)
         log.warning("loss spike at step %d (%s): rolling back to step %d, skipping %s",
                     decision.step, decision.reason, to_step, list(decision.skip_batch_ids))
-        target = self._target()
-        self._rolling_back = True
-        try:
-            self.step = self.session.rollback(target, to_step)
-        finally:
-            self._rolling_back = False
-        self._copy_back(target)
+        # Only the training state: the guard's saved state stays on disk (see the
+        # module docstring), and checkpoints from before the guard have none.
+        self.step = self.session.rollback(self.state, to_step)
         self._lineage = [s for s in self._lineage if s <= to_step]
         self._apply_lr()
 
