@@ -100,13 +100,15 @@ def train(
     checkpoint_every: int = 5,
     stop_after_rollback: bool = False,
     deterministic: bool = True,
+    scale_lr: bool = True,
 ) -> Result:
     """Run the guarded loop to the end of the data (or, with ``stop_after_rollback``,
     until just after the first rollback: blocking checkpoint, close, return).
     ``inject(batch, step)`` returns the loss to report instead of the normal one."""
     state, model, opt = make_state(n)
     sess = session(url, store, deterministic=deterministic)
-    guarded = GuardedTraining(sess, state, optimizer=opt, spike=spike, rollback=rollback)
+    guarded = GuardedTraining(sess, state, optimizer=opt, spike=spike, rollback=rollback,
+                              scale_lr=scale_lr)
     res = Result(guarded, model, guarded.restore())
     step_fn = train_step(model, n)
     try:

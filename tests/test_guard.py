@@ -189,7 +189,8 @@ def test_restart_restores_guard_state(redis_server, tmp_path: Path) -> None:
 
 def test_lr_scale_applies_after_rollback_and_restart(redis_server, tmp_path: Path) -> None:
     """RollbackConfig.lr_scale=0.5: after one rollback every param group's LR is half
-    its base, and a restart from the checkpoints keeps it halved."""
+    its base, and a restart (guard state restored) keeps it halved; with
+    scale_lr=False the guard tracks the scale but leaves the rates alone."""
     store = _setup(redis_server.url, tmp_path)
     res = gt.train(redis_server.url, store, N, inject=_spike_once_at(POISON, math.inf),
                    rollback=RollbackConfig(lr_scale=0.5))
@@ -202,6 +203,12 @@ def test_lr_scale_applies_after_rollback_and_restart(redis_server, tmp_path: Pat
         assert [g["lr"] for g in opt.param_groups] == [0.5e-4, 0.5]
     finally:
         sess.close()
+    # scale_lr=False (a scheduler owns the rate): the same run leaves the rates alone.
+    res = gt.train(redis_server.url, f"file://{tmp_path}/other", N,
+                   inject=_spike_once_at(POISON, math.inf),
+                   rollback=RollbackConfig(lr_scale=0.5), scale_lr=False)
+    assert len(res.rollbacks) == 1 and res.guarded.lr_scale == 0.5
+    assert [g["lr"] for g in res.guarded.optimizer.param_groups] == [1e-4, 1.0]
 
 
 def test_health_without_gpu_and_from_monitor(redis_server, tmp_path: Path) -> None:

@@ -143,9 +143,13 @@ class GuardedTraining:
     adds its own key when saving and loading, never to ``state`` itself. ``optimizer``
     (optional) gets its gradients cleared on a rollback and its learning rates set to
     ``base x lr_scale`` (base: the rates it has when passed here) when
-    ``RollbackConfig.lr_scale < 1``; with an LR scheduler pass ``optimizer=None`` and
-    multiply by :attr:`lr_scale` yourself. ``monitor`` is checked between steps; without
-    one, :meth:`health` probes on demand.
+    ``RollbackConfig.lr_scale < 1``; with an LR scheduler pass ``scale_lr=False`` and
+    multiply the scheduled rate by :attr:`lr_scale` yourself. ``monitor`` is checked
+    between steps; without one, :meth:`health` probes on demand.
+
+    Tested on one rank. With several ranks, report the all-reduced loss so that every
+    rank decides the same (``session.rollback`` is collective); each rank drops its own
+    batches, and the manifest lists rank 0's.
     """
 
     def __init__(
@@ -159,6 +163,7 @@ class GuardedTraining:
         monitor: HealthMonitor | None = None,
         probe: HealthProbe | None = None,
         initial_checkpoint: bool = True,
+        scale_lr: bool = True,
     ) -> None:
         if GUARD_STATE_KEY in state:
             raise ValueError(f"state must not use the key {GUARD_STATE_KEY!r}: the guard saves "
@@ -170,6 +175,7 @@ class GuardedTraining:
         self.monitor = monitor
         self._probe = probe
         self.initial_checkpoint = initial_checkpoint
+        self.scale_lr = scale_lr
         self.step = 0
         """Steps applied in the current lineage (the step the next checkpoint gets)."""
         self.dropped_batch_ids: list[str] = []
@@ -193,7 +199,8 @@ class GuardedTraining:
             self.state[k] = target[k]
 
     def _apply_lr(self) -> None:
-        if self.optimizer is None or self.guard.policy.config.lr_scale == 1.0:
+        if (self.optimizer is None or not self.scale_lr
+                or self.guard.policy.config.lr_scale == 1.0):
             return
         for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
             g["lr"] = base * self.lr_scale
