@@ -3,7 +3,9 @@
 Pure data, computed before any I/O. Tensors of at least ``own_array_bytes`` (and at
 least one axis) get an array of their own, with their real shape and dtype. Smaller
 ones are packed, 64-byte aligned, into one ``uint8`` array per rank (``r<rank>/pack``),
-so a state of thousands of small tensors is a few chunk files, not thousands.
+so a state of thousands of small tensors is a few chunk files, not thousands. The
+store sets ``own_array_bytes`` to its chunk size: a tensor gets its own array once it
+fills a chunk, so small arrays never multiply the files (and fsyncs) of a save.
 """
 
 from __future__ import annotations

@@ -47,7 +47,6 @@ __all__ = ["CheckpointStore"]
 log = logging.getLogger("checkpoint_store")
 
 DEFAULT_CHUNK_BYTES = 32 << 20
-OWN_ARRAY_BYTES = 4 << 20
 
 
 class CheckpointStore:
@@ -154,7 +153,7 @@ class CheckpointStore:
             # Replicated (non-Shard) values are rank 0's to write.
             leaves = [leaf for leaf in leaves if leaf.sharded]
         plan = plan_rank(leaves, rank=self.rank, chunk_bytes=self.chunk_bytes,
-                         own_array_bytes=min(OWN_ARRAY_BYTES, self.chunk_bytes))
+                         own_array_bytes=self.chunk_bytes)
         on_cpu = all(not leaf.tensor.is_cuda for leaf in leaves)
         if blocking and on_cpu:
             staged = Staged(direct_segments(leaves, plan), None)
