@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 from checkpoint_store import CheckpointStore
 from tests import _client_fill as cf
 from tests import _guard_train as gt
+from trainer_client.dataset import Batch
 from trainer_client.errors import RollbackLimitError
 from trainer_client.guard import SKIPPED_EXTRA_KEY, GuardedTraining
 from trainer_client.health import EXIT_GPU_CRITICAL
@@ -60,10 +62,10 @@ def _manifests(store: str) -> list:
         cs.close()
 
 
-def _spike_once_at(record: int, value: float) -> gt.Callable:
+def _spike_once_at(record: int, value: float) -> Callable[[Batch, int], float | None]:
     seen: list[int] = []
 
-    def inject(batch: gt.Batch, step: int) -> float | None:
+    def inject(batch: Batch, step: int) -> float | None:
         if record in gt.records(batch) and not seen:
             seen.append(step)
             return value
@@ -116,7 +118,7 @@ def test_nan_rolls_back_at_once_even_in_warmup(redis_server, tmp_path: Path) -> 
     store = _setup(redis_server.url, tmp_path)
     state: dict[str, int] = {}
 
-    def inject(batch: gt.Batch, step: int) -> float | None:
+    def inject(batch: Batch, step: int) -> float | None:
         if step == 3 and not state:
             state["hit"] = 1
             return math.nan
@@ -139,7 +141,7 @@ def test_rollback_cap_stops_a_loop_that_always_spikes(redis_server, tmp_path: Pa
     store = _setup(redis_server.url, tmp_path)
     spikes: list[int] = []
 
-    def always_nan(batch: gt.Batch, step: int) -> float:
+    def always_nan(batch: Batch, step: int) -> float:
         spikes.append(step)
         # A guard whose history is reset by its rollbacks would loop here forever.
         assert len(spikes) <= 10, f"no RollbackLimitError after {len(spikes)} spikes"
@@ -321,7 +323,7 @@ def test_guard_takes_over_a_run_checkpointed_without_it(redis_server, tmp_path: 
         sess.close()
     hit: list[int] = []
 
-    def nan_at_6(batch: gt.Batch, step: int) -> float | None:
+    def nan_at_6(batch: Batch, step: int) -> float | None:
         if step == 6 and not hit:
             hit.append(step)
             return math.nan
