@@ -581,18 +581,22 @@ class TieredCheckpointStore:
         pending (the next store on these roots uploads them)."""
         if self._closed:
             return True
-        self._wait_local()
-        self.local.close()
-        drained = self._uploader.idle()
-        if wait_upload is not False:
-            timeout = None if wait_upload is True else float(wait_upload)
-            drained = self._uploader.wait_idle(timeout)
-            if not drained:
-                log.warning("closing with uploads pending to %s; the next start resumes them",
-                            self.remote_url)
-        self._closed = True
-        self._uploader.stop(join_timeout_s=5.0)
-        self.remote.close()
+        try:
+            # Raises a local save's unreported background failure: the uploader and
+            # the remote store must still be stopped when it does.
+            self._wait_local()
+            self.local.close()
+            drained = self._uploader.idle()
+            if wait_upload is not False:
+                timeout = None if wait_upload is True else float(wait_upload)
+                drained = self._uploader.wait_idle(timeout)
+                if not drained:
+                    log.warning("closing with uploads pending to %s; the next start resumes them",
+                                self.remote_url)
+        finally:
+            self._closed = True
+            self._uploader.stop(join_timeout_s=5.0)
+            self.remote.close()
         return drained
 
     def __enter__(self) -> TieredCheckpointStore:

@@ -332,3 +332,25 @@ def test_guard_takes_over_a_run_checkpointed_without_it(redis_server, tmp_path: 
     res = gt.train(redis_server.url, store, N, inject=nan_at_6)
     assert [s for s, _ in res.rollbacks] == [6] and res.restored == [5]
     _check_ledger(res, res.batches[res.rollbacks[0][1]])
+
+
+def test_restart_after_rollback_to_an_older_checkpoint_keeps_the_new_lineage(
+    redis_server, tmp_path: Path
+) -> None:
+    """checkpoints_back=1: the spike at step 26 rolls back to step 20, which is then
+    checkpointed again and the run stops. The restart restores that new step-20
+    checkpoint (its guard state knows the rollback and the skipped batch), not the
+    abandoned lineage's step 25."""
+    store = _setup(redis_server.url, tmp_path)
+    cfg, back = SpikeConfig(window=10, warmup_steps=5), RollbackConfig(checkpoints_back=1)
+    first = gt.train(redis_server.url, store, N, inject=_spike_once_at(POISON, 1e6), spike=cfg,
+                     rollback=back, stop_after_rollback=True)
+    assert first.restored == [20]
+    state, _, opt = gt.make_state(N)
+    sess = gt.session(redis_server.url, store)
+    try:
+        again = GuardedTraining(sess, state, optimizer=opt, spike=cfg, rollback=back)
+        assert again.restore() == 20
+        assert again.guard.policy.total_rollbacks == 1
+    finally:
+        sess.close()

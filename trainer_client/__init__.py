@@ -40,6 +40,8 @@ _EXPORTS: dict[str, str] = {
     "HealthReport": "trainer_client.health",
     "HealthThresholds": "trainer_client.health",
     "EXIT_GPU_CRITICAL": "trainer_client.health",
+    "GuardedTraining": "trainer_client.guard",
+    "batch_id": "trainer_client.guard",
     "RouteClient": "trainer_client.routes",
     "HttpRoute": "trainer_client.routes",
     "LocalRoute": "trainer_client.routes",
@@ -56,6 +58,7 @@ __all__ = [
     "EXIT_GPU_CRITICAL",
     "FencedError",
     "GpuCriticalError",
+    "GuardedTraining",
     "HealthMonitor",
     "HealthProbe",
     "HealthReport",
@@ -75,6 +78,7 @@ __all__ = [
     "StreamingDataset",
     "TrainerClientError",
     "TrainingSession",
+    "batch_id",
     "retry_testing",
 ]
 
@@ -107,6 +111,7 @@ if TYPE_CHECKING:
         RouteRejectedError,
         TrainerClientError,
     )
+    from trainer_client.guard import GuardedTraining, batch_id
     from trainer_client.health import (
         EXIT_GPU_CRITICAL,
         HealthMonitor,

@@ -264,7 +264,10 @@ class TrainingSession:
             self.generation = gen
             self._offsets = offsets
             self._batches = batches
-            self._commits = int(tg.get("commit", 0))
+            # A rollback keeps counting commits up: its lineage must outrank the
+            # abandoned checkpoints (higher steps, same commit numbers).
+            restored = int(tg.get("commit", 0))
+            self._commits = restored if new_generation else max(self._commits, restored)
             self._restored = dict(tg)
         for ds in self._datasets:
             ds.generation = gen
