@@ -9,7 +9,7 @@ Routes::
 
 Push answers are JSON: 200 ``{"appended": true|false, "partition", "seq", "ids", "mark"}``
 (``appended: false`` is a retry of a batch already appended); 400 malformed and 413 too
-large with ``{"error": reason}``; 404 unknown dataset; 409 not a push dataset; 429 with
+large with ``{"error": {"code", "message"}}``; 404 unknown dataset; 409 not a push dataset; 429 with
 ``Retry-After`` when the partition's backlog is full; 503 while shutting down.
 
 Shutdown (SIGTERM under :func:`serve`): the listening socket closes first, requests in
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 from collections.abc import AsyncIterator
 
@@ -30,6 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 
+from ingest_service.admin import AdminConfig, setup_admin
 from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY, IngestConfig
 from ingest_service.datasets import describe_dataset
 from ingest_service.errors import (
@@ -53,8 +53,14 @@ PUSH_KEY = web.AppKey("trainguard_ingest_push", PushIngest)
 _STOPPING = web.AppKey("trainguard_ingest_stopping", asyncio.Event)
 
 
+_ERROR_CODES = {400: "bad_request", 404: "not_found", 409: "conflict", 413: "too_large",
+                429: "backlog_full", 503: "unavailable"}
+
+
 def _error(status: int, reason: str, **headers: str) -> web.Response:
-    return web.json_response({"error": reason}, status=status, headers=headers or None)
+    # The same shape as every admin error: {"error": {"code", "message"}}.
+    body = {"error": {"code": _ERROR_CODES.get(status, "error"), "message": reason}}
+    return web.json_response(body, status=status, headers=headers or None)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -145,11 +151,8 @@ def create_app(config: IngestConfig) -> web.Application:
     app.on_shutdown.append(_on_shutdown)
     app.cleanup_ctx.append(_background)
 
-    # The admin API (another module) adds its routes here, on the same Redis URL.
-    if importlib.util.find_spec("ingest_service.admin") is not None:
-        from ingest_service.admin import AdminConfig, setup_admin
-
-        setup_admin(app, AdminConfig.from_env(config.redis_url))
+    # The admin API adds its routes here, on the same Redis URL.
+    setup_admin(app, AdminConfig.from_env(config.redis_url))
     return app
 
 

@@ -35,7 +35,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
         404: "unknown dataset, group, store or checkpoint",
         409: "refused in the current state (below the retention floor, pinned, newest)",
         413: "body too large",
-        503: "Redis or a checkpoint store is unreachable",
+        429: "backlog full: retry after Retry-After seconds",
+        503: "Redis or a checkpoint store is unreachable, or the service is shutting down",
     }
     return {str(s): _json(_ref("Error"), text[s]) for s in statuses}
 
@@ -327,11 +328,7 @@ def _paths() -> dict[str, Any]:
                 }},
                 "responses": {
                     "200": _json({"type": "object"}, "appended (or a retry already appended)"),
-                    **{str(code): _json({"type": "object"}, text) for code, text in (
-                        (400, "malformed body or parameters"), (404, "unknown dataset"),
-                        (409, "not a push dataset"), (413, "too large"),
-                        (429, "backlog full: retry after Retry-After seconds"),
-                        (503, "shutting down"))},
+                    **_errors(400, 404, 409, 413, 429, 503),
                 },
             }
         },

@@ -156,7 +156,8 @@ async def test_push_rejects_malformed_and_oversized_bodies(redis_server: RedisSe
         ]
         for resp, status, reason in cases:
             assert resp.status == status, (status, await resp.text())
-            assert reason in (await resp.json())["error"]
+            error = (await resp.json())["error"]
+            assert reason in error["message"] and error["code"], error
     for p in range(2):
         assert await r.xlen(streams.partition_key("rl", p)) == 0
     await r.aclose()
@@ -174,7 +175,8 @@ async def test_push_backlog_full_is_429_until_consumers_commit(redis_server: Red
         ids = (await first.json())["ids"]
         full = await _push(client, "rl", "a", 1, _lines(5))
         assert full.status == 429 and full.headers["Retry-After"] == "1"
-        assert "bound" in (await full.json())["error"]
+        assert (await full.json())["error"]["code"] == "backlog_full"
+        assert "bound" in (await full.json())["error"]["message"]
         retry = await _push(client, "rl", "a", 0, _lines(1, 2, 3, 4))
         assert retry.status == 200 and (await retry.json())["appended"] is False
         await r.hset(streams.committed_key("rl", "run1"), "0", ids[1])
