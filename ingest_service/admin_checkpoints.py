@@ -7,6 +7,13 @@ says whether its manifest is committed remotely too (``remote``) or only locally
 (``local_only``). Every :class:`~checkpoint_store.CheckpointStore` call is blocking
 file or object-store I/O, so the async side runs it in a thread, one call at a time
 per root.
+
+With a remote tier, pin and unpin act on every tier that has the checkpoint (as
+``TieredCheckpointStore.pin`` does: the remote tier's retention honours only its own
+pins), while delete frees local disk only: the remote copy is the archive, and
+``trainguard ckpt`` on the remote URL removes it. The tiers are opened as plain
+stores with no retention limit, never as a ``TieredCheckpointStore`` (that would
+start a second uploader), so nothing here can apply a retention to either root.
 """
 
 from __future__ import annotations
@@ -14,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ingest_service.inspect import AdminError, BadRequest, NotFound, Refused
+from trainer_client import manifests as session_manifests
 
 __all__ = ["StoreRoot", "StoreSet", "manifest_json", "newest_valid", "parse_store_roots"]
 
@@ -79,12 +88,11 @@ def _translate(exc: Exception) -> Exception:
 
 
 def _session_order(m: Any) -> tuple[int, int, int]:
-    """How a TrainingSession picks the checkpoint to restore: by its fencing
-    generation and commit counter (kept in ``extra["trainguard"]``), then step, so a
-    late manifest of a fenced zombie loses to the newer generation's."""
-    tg = (m.extra or {}).get("trainguard") or {}
+    """How a TrainingSession picks the checkpoint to restore
+    (:func:`trainer_client.manifests.restore_order`); a manifest whose trainguard
+    fields are not numbers (not written by a session) sorts by its step alone."""
     try:
-        return int(tg.get("generation", 0)), int(tg.get("commit", 0)), int(m.step)
+        return session_manifests.restore_order(m)
     except (TypeError, ValueError):
         return 0, 0, int(m.step)
 
@@ -134,8 +142,11 @@ class StoreSet:
         from checkpoint_store import CheckpointStore
 
         if url not in self._stores:
+            # No retention limit: the admin never saves or collects garbage, and a
+            # default keep_last must never reach a root whose writer keeps more.
             self._stores[url] = CheckpointStore(
-                url, storage_options=dict(root.storage_options or {}) or None
+                url, keep_last=sys.maxsize,
+                storage_options=dict(root.storage_options or {}) or None,
             )
         return self._stores[url]
 
@@ -153,18 +164,16 @@ class StoreSet:
     # -- blocking helpers (run in a thread) ---------------------------------------
 
     def _rows(self, root: StoreRoot) -> list[dict[str, Any]]:
-        store = self._open(root.url, root)
-        manifests = store.list()
-        remote_uids: set[str] | None = None
+        from checkpoint_store.tiered import tier_statuses
+
+        manifests = self._open(root.url, root).list()
+        labels = {m.name: ["committed", "pinned"] if m.pinned else ["committed"]
+                  for m in manifests}
         if root.remote_url:
-            remote_uids = {m.uid for m in self._open(root.remote_url, root).list()}
+            remote = self._open(root.remote_url, root).list()
+            labels = {s.name: s.labels() for s in tier_statuses(manifests, remote) if s.local}
         rows = []
         for m in manifests:
-            status = ["committed"]
-            if m.pinned:
-                status.append("pinned")
-            if remote_uids is not None:
-                status.append("remote" if m.uid in remote_uids else "local_only")
             rows.append(
                 {
                     "step": m.step,
@@ -174,7 +183,7 @@ class StoreSet:
                     "nbytes": m.nbytes,
                     "parent": m.parent,
                     "world_size": m.world_size,
-                    "status": status,
+                    "status": labels[m.name],
                 }
             )
         return rows
@@ -221,8 +230,14 @@ class StoreSet:
     async def pin(self, name: str, step: int, pinned: bool) -> dict[str, Any]:
         def run(root: StoreRoot) -> dict[str, Any]:
             self._manifest(root, step)
-            store = self._open(root.url, root)
-            store.pin(step) if pinned else store.unpin(step)
+            urls = [root.url]
+            if root.remote_url and any(
+                m.step == step for m in self._open(root.remote_url, root).list()
+            ):
+                urls.append(root.remote_url)
+            for url in urls:
+                store = self._open(url, root)
+                store.pin(step) if pinned else store.unpin(step)
             return self._row(root, step)
 
         return await self._run(name, run)

@@ -167,7 +167,8 @@ async def test_readyz_checks_redis_and_every_store(redis_server, tmp_path):
 
 async def test_status_local_only_and_remote_tier(redis_server, tmp_path, moto_server):
     """With a remote tier (real S3 on moto), a checkpoint whose manifest is also
-    under the remote root is "remote", one only on local disk is "local_only"."""
+    under the remote root is "remote", one only on local disk is "local_only"; pin
+    and unpin reach the remote copy too (its retention honours only its own pins)."""
     import s3fs
 
     from ingest_service.admin_checkpoints import StoreRoot
@@ -192,6 +193,14 @@ async def test_status_local_only_and_remote_tier(redis_server, tmp_path, moto_se
         (2, ["committed", "remote"]),
         (3, ["committed", "local_only"]),
     ]
+    remote = CheckpointStore(f"s3://{s3_bucket}/run",
+                             storage_options=moto_server.storage_options())
+    assert [(m.step, m.pinned) for m in remote.list()] == [(1, True), (2, False)]
+    async with admin_client(redis_server.url, stores={"main": root}) as client:
+        resp = await client.post("/admin/checkpoints/main/1/unpin", headers=AUTH)
+        assert (await resp.json())["status"] == ["committed", "remote"]
+    assert [(m.step, m.pinned) for m in remote.list()] == [(1, False), (2, False)]
+    remote.close()
 
 
 async def test_a_step_saved_twice_means_its_newest_save(redis_server, tmp_path):
