@@ -110,8 +110,9 @@ def test_offsets_seek_to_checkpoint(redis_server, capsys, tmp_path):
 
 
 def test_ckpt_ls_show_verify_pin_gc(tmp_path, capsys):
-    """ls lists steps oldest first; show prints the manifest; pin shows in ls and
-    survives gc while unpinned older steps go; verify is 0 when intact and 1 after a
+    """ls lists steps oldest first; show prints the manifest; gc without --keep-last
+    deletes no checkpoint; pin shows in ls and survives gc while unpinned older
+    steps go; verify is 0 when intact and 1 after a
     chunk is damaged; an unknown step is exit 3."""
     root = str(tmp_path / "ck")
     save_checkpoints(root, [1, 2, 3, 4, 5], {0: "1-1"})
@@ -120,6 +121,8 @@ def test_ckpt_ls_show_verify_pin_gc(tmp_path, capsys):
     code, out = run(capsys, "ckpt", "show", root, "3")
     assert code == 0 and out["step"] == 3 and out["extra"]["trainguard"]["offsets"]
     assert run(capsys, "ckpt", "pin", root, "1")[0] == 0
+    code, out = run(capsys, "ckpt", "gc", root, "--json")
+    assert code == 0 and out["deleted_steps"] == [] and out["kept_steps"] == [1, 2, 3, 4, 5]
     code, out = run(capsys, "ckpt", "gc", root, "--keep-last", "2", "--json")
     assert code == 0 and out["deleted_steps"] == [2, 3] and out["kept_steps"] == [1, 4, 5]
     code, out = run(capsys, "ckpt", "ls", root)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,10 @@ def _store(args: argparse.Namespace) -> Any:
     from checkpoint_store import CheckpointStore
 
     options = json.loads(args.storage_options) if args.storage_options else None
-    kwargs: dict[str, Any] = {"storage_options": options}
+    # A store does not record the retention its writer used, so the CLI applies one
+    # only when asked (gc --keep-last): the store's default keep_last (3) would
+    # delete, e.g., the archive of a remote tier that keeps everything.
+    kwargs: dict[str, Any] = {"storage_options": options, "keep_last": sys.maxsize}
     if getattr(args, "keep_last", None) is not None:
         kwargs["keep_last"] = args.keep_last
     if getattr(args, "keep_every", None) is not None:
@@ -210,8 +214,9 @@ def register(sub: Any) -> None:
     add("pin", "keep a checkpoint through retention", _pin, step="required").set_defaults(
         pin_command="pin")
     add("unpin", "release a pin", _pin, step="required").set_defaults(pin_command="unpin")
-    p = add("gc", "apply retention and collect debris of crashed saves", _gc)
-    p.add_argument("--keep-last", type=int, help="keep the last N (default: the store's)")
+    p = add("gc", "collect debris of crashed saves; with --keep-last, apply retention", _gc)
+    p.add_argument("--keep-last", type=int,
+                   help="keep the last N and delete older unpinned ones (default: keep all)")
     p.add_argument("--keep-every", type=int, help="also keep every N-th step")
     p = add("export", "write a checkpoint's tensors to one file", _export, step="optional")
     p.add_argument("--format", default="safetensors", choices=["safetensors"])
