@@ -2,7 +2,7 @@
 
 ``setup_admin(app)`` adds the routes below to the ingest service's aiohttp app, plus
 ``/openapi.json`` (the document in :mod:`ingest_service.openapi`, which a test keeps
-equal to the router). Reads go through :mod:`ingest_service.inspect` (Redis) and
+equal to the router). Reads go through :mod:`ingest_service.inspection` (Redis) and
 :class:`checkpoint_store.CheckpointStore` (one per configured root).
 
 Errors under ``/admin/`` and ``/openapi.json`` are JSON of one shape,
@@ -40,9 +40,9 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from ingest_service import inspect
+from ingest_service import inspection
 from ingest_service.admin_checkpoints import StoreRoot, StoreSet, parse_store_roots
-from ingest_service.inspect import AdminError, BadRequest
+from ingest_service.inspection import AdminError, BadRequest
 from ingest_service.openapi import openapi_document
 
 __all__ = [
@@ -202,19 +202,19 @@ def _step(request: web.Request) -> int:
 
 
 async def _list_datasets(request: web.Request) -> web.Response:
-    return web.json_response({"datasets": await inspect.list_datasets(request.app[_REDIS])})
+    return web.json_response({"datasets": await inspection.list_datasets(request.app[_REDIS])})
 
 
 async def _show_dataset(request: web.Request) -> web.Response:
     r = request.app[_REDIS]
-    return web.json_response(await inspect.show_dataset(r, request.match_info["dataset"]))
+    return web.json_response(await inspection.show_dataset(r, request.match_info["dataset"]))
 
 
 async def _groups(request: web.Request) -> web.Response:
     r = request.app[_REDIS]
     dataset = request.match_info["dataset"]
     return web.json_response(
-        {"dataset": dataset, "groups": await inspect.dataset_groups(r, dataset)}
+        {"dataset": dataset, "groups": await inspection.dataset_groups(r, dataset)}
     )
 
 
@@ -237,15 +237,15 @@ async def _seek(request: web.Request) -> web.Response:
     if "to" in body:
         if not isinstance(body["to"], str):
             raise BadRequest("bad_target", "'to' must be \"earliest\" or \"latest\"")
-        result = await inspect.seek_group(r, dataset, group, to=body["to"], force=force)
+        result = await inspection.seek_group(r, dataset, group, to=body["to"], force=force)
     else:
-        spec_partitions = (await inspect.dataset_spec(r, dataset)).partitions
+        spec_partitions = (await inspection.dataset_spec(r, dataset)).partitions
         raw = (
             body["ids"] if "ids" in body
             else await request.app[_STORES].checkpoint_offsets(body["checkpoint"], dataset)
         )
-        ids = inspect.parse_seek_ids(raw, spec_partitions)
-        result = await inspect.seek_group(r, dataset, group, ids=ids, force=force)
+        ids = inspection.parse_seek_ids(raw, spec_partitions)
+        result = await inspection.seek_group(r, dataset, group, ids=ids, force=force)
     return web.json_response(result)
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ingest_service.inspect import AdminError, BadRequest, NotFound, Refused
+from ingest_service.inspection import AdminError, BadRequest, NotFound, Refused
 from trainer_client import manifests as session_manifests
 
 __all__ = ["StoreRoot", "StoreSet", "manifest_json", "newest_valid", "parse_store_roots"]

@@ -1,7 +1,7 @@
 """``trainguard datasets|offsets|ckpt|demo``: the operator's commands.
 
 The commands talk to Redis and to checkpoint stores directly, through the same
-operations as the admin API (:mod:`ingest_service.inspect`,
+operations as the admin API (:mod:`ingest_service.inspection`,
 :mod:`ingest_service.admin_checkpoints`), so they work with or without a running
 service. Human tables by default, ``--json`` for scripts; exit codes as in
 :mod:`trainguard.cli` (0 ok, 1 failed, 2 bad input, 3 not found, 4 refused).
@@ -73,7 +73,7 @@ def fail(code: int, message: str) -> int:
 
 
 def _exit_code(exc: BaseException) -> int:
-    from ingest_service.inspect import BadRequest, NotFound, Refused
+    from ingest_service.inspection import BadRequest, NotFound, Refused
 
     if isinstance(exc, NotFound | FileNotFoundError | LookupError):
         return EXIT_NOT_FOUND
@@ -118,9 +118,9 @@ def _with_redis(args: argparse.Namespace, op: Callable[[Any], Coroutine[Any, Any
 
 
 def _datasets_ls(args: argparse.Namespace) -> int:
-    from ingest_service import inspect
+    from ingest_service import inspection
 
-    rows = _with_redis(args, inspect.list_datasets)
+    rows = _with_redis(args, inspection.list_datasets)
     emit(args, rows, lambda rows: table(
         [(d["name"], d.get("spec", {}).get("format"), d.get("partitions"), d.get("length"),
           d.get("bytes"), d.get("paused"), d.get("dead_letters"), ",".join(d.get("groups", [])))
@@ -151,9 +151,9 @@ def _show_human(d: dict[str, Any]) -> str:
 
 
 def _datasets_show(args: argparse.Namespace) -> int:
-    from ingest_service import inspect
+    from ingest_service import inspection
 
-    emit(args, _with_redis(args, lambda r: inspect.show_dataset(r, args.name)), _show_human)
+    emit(args, _with_redis(args, lambda r: inspection.show_dataset(r, args.name)), _show_human)
     return EXIT_OK
 
 
@@ -188,9 +188,9 @@ def _datasets_delete(args: argparse.Namespace) -> int:
 
 
 def _offsets_show(args: argparse.Namespace) -> int:
-    from ingest_service import inspect
+    from ingest_service import inspection
 
-    groups = _with_redis(args, lambda r: inspect.dataset_groups(r, args.dataset))
+    groups = _with_redis(args, lambda r: inspection.dataset_groups(r, args.dataset))
     if args.group:
         groups = [g for g in groups if g["group"] == args.group]
         if not groups:
@@ -220,22 +220,22 @@ def _parse_ids_arg(text: str) -> dict[str, str]:
 
 
 def _offsets_seek(args: argparse.Namespace) -> int:
-    from ingest_service import inspect
+    from ingest_service import inspection
     from ingest_service.admin_checkpoints import StoreRoot, StoreSet
 
     async def op(r: Any) -> dict[str, Any]:
         if args.to:
-            return await inspect.seek_group(r, args.dataset, args.group, to=args.to,
+            return await inspection.seek_group(r, args.dataset, args.group, to=args.to,
                                             force=args.force)
-        spec = await inspect.dataset_spec(r, args.dataset)
+        spec = await inspection.dataset_spec(r, args.dataset)
         if args.ids:
             raw = _parse_ids_arg(args.ids)
         else:
             stores = StoreSet({"cli": StoreRoot("cli", args.checkpoint)})
             raw = await stores.checkpoint_offsets({"store": "cli", "step": args.step},
                                                   args.dataset)
-        ids = inspect.parse_seek_ids(raw, spec.partitions)
-        return await inspect.seek_group(r, args.dataset, args.group, ids=ids, force=args.force)
+        ids = inspection.parse_seek_ids(raw, spec.partitions)
+        return await inspection.seek_group(r, args.dataset, args.group, ids=ids, force=args.force)
 
     if args.checkpoint and args.step is None:
         return fail(EXIT_USAGE, "--checkpoint needs --step")

@@ -206,12 +206,12 @@ def records_ingested(redis_url: str) -> tuple[int, bool, int]:
     """(records the producer appended, producer finished, dead letters)."""
     import redis.asyncio as aioredis
 
-    from ingest_service import inspect
+    from ingest_service import inspection
 
     async def go() -> dict[str, Any]:
         r = aioredis.Redis.from_url(redis_url)
         try:
-            return await inspect.show_dataset(r, DATASET)
+            return await inspection.show_dataset(r, DATASET)
         finally:
             await r.aclose()
 
