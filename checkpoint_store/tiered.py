@@ -18,11 +18,14 @@ Rules:
 
 - ``save`` never waits for the remote tier; its handle completes when the checkpoint
   is committed locally. Remote trouble opens ``remote_breaker`` and the uploader
-  backs off; the queue is kept and resumes when the remote answers again.
+  backs off; the queue is kept and resumes when the remote answers again. A
+  checkpoint whose upload failed goes to the back of the queue, so one that the
+  remote keeps refusing does not hold back the newer ones.
 - Local retention keeps the newest ``keep_last``, every ``keep_every``-th step and the
   pinned ones, and on top of that never deletes a checkpoint whose remote copy is not
-  committed, nor the newest remote-committed one. Remote retention (``remote_keep_last``,
-  default: keep all) runs after each upload.
+  committed (unless the uploader found it damaged: it will never be uploaded), nor
+  the newest remote-committed one. Remote retention (``remote_keep_last``, default:
+  keep all) runs after each upload.
 - ``load`` prefers the local copy and falls back (logged) to the remote copy when the
   local one is missing or fails verification, then to older checkpoints.
 - On start the uploader lists both roots and uploads every local checkpoint the
@@ -294,15 +297,17 @@ class TieredCheckpointStore:
     # ---------------------------------------------------------------- retention
     def _retain_local(self) -> builtins.list[str]:
         """Delete local checkpoints beyond retention that are safe to lose: remote
-        copy committed, and not the newest remote-committed checkpoint."""
+        copy committed, and not the newest remote-committed checkpoint; or found
+        damaged by the uploader (never uploaded, so nothing else would drop them)."""
         with self._retention_lock:
             manifests = self.local.list()
             remote = self._uploader.remote_committed()
+            damaged = self._uploader.damaged()
             parsed = [p for p in map(parse_manifest_name, remote) if p]
             newest_remote = max(parsed).name if parsed else None
             doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
                                                   keep_every=self.keep_every)
-                      if m.name in remote and m.name != newest_remote]
+                      if (m.name in remote and m.name != newest_remote) or m.name in damaged]
             return apply_retention(self._local_backend, doomed)
 
     def _retain_remote(self) -> None:

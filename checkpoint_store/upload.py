@@ -96,7 +96,8 @@ def remote_sizes(backend: Backend, directory: str) -> dict[str, int]:
 
 
 class Uploader:
-    """One background thread that uploads queued checkpoints oldest first.
+    """One background thread that uploads queued checkpoints oldest first; a
+    checkpoint whose upload failed goes to the back of the queue.
 
     ``call(fn, *args)`` runs one remote operation (retries, breaker); ``on_committed``
     is called with each remote-committed manifest name and ``on_scanned`` after the
@@ -224,6 +225,11 @@ class Uploader:
                             self.remote.url, type(e).__name__, e, delay)
                 with self._cond:
                     self._uploading = None
+                    if name is not None and name in self._pending:
+                        # To the back of the queue: a checkpoint the remote keeps
+                        # refusing must not hold back the newer ones behind it.
+                        del self._pending[name]
+                        self._pending[name] = None
                     self._cond.notify_all()
                 self._sleep(delay)
                 delay = min(delay * 2, self._backoff_s[1])
@@ -298,7 +304,8 @@ class Uploader:
                 log.info("checkpoint %s was deleted locally before its upload", name)
             else:
                 log.error("local checkpoint %s is damaged (%s); it is not uploaded and stays "
-                          "on local disk for inspection", name, e)
+                          "on local disk for inspection until local retention drops it",
+                          name, e)
 
     def _upload_once(self, name: str) -> None:
         mpath = manifest_path(name)

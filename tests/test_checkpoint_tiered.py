@@ -395,3 +395,59 @@ def test_tier_statuses_match_the_admin_status_words():
     assert [r.labels() for r in rows] == [
         ["committed", "remote"], ["committed", "pinned", "remote"],
         ["committed", "local_only"], ["committed", "local_only"]]
+
+
+def _tiered_on_dir(local: Path, remote: Path, **kwargs):
+    """A tiered store whose remote tier is a local directory (no S3 needed), with a
+    short uploader backoff."""
+    from checkpoint_store import TieredCheckpointStore
+    from trainer_client.retry import object_store_breaker
+
+    return TieredCheckpointStore(
+        local, str(remote), remote_breaker=object_store_breaker(f"test-tier-dir-{remote}"),
+        upload_backoff_s=(0.05, 0.2), **kwargs)
+
+
+def test_refused_upload_does_not_hold_back_newer_ones(tmp_path, monkeypatch):
+    """The remote refuses step 1's data for good (a file stands where its data
+    directory must go): step 2, saved after it, is still uploaded and becomes
+    remote-committed, while step 1 stays local, queued and not remote."""
+    from checkpoint_store._faults import FAIL_ENV
+
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    monkeypatch.setenv(FAIL_ENV, "upload-before-data")
+    store = _tiered_on_dir(local, remote, keep_last=1)
+    first = store.save(state_for(1), step=1).wait()
+    _wait_for(lambda: store.upload_failures > 0, "a failed upload attempt of step 1")
+    (remote / "data").mkdir()
+    (remote / "data" / first.uid).write_bytes(b"")  # data/<uid>/... cannot be created
+    monkeypatch.delenv(FAIL_ENV)
+    store.save(state_for(2), step=2)
+    _wait_for(lambda: store.tier_status(2).state is TierState.REMOTE,
+              "step 2 to be uploaded past the refused step 1")
+    assert store.tier_status(1).state in (TierState.LOCAL, TierState.UPLOADING)  # retried
+    assert [m.step for m in CheckpointStore(remote).list()] == [2]
+    assert _local_steps(local) == [1, 2]  # step 1 has no remote copy: kept
+    assert not store.close()  # step 1's upload is left pending
+
+
+def test_damaged_local_checkpoint_is_dropped_by_retention(tmp_path, monkeypatch):
+    """Step 1's local chunk is damaged before its upload: it is never published
+    remotely, and once steps 2 and 3 are uploaded, local retention (keep_last=1)
+    drops it like any checkpoint beyond retention instead of keeping it forever."""
+    from checkpoint_store._faults import FAIL_ENV
+
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    monkeypatch.setenv(FAIL_ENV, "upload-before-data")
+    store = _tiered_on_dir(local, remote, keep_last=1)
+    first = store.save(state_for(1), step=1).wait()
+    _wait_for(lambda: store.upload_failures > 0, "a failed upload attempt of step 1")
+    _flip_byte_in_chunk(local, first.uid)
+    monkeypatch.delenv(FAIL_ENV)
+    assert store.wait_uploads(30.0)  # step 1 found damaged: not pending any more
+    store.save(state_for(2), step=2)
+    store.save(state_for(3), step=3)
+    assert store.wait_uploads(30.0)
+    assert [m.step for m in CheckpointStore(remote).list()] == [2, 3]
+    assert _local_steps(local) == [3]
+    assert store.close()
