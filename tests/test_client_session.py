@@ -4,14 +4,18 @@ records, prefetched batches do not count, zombies are fenced, errors are clear."
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import torch
 from torch.utils.data import DataLoader
 
+from checkpoint_store import CheckpointStore
 from tests import _client_fill as cf
+from tests.servers import RedisServer
 from trainer_client import (
     Batch,
     CheckpointMismatchError,
@@ -409,3 +413,51 @@ def test_retention_floor_is_below_every_kept_checkpoint(redis_server, tmp_path) 
         assert all(streams.parse_id(floor[p]) <= streams.parse_id(offs[p]) for p in range(3))
     assert any(streams.parse_id(floor[p]) > streams.parse_id(first[p]) for p in range(3))
     s.close()
+
+
+class _KillsRedisAfterSave(CheckpointStore):
+    """A real local store that, on the first ``list()`` after a save returned (the
+    session's publish step, between acknowledging and publishing), pauses Redis' writes
+    and SIGKILLs and restarts it 0.3 s later: the publish is cut off mid-call."""
+
+    def __init__(self, url: str, server: RedisServer) -> None:
+        super().__init__(url)
+        self.server = server
+        self.armed = False
+        self.bouncer: threading.Timer | None = None
+
+    def save(self, *args: Any, **kwargs: Any) -> Any:
+        handle = super().save(*args, **kwargs)
+        self.armed = True
+        return handle
+
+    def list(self) -> list[Any]:
+        out = super().list()
+        if self.armed:
+            self.armed = False
+            redis.Redis.from_url(self.server.url).client_pause(10_000, all=False)
+            self.bouncer = threading.Timer(0.3, self.server.restart)
+            self.bouncer.start()
+        return out
+
+
+def test_offsets_published_when_redis_dies_during_publish(redis_factory, tmp_path) -> None:
+    """Redis dies while the session publishes the committed offsets and the floor (one
+    MULTI) and comes back empty: the publish is retried and lands in full (a retry of
+    the same redis-py pipeline would send nothing, as a failed execute() empties it)."""
+    server = redis_factory()
+    spec = cf.create(server.url, "tok", partitions=2)
+    cf.fill(server.url, spec, 20)
+    store = _KillsRedisAfterSave(f"file://{tmp_path}/ckpt", server)
+    s = TrainingSession(server.url, dataset="tok", run="exp", store=store, block_ms=100)
+    state = _state()
+    s.restore(state)
+    list(s.batches(DataLoader(s.dataset(batch_size=5), batch_size=None)))
+    s.checkpoint(state, 1, blocking=True)
+    assert store.bouncer is not None
+    store.bouncer.join()
+    s.close()
+    ends = {p: streams.make_id(0, 9) for p in range(2)}
+    client = redis.Redis.from_url(server.url)
+    assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends
+    assert streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp"))) == ends

@@ -489,11 +489,17 @@ class TrainingSession:
         )
         committed: dict[Any, Any] = streams.offsets_to_wire(offsets)
         floors: dict[Any, Any] = streams.offsets_to_wire(floor)
-        pipe = r.pipeline(transaction=True)
-        pipe.hset(streams.committed_key(self.dataset_name, self.run), mapping=committed)
-        pipe.delete(streams.floor_key(self.dataset_name, self.run))
-        pipe.hset(streams.floor_key(self.dataset_name, self.run), mapping=floors)
-        self._call(pipe.execute)
+
+        def publish() -> None:
+            # A new pipeline per attempt: a failed execute() empties its pipeline, so
+            # retrying the same one would publish nothing.
+            pipe = r.pipeline(transaction=True)
+            pipe.hset(streams.committed_key(self.dataset_name, self.run), mapping=committed)
+            pipe.delete(streams.floor_key(self.dataset_name, self.run))
+            pipe.hset(streams.floor_key(self.dataset_name, self.run), mapping=floors)
+            pipe.execute()
+
+        self._call(publish)
         self.last_commit_offsets_s = time.perf_counter() - t0
 
     def _raise_background(self) -> None:
