@@ -191,19 +191,17 @@ class Producer:
         attempt = 0
         try:
             while not self._stop.is_set():
-                retry = False
                 try:
                     await self._run_once()
                     return
                 except* _RETRYABLE as group:
-                    retry = True
                     log.warning("dataset %s: Redis failed (%s); syncing again",
                                 self.spec.name, group.exceptions[0])
-                if retry:
-                    attempt += 1
-                    delay = min(0.05 * 2 ** min(attempt, 6), 2.0)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), delay)
+                # Only a retryable failure gets here: success returned above.
+                attempt += 1
+                delay = min(0.05 * 2 ** min(attempt, 6), 2.0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
         finally:
             # An event, not cancel(): redis-py may swallow a cancellation that lands
             # inside a command, which would leave the task running.

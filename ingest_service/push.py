@@ -126,7 +126,7 @@ class PushIngest:
         self._push = redis.register_script(_lua.PUSH)
         self._backlogs: dict[tuple[str, int], Backlog] = {}
 
-    async def _backlog(self, dataset: str, partition: int) -> tuple[Backlog, dict[str, dict[int, str]]]:
+    async def _backlog(self, dataset: str, partition: int) -> Backlog:
         committed = await read_offsets(self.redis, dataset, "committed")
         backlog = self._backlogs.get((dataset, partition))
         if backlog is None:
@@ -136,7 +136,7 @@ class PushIngest:
             )
             self._backlogs[(dataset, partition)] = backlog
         backlog.advance(min_committed(committed, partition))
-        return backlog, committed
+        return backlog
 
     async def append(
         self, spec: streams.DatasetSpec, producer_id: str, seq: int,
@@ -149,7 +149,7 @@ class PushIngest:
             )
         p = choose_partition(producer_id, spec.partitions) if partition is None else partition
         size = sum(len(f.get(streams.F_DATA, b"")) for f in records)  # payload bytes
-        backlog, _ = await self._backlog(spec.name, p)
+        backlog = await self._backlog(spec.name, p)
         if not backlog.has_room(len(records), size, self.limits):
             mark = await self.redis.hget(streams.seq_key(spec.name, p), producer_id)
             if mark is None or seq > int(mark):
