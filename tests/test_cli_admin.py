@@ -113,7 +113,8 @@ def test_ckpt_ls_show_verify_pin_gc(tmp_path, capsys):
     """ls lists steps oldest first; show prints the manifest; gc without --keep-last
     deletes no checkpoint; pin shows in ls and survives gc while unpinned older
     steps go; verify is 0 when intact and 1 after a
-    chunk is damaged; an unknown step is exit 3."""
+    chunk is damaged (export of it too: a failure, not a usage error); an unknown step
+    is exit 3."""
     root = str(tmp_path / "ck")
     save_checkpoints(root, [1, 2, 3, 4, 5], {0: "1-1"})
     code, out = run(capsys, "ckpt", "ls", root, "--json")
@@ -136,6 +137,7 @@ def test_ckpt_ls_show_verify_pin_gc(tmp_path, capsys):
     chunk.write_bytes(chunk.read_bytes()[:-1] + bytes([chunk.read_bytes()[-1] ^ 0xFF]))
     code, out = run(capsys, "ckpt", "verify", root, "5", "--json")
     assert code == 1 and out[0]["valid"] is False
+    assert run(capsys, "ckpt", "export", root, "5", "-o", str(tmp_path / "x.st"))[0] == 1
     assert run(capsys, "ckpt", "show", root, "99")[0] == 3
     assert run(capsys, "ckpt", "pin", root, "99")[0] == 3
 

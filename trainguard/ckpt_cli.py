@@ -176,10 +176,13 @@ def _export(args: argparse.Namespace) -> int:
 
 def _guard(fn: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
-        from checkpoint_store import CheckpointError
+        from checkpoint_store import CheckpointError, CorruptCheckpointError
 
         try:
             return int(fn(args))
+        except CorruptCheckpointError as exc:
+            # A ValueError too, but damaged data is a failure, not a usage error.
+            return fail(EXIT_FAILED, str(exc))
         except LookupError as exc:
             return fail(EXIT_NOT_FOUND, str(exc))
         except (PermissionError, FileExistsError) as exc:
