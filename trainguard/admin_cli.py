@@ -86,11 +86,14 @@ def _exit_code(exc: BaseException) -> int:
 
 def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Expected failures -> a one-line message and a meaningful exit code."""
-    from redis.exceptions import RedisError
-
-    from ingest_service.errors import IngestError
 
     def run(args: argparse.Namespace) -> int:
+        # Imported per run, not when the parser is built: every ``trainguard`` command
+        # (``--version`` too) builds all parsers and must not pay for redis.
+        from redis.exceptions import RedisError
+
+        from ingest_service.errors import IngestError
+
         try:
             return fn(args)
         except (IngestError, ValueError, LookupError, PermissionError, OSError) as exc:
