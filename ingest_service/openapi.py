@@ -244,7 +244,8 @@ def _paths() -> dict[str, Any]:
             },
             "delete": {
                 "operationId": "deleteCheckpoint",
-                "summary": "Delete a checkpoint (refuses pinned ones and the newest valid)",
+                "summary": ("Delete a checkpoint from local disk; a remote tier keeps its copy "
+                            "(refuses pinned ones and the newest valid)"),
                 "security": _BEARER,
                 "parameters": [_STORE, _STEP],
                 "responses": {"200": _json({"type": "object"}, "deleted"),
@@ -267,7 +268,7 @@ def _paths() -> dict[str, Any]:
         "/admin/checkpoints/{store}/{step}/pin": {
             "post": {
                 "operationId": "pinCheckpoint",
-                "summary": "Pin a checkpoint: retention and delete keep it",
+                "summary": "Pin a checkpoint in every tier that has it: retention and delete keep it",
                 "security": _BEARER,
                 "parameters": [_STORE, _STEP],
                 "responses": {"200": _json(_ref("Checkpoint"), "pinned"),
@@ -277,7 +278,7 @@ def _paths() -> dict[str, Any]:
         "/admin/checkpoints/{store}/{step}/unpin": {
             "post": {
                 "operationId": "unpinCheckpoint",
-                "summary": "Unpin a checkpoint",
+                "summary": "Unpin a checkpoint in every tier that has it",
                 "security": _BEARER,
                 "parameters": [_STORE, _STEP],
                 "responses": {"200": _json(_ref("Checkpoint"), "unpinned"),
