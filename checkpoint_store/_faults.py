@@ -1,11 +1,12 @@
 """Phase-based fault injection for crash-consistency tests.
 
 ``TRAINGUARD_CKPT_CRASH_AT=<phase>`` makes the process SIGKILL itself when a save
-reaches that phase; ``TRAINGUARD_CKPT_FAIL_AT=<phase>`` makes it raise an ``OSError``
-(EIO) there instead, and ``TRAINGUARD_CKPT_STOP_AT=<phase>`` makes it SIGSTOP itself
-(alive but stuck, the way a slow writer looks to ``gc``). The variables are read at each phase, so a test can set them in
-a subprocess's environment only. Unset (the normal case), each check is one dict
-lookup.
+(``PHASES``) or an upload (``upload.UPLOAD_PHASES``) reaches that phase;
+``TRAINGUARD_CKPT_FAIL_AT=<phase>`` makes it raise an ``OSError`` (EIO) there instead,
+and ``TRAINGUARD_CKPT_STOP_AT=<phase>`` makes it SIGSTOP itself (alive but stuck, the
+way a slow writer looks to ``gc``). The variables are read at each phase, so a test
+can set them in a subprocess's environment only. Unset (the normal case), each check
+is one dict lookup.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ STOP_ENV = "TRAINGUARD_CKPT_STOP_AT"
 
 
 def reached(phase: str) -> None:
-    """Called by the save path at ``phase``; crashes or fails when a test asked for it."""
+    """Called by the save and upload paths at ``phase``; crashes, stops or fails when a
+    test asked for it."""
     if os.environ.get(CRASH_ENV) == phase:
         os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get(STOP_ENV) == phase:
         os.kill(os.getpid(), signal.SIGSTOP)
     if os.environ.get(FAIL_ENV) == phase:
-        raise OSError(errno.EIO, f"injected I/O error at save phase {phase!r}")
+        raise OSError(errno.EIO, f"injected I/O error at phase {phase!r}")
