@@ -410,8 +410,7 @@ class TieredCheckpointStore:
         """Where the newest checkpoint of ``step`` is."""
         found = [t for t in self.tiers() if t.step == step]
         if not found:
-            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
-                                    f"{self.remote_url}")
+            raise self._no_such_step(step)
         return found[-1]
 
     def wait_uploads(self, timeout_s: float | None = None) -> bool:
@@ -429,6 +428,16 @@ class TieredCheckpointStore:
     def _newest_of(step: int, names: Iterable[str]) -> str | None:
         same = [p for p in map(parse_manifest_name, names) if p and p.step == step]
         return max(same).name if same else None
+
+    def _no_such_step(self, step: int) -> NoCheckpointError:
+        return NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
+                                 f"{self.remote_url}; list() shows the steps there are")
+
+    def _newest_anywhere(self, step: int, local: Iterable[str], remote: Iterable[str]) -> str:
+        name = self._newest_of(step, [*local, *remote])
+        if name is None:
+            raise self._no_such_step(step)
+        return name
 
     def load(
         self,
@@ -450,8 +459,7 @@ class TieredCheckpointStore:
         candidates = [p for p in parsed if step is None or p.step == step]
         if not candidates:
             if step is not None:
-                raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
-                                        f"{self.remote_url}")
+                raise self._no_such_step(step)
             return None
         problems: builtins.list[str] = []
         for cand in candidates:
@@ -491,10 +499,7 @@ class TieredCheckpointStore:
         """Verify the newest checkpoint of ``step``: the local copy if there is one
         (falling back to the remote copy if it is damaged), else the remote copy."""
         local, remote = self._catalog()
-        name = self._newest_of(step, [*local, *remote])
-        if name is None:
-            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
-                                    f"{self.remote_url}")
+        name = self._newest_anywhere(step, local, remote)
         if name in local and self._newest_of(step, local) == name:
             try:
                 return self.local.verify(step)
@@ -510,10 +515,7 @@ class TieredCheckpointStore:
         """Pin the newest checkpoint of ``step`` in every tier that has it (an upload
         later copies the pin)."""
         local, remote = self._catalog()
-        name = self._newest_of(step, [*local, *remote])
-        if name is None:
-            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
-                                    f"{self.remote_url}")
+        name = self._newest_anywhere(step, local, remote)
         result: Manifest | None = None
         if name in local:
             result = self.local.pin(step)
@@ -528,8 +530,7 @@ class TieredCheckpointStore:
     def unpin(self, step: int) -> None:
         local, remote = self._catalog()
         if not any(m.step == step for m in [*local.values(), *remote.values()]):
-            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
-                                    f"{self.remote_url}")
+            raise self._no_such_step(step)
         if any(m.step == step for m in local.values()):
             self.local.unpin(step)
         if any(m.step == step for m in remote.values()):
@@ -544,8 +545,7 @@ class TieredCheckpointStore:
         local, remote = self._catalog(fresh=True)
         found = [m for m in [*local.values(), *remote.values()] if m.step == step]
         if not found:
-            raise NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
-                                    f"{self.remote_url}")
+            raise self._no_such_step(step)
         pinned = sorted({m.name for m in found if m.pinned})
         if pinned:
             raise PinnedCheckpointError(f"checkpoints {pinned} are pinned; unpin step {step} "
