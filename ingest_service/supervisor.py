@@ -2,7 +2,9 @@
 retention for push datasets (which have no producer of their own).
 
 Looks for newly registered datasets every ``discover_interval_s``. A producer that
-fails (an unreadable source) is logged and tried again at the next look.
+fails (an unreadable source) is logged and tried again at the next look. Work that
+ended cleanly starts again only for a new registration of its name (deleted and
+registered again: its progress no longer says finished).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ingest_service.datasets import describe_dataset, list_datasets
 from ingest_service.errors import IngestError
 from ingest_service.metrics import IngestMetrics
 from ingest_service.producer import Producer
+from trainguard import streams
 
 __all__ = ["Supervisor"]
 
@@ -61,9 +64,8 @@ class Supervisor:
         for name in names:
             if wanted is not None and name not in wanted:
                 continue
-            task = self._tasks.get(name)
-            if task is not None and not (task.done() and task.exception() is not None):
-                continue  # running, or finished cleanly
+            if not await self._due(name):
+                continue
             try:
                 spec = await describe_dataset(self.redis, name)
             except IngestError:
@@ -77,7 +79,24 @@ class Supervisor:
                 self.producers[name] = producer
                 self._tasks[name] = asyncio.create_task(self._guard(name, producer.run()))
             else:
+                self.producers.pop(name, None)
                 self._tasks[name] = asyncio.create_task(self._guard(name, self._retain(name)))
+
+    async def _due(self, name: str) -> bool:
+        """Whether ``name``'s work must start (again): never started, failed, or ended
+        while the dataset listed now is not finished: a producer that stopped because
+        its dataset was deleted, or that finished before it was deleted, and a push
+        dataset's retention (which ends only on deletion) all serve a new registration
+        of the name. A finished file dataset stays done."""
+        task = self._tasks.get(name)
+        if task is None:
+            return True
+        if not task.done():
+            return False
+        if task.exception() is not None:
+            return True
+        finished = await self.redis.hget(streams.progress_key(name), streams.PROGRESS_FINISHED)
+        return finished != b"1"
 
     async def _guard(self, name: str, work: object) -> None:
         try:

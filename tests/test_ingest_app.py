@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from redis.asyncio import Redis
 from ingest_service.app import create_app
 from ingest_service.backlog import BacklogLimits
 from ingest_service.config import IngestConfig
-from ingest_service.datasets import create_dataset
+from ingest_service.datasets import create_dataset, delete_dataset
 from tests._ingest_util import until, write_jsonl
 from tests.servers import RedisServer, free_port
 from trainguard import streams
@@ -68,7 +69,9 @@ async def test_health_ready_and_background_producer_metrics(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """/healthz and /readyz answer 200; a file dataset registered while the app runs is
-    produced in the background, and /metrics counts exactly its records."""
+    produced in the background, and /metrics counts exactly its records; deleted and
+    registered again under the same name (after its producer finished), it is
+    produced again, exactly."""
     write_jsonl(tmp_path, 700)
     async with serving(_config(redis_server)) as client:
         assert (await client.get("/healthz")).status == 200
@@ -84,6 +87,11 @@ async def test_health_ready_and_background_producer_metrics(
         await until(finished)
         text = await (await client.get("/metrics")).text()
         assert _metric(text, "trainguard_ingest_records_total", dataset="bg") == 700
+        await delete_dataset(r, "bg")
+        write_jsonl(tmp_path / "again", 50)
+        await create_dataset(r, dataclasses.replace(spec, source=str(tmp_path / "again" / "*.jsonl")))
+        await until(finished, timeout_s=20.0)
+        assert sum([await r.xlen(streams.partition_key("bg", p)) for p in range(3)]) == 50
         await r.aclose()
 
 
