@@ -13,9 +13,12 @@ from typing import Any
 
 from checkpoint_store.backends import Backend
 from checkpoint_store.errors import CorruptCheckpointError
+from checkpoint_store.flatten import decode_skeleton
+from checkpoint_store.layout import data_dir
+from checkpoint_store.manifest import Manifest
 from checkpoint_store.zarr_format import decode_chunk
 
-__all__ = ["ChunkReader"]
+__all__ = ["ChunkReader", "verify_data"]
 
 
 class ChunkReader:
@@ -92,3 +95,24 @@ class ChunkReader:
             out[pos : pos + hi - lo] = chunk[lo:hi]
             pos += hi - lo
         return memoryview(out)
+
+
+def verify_data(backend: Backend, manifest: Manifest, *, io_threads: int) -> None:
+    """Check a committed save's data against its manifest: every chunk's CRC (one
+    chunk in memory at a time), the state skeleton, and that every tensor lies inside
+    its array. Raises CorruptCheckpointError."""
+    reader = ChunkReader(backend, data_dir(manifest.uid), manifest.arrays,
+                         io_threads=io_threads)
+    for path, meta in manifest.arrays.items():
+        for i in range(len(meta["crc32c"])):
+            reader.fetch([(path, i * int(meta["chunk_bytes"]), 1)])
+            reader.drop()
+    decode_skeleton(manifest.state)
+    for key, entry in manifest.tensors.items():
+        for s in entry["shards"]:
+            meta = manifest.arrays.get(s["array"])
+            if s["nbytes"] and (meta is None or s["offset"] + s["nbytes"] >
+                                len(meta["crc32c"]) * int(meta["chunk_bytes"])):
+                raise CorruptCheckpointError(
+                    f"tensor {key!r} of {manifest.name} points outside its array"
+                )

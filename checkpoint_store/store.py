@@ -37,7 +37,7 @@ from checkpoint_store.layout import (
 from checkpoint_store.loading import Applier
 from checkpoint_store.manifest import Manifest, parse_manifest
 from checkpoint_store.plan import plan_rank
-from checkpoint_store.reader import ChunkReader
+from checkpoint_store.reader import ChunkReader, verify_data
 from checkpoint_store.retention import GcReport, apply_retention, choose_deletions, collect_garbage
 from checkpoint_store.saving import SaveJob, latest_pointer, run_save
 from checkpoint_store.staging import BufferPool, Staged, direct_segments
@@ -332,21 +332,7 @@ class CheckpointStore:
         if not candidates:
             raise NoCheckpointError(f"no checkpoint of step {step} in {self.url}")
         manifest = self._read_manifest(candidates[0].name)
-        reader = ChunkReader(self._backend, data_dir(manifest.uid), manifest.arrays,
-                             io_threads=self.io_threads)
-        for path, meta in manifest.arrays.items():
-            for i in range(len(meta["crc32c"])):
-                reader.fetch([(path, i * int(meta["chunk_bytes"]), 1)])
-                reader.drop()
-        decode_skeleton(manifest.state)
-        for path, entry in manifest.tensors.items():
-            for s in entry["shards"]:
-                meta = manifest.arrays.get(s["array"])
-                if s["nbytes"] and (meta is None or s["offset"] + s["nbytes"] >
-                                    len(meta["crc32c"]) * int(meta["chunk_bytes"])):
-                    raise CorruptCheckpointError(
-                        f"tensor {path!r} of {manifest.name} points outside its array"
-                    )
+        verify_data(self._backend, manifest, io_threads=self.io_threads)
         return manifest
 
     # ---------------------------------------------------------------- retention

@@ -5,8 +5,8 @@ its manifest name, so ``<step>-<uid>.json`` names the same save in both tiers.
 Uploading one checkpoint is idempotent and resumable, in this order:
 
 1. the remote manifest exists: the checkpoint is remote-committed, nothing to do;
-2. the local copy is verified (manifest checksum, every chunk's CRC), so a damaged
-   local copy is never published remotely;
+2. the local copy is verified (``reader.verify_data``: every chunk's CRC, the
+   skeleton, tensor bounds), so a damaged local copy is never published remotely;
 3. an in-flight marker is written remotely (so a remote ``gc`` leaves the upload be);
 4. every data file is copied with one PUT each; a file already there with the same
    size is skipped (a PUT is atomic: the object exists complete or not at all);
@@ -50,7 +50,7 @@ from checkpoint_store.layout import (
     parse_manifest_name,
 )
 from checkpoint_store.manifest import Manifest, parse_manifest
-from checkpoint_store.reader import ChunkReader
+from checkpoint_store.reader import verify_data
 from checkpoint_store.saving import latest_pointer
 
 __all__ = ["UPLOAD_PHASES", "Uploader", "local_files", "remote_sizes"]
@@ -283,13 +283,6 @@ class Uploader:
             raise _Gone(name) from e
         return raw, parse_manifest(name, raw)
 
-    def _verify_local(self, m: Manifest) -> None:
-        reader = ChunkReader(self.local, data_dir(m.uid), m.arrays, io_threads=1)
-        for path, meta in m.arrays.items():
-            for i in range(len(meta["crc32c"])):
-                reader.fetch([(path, i * int(meta["chunk_bytes"]), 1)])
-                reader.drop()
-
     def _upload(self, name: str) -> None:
         try:
             self._upload_once(name)
@@ -313,7 +306,7 @@ class Uploader:
             self._committed(name, fresh=False)
             return
         raw, manifest = self._read_local_manifest(name)
-        self._verify_local(manifest)
+        verify_data(self.local, manifest, io_threads=1)
         marker = inflight_marker(manifest.uid, 0)
         self._call(self.remote.replace, marker, json.dumps({
             "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
