@@ -104,6 +104,11 @@ class Supervisor:
         except (IngestError, OSError, ValueError) as exc:
             log.error("dataset %s: background work failed (%s); retrying later", name, exc)
             raise
+        except Exception:
+            # Anything else (e.g. a Redis error reply) is retried the same way: log
+            # it, or a dataset that never makes progress would say nothing at all.
+            log.exception("dataset %s: background work failed; retrying later", name)
+            raise
 
     async def _retain(self, name: str) -> None:
         """Retention of a push dataset, until the service stops or it is deleted."""

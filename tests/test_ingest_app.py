@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgpack
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
@@ -93,6 +94,27 @@ async def test_health_ready_and_background_producer_metrics(
         await until(finished, timeout_s=20.0)
         assert sum([await r.xlen(streams.partition_key("bg", p)) for p in range(3)]) == 50
         await r.aclose()
+
+
+async def test_background_failure_of_any_kind_is_logged(
+    redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A producer that fails with a Redis error reply (a partition key of the wrong
+    type) is logged with its dataset, not retried in silence."""
+    write_jsonl(tmp_path, 10)
+    r = Redis.from_url(redis_server.url)
+    await r.set(streams.partition_key("bad", 0), b"not a stream")
+    async with serving(_config(redis_server)):
+        await create_dataset(r, streams.DatasetSpec(
+            name="bad", partitions=1, source=str(tmp_path / "*.jsonl")))
+
+        async def logged() -> bool:
+            return any("dataset bad: background work failed" in rec.getMessage()
+                       and "WRONGTYPE" in (rec.exc_text or str(rec.exc_info))
+                       for rec in caplog.records)
+
+        await until(logged, timeout_s=20.0)
+    await r.aclose()
 
 
 async def test_readyz_is_503_without_redis(redis_server: RedisServer) -> None:
