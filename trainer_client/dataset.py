@@ -10,9 +10,9 @@ loop consumed is read twice.
 Connections are created lazily inside the iterating process (after the DataLoader
 forks its workers) and dropped when the pass ends or is abandoned. Blocking waits use
 their own socket timeout (longer than BLOCK) and, when Redis goes away, reconnect with
-jittered backoff and move the group back to the last ID this worker received, so a
-reply lost in flight is delivered again and entries Redis delivers twice (after an
-AOF rewind) are dropped by ID.
+jittered backoff through a breaker (:mod:`trainer_client.retry`) and move the group
+back to the last ID this worker received, so a reply lost in flight is delivered
+again and entries Redis delivers twice (after an AOF rewind) are dropped by ID.
 
 Each yielded :class:`Batch` carries, per partition, the last stream ID it contains and
 the IDs of its records.
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import random
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,17 +29,15 @@ from typing import Any
 
 import numpy as np
 import redis
-import redis.exceptions
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer_client import offsets as ofs
 from trainer_client.errors import DatasetNotFoundError
+from trainer_client.retry import REDIS_RETRY_ON, trainer_redis_breaker, trainer_redis_retrier
 from trainguard import streams
 
 __all__ = ["Batch", "StreamingDataset", "in_worker_order", "load_spec"]
-
-_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 @dataclass
@@ -147,6 +143,9 @@ class _Reader:
         self.parsed: dict[int, streams.StreamId] = {}
         self.batches: dict[int, int] = {}
         self.ends: dict[int, str | None] | None = None
+        # Made here, in the process that reads (a DataLoader worker): one per reader.
+        self.breaker = trainer_redis_breaker(f"redis:{ds.group}:{consumer}")
+        self.retrier = trainer_redis_retrier(self.breaker, ds.reconnect_timeout_s)
 
     def _connect(self) -> redis.Redis:
         if self.client is None:
@@ -171,12 +170,13 @@ class _Reader:
         self._drop()
 
     def _retry(self, fn: Callable[[redis.Redis], Any], *, reseek: bool) -> Any:
-        """Run ``fn`` against Redis, reconnecting with jittered backoff on transient
-        errors; after a reconnect, first move the group back to our own positions."""
-        delay = 0.05
-        deadline = time.monotonic() + self.ds.reconnect_timeout_s
+        """Run ``fn`` against Redis through the reader's retrier (backoff and breaker
+        over transient errors, reconnecting each time); after a reconnect, first move
+        the group back to our own positions."""
         lost = False
-        while True:
+
+        def attempt() -> Any:
+            nonlocal lost
             try:
                 client = self._connect()
                 if lost and reseek and self.positions:
@@ -184,13 +184,17 @@ class _Reader:
                         client, self.ds.dataset, self.ds.group, self.ds.generation, self.positions
                     )
                 return fn(client)
-            except (*_TRANSIENT, redis.exceptions.BusyLoadingError):
+            except REDIS_RETRY_ON:
                 self._drop()
                 lost = True
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                raise
+
+        try:
+            # The first try goes straight through the breaker: setting up the backoff
+            # costs more than a fast read, and it is only needed once one failed.
+            return self.breaker.call(attempt)
+        except REDIS_RETRY_ON:
+            return self.retrier.call(attempt)
 
     def start(self, seek: dict[int, tuple[str, int]] | None) -> None:
         """Position the pass: at ``seek`` when given (the group is moved there), else at

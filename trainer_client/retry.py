@@ -24,6 +24,7 @@ testing mode: no backoff, ``attempts`` tries).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
@@ -52,6 +53,8 @@ __all__ = [
     "redis_call",
     "redis_retrier",
     "retry_testing",
+    "trainer_redis_breaker",
+    "trainer_redis_retrier",
 ]
 
 P = ParamSpec("P")
@@ -190,6 +193,21 @@ def redis_call(breaker: CircuitBreaker, fn: Callable[P, T], /, *args: P.args,
                **kwargs: P.kwargs) -> T:
     """``redis_retrier(breaker).call(fn, *args, **kwargs)`` with :data:`REDIS_POLICY`."""
     return redis_retrier(breaker).call(fn, *args, **kwargs)
+
+
+def trainer_redis_breaker(name: str) -> CircuitBreaker:
+    """The breaker of the training client's Redis calls: it admits a probe every
+    second, so training resumes within about a second of Redis coming back."""
+    return redis_breaker(name, reset_timeout_s=1.0)
+
+
+def trainer_redis_retrier(breaker: CircuitBreaker, timeout_s: float) -> Retrier:
+    """The retrier of the training client's Redis calls (session and readers) through
+    ``breaker``: waits out an outage for up to ``timeout_s``, backing off to at most
+    2 s (a restart takes seconds; a long wait per call would cost more than the
+    retries save)."""
+    policy = dataclasses.replace(REDIS_POLICY, timeout_s=timeout_s, wait_max_s=2.0)
+    return redis_retrier(breaker, policy)
 
 
 async def aredis_call(

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
-import redis.exceptions
 import torch.distributed as dist
 
 from trainer_client import manifests
@@ -41,13 +40,13 @@ from trainer_client.errors import (
     PartitionCountError,
     TrainerClientError,
 )
+from trainer_client.retry import trainer_redis_breaker, trainer_redis_retrier
 from trainguard import streams
 
 __all__ = ["TrainingSession"]
 
 log = logging.getLogger(__name__)
 
-_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 _REFUSALS: dict[str, type[Exception]] = {
     "CheckpointMismatchError": CheckpointMismatchError,
     "PartitionCountError": PartitionCountError,
@@ -110,6 +109,9 @@ class TrainingSession:
         self.redis_timeout_s = redis_timeout_s
         self.process_group = process_group
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)
+        # Every Redis call goes through one breaker and waits out an outage (restart,
+        # AOF loading) for up to redis_timeout_s instead of failing the training step.
+        self._call = trainer_redis_retrier(trainer_redis_breaker(f"redis:{run}"), redis_timeout_s).call
         self.spec = self._call(load_spec, self._redis, dataset)
         if isinstance(store, str):
             from checkpoint_store import CheckpointStore
@@ -140,21 +142,6 @@ class TrainingSession:
         """Seconds the last checkpoint spent acknowledging and publishing offsets."""
 
     # ------------------------------------------------------------------ helpers
-
-    def _call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """Redis call with jittered backoff over transient errors (restart, loading)."""
-        import random
-
-        delay = 0.05
-        deadline = time.monotonic() + self.redis_timeout_s
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except (*_TRANSIENT, redis.exceptions.BusyLoadingError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
 
     def _gen(self) -> int:
         if self.generation is None:
