@@ -10,6 +10,7 @@ store.load({"model": model, "optim": opt})     # newest valid checkpoint, in pla
 The on-disk format is documented in ``FORMAT.md`` (shipped with the package).
 """
 
+from checkpoint_store.api import CheckpointStoreAPI
 from checkpoint_store.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -33,6 +34,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointStore",
+    "CheckpointStoreAPI",
     "CheckpointWriteError",
     "CommitConflictError",
     "CorruptCheckpointError",

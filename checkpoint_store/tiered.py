@@ -9,8 +9,9 @@ store.load(state)                 # local copy, or the remote one if local is go
 store.close(wait_upload=60.0)     # optionally drain the upload queue
 ```
 
-Same public API as :class:`~checkpoint_store.CheckpointStore`, so a
-``TrainingSession`` takes it as ``store=``. Both roots have the FORMAT.md layout and a
+Same public API as :class:`~checkpoint_store.CheckpointStore` (both implement
+:class:`~checkpoint_store.api.CheckpointStoreAPI`), so a ``TrainingSession`` takes it
+as ``store=``. Both roots have the FORMAT.md layout and a
 checkpoint has the same manifest name in both; see ``upload.py`` for the upload order
 (data, then the manifest with an exclusive create, then LATEST).
 

@@ -451,3 +451,36 @@ def test_damaged_local_checkpoint_is_dropped_by_retention(tmp_path, monkeypatch)
     assert [m.step for m in CheckpointStore(remote).list()] == [2, 3]
     assert _local_steps(local) == [3]
     assert store.close()
+
+
+def test_both_stores_implement_the_shared_api(tmp_path):
+    """CheckpointStore and TieredCheckpointStore have every member of
+    CheckpointStoreAPI, each method with exactly the protocol's parameters (names,
+    kinds, defaults; close may add optional ones), so either serves as a ``store``."""
+    import inspect
+
+    from checkpoint_store import CheckpointStoreAPI, TieredCheckpointStore
+
+    members = sorted(n for n in vars(CheckpointStoreAPI) if not n.startswith("_"))
+    assert members == ["close", "delete", "gc", "latest", "list", "load", "pin", "rank",
+                       "save", "unpin", "verify", "world_size"]
+    assert CheckpointStoreAPI.__annotations__ == {"url": "str"}
+
+    def params(fn) -> list[tuple[str, object, object]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    for cls in (CheckpointStore, TieredCheckpointStore):
+        for name in members:
+            want, have = getattr(CheckpointStoreAPI, name), getattr(cls, name)
+            if isinstance(want, property):
+                assert isinstance(have, property), (cls.__name__, name)
+            elif name == "close":
+                extra = params(have)[len(params(want)):]
+                assert params(have)[:len(params(want))] == params(want)
+                assert all(default is not inspect.Parameter.empty for *_, default in extra)
+            else:
+                assert params(have) == params(want), (cls.__name__, name)
+    for store in (CheckpointStore(tmp_path / "plain"),
+                  _tiered_on_dir(tmp_path / "local", tmp_path / "remote")):
+        assert isinstance(store.url, str)
+        store.close()
