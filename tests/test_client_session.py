@@ -461,3 +461,24 @@ def test_offsets_published_when_redis_dies_during_publish(redis_factory, tmp_pat
     client = redis.Redis.from_url(server.url)
     assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends
     assert streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp"))) == ends
+
+
+def test_checkpoints_come_in_restore_order(redis_server, tmp_path) -> None:
+    """checkpoints() lists the run's committed checkpoints newest (generation, commit,
+    step) first: after checkpoints of steps 1, 2, 3 and a rollback to step 1, the new
+    lineage's step 2 comes before the abandoned step 3, and a restart restores it."""
+    spec = cf.create(redis_server.url, "tok", partitions=2)
+    cf.fill(redis_server.url, spec, 20)
+    s = _session(redis_server.url, tmp_path, keep_last=10)
+    state = _state()
+    s.restore(state)
+    for step in (1, 2, 3):
+        s.checkpoint(state, step, blocking=True)
+    assert s.rollback(state, 1) == 1
+    s.checkpoint(state, 2, blocking=True)
+    order = [(m.step, m.extra["trainguard"]["commit"]) for m in s.checkpoints()]
+    assert order == [(2, 4), (3, 3), (2, 2), (1, 1)]
+    s.close()
+    again = _session(redis_server.url, tmp_path, keep_last=10)
+    assert again.restore(_state()) == 2
+    again.close()

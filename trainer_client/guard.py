@@ -332,7 +332,7 @@ class GuardedTraining:
         # The spike's steps are consecutive and end at decision.step; a checkpoint of
         # one of them already holds a spike batch's update.
         first = decision.step - len(decision.skip_batch_ids) + 1
-        stored = {int(m.step) for m in self.session.store.list()}
+        stored = {int(m.step) for m in self.session.checkpoints()}
         eligible = sorted((s for s in self._lineage if s < first and s in stored), reverse=True)
         if not eligible:
             raise RollbackLimitError(

@@ -164,8 +164,11 @@ class TrainingSession:
 
     # ------------------------------------------------------------------ restore
 
-    def _candidates(self) -> list[Any]:
-        """Manifests newest first, in the order restores prefer them."""
+    def checkpoints(self) -> list[Any]:
+        """The store's committed checkpoints (manifests; one store per run), in the
+        order restores prefer them: newest ``(generation, commit, step)`` first (see
+        :func:`trainer_client.manifests.restore_order`). ``rollback(state, to_step)``
+        loads the first of them with that step."""
         return sorted(self.store.list(), key=manifests.restore_order, reverse=True)
 
     def _load(self, state: Any, to_step: int | None) -> Any:
@@ -179,7 +182,7 @@ class TrainingSession:
         plan: dict[str, Any] = {"steps": []}
         if self.rank == 0:
             try:
-                cands = [m for m in self._candidates() if to_step is None or m.step == to_step]
+                cands = [m for m in self.checkpoints() if to_step is None or m.step == to_step]
                 if to_step is not None and not cands:
                     raise LookupError(f"no checkpoint of step {to_step} for run {self.run!r}")
                 if cands:
