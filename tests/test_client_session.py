@@ -482,3 +482,25 @@ def test_checkpoints_come_in_restore_order(redis_server, tmp_path) -> None:
     again = _session(redis_server.url, tmp_path, keep_last=10)
     assert again.restore(_state()) == 2
     again.close()
+
+
+def test_health_from_a_probe_or_the_attached_monitor(redis_server, tmp_path) -> None:
+    """session.health(): without a monitor, a probe now (fake NVML without GPUs: no
+    GPU, OK); with a monitor attached at construction, the monitor's report (a fake
+    GPU with an uncorrected ECC error: CRITICAL), probed once and then reused."""
+    from tests._fake_nvml import FakeGpu, FakeNvml
+    from trainer_client.health import HealthMonitor, HealthProbe, Status
+
+    cf.create(redis_server.url, "tok", partitions=1)
+    bare = _session(redis_server.url, tmp_path)
+    report = bare.health(probe=HealthProbe(nvml=FakeNvml([])))
+    assert report.no_gpu and report.status is Status.OK and report.gpus == ()
+    bare.close()
+    nvml = FakeNvml([FakeGpu(ecc_uncorrected=1)])
+    monitor = HealthMonitor(HealthProbe(nvml=nvml), interval_s=3600)
+    watched = _session(redis_server.url, tmp_path, health_monitor=monitor)
+    report = watched.health()
+    assert len(report.gpus) == 1 and report.status is Status.CRITICAL
+    assert monitor.latest is report and watched.health() is report
+    assert nvml.initialized == 1
+    watched.close()

@@ -244,13 +244,10 @@ class GuardedTraining:
     # ------------------------------------------------------------------ health
 
     def health(self) -> HealthReport:
-        """The monitor's latest report (probing now if it has none yet); without a
-        monitor, a probe now. A node without GPUs reports ``no_gpu=True``."""
-        if self.monitor is not None:
-            return self.monitor.latest or self.monitor.probe_now()
-        if self._probe is None:
-            self._probe = HealthProbe()
-        return self._probe.probe()
+        """``session.health`` with this guard's monitor or probe: the monitor's latest
+        report (probing now if it has none yet); without a monitor, a probe now. A
+        node without GPUs reports ``no_gpu=True``."""
+        return self.session.health(self.monitor, probe=self._probe)
 
     def check_health(self) -> None:
         """Raise GpuCriticalError once the monitor saw a CRITICAL report."""

@@ -40,6 +40,7 @@ from trainer_client.errors import (
     PartitionCountError,
     TrainerClientError,
 )
+from trainer_client.health import HealthMonitor, HealthProbe, HealthReport
 from trainer_client.retry import trainer_redis_breaker, trainer_redis_retrier
 from trainguard import streams
 
@@ -68,7 +69,8 @@ class TrainingSession:
     """Ties a run's checkpoints to its consumer group. See the module docstring.
 
     ``store`` is a ``CheckpointStore`` or its URL (then ``keep_last``, ``keep_every``,
-    ``storage_options`` and ``process_group`` configure the one made here). With
+    ``storage_options`` and ``process_group`` configure the one made here).
+    ``health_monitor`` (optional) answers :meth:`health`. With
     ``world_size > 1``, ``torch.distributed`` must be initialised (gloo works on CPU)
     and every rank calls ``restore``, ``checkpoint`` and ``rollback`` together.
     """
@@ -89,6 +91,7 @@ class TrainingSession:
         deterministic: bool = False,
         block_ms: int = 1000,
         redis_timeout_s: float = 900.0,
+        health_monitor: HealthMonitor | None = None,
     ) -> None:
         streams.check_name("dataset", dataset)
         streams.check_name("run", run)
@@ -140,6 +143,8 @@ class TrainingSession:
         self._datasets: list[StreamingDataset] = []
         self.last_commit_offsets_s: float | None = None
         """Seconds the last checkpoint spent acknowledging and publishing offsets."""
+        self.health_monitor = health_monitor
+        self._probe: HealthProbe | None = None  # made by the first health() without one
 
     # ------------------------------------------------------------------ helpers
 
@@ -513,9 +518,30 @@ class TrainingSession:
             self.wait()
             self._raise_background()
         finally:
+            if self._probe is not None:
+                self._probe.close()
             if self._owns_store:
                 self.store.close()
             self._redis.close()
+
+    # ------------------------------------------------------------------ health
+
+    def health(
+        self, monitor: HealthMonitor | None = None, *, probe: HealthProbe | None = None
+    ) -> HealthReport:
+        """GPU health of this node: the latest report of ``monitor`` (default: the
+        session's ``health_monitor``), probing now if it has none yet; without a
+        monitor, a probe now with ``probe`` or the session's own (made on first use,
+        closed by :meth:`close`). A node without GPUs reports ``no_gpu=True``."""
+        if monitor is None:
+            monitor = self.health_monitor
+        if monitor is not None:
+            return monitor.latest or monitor.probe_now()
+        if probe is None:
+            if self._probe is None:
+                self._probe = HealthProbe()
+            probe = self._probe
+        return probe.probe()
 
     def __enter__(self) -> TrainingSession:
         return self
