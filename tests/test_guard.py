@@ -23,7 +23,7 @@ from checkpoint_store import CheckpointStore
 from tests import _client_fill as cf
 from tests import _guard_train as gt
 from trainer_client.dataset import Batch
-from trainer_client.errors import RollbackLimitError
+from trainer_client.errors import NoRollbackTargetError, RollbackLimitError
 from trainer_client.guard import SKIPPED_EXTRA_KEY, GuardedTraining
 from trainer_client.health import EXIT_GPU_CRITICAL
 from trainer_client.spikes import RollbackConfig, SpikeConfig
@@ -352,5 +352,25 @@ def test_restart_after_rollback_to_an_older_checkpoint_keeps_the_new_lineage(
         again = GuardedTraining(sess, state, optimizer=opt, spike=cfg, rollback=back)
         assert again.restore() == 20
         assert again.guard.policy.total_rollbacks == 1
+    finally:
+        sess.close()
+
+
+def test_spike_without_a_checkpoint_before_it_is_a_clear_error(redis_server, tmp_path: Path) -> None:
+    """initial_checkpoint=False on a fresh run and a NaN loss at the first step: there
+    is nothing to roll back to, so observe() raises NoRollbackTargetError (still a
+    RollbackLimitError, and a LookupError) naming the spike's step and what it found."""
+    store = _setup(redis_server.url, tmp_path)
+    state, _, _ = gt.make_state(N)
+    sess = gt.session(redis_server.url, store)
+    try:
+        guarded = GuardedTraining(sess, state, initial_checkpoint=False)
+        assert guarded.restore() == 0
+        batch = next(iter(guarded.batches(sess.dataset(batch_size=8))))
+        with pytest.raises(NoRollbackTargetError) as info:
+            guarded.observe(math.nan, batch)
+        assert isinstance(info.value, RollbackLimitError) and isinstance(info.value, LookupError)
+        assert "loss spike at step 1" in str(info.value)
+        assert "found none in []" in str(info.value)
     finally:
         sess.close()

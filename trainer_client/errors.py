@@ -42,6 +42,12 @@ class RollbackLimitError(TrainerClientError, RuntimeError):
     """Loss spikes forced more rollbacks than the policy allows in its step window."""
 
 
+class NoRollbackTargetError(RollbackLimitError, LookupError):
+    """A loss spike needs a rollback, but no committed checkpoint of the current
+    lineage was taken before it. A :class:`RollbackLimitError` too, so a handler of
+    "training cannot go on after a spike" catches both."""
+
+
 class GpuCriticalError(TrainerClientError, RuntimeError):
     """A GPU health probe reported CRITICAL; ``report`` holds the full result.
 

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from trainer_client.dataset import Batch
-from trainer_client.errors import GpuCriticalError, RollbackLimitError
+from trainer_client.errors import GpuCriticalError, NoRollbackTargetError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport
 from trainer_client.session import TrainingSession
 from trainer_client.spikes import (
@@ -314,7 +314,8 @@ class GuardedTraining:
 
         True: apply it (it becomes :attr:`step`). False: it was a spike and training
         was rolled back (:attr:`step` is the restored step). Raises RollbackLimitError
-        at the cap."""
+        at the cap, NoRollbackTargetError (a RollbackLimitError) when no checkpoint
+        before the spike is left to roll back to."""
         value = float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss)
         gn = None if grad_norm is None else float(grad_norm)
         decision = self.guard.observe(self.step + 1, value, batch_id=batch_id(batch), grad_norm=gn)
@@ -332,7 +333,7 @@ class GuardedTraining:
         stored = {int(m.step) for m in self.session.checkpoints()}
         eligible = sorted((s for s in self._lineage if s < first and s in stored), reverse=True)
         if not eligible:
-            raise RollbackLimitError(
+            raise NoRollbackTargetError(
                 f"loss spike at step {decision.step} ({decision.reason}) needs a committed "
                 f"checkpoint before step {first} to roll back to, found none in "
                 f"{sorted(stored)} (this lineage: {self._lineage}). Keep initial_checkpoint="
