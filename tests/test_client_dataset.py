@@ -209,3 +209,18 @@ def test_more_workers_than_partitions(redis_server) -> None:
     batches = list(DataLoader(ds, batch_size=None, num_workers=2))
     assert sorted(_ids(batches)) == list(range(50))
     assert {b.worker for b in batches} == {0}
+
+
+def test_dataset_made_during_a_redis_outage_waits_for_redis(redis_factory) -> None:
+    """StreamingDataset() reads the dataset's metadata itself (no session): with Redis
+    down (AOF, restarted 0.5 s later), the constructor waits and retries instead of
+    raising, and the dataset then reads every record."""
+    server = redis_factory(persistence="always")
+    spec = cf.create(server.url, "tok", partitions=2)
+    cf.fill(server.url, spec, 40)
+    server.stop()
+    restarter = threading.Timer(0.5, server.start)
+    restarter.start()
+    ds = StreamingDataset(server.url, "tok", "run", batch_size=10)
+    restarter.join()
+    assert sorted(_ids(list(ds))) == list(range(40))

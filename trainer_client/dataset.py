@@ -374,9 +374,11 @@ class StreamingDataset(IterableDataset):
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if spec is None:
             client = redis.Redis.from_url(redis_url, socket_timeout=10)
+            call = trainer_redis_retrier(trainer_redis_breaker(f"redis:{group}"),
+                                         reconnect_timeout_s).call
             try:
-                spec = load_spec(client, dataset)
-                client.sadd(streams.groups_key(dataset), group)
+                spec = call(load_spec, client, dataset)
+                call(client.sadd, streams.groups_key(dataset), group)
             finally:
                 client.close()
         self.redis_url = redis_url
