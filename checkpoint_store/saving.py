@@ -182,6 +182,16 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
     return parse_manifest(outcome["name"], manifest_bytes)
 
 
+def _landed(backend: Backend, name: str, raw: bytes) -> bool:
+    """Whether manifest ``name`` exists with exactly ``raw`` (this save's bytes)."""
+    if not raw:
+        return False
+    try:
+        return backend.read(manifest_path(name)) == raw
+    except OSError:
+        return False
+
+
 def _commit(backend: Backend, job: SaveJob, uid: str, parent: str | None,
             reports: list[dict[str, Any]], world_size: int) -> tuple[dict[str, Any], bytes]:
     ddir = data_dir(uid)
@@ -193,6 +203,7 @@ def _commit(backend: Backend, job: SaveJob, uid: str, parent: str | None,
         return {"ok": False, "error": f"save of step {job.step} aborted, nothing committed "
                                       f"(previous checkpoint intact): {detail}"}, b""
     name = ManifestName(uid=uid, step=job.step).name
+    raw = b""
     try:
         _faults.reached("after-data")
         arrays: dict[str, Any] = {}
@@ -210,10 +221,15 @@ def _commit(backend: Backend, job: SaveJob, uid: str, parent: str | None,
                                       "another writer shares this store") from e
         _faults.reached("before-pointer")
     except Exception as e:
-        with contextlib.suppress(OSError):
-            backend.remove_tree(ddir)
-        err = _as_save_error(e, job.step)
-        return {"ok": False, "error": str(err), "errno": getattr(err, "errno", None)}, b""
+        if not _landed(backend, name, raw):
+            with contextlib.suppress(OSError):
+                backend.remove_tree(ddir)
+            err = _as_save_error(e, job.step)
+            return {"ok": False, "error": str(err), "errno": getattr(err, "errno", None)}, b""
+        # The manifest's existence is the commit: an error after it (or a PUT whose
+        # response was lost) leaves a committed save, whose data must stay.
+        log.warning("checkpoint %s is committed (its manifest is in place) although the "
+                    "commit reported %s: %s", name, type(e).__name__, e)
     try:
         # LATEST is a hint: the manifest above is the commit, so a failed swap leaves
         # a stale pointer that readers detect, not a failed save.

@@ -159,3 +159,22 @@ def test_kill_9_at_random_moments(tmp_path):
         store.gc()
         assert _local_debris(root, store) == set()
         next_step = newest + 1
+
+
+def test_error_after_the_manifest_landed_keeps_the_committed_save(tmp_path, monkeypatch,
+                                                                  caplog):
+    """An error raised after the manifest is in place (an injected I/O error at
+    "before-pointer", as a PUT whose response is lost would raise): the manifest is
+    the commit, so the save succeeds, keeps its data, updates LATEST and loads
+    bit-exact with strict=True, instead of failing with its data deleted."""
+    from checkpoint_store._faults import FAIL_ENV
+
+    store = CheckpointStore(tmp_path, chunk_bytes=CHUNK)
+    monkeypatch.setenv(FAIL_ENV, "before-pointer")
+    manifest = store.save(state_for(1, width=64), step=1,
+                          extra={"offsets": {"p0": "1-1"}}).wait()
+    monkeypatch.delenv(FAIL_ENV)
+    assert manifest.step == 1 and "although the commit reported OSError" in caplog.text
+    assert json.loads((tmp_path / "LATEST").read_text())["manifest"] == manifest.name
+    _assert_loads_step(CheckpointStore(tmp_path), 1)
+    store.close()
