@@ -20,8 +20,8 @@ Rules:
 - ``save`` never waits for the remote tier; its handle completes when the checkpoint
   is committed locally. Remote trouble opens ``remote_breaker`` and the uploader
   backs off; the queue is kept and resumes when the remote answers again. A
-  checkpoint whose upload failed goes to the back of the queue, so one that the
-  remote keeps refusing does not hold back the newer ones.
+  checkpoint the remote refuses (an answer such as "permission denied", not an
+  outage) goes to the back of the queue, so it does not hold back the newer ones.
 - Local retention keeps the newest ``keep_last``, every ``keep_every``-th step and the
   pinned ones, and on top of that never deletes a checkpoint whose remote copy is not
   committed (unless the uploader found it damaged: it will never be uploaded), nor
@@ -168,6 +168,7 @@ class TieredCheckpointStore:
         # (and, through them, redis' exception types); plain checkpoint_store does not.
         from trainer_client.errors import CircuitOpenError
         from trainer_client.retry import (
+            OBJECT_STORE_NOT_TRANSIENT,
             OBJECT_STORE_POLICY,
             RetryPolicy,
             object_store_breaker,
@@ -224,6 +225,7 @@ class TieredCheckpointStore:
                 attempts=None, timeout_s=60.0, wait_max_s=10.0)).call,
             on_committed=self._on_remote_commit, on_scanned=self._on_scanned,
             backoff_s=upload_backoff_s, threads=io_threads,
+            outage=self._transient, answers=OBJECT_STORE_NOT_TRANSIENT,
         )
         self._uploader.start()
 

@@ -96,14 +96,16 @@ def remote_sizes(backend: Backend, directory: str) -> dict[str, int]:
 
 
 class Uploader:
-    """One background thread that uploads queued checkpoints oldest first; a
-    checkpoint whose upload failed goes to the back of the queue.
+    """One background thread that uploads queued checkpoints oldest first.
 
     ``call(fn, *args)`` runs one remote operation (retries, breaker); ``on_committed``
     is called with each remote-committed manifest name and ``on_scanned`` after the
     start-up scan (both from this thread; their errors are logged, not retried).
     ``backoff_s`` is (first, max) wait after a failed upload, doubling in between;
-    ``threads`` data files are uploaded in parallel.
+    ``threads`` data files are uploaded in parallel. A failure of type ``outage`` but
+    not ``answers`` means the remote is unreachable: the queue keeps its order. Any
+    other failure is the checkpoint's own (e.g. the remote refuses it) and sends it to
+    the back of the queue.
     """
 
     def __init__(
@@ -116,6 +118,8 @@ class Uploader:
         on_scanned: Callable[[], None] = lambda: None,
         backoff_s: tuple[float, float] = (0.2, 10.0),
         threads: int = 4,
+        outage: tuple[type[BaseException], ...] = (OSError,),
+        answers: tuple[type[BaseException], ...] = (),
     ):
         self.local = local
         self.remote = remote
@@ -124,6 +128,8 @@ class Uploader:
         self._on_scanned = on_scanned
         self._backoff_s = backoff_s
         self._threads = max(1, threads)
+        self._outage = outage
+        self._answers = answers
         self._cond = threading.Condition()
         self._pending: dict[str, None] = {}  # insertion-ordered set of manifest names
         self._remote: set[str] = set()
@@ -197,6 +203,9 @@ class Uploader:
         return not self._thread.is_alive()
 
     # ------------------------------------------------------------ the thread
+    def _is_outage(self, e: BaseException) -> bool:
+        return isinstance(e, self._outage) and not isinstance(e, self._answers)
+
     def _sleep(self, seconds: float) -> None:
         with self._cond:
             if not self._stop:
@@ -225,7 +234,7 @@ class Uploader:
                             self.remote.url, type(e).__name__, e, delay)
                 with self._cond:
                     self._uploading = None
-                    if name is not None and name in self._pending:
+                    if name is not None and name in self._pending and not self._is_outage(e):
                         # To the back of the queue: a checkpoint the remote keeps
                         # refusing must not hold back the newer ones behind it.
                         del self._pending[name]
