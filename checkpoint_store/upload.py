@@ -302,12 +302,26 @@ class Uploader:
                 self._pending.pop(name, None)
                 if not gone:
                     self._damaged.add(name)
+            self._drop_marker(name)
             if gone:
                 log.info("checkpoint %s was deleted locally before its upload", name)
             else:
                 log.error("local checkpoint %s is damaged (%s); it is not uploaded and stays "
                           "on local disk for inspection until local retention drops it",
                           name, e)
+
+    def _drop_marker(self, name: str) -> None:
+        """Remove the remote in-flight marker an earlier attempt may have left for a
+        checkpoint that will not be uploaded: without it, a remote ``gc`` removes the
+        partial upload as debris instead of keeping it as in flight."""
+        parsed = parse_manifest_name(name)
+        if parsed is None:
+            return
+        try:
+            self._call(self.remote.remove, inflight_marker(parsed.uid, 0))
+        except Exception as e:  # best effort: the next process's gc sees a dead writer
+            log.warning("could not remove the in-flight marker of %s from %s (%s: %s)",
+                        name, self.remote.url, type(e).__name__, e)
 
     def _upload_once(self, name: str) -> None:
         mpath = manifest_path(name)

@@ -404,7 +404,7 @@ def _tiered_on_dir(local: Path, remote: Path, **kwargs):
     from trainer_client.retry import object_store_breaker
 
     return TieredCheckpointStore(
-        local, str(remote), remote_breaker=object_store_breaker(f"test-tier-dir-{remote}"),
+        local, str(remote), remote_breaker=object_store_breaker(f"test-tier-dir-{local}"),
         upload_backoff_s=(0.05, 0.2), **kwargs)
 
 
@@ -432,9 +432,10 @@ def test_refused_upload_does_not_hold_back_newer_ones(tmp_path, monkeypatch):
 
 
 def test_damaged_local_checkpoint_is_dropped_by_retention(tmp_path, monkeypatch):
-    """Step 1's local chunk is damaged before its upload: it is never published
-    remotely, and once steps 2 and 3 are uploaded, local retention (keep_last=1)
-    drops it like any checkpoint beyond retention instead of keeping it forever."""
+    """Step 1's upload fails once (leaving its remote in-flight marker), then its
+    local chunk is damaged: the next store never publishes it remotely, removes that
+    marker, and once steps 2 and 3 are uploaded, local retention (keep_last=1) drops
+    it like any checkpoint beyond retention instead of keeping it forever."""
     from checkpoint_store._faults import FAIL_ENV
 
     local, remote = tmp_path / "local", tmp_path / "remote"
@@ -442,13 +443,17 @@ def test_damaged_local_checkpoint_is_dropped_by_retention(tmp_path, monkeypatch)
     store = _tiered_on_dir(local, remote, keep_last=1)
     first = store.save(state_for(1), step=1).wait()
     _wait_for(lambda: store.upload_failures > 0, "a failed upload attempt of step 1")
+    assert not store.close()  # step 1 still pending
+    assert len(list((remote / "inflight").iterdir())) == 1
     _flip_byte_in_chunk(local, first.uid)
     monkeypatch.delenv(FAIL_ENV)
+    store = _tiered_on_dir(local, remote, keep_last=1)
     assert store.wait_uploads(30.0)  # step 1 found damaged: not pending any more
     store.save(state_for(2), step=2)
     store.save(state_for(3), step=3)
     assert store.wait_uploads(30.0)
     assert [m.step for m in CheckpointStore(remote).list()] == [2, 3]
+    assert list((remote / "inflight").iterdir()) == []
     assert _local_steps(local) == [3]
     assert store.close()
 
