@@ -54,3 +54,9 @@ def state_for(step: int, *, width: int = 8) -> dict[str, object]:
         "name": f"run-{step}",
     }
 
+
+
+def empty_state(*, width: int = 8) -> dict[str, object]:
+    """A load target shaped like ``state_for(..., width=width)``, holding none of its values."""
+    return {"w": torch.zeros(width, width), "b": torch.zeros(width, dtype=torch.bfloat16),
+            "step": -1, "name": ""}

@@ -16,7 +16,7 @@ import torch
 
 from checkpoint_store import CheckpointStore
 from checkpoint_store._faults import CRASH_ENV, PHASES, STOP_ENV
-from tests._ckpt_helpers import state_for
+from tests._ckpt_helpers import empty_state, state_for
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "_ckpt_worker.py"
@@ -32,12 +32,8 @@ def _spawn(url: str, step: int, env_extra: dict[str, str], options: dict | None 
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _target() -> dict[str, object]:
-    return {"w": torch.zeros(64, 64), "b": torch.zeros(64, dtype=torch.bfloat16), "step": -1}
-
-
 def _assert_loads_step(store: CheckpointStore, step: int) -> None:
-    target = _target()
+    target = empty_state(width=64)
     manifest = store.load(target, strict=True)
     assert manifest is not None and manifest.step == step
     expected = state_for(step, width=64)

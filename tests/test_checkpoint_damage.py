@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from checkpoint_store import CheckpointStore, CorruptCheckpointError
-from tests._ckpt_helpers import state_for
+from tests._ckpt_helpers import empty_state, state_for
 
 CHUNK = 4096
 
@@ -35,18 +35,14 @@ def _flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def _target() -> dict[str, object]:
-    return {"w": torch.zeros(64, 64), "b": torch.zeros(64, dtype=torch.bfloat16), "step": -1}
-
-
 def _check_fallback(store: CheckpointStore, caplog, damaged: str) -> None:
-    target = _target()
+    target = empty_state(width=64)
     with caplog.at_level(logging.WARNING, logger="checkpoint_store"):
         manifest = store.load(target)
     assert manifest is not None and manifest.step == 1
     assert torch.equal(target["w"], state_for(1, width=64)["w"]) and target["step"] == 1
     assert damaged in caplog.text
-    strict_target = _target()
+    strict_target = empty_state(width=64)
     with pytest.raises(CorruptCheckpointError, match=damaged):
         store.load(strict_target, strict=True)
     assert torch.equal(strict_target["w"], torch.zeros(64, 64)) and strict_target["step"] == -1
@@ -106,12 +102,12 @@ def test_corrupt_latest_is_detected_and_ignored(tmp_path, caplog, content):
     manifest listing (step 2 is intact and loads); strict load raises."""
     store, root, _ = _two_checkpoints(tmp_path)
     (root / "LATEST").write_bytes(content)
-    target = _target()
+    target = empty_state(width=64)
     with caplog.at_level(logging.WARNING, logger="checkpoint_store"):
         assert store.load(target).step == 2
     assert "LATEST" in caplog.text and target["step"] == 2
     with pytest.raises(CorruptCheckpointError, match="LATEST"):
-        store.load(_target(), strict=True)
+        store.load(empty_state(width=64), strict=True)
 
 
 def test_every_checkpoint_damaged_raises(tmp_path):
@@ -120,4 +116,4 @@ def test_every_checkpoint_damaged_raises(tmp_path):
     for m in store.list():
         _flip_byte(_chunk_files(root, m.uid)[0], 0)
     with pytest.raises(CorruptCheckpointError, match="no loadable checkpoint"):
-        store.load(_target())
+        store.load(empty_state(width=64))

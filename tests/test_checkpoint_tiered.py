@@ -18,17 +18,12 @@ import s3fs
 import torch
 
 from checkpoint_store import CheckpointStore, TierState
-from tests._ckpt_helpers import same_bits, state_for
+from tests._ckpt_helpers import empty_state, same_bits, state_for
 from tests._tier_helpers import fast_options, open_tiered
 from tests.servers import MotoServer
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "_tier_worker.py"
-
-
-def _target(width: int = 8) -> dict[str, object]:
-    return {"w": torch.zeros(width, width), "b": torch.zeros(width, dtype=torch.bfloat16),
-            "step": -1, "name": ""}
 
 
 def _assert_state(target: dict[str, object], step: int, width: int = 8) -> None:
@@ -75,7 +70,7 @@ def test_uploads_every_checkpoint_and_keeps_last_k_locally(tmp_path, moto_server
     assert all(t.state is TierState.REMOTE and t.remote for t in status.values())
     assert [s for s, t in status.items() if t.local] == [4, 5]
     assert status[1].labels() == ["committed", "remote"]
-    target = _target()
+    target = empty_state()
     manifest = store.load(target, step=1)
     assert manifest is not None and manifest.step == 1
     _assert_state(target, 1)
@@ -128,7 +123,7 @@ def test_outage_in_the_middle_of_an_upload(tmp_path):
         assert worker.wait(60) == 0
         remote = _remote_store(remote_url, options)
         assert [m.step for m in remote.list()] == [1, 2, 3, 4, 5]
-        target = _target(64)
+        target = empty_state(width=64)
         assert remote.load(target, step=1, strict=True).step == 1
         _assert_state(target, 1, width=64)
     finally:
@@ -154,7 +149,7 @@ def test_wiped_local_disk_restores_from_remote_bit_exact(tmp_path, moto_server, 
 
     store = open_tiered(str(local), remote_url, options)
     assert [m.step for m in store.list()] == [1, 2, 3]
-    target = _target()
+    target = empty_state()
     with caplog.at_level(logging.WARNING, logger="checkpoint_store.tiered"):
         manifest = store.load(target)
     assert manifest is not None and manifest.step == 3
@@ -190,10 +185,10 @@ def test_damaged_local_chunk_falls_back_to_remote_copy(tmp_path, moto_server, s3
     assert store.wait_uploads(60.0)
     _flip_byte_in_chunk(local, newest.uid)
 
-    plain = _target()
+    plain = empty_state()
     assert CheckpointStore(local).load(plain).step == 1  # local alone loses step 2
 
-    target = _target()
+    target = empty_state()
     with caplog.at_level(logging.WARNING, logger="checkpoint_store.tiered"):
         manifest = store.load(target)
     assert manifest is not None and manifest.name == newest.name
@@ -232,7 +227,7 @@ def test_kill_9_mid_upload_is_finished_by_next_store(tmp_path, moto_server, s3_b
     remote = _remote_store(remote_url, options)
     assert remote._backend.listdir("inflight") == []
     assert json.loads(remote._backend.read("LATEST"))["step"] == 1
-    target = _target(64)
+    target = empty_state(width=64)
     manifest = remote.load(target, strict=True)
     assert manifest is not None and manifest.step == 1
     _assert_state(target, 1, width=64)
