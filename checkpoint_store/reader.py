@@ -11,17 +11,21 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from checkpoint_store.backends import Backend
+from checkpoint_store.backends import Backend, aligned_buffer
 from checkpoint_store.errors import CorruptCheckpointError
 from checkpoint_store.flatten import decode_skeleton
 from checkpoint_store.layout import data_dir
 from checkpoint_store.manifest import Manifest
-from checkpoint_store.zarr_format import decode_chunk
+from checkpoint_store.zarr_format import CRC_BYTES, check_chunk
 
 __all__ = ["ChunkReader", "verify_data"]
 
 
 class ChunkReader:
+    """Each run of consecutive chunks of an array is read into one aligned buffer, a
+    chunk's payload straight into its place (one read, no intermediate copy), so a
+    tensor spanning chunks is a view of that buffer rather than a reassembled copy."""
+
     def __init__(
         self, backend: Backend, data_dir: str, arrays: Mapping[str, Mapping[str, Any]],
         *, io_threads: int,
@@ -30,30 +34,50 @@ class ChunkReader:
         self.data_dir = data_dir
         self.arrays = arrays
         self.io_threads = io_threads
-        self._chunks: dict[tuple[str, int], memoryview] = {}
+        # (array, chunk index) -> (run number, the run's buffer, chunk's byte offset in it)
+        self._chunks: dict[tuple[str, int], tuple[int, memoryview, int]] = {}
+        self._runs = 0
 
     def _chunk_range(self, array: str, offset: int, nbytes: int) -> range:
         size = int(self.arrays[array]["chunk_bytes"])
         return range(offset // size, (offset + nbytes - 1) // size + 1)
 
-    def _load_chunk(self, array: str, index: int) -> memoryview:
+    def _load_chunk(self, array: str, index: int, payload: memoryview) -> None:
         meta = self.arrays[array]
         ndim = len(meta["shape"])
         key = ".".join([str(index)] + ["0"] * (ndim - 1))
         path = f"{self.data_dir}/{array}/{key}"
+        trailer = memoryview(bytearray(CRC_BYTES))
         try:
-            raw = self.backend.read_buffer(path)
+            size = self.backend.read_into(path, [payload, trailer])
         except FileNotFoundError as e:
             raise CorruptCheckpointError(
                 f"chunk {path} is missing: the checkpoint is incomplete; load an earlier one"
             ) from e
-        return decode_chunk(
-            raw, expected_len=int(meta["chunk_bytes"]),
-            expected_crc=int(meta["crc32c"][index]), where=path,
-        )
+        check_chunk(payload, trailer, size, expected_crc=int(meta["crc32c"][index]),
+                    where=path)
+
+    def _plan_runs(self, todo: list[tuple[str, int]]
+                   ) -> list[tuple[str, int, int, memoryview, int]]:
+        """``(array, index, run number, run buffer, offset)`` for each chunk in ``todo``
+        (sorted), one fresh buffer per run of consecutive indices of one array."""
+        jobs: list[tuple[str, int, int, memoryview, int]] = []
+        i = 0
+        while i < len(todo):
+            array, first = todo[i]
+            j = i + 1
+            while j < len(todo) and todo[j] == (array, first + j - i):
+                j += 1
+            size = int(self.arrays[array]["chunk_bytes"])
+            buf = aligned_buffer((j - i) * size)
+            self._runs += 1
+            jobs.extend((array, first + k, self._runs, buf, k * size) for k in range(j - i))
+            i = j
+        return jobs
 
     def fetch(self, ranges: Iterable[tuple[str, int, int]]) -> None:
-        """Read and verify every chunk that ``(array, offset, nbytes)`` ranges touch."""
+        """Read and verify every chunk that ``(array, offset, nbytes)`` ranges touch;
+        nothing is kept unless all of them verify."""
         wanted: set[tuple[str, int]] = set()
         for array, offset, nbytes in ranges:
             if nbytes == 0:
@@ -63,14 +87,23 @@ class ChunkReader:
                     f"the manifest places a tensor in array {array!r}, which it does not list"
                 )
             wanted.update((array, i) for i in self._chunk_range(array, offset, nbytes))
-        todo = sorted(wanted - self._chunks.keys())
-        if len(todo) <= 1 or self.io_threads <= 1:
-            for key in todo:
-                self._chunks[key] = self._load_chunk(*key)
-            return
-        with ThreadPoolExecutor(self.io_threads, thread_name_prefix="ckpt-read") as pool:
-            for key, data in zip(todo, pool.map(lambda k: self._load_chunk(*k), todo)):
-                self._chunks[key] = data
+        jobs = self._plan_runs(sorted(wanted - self._chunks.keys()))
+
+        def load(job: tuple[str, int, int, memoryview, int]) -> None:
+            array, index, _, buf, pos = job
+            size = int(self.arrays[array]["chunk_bytes"])
+            self._load_chunk(array, index, buf[pos : pos + size])
+
+        if len(jobs) <= 1 or self.io_threads <= 1:
+            for job in jobs:
+                load(job)
+        else:
+            # Reads and CRC-32C release the GIL, so chunks are checked in parallel too.
+            with ThreadPoolExecutor(min(self.io_threads, len(jobs)),
+                                    thread_name_prefix="ckpt-read") as pool:
+                list(pool.map(load, jobs))
+        for array, index, run, buf, pos in jobs:
+            self._chunks[(array, index)] = (run, buf, pos)
 
     def drop(self) -> None:
         """Forget fetched chunks (``verify`` streams through a checkpoint)."""
@@ -83,18 +116,20 @@ class ChunkReader:
         self.fetch([(array, offset, nbytes)])
         size = int(self.arrays[array]["chunk_bytes"])
         indices = self._chunk_range(array, offset, nbytes)
-        if len(indices) == 1:
-            start = offset - indices[0] * size
-            return self._chunks[(array, indices[0])][start : start + nbytes]
-        out = bytearray(nbytes)
-        pos = 0
+        run, buf, pos = self._chunks[(array, indices[0])]
+        start = pos + offset - indices[0] * size
+        if all(self._chunks[(array, i)][0] == run for i in indices):
+            # Consecutive chunks of one run are adjacent in its buffer.
+            return buf[start : start + nbytes]
+        out = aligned_buffer(nbytes)
+        done = 0
         for i in indices:
-            chunk = self._chunks[(array, i)]
+            _, buf, pos = self._chunks[(array, i)]
             lo = max(offset, i * size) - i * size
             hi = min(offset + nbytes, (i + 1) * size) - i * size
-            out[pos : pos + hi - lo] = chunk[lo:hi]
-            pos += hi - lo
-        return memoryview(out)
+            out[done : done + hi - lo] = buf[pos + lo : pos + hi]
+            done += hi - lo
+        return out
 
 
 def verify_data(backend: Backend, manifest: Manifest, *, io_threads: int) -> None:

@@ -21,7 +21,7 @@ import crc32c as _crc
 
 from checkpoint_store.errors import CorruptCheckpointError
 
-__all__ = ["CRC_BYTES", "ArrayLayout", "crc32c", "decode_chunk", "group_metadata", "zero_bytes"]
+__all__ = ["CRC_BYTES", "ArrayLayout", "check_chunk", "crc32c", "group_metadata", "zero_bytes"]
 
 CRC_BYTES = 4
 _ZEROS = bytes(1 << 20)
@@ -133,17 +133,18 @@ def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
 
 
-def decode_chunk(raw: bytes | memoryview, *, expected_len: int, expected_crc: int, where: str) -> memoryview:
-    """The payload of a chunk file, after checking its length, its own CRC and the
-    CRC the manifest recorded (which also catches a valid chunk from another save)."""
-    if len(raw) != expected_len + CRC_BYTES:
+def check_chunk(payload: memoryview, trailer: memoryview, file_size: int, *,
+                expected_crc: int, where: str) -> None:
+    """Check a chunk file read as ``payload`` + ``trailer`` (its 4 CRC bytes): its
+    size, its own CRC and the CRC the manifest recorded (which also catches a valid
+    chunk from another save). Raises CorruptCheckpointError."""
+    expected_size = len(payload) + CRC_BYTES
+    if file_size != expected_size:
         raise CorruptCheckpointError(
-            f"chunk {where} has {len(raw)} bytes, expected {expected_len + CRC_BYTES}: "
+            f"chunk {where} has {file_size} bytes, expected {expected_size}: "
             "the file is truncated or foreign; load an earlier checkpoint"
         )
-    view = memoryview(raw)
-    payload = view[:expected_len]
-    (stored,) = struct.unpack("<I", view[expected_len:])
+    (stored,) = struct.unpack("<I", trailer)
     actual = _crc.crc32c(payload)
     if actual != stored or actual != expected_crc:
         raise CorruptCheckpointError(
@@ -151,4 +152,3 @@ def decode_chunk(raw: bytes | memoryview, *, expected_len: int, expected_crc: in
             f"{stored:#010x}, manifest {expected_crc:#010x}): the data is damaged; "
             "load an earlier checkpoint"
         )
-    return payload
