@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 import redis
 import torch
+from redis.driver_info import DriverInfo
 from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer_client import offsets as ofs
@@ -81,39 +84,103 @@ def _fields(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     return dict(zip(it, it))
 
 
-def _stack_arrays(entries: list[dict[bytes, bytes]], in_worker: bool) -> torch.Tensor | None:
-    """One tensor for same-shaped NumPy records: each record's bytes are copied once,
-    into a tensor that lives in shared memory when we are a DataLoader worker (so the
-    trip to the main process copies nothing more)."""
-    first = entries[0]
-    dt, sh = first.get(streams.F_DTYPE), first.get(streams.F_SHAPE, b"")
-    if any(
-        e.get(streams.F_KIND) != streams.KIND_NDARRAY
-        or e.get(streams.F_DTYPE) != dt
-        or e.get(streams.F_SHAPE, b"") != sh
-        for e in entries
-    ):
+_Segment = tuple[int, list[str], list[list[bytes]]]
+"""Consecutive entries of one partition: ``(partition, IDs, flat field lists)``, the
+flat lists exactly as Redis sent them (``[name, value, name, value, ...]``)."""
+
+_READ_BATCHES = 4
+"""Greedy reads ask for about this many batches per round trip, spread over the
+active partitions: enough to amortise the fenced read's round trips, small enough
+that the reply's memory is reused from one read to the next rather than faulted in
+afresh (a reply of many MiB costs more in page faults than it saves)."""
+
+_READ_SIZE = 1 << 18
+"""Socket read size of the reading connection: large replies come in fewer reads."""
+
+_LIB_VERSION = redis.__version__
+"""Passed to every connection: otherwise redis-py looks its own version up in the
+package metadata for each one (milliseconds per pass)."""
+
+_ENTRY_ID, _ENTRY_FIELDS = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _take(segments: deque[_Segment], n: int) -> list[_Segment]:
+    """The first ``n`` entries of ``segments`` (removed from it), still in segments."""
+    out: list[_Segment] = []
+    while n > 0:
+        p, ids, flats = segments.popleft()
+        if len(ids) > n:
+            segments.appendleft((p, ids[n:], flats[n:]))
+            ids, flats = ids[:n], flats[:n]
+        out.append((p, ids, flats))
+        n -= len(ids)
+    return out
+
+
+def _nd_layout(first: list[bytes]) -> tuple[int, Callable[[Any], Any], tuple[bytes, ...]] | None:
+    """Where an ``nd`` record keeps its payload, and what every entry of a stackable
+    batch must share with ``first`` (field names in order, kind, dtype, shape), as a
+    getter and its value; None when ``first`` is no ``nd`` record with unique names."""
+    names = first[0::2]
+    if len(first) % 2 or len(set(names)) != len(names):
         return None
-    assert dt is not None
+    where = {name: 2 * i + 1 for i, name in enumerate(names)}
+    if not {streams.F_KIND, streams.F_DATA, streams.F_DTYPE} <= where.keys():
+        return None
+    if first[where[streams.F_KIND]] != streams.KIND_NDARRAY:
+        return None
+    shared = [*range(0, len(first), 2), where[streams.F_KIND], where[streams.F_DTYPE]]
+    if streams.F_SHAPE in where:
+        shared.append(where[streams.F_SHAPE])
+    get = operator.itemgetter(*shared)
+    return where[streams.F_DATA], get, get(first)
+
+
+def _stack_arrays(flats: list[list[bytes]], in_worker: bool) -> torch.Tensor | None:
+    """One tensor for same-shaped NumPy records, or None when they are not all that.
+
+    Works on the flat field lists straight from the reply (no dict per entry): one
+    C-level pass checks that every entry has the first one's field names, kind, dtype
+    and shape; the payloads are then copied once, by one join, into the tensor's
+    memory. A DataLoader worker copies them into shared memory instead, so the trip
+    to the main process copies nothing more."""
+    first = flats[0]
+    layout = _nd_layout(first)
+    if layout is None:
+        return None
+    data_at, shared, expected = layout
+    if set(map(len, flats)) != {len(first)} or list(map(shared, flats)).count(expected) != len(flats):
+        return None
+    names = first[0::2]
+    dt = first[2 * names.index(streams.F_DTYPE) + 1]
+    sh = first[2 * names.index(streams.F_SHAPE) + 1] if streams.F_SHAPE in names else b""
     dtype = np.dtype(dt.decode())
     shape = tuple(int(n) for n in sh.decode().split(",")) if sh else ()
     try:
         tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except TypeError:
+    except (TypeError, ValueError):  # no torch dtype (object, non-native byte order)
         return None
-    out = torch.empty((len(entries), *shape), dtype=tdtype)
-    if in_worker:
-        out.share_memory_()
-    view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
-    step = len(view) // len(entries)
-    for i, e in enumerate(entries):
-        data = e[streams.F_DATA]
-        if len(data) != step:
-            raise streams.ContractError(
-                f"record of {len(data)} bytes does not match its dtype {dtype} and shape {shape}"
-            )
-        view[i * step : (i + 1) * step] = data
-    return out
+    step = dtype.itemsize * math.prod(shape)
+    payloads = list(map(operator.itemgetter(data_at), flats))
+    sizes = set(map(len, payloads))
+    if sizes != {step}:
+        bad = next(s for s in sizes if s != step)
+        raise streams.ContractError(
+            f"record of {bad} bytes does not match its dtype {dtype} and shape {shape}"
+        )
+    n = len(payloads)
+    if in_worker or step == 0:
+        out = torch.empty((n, *shape), dtype=tdtype)
+        if in_worker:
+            out.share_memory_()
+        if step == 0:  # zero-sized records: nothing to copy (and no byte view exists)
+            return out
+        view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
+        for i, data in enumerate(payloads):
+            view[i * step : (i + 1) * step] = data
+        return out
+    # The joined bytearray is the tensor's memory (torch keeps it alive): one copy.
+    return torch.frombuffer(bytearray().join(payloads), dtype=tdtype).view(n, *shape)
 
 
 @contextlib.contextmanager
@@ -143,6 +210,7 @@ class _Reader:
         self.parsed: dict[int, streams.StreamId] = {}
         self.batches: dict[int, int] = {}
         self.ends: dict[int, str | None] | None = None
+        self._commands: dict[tuple[tuple[int, int], ...], tuple[list[bytes], list[bytes]]] = {}
         # Made here, in the process that reads (a DataLoader worker): one per reader.
         self.breaker = trainer_redis_breaker(f"redis:{ds.group}:{consumer}")
         self.retrier = trainer_redis_retrier(self.breaker, ds.reconnect_timeout_s)
@@ -153,6 +221,7 @@ class _Reader:
                 self.ds.redis_url,
                 socket_timeout=self.ds.block_ms / 1000 + 10.0,
                 socket_connect_timeout=5.0,
+                driver_info=DriverInfo(lib_version=_LIB_VERSION),
             )
         return self.client
 
@@ -223,10 +292,35 @@ class _Reader:
         if self.conn is None:
             kw = redis.connection.parse_url(self.ds.redis_url)
             self.conn = redis.Connection(
-                **kw, protocol=2, socket_timeout=30.0, socket_connect_timeout=5.0
+                **kw, protocol=2, socket_timeout=30.0, socket_connect_timeout=5.0,
+                socket_read_size=_READ_SIZE, driver_info=DriverInfo(lib_version=_LIB_VERSION),
             )
             self.conn.connect()
         return self.conn
+
+    def _packed(self, conn: redis.Connection, counts: dict[int, int]) -> tuple[list[bytes], list[bytes]]:
+        """The packed commands of a fenced read of ``counts``: WATCH and MGET of the
+        fences, then MULTI, the XREADGROUPs and EXEC. They only depend on ``counts``,
+        and packing them costs more client CPU than reading a reply of small records,
+        so they are packed once per shape of read."""
+        key = tuple(counts.items())
+        got = self._commands.get(key)
+        if got is None:
+            ds = self.ds
+            fences = [streams.fence_key(ds.dataset, p, ds.group) for p in counts]
+            cmds: list[tuple[Any, ...]] = [("MULTI",)]
+            for p, n in counts.items():
+                cmds.append((
+                    "XREADGROUP", "GROUP", ds.group, self.consumer, "COUNT", n,
+                    "STREAMS", streams.partition_key(ds.dataset, p), ">",
+                ))
+            cmds.append(("EXEC",))
+            got = (conn.pack_commands([("WATCH", *fences), ("MGET", *fences)]),
+                   conn.pack_commands(cmds))
+            if len(self._commands) >= 256:  # deterministic reads vary their counts
+                self._commands.clear()
+            self._commands[key] = got
+        return got
 
     def _fenced_read(self, counts: dict[int, int]) -> dict[int, list[Any]]:
         """XREADGROUP of each partition in one MULTI, under WATCH of the partitions'
@@ -237,28 +331,19 @@ class _Reader:
         """
         ds = self.ds
         order = list(counts)
-        fences = [streams.fence_key(ds.dataset, p, ds.group) for p in order]
         while True:
             conn = self._raw()
-            conn.send_packed_command(
-                conn.pack_commands([("WATCH", *fences), *(("GET", k) for k in fences)])
-            )
+            watch, read = self._packed(conn, counts)
+            conn.send_packed_command(watch)
             conn.read_response()
-            gens = [int(conn.read_response() or 0) for _ in fences]
+            gens = [int(g or 0) for g in conn.read_response()]
             if max(gens) != ds.generation or min(gens) != ds.generation:
                 conn.send_command("UNWATCH")
                 conn.read_response()
                 # Raises FencedError when newer; re-asserts a fence Redis lost.
                 ofs.assert_generation(self._connect(), ds.dataset, ds.group, ds.generation, order)
                 continue
-            cmds: list[tuple[Any, ...]] = [("MULTI",)]
-            for p in order:
-                cmds.append((
-                    "XREADGROUP", "GROUP", ds.group, self.consumer, "COUNT", counts[p],
-                    "STREAMS", streams.partition_key(ds.dataset, p), ">",
-                ))
-            cmds.append(("EXEC",))
-            conn.send_packed_command(conn.pack_commands(cmds))
+            conn.send_packed_command(read)
             for _ in range(len(order) + 1):
                 conn.read_response()  # OK, QUEUED...
             results = conn.read_response()
@@ -274,9 +359,10 @@ class _Reader:
                 continue
             return {p: (r[0][1] if r else []) for p, r in zip(order, results)}
 
-    def read(self, counts: dict[int, int]) -> dict[int, list[tuple[str, dict[bytes, bytes]]]]:
-        """Up to ``counts[p]`` new entries of each partition (possibly none), with the
-        producer's end marks refreshed in the same round trip."""
+    def read(self, counts: dict[int, int]) -> dict[int, tuple[list[str], list[list[bytes]]]]:
+        """Up to ``counts[p]`` new entries of each partition (possibly none), as their
+        IDs and flat field lists, with the producer's end marks refreshed in the same
+        round trip."""
 
         def call(c: redis.Redis) -> Any:
             got = self._fenced_read(counts)
@@ -287,8 +373,8 @@ class _Reader:
         with _gc_paused():
             return self._parse(self._retry(call, reseek=True))
 
-    def _parse(self, raw: dict[int, list[Any]]) -> dict[int, list[tuple[str, dict[bytes, bytes]]]]:
-        out: dict[int, list[tuple[str, dict[bytes, bytes]]]] = {}
+    def _parse(self, raw: dict[int, list[Any]]) -> dict[int, tuple[list[str], list[list[bytes]]]]:
+        out: dict[int, tuple[list[str], list[list[bytes]]]] = {}
         for p, entries in raw.items():
             # IDs come in increasing order: only a head at or below our position can
             # be a repeat (Redis rewound its AOF and delivered them again).
@@ -296,11 +382,14 @@ class _Reader:
             start = 0
             while start < len(entries) and streams.parse_id(entries[start][0]) <= last:
                 start += 1
-            kept = [(eid.decode(), _fields(flat)) for eid, flat in entries[start:]]
-            if kept:
-                self.positions[p] = kept[-1][0]
-                self.parsed[p] = streams.parse_id(kept[-1][0])
-            out[p] = kept
+            if start:
+                entries = entries[start:]
+            # map() over C getters: no Python frame per entry.
+            ids = list(map(bytes.decode, map(_ENTRY_ID, entries)))
+            if ids:
+                self.positions[p] = ids[-1]
+                self.parsed[p] = streams.parse_id(ids[-1])
+            out[p] = (ids, list(map(_ENTRY_FIELDS, entries)))
         return out
 
     def _refresh_ends(self, client: redis.Redis) -> None:
@@ -373,7 +462,9 @@ class StreamingDataset(IterableDataset):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if spec is None:
-            client = redis.Redis.from_url(redis_url, socket_timeout=10)
+            client = redis.Redis.from_url(
+                redis_url, socket_timeout=10, driver_info=DriverInfo(lib_version=_LIB_VERSION)
+            )
             call = trainer_redis_retrier(trainer_redis_breaker(f"redis:{group}"),
                                          reconnect_timeout_s).call
             try:
@@ -430,15 +521,21 @@ class StreamingDataset(IterableDataset):
 
     def _greedy(self, reader: _Reader, worker: int, in_worker: bool) -> Iterator[Batch]:
         bs = self.batch_size
-        buf: deque[tuple[int, str, dict[bytes, bytes]]] = deque()
+        buf: deque[_Segment] = deque()
+        held = 0
         active = list(reader.partitions)
         while active:
-            got = reader.read({p: bs for p in active})
+            per = max(1, -(-bs * _READ_BATCHES // len(active)))
+            got = reader.read({p: per for p in active})
             for p in active:
-                buf.extend((p, i, f) for i, f in got[p])
-            while len(buf) >= bs:
-                yield self._batch([buf.popleft() for _ in range(bs)], worker, in_worker)
-            if any(got[p] for p in active):
+                ids, flats = got[p]
+                if ids:
+                    buf.append((p, ids, flats))
+                    held += len(ids)
+            while held >= bs:
+                yield self._batch(_take(buf, bs), worker, in_worker)
+                held -= bs
+            if any(got[p][0] for p in active):
                 continue
             active = [p for p in active if not reader.finished(p)]
             if active:
@@ -453,38 +550,38 @@ class StreamingDataset(IterableDataset):
         seq = sum(counts.values())
         while active:
             p = min(active, key=lambda q: (counts[q], q))
-            chunk: list[tuple[int, str, dict[bytes, bytes]]] = []
-            while len(chunk) < bs:
-                got = reader.read({p: bs - len(chunk)})[p]
-                chunk.extend((p, i, f) for i, f in got)
-                if got or len(chunk) >= bs:
+            chunk_ids: list[str] = []
+            chunk_flats: list[list[bytes]] = []
+            while len(chunk_ids) < bs:
+                ids, flats = reader.read({p: bs - len(chunk_ids)})[p]
+                chunk_ids += ids
+                chunk_flats += flats
+                if ids or len(chunk_ids) >= bs:
                     continue
                 if reader.finished(p):
                     break
                 reader.wait([p])
-            if len(chunk) < bs:
+            if len(chunk_ids) < bs:
                 active.remove(p)
-            if chunk:
-                batch = self._batch(chunk, worker, in_worker)
+            if chunk_ids:
+                batch = self._batch([(p, chunk_ids, chunk_flats)], worker, in_worker)
                 batch.partition, batch.seq = p, seq
                 counts[p] += 1
                 seq += 1
                 yield batch
         yield Batch(data=[], ids={}, offsets={}, worker=worker, seq=seq, final=True)
 
-    def _batch(
-        self, items: list[tuple[int, str, dict[bytes, bytes]]], worker: int, in_worker: bool
-    ) -> Batch:
+    def _batch(self, segments: list[_Segment], worker: int, in_worker: bool) -> Batch:
         ids: dict[int, list[str]] = {}
-        for p, i, _ in items:
-            ids.setdefault(p, []).append(i)
+        for p, seg_ids, _ in segments:
+            ids.setdefault(p, []).extend(seg_ids)
         offsets = {p: v[-1] for p, v in ids.items()}
-        entries = [f for _, _, f in items]
+        flats = segments[0][2] if len(segments) == 1 else [f for s in segments for f in s[2]]
         data: Any = None
         if self.decode is None and self.collate is None:
-            data = _stack_arrays(entries, in_worker)
+            data = _stack_arrays(flats, in_worker)
         if data is None:
-            records = [streams.decode_record(f) for f in entries]
+            records = [streams.decode_record(_fields(f)) for f in flats]
             if self.decode is not None:
                 records = [self.decode(r) for r in records]
             data = self.collate(records) if self.collate is not None else records
