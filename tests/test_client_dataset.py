@@ -224,3 +224,28 @@ def test_dataset_made_during_a_redis_outage_waits_for_redis(redis_factory) -> No
     ds = StreamingDataset(server.url, "tok", "run", batch_size=10)
     restarter.join()
     assert sorted(_ids(list(ds))) == list(range(40))
+
+
+@pytest.mark.parametrize(
+    ("make", "check"),
+    [
+        # zero-size arrays: one batch tensor of shape (n, 0), nothing to read in it
+        (lambda i: np.zeros(0, dtype=np.int64),
+         lambda b: isinstance(b.data, torch.Tensor) and tuple(b.data.shape) == (len(b), 0)),
+        # big-endian arrays: no native tensor exists for them, so the records come as a list
+        (lambda i: np.full(4, i, dtype=">i4"),
+         lambda b: isinstance(b.data, list) and all(r.dtype == np.dtype(">i4") for r in b.data)),
+    ],
+    ids=["zero-size", "big-endian"],
+)
+def test_unusual_arrays_are_batched_not_crashed(redis_server, make, check) -> None:
+    """Record arrays that cannot be viewed as one native tensor by the fast path
+    (zero-size, non-native byte order) still come back, every record once."""
+    spec = cf.create(redis_server.url, "odd", partitions=2)
+    cf.fill(redis_server.url, spec, 40, make=make)
+    batches = list(StreamingDataset(redis_server.url, "odd", "run", batch_size=8))
+    assert sum(len(b) for b in batches) == 40
+    assert all(check(b) for b in batches)
+    assert sorted(i for b in batches for ids in b.ids.values() for i in ids) == sorted(
+        streams.make_id(0, i // 2) for i in range(40)
+    )
