@@ -73,24 +73,42 @@ def honour_cancel() -> None:
         raise asyncio.CancelledError("cancelled during a Redis call")
 
 
+_KEY_BULKS: dict[bytes, bytes] = {}
+"""Field names as RESP bulk strings: a stream's few field names recur in every entry."""
+
+
+def _key_bulk(key: bytes) -> bytes:
+    kb = _KEY_BULKS.get(key)
+    if kb is None:
+        kb = b"$%d\r\n%s\r\n" % (len(key), key)
+        if len(_KEY_BULKS) < 1024:  # bounded: field names are few, but come from sources
+            _KEY_BULKS[key] = kb
+    return kb
+
+
 def xadd_parts(
     parts: list[bytes], key_bulk: bytes, stream_id: bytes, fields: dict[bytes, bytes],
     *, nomkstream: bool,
 ) -> None:
     """Append ``XADD key [NOMKSTREAM] id field value...`` to ``parts``; ``key_bulk`` is
-    the key already as a RESP bulk string."""
+    the key already as a RESP bulk string. Small fields are joined into one chunk; large
+    values go in as their own chunk, never copied here."""
     argc = 3 + 2 * len(fields) + (1 if nomkstream else 0)
-    parts.append(
+    head = [
         b"*%d\r\n$4\r\nXADD\r\n%s%s$%d\r\n%s\r\n"
         % (argc, key_bulk, _NOMKSTREAM if nomkstream else b"", len(stream_id), stream_id)
-    )
+    ]
     for k, v in fields.items():
-        if len(v) < 512:
-            parts.append(b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(v), v))
+        head.append(_key_bulk(k))
+        n = len(v)
+        if n < 512:
+            head.append(b"$%d\r\n%s\r\n" % (n, v))
         else:
-            parts.append(b"$%d\r\n%s\r\n$%d\r\n" % (len(k), k, len(v)))
+            head.append(b"$%d\r\n" % n)
+            parts.append(b"".join(head))
             parts.append(v)
-            parts.append(b"\r\n")
+            head = [b"\r\n"]
+    parts.append(b"".join(head))
 
 
 def bulk(value: bytes) -> bytes:

@@ -41,6 +41,8 @@ class Planned:
     partition: int
     index: int
     fields: dict[bytes, bytes]
+    size: int
+    """Payload bytes (the ``F_DATA`` field), counted once here for every later bound."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,24 +63,30 @@ def _size(item: GoodRecord) -> int:
 
 def _shuffled(
     items: Iterable[GoodRecord], rng: random.Random, size: int, max_bytes: int
-) -> Iterator[GoodRecord]:
+) -> Iterator[tuple[int, GoodRecord]]:
     """A shuffle buffer of at most ``size`` records and ``max_bytes`` payload bytes (one
     record over the byte bound still passes alone): each arriving record goes in, and
-    while the buffer is over a bound, a uniformly chosen record comes out."""
+    while the buffer is over a bound, a uniformly chosen record comes out. Yields
+    (payload bytes, record): each record's size is counted once."""
     if size <= 1:
-        yield from items
+        for item in items:
+            yield _size(item), item
         return
-    buf: list[GoodRecord] = []
+    # Entries are (size, record) pairs; the generator's draws depend only on the
+    # buffer's length, so the order is the same as for a buffer of bare records.
+    buf: list[tuple[int, GoodRecord]] = []
     held = 0
+    randrange = rng.randrange
     for item in items:
-        buf.append(item)
-        held += _size(item)
+        n = _size(item)
+        buf.append((n, item))
+        held += n
         while len(buf) > size or (held > max_bytes and len(buf) > 1):
-            j = rng.randrange(len(buf))
+            j = randrange(len(buf))
             out = buf[j]
             buf[j] = buf[-1]
             buf.pop()
-            held -= _size(out)
+            held -= out[0]
             yield out
     rng.shuffle(buf)
     yield from buf
@@ -101,11 +109,11 @@ def plan_epoch(
 
     dead_letters: list[PlannedDeadLetter] = []
     shuffled = _shuffled(good(), shuffle_rng(seed, epoch), shuffle_buffer, shuffle_buffer_bytes)
-    for k, rec in enumerate(shuffled):
+    for k, (size, rec) in enumerate(shuffled):
         if dead_letters:
             yield from dead_letters
             dead_letters.clear()
-        yield Planned(k % partitions, k // partitions, rec.fields)
+        yield Planned(k % partitions, k // partitions, rec.fields, size)
     yield from dead_letters
 
 

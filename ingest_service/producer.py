@@ -34,8 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import fsspec.utils
+import redis as redis_package
 import redis.exceptions as redis_errors
 from redis.asyncio import Redis
+from redis.driver_info import DriverInfo
 from redis.exceptions import ResponseError
 
 from ingest_service import _lua
@@ -88,7 +90,7 @@ def _take(plan: Iterator[Planned | PlannedDeadLetter], max_items: int, max_bytes
     for item in plan:
         out.append(item)
         if isinstance(item, Planned):
-            size += len(item.fields.get(streams.F_DATA, b""))
+            size += item.size
         if len(out) >= max_items or size >= max_bytes:
             break
     return out
@@ -136,6 +138,11 @@ class Producer:
             raise ValueError(f"dataset {spec.name!r} is a push dataset: it has no source to produce")
         self.redis = redis
         self.spec = spec
+        kwargs = redis.connection_pool.connection_kwargs
+        if not {"driver_info", "lib_name", "lib_version"} & kwargs.keys():
+            # Otherwise redis-py reads its package metadata for every new connection
+            # (milliseconds each; a producer opens one per writer per epoch). Same value.
+            kwargs["driver_info"] = DriverInfo(lib_version=redis_package.__version__)
         self.storage_options = dict(storage_options or {})
         self.limits = limits or BacklogLimits()
         self.metrics = metrics or IngestMetrics()
@@ -355,7 +362,7 @@ class Producer:
                     continue
                 pending[p].append(item)
                 # Backlog bytes count payloads (field names and IDs are noise).
-                size = len(item.fields.get(streams.F_DATA, b""))
+                size = item.size
                 pending_bytes[p] += size
                 pending_total += size
                 if len(pending[p]) >= self.batch_records or pending_bytes[p] >= self.batch_bytes:
