@@ -180,6 +180,22 @@ def _pkeys(dataset: str, p: int, group: str) -> list[str]:
     ]
 
 
+def _seek_calls(
+    dataset: str,
+    group: str,
+    generation: int,
+    positions: Mapping[int, str],
+    batches: Mapping[int, int] | None,
+    *more: str,
+) -> list[tuple[list[str], list[Any]]]:
+    """One (keys, args) pair per partition for the seek scripts, in partition order."""
+    counts = batches or {}
+    return [
+        (_pkeys(dataset, p, group), [group, generation, i, counts.get(p, 0), *more])
+        for p, i in sorted(positions.items())
+    ]
+
+
 def seek_group(
     client: redis.Redis,
     dataset: str,
@@ -192,11 +208,7 @@ def seek_group(
 ) -> None:
     """Move the group of each partition to its ID (XGROUP SETID, creating the group
     when missing); with ``write``, also record the seek for the next loader pass."""
-    counts = batches or {}
-    calls = [
-        (_pkeys(dataset, p, group), [group, generation, i, counts.get(p, 0), "1" if write else "0"])
-        for p, i in sorted(positions.items())
-    ]
+    calls = _seek_calls(dataset, group, generation, positions, batches, "1" if write else "0")
     _check(eval_many(client, SEEK_LUA, calls), group=group, mine=generation, what="seek")
 
 
@@ -208,11 +220,7 @@ def write_seek(
     positions: Mapping[int, str],
     batches: Mapping[int, int] | None = None,
 ) -> None:
-    counts = batches or {}
-    calls = [
-        (_pkeys(dataset, p, group), [group, generation, i, counts.get(p, 0)])
-        for p, i in sorted(positions.items())
-    ]
+    calls = _seek_calls(dataset, group, generation, positions, batches)
     _check(eval_many(client, WRITE_SEEK_LUA, calls), group=group, mine=generation, what="seek")
 
 
