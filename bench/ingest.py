@@ -8,10 +8,13 @@ persistence), for records of 100 B, 8 KiB and 128 KiB:
 2. trainguard: the Producer from a file source (a uint8 ``.npy`` cut into records of
    that size), shuffle, deterministic IDs, exactly-once Lua appends.
 
-Prints records/s, MB/s (payload bytes) and trainguard/raw, plus the producer's MB per
-CPU-second of its own process (what one free core would give it; this number depends
-less on what else the machine runs). Not a test: numbers vary.
-Usage: python bench/ingest.py [--mb 64] [--partitions 16]
+Each size runs ``--rounds`` rounds of raw then trainguard back to back; the table shows
+the best round of each (records/s, MB/s of payload bytes, trainguard/raw), the ratio's
+range over the rounds, and the producer's MB per CPU-second of its own process (what
+one free core would give it; this number depends less on what else the machine runs).
+Runs of a few hundred MB, so that start-up (connections, the first sync) is noise. Not
+a test: numbers vary, on a shared 2-core machine by 20% between runs.
+Usage: python bench/ingest.py [--mb 256] [--partitions 16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -83,40 +87,50 @@ async def run_trainguard(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=int, default=64, help="payload MB per record size")
+    parser.add_argument("--mb", type=int, default=256, help="payload MB per record size")
     parser.add_argument("--partitions", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if shutil.which("redis-cli") is None:
         raise SystemExit("redis-cli is not on PATH: install redis-tools / redis-server")
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-ingest-"))
     server = RedisServer(tmp / "redis").start()
+    flush = redis.Redis(port=server.port)
     try:
         print(f"redis-server :{server.port}, {args.partitions} partitions, "
-              f"{args.mb} MB of payload per size")
+              f"{args.mb} MB of payload per size, best of {args.rounds} rounds")
         print(f"{'size':>8} {'records':>9} | {'raw rec/s':>11} {'raw MB/s':>9} | "
-              f"{'tg rec/s':>11} {'tg MB/s':>9} | {'ratio':>5} | {'tg MB/cpu-s':>11}")
+              f"{'tg rec/s':>11} {'tg MB/s':>9} | {'ratio':>5} {'(rounds)':>11} | "
+              f"{'tg MB/cpu-s':>11}")
         for size in SIZES:
             count = max(1000, args.mb * 1_000_000 // size)
             cmds = tmp / f"raw-{size}.resp"
             write_raw_commands(cmds, count, size, args.partitions)
-            raw_s = run_raw(server, cmds)
-            cmds.unlink()
-            import redis
-
-            redis.Redis(port=server.port).flushall()
             source = tmp / f"tokens-{size}.npy"
             np.save(source, np.full(count * size, ord("x"), dtype=np.uint8))
-            tg_s, tg_cpu, records = asyncio.run(
-                run_trainguard(server.url, source, size, args.partitions)
-            )
+            raw_s: list[float] = []
+            tg_s: list[float] = []
+            tg_cpu: list[float] = []
+            for _ in range(args.rounds):
+                raw_s.append(run_raw(server, cmds))
+                flush.flushall()
+                elapsed, cpu, records = asyncio.run(
+                    run_trainguard(server.url, source, size, args.partitions)
+                )
+                if records != count:
+                    raise RuntimeError(f"producer appended {records} records, expected {count}")
+                tg_s.append(elapsed)
+                tg_cpu.append(cpu)
+            cmds.unlink()
             source.unlink()
-            if records != count:
-                raise RuntimeError(f"producer appended {records} records, expected {count}")
             mb = count * size / 1e6
-            print(f"{size:>8} {count:>9} | {count / raw_s:>11,.0f} {mb / raw_s:>9,.1f} | "
-                  f"{count / tg_s:>11,.0f} {mb / tg_s:>9,.1f} | {raw_s / tg_s:>5.2f} | "
-                  f"{mb / tg_cpu:>11,.1f}")
+            ratios = sorted(r / t for r, t in zip(raw_s, tg_s))
+            raw, tg = min(raw_s), min(tg_s)
+            print(f"{size:>8} {count:>9} | {count / raw:>11,.0f} {mb / raw:>9,.1f} | "
+                  f"{count / tg:>11,.0f} {mb / tg:>9,.1f} | {raw / tg:>5.2f} "
+                  f"{f'({ratios[0]:.2f}-{ratios[-1]:.2f})':>11} | {mb / min(tg_cpu):>11,.1f}")
     finally:
+        flush.close()
         server.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -3,7 +3,8 @@
 redis-py packs every argument in Python and joins buffers per command; for batches of
 many records that packing, not Redis, was the producer's bottleneck. Here a batch is a
 list of byte chunks (headers, then each payload as is) written in one go on a
-connection of the client's own pool, so payload bytes are never re-encoded.
+connection of the client's own pool, so payload bytes are never re-encoded; and its
+replies are read in one loop (see ``_drain_hiredis``), not one redis-py call each.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["bulk", "evalsha_parts", "call_packed_script", "xadd_parts", "Link", "honour_cancel"]
+from trainguard import streams
+
+try:
+    import hiredis
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
+except ImportError:  # redis-py without hiredis, or a redis-py that moved its parser
+    _NOT_ENOUGH_DATA = None
+
+__all__ = ["bulk", "evalsha_parts", "call_packed_script", "xadd_records", "Link", "honour_cancel"]
 
 
 def evalsha_parts(sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]) -> list[bytes]:
@@ -73,42 +82,36 @@ def honour_cancel() -> None:
         raise asyncio.CancelledError("cancelled during a Redis call")
 
 
-_KEY_BULKS: dict[bytes, bytes] = {}
-"""Field names as RESP bulk strings: a stream's few field names recur in every entry."""
+_D = b"$%d\r\n%b\r\n" % (len(streams.F_DATA), streams.F_DATA)
+_POS = b"$%d\r\n%b\r\n" % (len(streams.F_POS), streams.F_POS)
+_CRLF = b"\r\n"
 
 
-def _key_bulk(key: bytes) -> bytes:
-    kb = _KEY_BULKS.get(key)
-    if kb is None:
-        kb = b"$%d\r\n%s\r\n" % (len(key), key)
-        if len(_KEY_BULKS) < 1024:  # bounded: field names are few, but come from sources
-            _KEY_BULKS[key] = kb
-    return kb
-
-
-def xadd_parts(
-    parts: list[bytes], key_bulk: bytes, stream_id: bytes, fields: dict[bytes, bytes],
+def xadd_records(
+    parts: list[bytes], key_bulk: bytes, ms: int, first: int, records: Sequence[Any],
     *, nomkstream: bool,
 ) -> None:
-    """Append ``XADD key [NOMKSTREAM] id field value...`` to ``parts``; ``key_bulk`` is
-    the key already as a RESP bulk string. Small fields are joined into one chunk; large
-    values go in as their own chunk, never copied here."""
-    argc = 3 + 2 * len(fields) + (1 if nomkstream else 0)
-    head = [
-        b"*%d\r\n$4\r\nXADD\r\n%s%s$%d\r\n%s\r\n"
-        % (argc, key_bulk, _NOMKSTREAM if nomkstream else b"", len(stream_id), stream_id)
-    ]
-    for k, v in fields.items():
-        head.append(_key_bulk(k))
-        n = len(v)
-        if n < 512:
-            head.append(b"$%d\r\n%s\r\n" % (n, v))
-        else:
-            head.append(b"$%d\r\n" % n)
-            parts.append(b"".join(head))
-            parts.append(v)
-            head = [b"\r\n"]
-    parts.append(b"".join(head))
+    """Append ``XADD key [NOMKSTREAM] <ms>-<first + i> <meta...> pos <pos> d <data>``
+    for each of ``records`` (``sources.GoodRecord``: ``data``, ``pos``, ``meta``) to
+    ``parts``; ``key_bulk`` is the key already as a RESP bulk string. The payload goes
+    in as its own chunk, never copied here; the rest of a record is one formatted chunk,
+    and the parts shared by records of one layout (``meta``) are encoded once."""
+    meta: Any = None
+    head = fields = b""
+    for index, rec in enumerate(records, first):
+        if rec.meta is not meta:
+            meta = rec.meta
+            argc = 3 + (1 if nomkstream else 0) + 2 * (len(meta) + 2)
+            head = b"*%d\r\n$4\r\nXADD\r\n%b%b" % (
+                argc, key_bulk, _NOMKSTREAM if nomkstream else b"")
+            fields = b"".join(bulk(k) + bulk(v) for k, v in meta) + _POS
+        sid = b"%d-%d" % (ms, index)
+        pos = rec.pos
+        data = rec.data
+        parts.append(b"%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n%b$%d\r\n" % (
+            head, len(sid), sid, fields, len(pos), pos, _D, len(data)))
+        parts.append(data)
+        parts.append(_CRLF)
 
 
 def bulk(value: bytes) -> bytes:
@@ -152,17 +155,16 @@ class Link:
         instead of one per reply: per-reply timers cost more than the replies."""
         conn = self._live()
         await conn.send_packed_command(parts, check_health=False)
-        out: list[Any] = []
+        deadline = conn.socket_timeout or 60.0
         try:
-            async with asyncio.timeout(conn.socket_timeout or 60.0):
-                for _ in range(replies):
-                    try:
-                        out.append(await conn.read_response(disable_decoding=True, timeout=math.inf))
-                    except ResponseError as exc:
-                        out.append(exc)
+            async with asyncio.timeout(deadline):
+                if _hiredis_reader(conn) is not None:
+                    out = await _drain_hiredis(conn, replies)
+                else:
+                    out = await _drain_each(conn, replies)
         except TimeoutError as exc:
             await conn.disconnect(nowait=True)
-            raise RedisTimeoutError(f"no reply from Redis within {conn.socket_timeout or 60.0} s") from exc
+            raise RedisTimeoutError(f"no reply from Redis within {deadline} s") from exc
         honour_cancel()
         return out
 
@@ -173,3 +175,67 @@ class Link:
             await self._conn.disconnect()
         await self._pool.release(self._conn)
         self._conn = None
+
+
+# Reading a batch's replies. redis-py's read_response costs microseconds of Python per
+# reply (timeouts, health checks, push handling); for thousands of XADD replies a
+# second that was the producer's largest cost after packing. With hiredis (a
+# dependency) the replies of a whole batch are taken from the parser's own
+# hiredis.Reader in one loop. That reaches into redis-py's parser, so it is checked:
+# ``test_batch_replies_take_the_hiredis_path`` fails if a redis-py upgrade moves it,
+# and anything unexpected falls back to one read_response per reply.
+
+
+def _hiredis_reader(conn: Any) -> Any:
+    """The connection's hiredis.Reader if its parser is redis-py's hiredis parser, else
+    None."""
+    parser = getattr(conn, "_parser", None)
+    reader = getattr(parser, "_reader", None)
+    if (
+        _NOT_ENOUGH_DATA is None
+        or not isinstance(reader, hiredis.Reader)
+        or not hasattr(parser, "read_from_socket")
+        or not hasattr(parser, "handle_push_response")
+    ):
+        return None
+    return reader
+
+
+async def _drain_hiredis(conn: Any, replies: int) -> list[Any]:
+    parser = conn._parser
+    gets = parser._reader.gets
+    # RESP3 (redis-py's default) may put a push message (e.g. a maintenance notice)
+    # between replies: it goes to redis-py's handler and is not a reply.
+    push = getattr(hiredis, "PushNotification", None)
+    out: list[Any] = []
+    append = out.append
+    try:
+        while len(out) < replies:
+            reply = gets(False)
+            if reply is _NOT_ENOUGH_DATA:
+                await parser.read_from_socket()
+            elif push is not None and reply.__class__ is push:
+                await parser.handle_push_response(reply)
+            else:
+                append(reply)
+    except OSError as exc:
+        await conn.disconnect(nowait=True)
+        raise RedisConnectionError(f"error while reading from Redis: {exc}") from exc
+    except BaseException:
+        await conn.disconnect(nowait=True)
+        raise
+    for reply in out:
+        if isinstance(reply, RedisConnectionError):
+            await conn.disconnect(nowait=True)
+            raise reply
+    return out
+
+
+async def _drain_each(conn: Any, replies: int) -> list[Any]:
+    out: list[Any] = []
+    for _ in range(replies):
+        try:
+            out.append(await conn.read_response(disable_decoding=True, timeout=math.inf))
+        except ResponseError as exc:
+            out.append(exc)
+    return out

@@ -7,15 +7,24 @@ robin over the partitions: the k-th record out of the shuffle goes to partition
 skip the shuffle and get their own running number in the epoch, which is their
 dead-letter ID, so dead letters are exactly-once as well.
 
+The order is part of a dataset's identity: a producer restarted by a newer trainguard
+must re-plan the same order, or a resumed partition would get records twice and miss
+others. So the draws are written out here (rejection sampling on ``getrandbits``, the
+same draws CPython's ``randrange`` and ``shuffle`` make today), not left to whatever a
+future Python's ``random`` does; ``test_planner_order_is_pinned`` holds them.
+
+The planner hands out :class:`PlanChunk` s, runs of consecutive records, so that the
+producer splits them over partitions with one slice each instead of a step per record.
+
 Memory: the shuffle buffer (``spec.shuffle_buffer`` records, at most
-``shuffle_buffer_bytes`` of payload), nothing else.
+``shuffle_buffer_bytes`` of payload) and one chunk.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ingest_service.sources import BadRecord, GoodRecord, SourceItem, read_source
@@ -23,9 +32,12 @@ from trainguard import streams
 
 __all__ = [
     "DEFAULT_SHUFFLE_BUFFER_BYTES",
+    "PlanChunk",
     "Planned",
     "PlannedDeadLetter",
+    "plan_chunks",
     "plan_epoch",
+    "plan_spec_chunks",
     "plan_spec_epoch",
     "shuffle_rng",
 ]
@@ -35,14 +47,8 @@ DEFAULT_SHUFFLE_BUFFER_BYTES = 64 * 1024 * 1024
 ``options["shuffle_buffer_bytes"]`` says otherwise (it is part of the dataset, because
 the order depends on it)."""
 
-
-@dataclass(frozen=True, slots=True)
-class Planned:
-    partition: int
-    index: int
-    fields: dict[bytes, bytes]
-    size: int
-    """Payload bytes (the ``F_DATA`` field), counted once here for every later bound."""
+CHUNK_RECORDS = 1024
+CHUNK_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,81 +57,160 @@ class PlannedDeadLetter:
     record: BadRecord
 
 
+@dataclass(slots=True)
+class PlanChunk:
+    """Consecutive planned records: ``records[i]`` is the epoch's record number
+    ``first + i``; plus the dead letters met while they were planned."""
+
+    first: int
+    records: list[GoodRecord]
+    dead: list[PlannedDeadLetter] = field(default_factory=list)
+
+    def for_partition(self, partition: int, partitions: int) -> tuple[int, list[GoodRecord]]:
+        """(index in the partition of the first one, records) of this chunk that go to
+        ``partition``, in order."""
+        offset = (partition - self.first) % partitions
+        return (self.first + offset) // partitions, self.records[offset::partitions]
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """One planned record (the per-record view of :func:`plan_epoch`)."""
+
+    partition: int
+    index: int
+    record: GoodRecord
+
+    @property
+    def fields(self) -> dict[bytes, bytes]:
+        return self.record.fields
+
+    @property
+    def size(self) -> int:
+        return self.record.size
+
+
 def shuffle_rng(seed: int, epoch: int) -> random.Random:
     # Seeding with a str goes through SHA-512: the same in every process and Python
     # version, independent of PYTHONHASHSEED.
     return random.Random(f"trainguard-shuffle:{seed}:{epoch}")
 
 
-def _size(item: GoodRecord) -> int:
-    return len(item.fields.get(streams.F_DATA, b""))
+def _below(getrandbits: Any, n: int) -> int:
+    """A uniform integer in [0, n), n >= 1: draw n.bit_length() bits until below n."""
+    bits = n.bit_length()
+    r: int = getrandbits(bits)
+    while r >= n:
+        r = getrandbits(bits)
+    return r
 
 
-def _shuffled(
-    items: Iterable[GoodRecord], rng: random.Random, size: int, max_bytes: int
-) -> Iterator[tuple[int, GoodRecord]]:
-    """A shuffle buffer of at most ``size`` records and ``max_bytes`` payload bytes (one
-    record over the byte bound still passes alone): each arriving record goes in, and
-    while the buffer is over a bound, a uniformly chosen record comes out. Yields
-    (payload bytes, record): each record's size is counted once."""
-    if size <= 1:
-        for item in items:
-            yield _size(item), item
-        return
-    # Entries are (size, record) pairs; the generator's draws depend only on the
-    # buffer's length, so the order is the same as for a buffer of bare records.
-    buf: list[tuple[int, GoodRecord]] = []
+def plan_chunks(
+    items: Iterable[SourceItem], *, seed: int, epoch: int, shuffle_buffer: int,
+    shuffle_buffer_bytes: int = DEFAULT_SHUFFLE_BUFFER_BYTES,
+    chunk_records: int = CHUNK_RECORDS, chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[PlanChunk]:
+    """The epoch's records in planned order, in chunks of about ``chunk_records``
+    records or ``chunk_bytes`` payload bytes.
+
+    The shuffle buffer: each arriving record goes in, and while the buffer holds more
+    than ``shuffle_buffer`` records or ``shuffle_buffer_bytes`` payload bytes (one
+    record over the byte bound still passes alone), a uniformly drawn one comes out
+    (swapped with the last, then popped). At the end the rest is shuffled (Fisher-Yates
+    from the back) and comes out in that order.
+    """
+    getrandbits = shuffle_rng(seed, epoch).getrandbits
+    shuffle = shuffle_buffer > 1
+    buf: list[GoodRecord] = []
     held = 0
-    randrange = rng.randrange
+    out: list[GoodRecord] = []
+    out_bytes = 0
+    dead: list[PlannedDeadLetter] = []
+    bad = 0
+    first = 0
+    # This loop is the producer's inner loop: locals only, no call per record.
     for item in items:
-        n = _size(item)
-        buf.append((n, item))
-        held += n
-        while len(buf) > size or (held > max_bytes and len(buf) > 1):
-            j = randrange(len(buf))
-            out = buf[j]
-            buf[j] = buf[-1]
-            buf.pop()
-            held -= out[0]
-            yield out
-    rng.shuffle(buf)
-    yield from buf
+        if item.__class__ is BadRecord:
+            dead.append(PlannedDeadLetter(bad, item))  # type: ignore[arg-type]
+            bad += 1
+            if len(dead) >= chunk_records:  # a run of bad records is bounded too
+                yield PlanChunk(first, out, dead)
+                first += len(out)
+                out, out_bytes, dead = [], 0, []
+            continue
+        if not shuffle:
+            out.append(item)  # type: ignore[arg-type]
+            out_bytes += len(item.data)  # type: ignore[union-attr]
+        else:
+            buf.append(item)  # type: ignore[arg-type]
+            held += len(item.data)  # type: ignore[union-attr]
+            n = len(buf)
+            while n > shuffle_buffer or (held > shuffle_buffer_bytes and n > 1):
+                bits = n.bit_length()  # _below, inlined
+                j = getrandbits(bits)
+                while j >= n:
+                    j = getrandbits(bits)
+                rec = buf[j]
+                buf[j] = buf[-1]
+                buf.pop()
+                n -= 1
+                size = len(rec.data)
+                held -= size
+                out.append(rec)
+                out_bytes += size
+        if len(out) >= chunk_records or out_bytes >= chunk_bytes:
+            yield PlanChunk(first, out, dead)
+            first += len(out)
+            out, out_bytes, dead = [], 0, []
+    for i in range(len(buf) - 1, 0, -1):
+        j = _below(getrandbits, i + 1)
+        buf[i], buf[j] = buf[j], buf[i]
+    for rec in buf:
+        out.append(rec)
+        out_bytes += len(rec.data)
+        if len(out) >= chunk_records or out_bytes >= chunk_bytes:
+            yield PlanChunk(first, out, dead)
+            first += len(out)
+            out, out_bytes, dead = [], 0, []
+    if out or dead:
+        yield PlanChunk(first, out, dead)
 
 
 def plan_epoch(
     items: Iterable[SourceItem], *, partitions: int, seed: int, epoch: int, shuffle_buffer: int,
     shuffle_buffer_bytes: int = DEFAULT_SHUFFLE_BUFFER_BYTES,
 ) -> Iterator[Planned | PlannedDeadLetter]:
-    dead = 0
+    """:func:`plan_chunks` one record at a time, each with its partition and index."""
+    chunks = plan_chunks(items, seed=seed, epoch=epoch, shuffle_buffer=shuffle_buffer,
+                         shuffle_buffer_bytes=shuffle_buffer_bytes)
+    while (chunk := next(chunks, None)) is not None:
+        yield from chunk.dead
+        for k, rec in enumerate(chunk.records, chunk.first):
+            yield Planned(k % partitions, k // partitions, rec)
+            del rec
+        del chunk  # not held while the next chunk is planned: memory is one chunk
 
-    def good() -> Iterator[GoodRecord]:
-        nonlocal dead
-        for item in items:
-            if isinstance(item, GoodRecord):
-                yield item
-            else:
-                dead_letters.append(PlannedDeadLetter(dead, item))
-                dead += 1
 
-    dead_letters: list[PlannedDeadLetter] = []
-    shuffled = _shuffled(good(), shuffle_rng(seed, epoch), shuffle_buffer, shuffle_buffer_bytes)
-    for k, (size, rec) in enumerate(shuffled):
-        if dead_letters:
-            yield from dead_letters
-            dead_letters.clear()
-        yield Planned(k % partitions, k // partitions, rec.fields, size)
-    yield from dead_letters
+def _spec_options(spec: streams.DatasetSpec) -> dict[str, int]:
+    return {
+        "seed": spec.seed,
+        "shuffle_buffer": spec.shuffle_buffer,
+        "shuffle_buffer_bytes": int(
+            spec.options.get("shuffle_buffer_bytes", DEFAULT_SHUFFLE_BUFFER_BYTES)
+        ),
+    }
 
+
+def plan_spec_chunks(
+    spec: streams.DatasetSpec, epoch: int, storage_options: Mapping[str, Any] | None = None
+) -> Iterator[PlanChunk]:
+    """:func:`plan_chunks` over the dataset's own source and settings."""
+    return plan_chunks(read_source(spec, storage_options), epoch=epoch, **_spec_options(spec))
 
 
 def plan_spec_epoch(
     spec: streams.DatasetSpec, epoch: int, storage_options: Mapping[str, Any] | None = None
 ) -> Iterator[Planned | PlannedDeadLetter]:
     """:func:`plan_epoch` over the dataset's own source and settings."""
-    return plan_epoch(
-        read_source(spec, storage_options), partitions=spec.partitions, seed=spec.seed,
-        epoch=epoch, shuffle_buffer=spec.shuffle_buffer,
-        shuffle_buffer_bytes=int(
-            spec.options.get("shuffle_buffer_bytes", DEFAULT_SHUFFLE_BUFFER_BYTES)
-        ),
-    )
+    return plan_epoch(read_source(spec, storage_options), partitions=spec.partitions,
+                      epoch=epoch, **_spec_options(spec))

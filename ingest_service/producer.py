@@ -25,10 +25,12 @@ to skip re-reading them; the partitions' last IDs are the truth.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hashlib
 import itertools
 import logging
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -38,10 +40,9 @@ import redis as redis_package
 import redis.exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.driver_info import DriverInfo
-from redis.exceptions import ResponseError
 
 from ingest_service import _lua
-from ingest_service._resp import Link, bulk, call_packed_script, honour_cancel, xadd_parts
+from ingest_service._resp import Link, bulk, call_packed_script, honour_cancel, xadd_records
 from ingest_service.backlog import (
     Backlog,
     BacklogLimits,
@@ -51,7 +52,8 @@ from ingest_service.backlog import (
 )
 from ingest_service.datasets import create_dataset
 from ingest_service.metrics import IngestMetrics
-from ingest_service.planner import Planned, PlannedDeadLetter, plan_spec_epoch
+from ingest_service.planner import PlanChunk, PlannedDeadLetter, plan_spec_chunks
+from ingest_service.sources import GoodRecord
 from trainguard import streams
 
 __all__ = ["Producer", "ProducerProgress"]
@@ -84,19 +86,20 @@ class ProducerProgress:
     deleted: bool = False
 
 
-def _take(plan: Iterator[Planned | PlannedDeadLetter], max_items: int, max_bytes: int) -> list[Any]:
-    out: list[Any] = []
-    size = 0
-    for item in plan:
-        out.append(item)
-        if isinstance(item, Planned):
-            size += item.size
-        if len(out) >= max_items or size >= max_bytes:
-            break
-    return out
+_DATA = operator.attrgetter("data")
 
 
-_Queue = asyncio.Queue[tuple[int, list[Planned], int] | None]
+def _first_batch(records: list[GoodRecord], max_records: int, max_bytes: int) -> tuple[int, int]:
+    """(count, payload bytes) of the first batch of ``records``: it ends at the record
+    that reaches ``max_records`` or ``max_bytes`` (at least one record)."""
+    sizes = list(itertools.accumulate(map(len, map(_DATA, records[:max_records]))))
+    count = min(len(sizes), bisect.bisect_left(sizes, max_bytes) + 1)
+    return count, sizes[count - 1]
+
+
+_Batch = tuple[int, int, list[GoodRecord], int]
+"""(partition, index of the first record, records, payload bytes)."""
+_Queue = asyncio.Queue[_Batch | None]
 
 
 class _ByteBudget:
@@ -329,53 +332,60 @@ class Producer:
         one chunk, and at most ``max_inflight_bytes`` of batches not yet appended (the
         pending ones are flushed early when they would pass half of it)."""
         spec = self.spec
-        plan = plan_spec_epoch(spec, epoch, self.storage_options)
-        next_index = [self._next_index(p, epoch) for p in range(spec.partitions)]
+        partitions = spec.partitions
+        chunks = plan_spec_chunks(spec, epoch, self.storage_options)
+        next_index = [self._next_index(p, epoch) for p in range(partitions)]
         if min(next_index) == _NEVER:
             return True  # every partition is past this epoch
-        pending: list[list[Planned]] = [[] for _ in range(spec.partitions)]
-        pending_bytes = [0] * spec.partitions
+        pending: list[list[GoodRecord]] = [[] for _ in range(partitions)]
+        pending_first = [0] * partitions
+        pending_bytes = [0] * partitions
         pending_total = 0
 
-        async def hand_over(p: int) -> None:
+        async def hand_over(p: int, count: int, size: int) -> None:
             nonlocal pending_total
-            await budget.take(pending_bytes[p])
-            queues[p % len(queues)].put_nowait((p, pending[p], pending_bytes[p]))
-            pending_total -= pending_bytes[p]
-            pending[p], pending_bytes[p] = [], 0
+            batch = pending[p][:count]
+            del pending[p][:count]
+            await budget.take(size)
+            queues[p % len(queues)].put_nowait((p, pending_first[p], batch, size))
+            pending_first[p] += count
+            pending_bytes[p] -= size
+            pending_total -= size
 
         while not self._stop.is_set():
+            chunk: PlanChunk | None
             if self._inline_reads:
-                chunk = _take(plan, 2048, 4 * self.batch_bytes)
+                chunk = next(chunks, None)
                 await asyncio.sleep(0)  # let the writers run between chunks
             else:
-                chunk = await asyncio.to_thread(_take, plan, 2048, 4 * self.batch_bytes)
-            if not chunk:
+                chunk = await asyncio.to_thread(next, chunks, None)
+            if chunk is None:
                 break
-            dead: list[PlannedDeadLetter] = []
-            for item in chunk:
-                if isinstance(item, PlannedDeadLetter):
-                    dead.append(item)
+            for p in range(partitions):
+                index, records = chunk.for_partition(p, partitions)
+                skip = next_index[p] - index
+                if skip > 0:  # already in the partition (a resumed run)
+                    records = records[skip:]
+                    index += skip
+                if not records:
                     continue
-                p = item.partition
-                if item.index < next_index[p]:
-                    continue
-                pending[p].append(item)
-                # Backlog bytes count payloads (field names and IDs are noise).
-                size = item.size
+                if not pending[p]:
+                    pending_first[p] = index
+                pending[p] += records
+                size = sum(map(len, map(_DATA, records)))
                 pending_bytes[p] += size
                 pending_total += size
-                if len(pending[p]) >= self.batch_records or pending_bytes[p] >= self.batch_bytes:
-                    await hand_over(p)
+                while len(pending[p]) >= self.batch_records or pending_bytes[p] >= self.batch_bytes:
+                    await hand_over(p, *_first_batch(pending[p], self.batch_records, self.batch_bytes))
             if pending_total > self.max_inflight_bytes // 2:
-                for p in range(spec.partitions):  # many partitions: do not hoard
+                for p in range(partitions):  # many partitions: do not hoard
                     if pending[p]:
-                        await hand_over(p)
-            if dead:
-                await self._dead_letters(dead, epoch)
-        for p in range(spec.partitions):
+                        await hand_over(p, len(pending[p]), pending_bytes[p])
+            if chunk.dead:
+                await self._dead_letters(chunk.dead, epoch)
+        for p in range(partitions):
             if pending[p]:
-                await hand_over(p)
+                await hand_over(p, len(pending[p]), pending_bytes[p])
         return not self._stop.is_set()
 
     # ------------------------------------------------------------------ writing
@@ -387,13 +397,13 @@ class Producer:
         try:
             await link.open()
             while (got := await queue.get()) is not None:
-                p, batch, size = got
+                p, first, batch, size = got
                 try:
                     if p not in verified:
                         await self._verify(p, link)
                         verified.add(p)
                     if await self._wait_room(p, len(batch), size):
-                        await self._write(p, batch, epoch, size, link)
+                        await self._write(p, first, batch, epoch, size, link)
                     # else: stopped while paused: drop the batch (it is re-planned next
                     # run) and keep draining, so that the reader never waits for us.
                 finally:
@@ -417,38 +427,33 @@ class Producer:
                               f"before {streams.format_id(known)}")
         self._may_create[p] = False
 
-    async def _write(self, p: int, batch: list[Planned], epoch: int, size: int, link: Link) -> None:
+    async def _write(
+        self, p: int, first: int, batch: list[GoodRecord], epoch: int, size: int, link: Link
+    ) -> None:
         """Pipelined ``XADD key NOMKSTREAM <id> ...`` of one batch on the writer's link.
 
         NOMKSTREAM: a stream that vanished (deleted, or lost with its Redis) is never
         re-created behind the producer's back. An XADD refused because its ID is not
         above the stream's last one means the entry is already there (another producer
         or a previous attempt); any other refusal fails the run."""
-        nomk = not self._may_create[p]
-        key = self._key_bulk[p]
         parts: list[bytes] = []
         ms = epoch + 1
-        for item in batch:
-            xadd_parts(parts, key, b"%d-%d" % (ms, item.index), item.fields, nomkstream=nomk)
+        xadd_records(parts, self._key_bulk[p], ms, first, batch, nomkstream=not self._may_create[p])
         replies = await link.send_many(parts, len(batch))
-        added = skipped = 0
-        refused: ResponseError | None = None
-        for reply in replies:
-            if reply is None:
-                raise _StreamLost(f"partition {p} stream is gone")
-            if isinstance(reply, ResponseError):
-                refused = refused or reply
-                skipped += 1
-            else:
-                added += 1
-        last = (ms, batch[-1].index)
+        if None in replies:
+            raise _StreamLost(f"partition {p} stream is gone")
+        errors = [r for r in replies if r.__class__ is not bytes]
+        skipped = len(errors)
+        added = len(batch) - skipped
+        refused = errors[0] if errors else None
+        last = (ms, first + len(batch) - 1)
         if refused is not None:
             raw = await link.call("EVAL", _lua.LAST_ID, 1, self._keys[p])
             if raw is None or streams.parse_id(raw) < last:
                 raise refused
         self._position[p] = last
         self._may_create[p] = False
-        self._backlogs[p].add((ms, batch[0].index), last, len(batch), size)
+        self._backlogs[p].add((ms, first), last, len(batch), size)
         self.progress.records += added
         self.progress.skipped += skipped
         added_bytes = size * added // len(batch)

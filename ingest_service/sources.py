@@ -9,10 +9,11 @@ each file from its start. Bad records are not errors here: they come out as
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import fsspec
 import msgpack
@@ -22,13 +23,34 @@ from fsspec.utils import infer_compression
 from ingest_service.errors import SourceError
 from trainguard import streams
 
-__all__ = ["GoodRecord", "BadRecord", "SourceItem", "list_source_files", "read_source"]
+__all__ = ["GoodRecord", "BadRecord", "Meta", "SourceItem", "list_source_files", "read_source"]
 
 
-@dataclass(frozen=True, slots=True)
-class GoodRecord:
-    pos: str
-    fields: dict[bytes, bytes]
+Meta = tuple[tuple[bytes, bytes], ...]
+"""The small fields a record shares with the other records of its file (kind, dtype,
+shape), as (name, value) pairs: one tuple object for many records, so that the
+producer encodes it once, not per record."""
+
+
+class GoodRecord(NamedTuple):
+    """A record to append: its payload (``F_DATA``), its source position (``F_POS``)
+    and the shared small fields. A named tuple because records are made by the
+    hundred thousand a second: ``GoodRecord._make`` builds them from C, without a
+    Python ``__init__`` per record."""
+
+    data: bytes
+    pos: bytes
+    meta: Meta
+
+    @property
+    def size(self) -> int:
+        """Payload bytes: what backlog and buffer bounds count."""
+        return len(self.data)
+
+    @property
+    def fields(self) -> dict[bytes, bytes]:
+        """The stream entry, as the consumers will read it."""
+        return {**dict(self.meta), streams.F_DATA: self.data, streams.F_POS: self.pos}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +63,12 @@ class BadRecord:
 
 
 SourceItem = GoodRecord | BadRecord
+
+_MSGPACK: Meta = ((streams.F_KIND, streams.KIND_MSGPACK),)
+_RAW: Meta = ((streams.F_KIND, streams.KIND_RAW),)
+_READ_BLOCK = 256 * 1024
+"""Bytes per read of fixed-size samples: one read per sample would be a system call
+(and a Python call chain) per record."""
 
 
 def list_source_files(
@@ -73,14 +101,18 @@ def _required_fields(spec: streams.DatasetSpec) -> tuple[str, ...]:
     return tuple(spec.options.get("required_fields", ()))
 
 
-def _check_size(spec: streams.DatasetSpec, pos: str, fields: dict[bytes, bytes]) -> SourceItem:
-    size = streams.record_size(fields)
+def _fixed_size(meta: Meta) -> int:
+    """``streams.record_size`` of a record of ``meta`` without its payload and position
+    values (each record adds ``len(data) + len(pos)``)."""
+    return sum(len(k) + len(v) for k, v in meta) + len(streams.F_DATA) + len(streams.F_POS)
+
+
+def _check_size(spec: streams.DatasetSpec, pos: str, meta: Meta, data: bytes) -> SourceItem:
+    pos_b = pos.encode()
+    size = _fixed_size(meta) + len(data) + len(pos_b)
     if size > spec.max_record_bytes:
-        return BadRecord(
-            pos, "oversized", f"{size} bytes, limit {spec.max_record_bytes}",
-            fields.get(streams.F_DATA, b""),
-        )
-    return GoodRecord(pos, fields)
+        return BadRecord(pos, "oversized", f"{size} bytes, limit {spec.max_record_bytes}", data)
+    return GoodRecord(data, pos_b, meta)
 
 
 def _structured(spec: streams.DatasetSpec, pos: str, value: Any, raw: bytes) -> SourceItem:
@@ -95,8 +127,7 @@ def _structured(spec: streams.DatasetSpec, pos: str, value: Any, raw: bytes) -> 
         packed = msgpack.packb(value, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         return BadRecord(pos, "schema", f"not representable in msgpack: {exc}", raw)
-    return _check_size(spec, pos, {streams.F_KIND: streams.KIND_MSGPACK, streams.F_DATA: packed,
-                                   streams.F_POS: pos.encode()})
+    return _check_size(spec, pos, _MSGPACK, packed)
 
 
 def _read_lines(
@@ -149,27 +180,42 @@ def _read_npy(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: st
             return
         total = int(np.prod(shape)) if shape else 1
         step = sample_len * dtype.itemsize
-        dt, sh = dtype.str.encode(), str(sample_len).encode()
-        # streams.record_size of each record, without a generator per record: every
-        # field but the position is the same size in every sample of the file.
-        fixed = streams.record_size({
-            streams.F_KIND: streams.KIND_NDARRAY, streams.F_DATA: b"", streams.F_DTYPE: dt,
-            streams.F_SHAPE: sh, streams.F_POS: b""}) + step
+        meta: Meta = ((streams.F_KIND, streams.KIND_NDARRAY),
+                      (streams.F_DTYPE, dtype.str.encode()),
+                      (streams.F_SHAPE, str(sample_len).encode()))
+        fixed = _fixed_size(meta) + step
         limit = spec.max_record_bytes
-        for start in range(0, total - sample_len + 1, sample_len):
-            chunk = f.read(step)
-            pos = f"{path}:{start}"
-            if len(chunk) < step:
-                yield BadRecord(pos, "undecodable", f"file ends inside sample at token {start}", chunk)
+        path_b = path.encode()
+        samples = total // sample_len if sample_len else 0
+        # Large samples are read one at a time: the read's own bytes object is then the
+        # record (a whole-range slice of bytes is the same object), one copy less.
+        per_read = (1 if step >= _READ_BLOCK // 4 else _READ_BLOCK // step) if step else samples
+        make = GoodRecord._make
+        done = 0
+        while done < samples:
+            want = min(per_read, samples - done)
+            block = f.read(want * step)
+            got = len(block) // step if step else want  # zero-size samples read nothing
+            starts = range(done * sample_len, (done + got) * sample_len, sample_len)
+            positions = [b"%b:%d" % (path_b, start) for start in starts]
+            chunks = [block[i:i + step] for i in range(0, got * step, step)]
+            if not positions or fixed + len(positions[-1]) <= limit:
+                # The common case, built from C: positions only grow, so the last one
+                # is the longest.
+                yield from map(make, zip(chunks, positions, itertools.repeat(meta)))
+            else:
+                for pos, chunk in zip(positions, chunks):
+                    if fixed + len(pos) > limit:
+                        yield BadRecord(pos.decode(), "oversized",
+                                        f"{fixed + len(pos)} bytes, limit {limit}", chunk)
+                    else:
+                        yield GoodRecord(chunk, pos, meta)
+            if got < want:
+                start = (done + got) * sample_len
+                yield BadRecord(f"{path}:{start}", "undecodable",
+                                f"file ends inside sample at token {start}", block[got * step:])
                 return
-            pos_b = pos.encode()
-            size = fixed + len(pos_b)
-            if size > limit:
-                yield BadRecord(pos, "oversized", f"{size} bytes, limit {limit}", chunk)
-                continue
-            yield GoodRecord(pos, {
-                streams.F_KIND: streams.KIND_NDARRAY, streams.F_DATA: chunk,
-                streams.F_DTYPE: dt, streams.F_SHAPE: sh, streams.F_POS: pos_b})
+            done += got
 
 
 def _read_file(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str) -> Iterator[SourceItem]:
@@ -181,8 +227,7 @@ def _read_file(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: s
         return
     with _open(fs, path) as f:
         data = f.read()
-    yield _check_size(spec, path, {streams.F_KIND: streams.KIND_RAW, streams.F_DATA: data,
-                                   streams.F_POS: path.encode()})
+    yield _check_size(spec, path, _RAW, data)
 
 
 def _read_parquet(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str) -> Iterator[SourceItem]:

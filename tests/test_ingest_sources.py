@@ -37,8 +37,8 @@ def test_memory_glob_reads_files_in_path_order_line_by_line() -> None:
     fs.pipe("/glob/c.txt", b"not matched\n")
     items = list(read_source(_spec("memory://glob/*.jsonl", "jsonl")))
     assert _good(items) == [{"n": 1}, {"n": 2}, {"n": 3}, {"n": 4}]
-    assert [i.pos for i in items] == ["/glob/a.jsonl:1", "/glob/a.jsonl:2",
-                                      "/glob/b.jsonl:1", "/glob/b.jsonl:3"]
+    assert [i.pos for i in items] == [b"/glob/a.jsonl:1", b"/glob/a.jsonl:2",
+                                      b"/glob/b.jsonl:1", b"/glob/b.jsonl:3"]
 
 
 def test_text_lines_and_gzip_and_bad_utf8(tmp_path: Path) -> None:
@@ -63,6 +63,62 @@ def test_npy_token_arrays_are_cut_into_samples(tmp_path: Path) -> None:
     for k, arr in enumerate(samples):
         assert isinstance(arr, np.ndarray) and arr.dtype == np.int32 and arr.shape == (64,)
         assert np.array_equal(arr, tokens[64 * k: 64 * (k + 1)])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "sample_len", "tokens"),
+    [
+        ("<i4", 64, 100_000),       # many samples per read, a tail that is no record
+        (">u2", 3, 200_003),        # big-endian, an odd size, reads not aligned to samples
+        ("<f8", 40_000, 130_000),   # 320 KB samples: read one at a time
+        ("<i8", 8_192, 8_192 * 33), # exactly one read of 32 samples, then one more
+    ],
+)
+def test_npy_samples_match_numpy_across_read_boundaries(
+    tmp_path: Path, dtype: str, sample_len: int, tokens: int
+) -> None:
+    """Whatever the sample size and however the reads fall, the records are exactly
+    NumPy's own slices of the array, in order, each with its token offset as position."""
+    array = (np.arange(tokens) % 65_521).astype(dtype)
+    np.save(tmp_path / "t.npy", array)
+    items = list(read_source(_spec(str(tmp_path / "t.npy"), "npy", sample_len=sample_len)))
+    assert all(isinstance(i, GoodRecord) for i in items)
+    assert len(items) == tokens // sample_len
+    for k, item in enumerate(items):
+        assert item.pos == f"{tmp_path / 't.npy'}:{k * sample_len}".encode()
+        got = streams.decode_record(item.fields)
+        assert got.dtype == np.dtype(dtype)
+        assert np.array_equal(got, array[k * sample_len:(k + 1) * sample_len])
+
+
+def test_npy_truncated_file_gives_its_samples_then_one_bad_record(tmp_path: Path) -> None:
+    """A .npy cut short (its header promises more than the file holds): every whole
+    sample is a record, the partial one is an undecodable bad record with its bytes,
+    nothing after it."""
+    np.save(tmp_path / "t.npy", np.arange(100_000, dtype=np.int32))
+    raw = (tmp_path / "t.npy").read_bytes()
+    (tmp_path / "t.npy").write_bytes(raw[:len(raw) - 4 * 100_000 + 4 * 70_010])
+    items = list(read_source(_spec(str(tmp_path / "t.npy"), "npy", sample_len=1000)))
+    assert [type(i) for i in items] == [GoodRecord] * 70 + [BadRecord]
+    bad = items[-1]
+    assert isinstance(bad, BadRecord)
+    assert (bad.reason, bad.pos) == ("undecodable", f"{tmp_path / 't.npy'}:70000")
+    assert bad.payload == np.arange(70_000, 70_010, dtype=np.int32).tobytes()
+
+
+def test_npy_record_over_the_limit_only_by_its_longer_position(tmp_path: Path) -> None:
+    """The record size counts the position field: with a limit that fits "…:0" to
+    "…:9000" but not five-digit offsets, the later samples are oversized bad records and
+    the earlier ones are records."""
+    np.save(tmp_path / "t.npy", np.zeros(20_000, dtype=np.uint8))
+    path = str(tmp_path / "t.npy")
+    fields = {streams.F_KIND: streams.KIND_NDARRAY, streams.F_DATA: bytes(1000),
+              streams.F_DTYPE: b"|u1", streams.F_SHAPE: b"1000",
+              streams.F_POS: f"{path}:9000".encode()}
+    limit = streams.record_size(fields)
+    items = list(read_source(_spec(path, "npy", sample_len=1000, max_record_bytes=limit)))
+    assert [type(i) for i in items] == [GoodRecord] * 10 + [BadRecord] * 10
+    assert {i.reason for i in items if isinstance(i, BadRecord)} == {"oversized"}
 
 
 def test_folder_of_files_one_record_each_raw(tmp_path: Path) -> None:

@@ -1,0 +1,102 @@
+"""The producer's hand-packed XADDs and batch reply reading, against a real redis-server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from ingest_service._resp import Link, _hiredis_reader, bulk, xadd_records
+from ingest_service.producer import Producer
+from ingest_service.sources import GoodRecord
+from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
+from tests.servers import RedisServer
+from trainguard import streams
+
+META = ((streams.F_KIND, streams.KIND_RAW), (b"extra", b"\x00\r\n binary"))
+
+
+def _records(n: int, size: int) -> list[GoodRecord]:
+    return [GoodRecord(bytes([i % 251]) * size, b"f:%d" % i, META) for i in range(n)]
+
+
+async def _batch(link: Link, key: str, first: int, records: list[GoodRecord], *,
+                 nomkstream: bool) -> list[Any]:
+    parts: list[bytes] = []
+    xadd_records(parts, bulk(key.encode()), 1, first, records, nomkstream=nomkstream)
+    return await link.send_many(parts, len(records))
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_batch_replies_take_the_hiredis_path(redis_server: RedisServer, protocol: int) -> None:
+    """With hiredis installed (a dependency), a batch's replies are read from the
+    parser's hiredis reader in one loop: this fails if a redis-py upgrade moves what that
+    path reaches into, instead of the producer silently falling back to the slow path.
+    The replies are the XADD replies in order: IDs, an error for an ID already there,
+    nil for NOMKSTREAM on a missing stream."""
+    client = Redis.from_url(redis_server.url, protocol=protocol)
+    link = Link(client)
+    await link.open()
+    try:
+        assert _hiredis_reader(link._conn) is not None
+        records = _records(300, 700)  # small and large values, replies over several reads
+        assert await _batch(link, "s", 0, records, nomkstream=False) == [
+            b"1-%d" % i for i in range(300)
+        ]
+        replies = await _batch(link, "s", 299, _records(2, 10), nomkstream=False)
+        assert isinstance(replies[0], ResponseError) and replies[1] == b"1-300"
+        assert await _batch(link, "gone", 0, _records(3, 10), nomkstream=True) == [None] * 3
+    finally:
+        await link.close(broken=False)
+        await client.aclose()
+    stored = redis.Redis.from_url(redis_server.url).xrange("s")
+    assert len(stored) == 301
+    assert stored[7] == (b"1-7", {**dict(META), streams.F_POS: b"f:7", streams.F_DATA: bytes([7]) * 700})
+
+
+@pytest.mark.parametrize("parser", [_AsyncRESP2Parser, _AsyncRESP3Parser])
+async def test_producer_without_hiredis_writes_the_same_partitions(
+    redis_server: RedisServer, tmp_path: Path, parser: type
+) -> None:
+    """redis-py's pure-Python parsers (no hiredis) take the one-reply-at-a-time path and
+    produce exactly the planned partitions."""
+    write_jsonl(tmp_path, 2000, files=2)
+    protocol = 3 if parser is _AsyncRESP3Parser else 2
+    client = Redis.from_url(redis_server.url, parser_class=parser, protocol=protocol)
+    spec = streams.DatasetSpec(name="py", partitions=4, source=str(tmp_path / "*.jsonl"),
+                               format="jsonl", seed=3, epochs=1, shuffle_buffer=100)
+    link = Link(client)
+    await link.open()
+    assert _hiredis_reader(link._conn) is None
+    await link.close(broken=False)
+    await Producer(client, spec, batch_records=64).run()
+    await client.aclose()
+    assert read_partitions(redis_server.url, spec) == expected_partitions(spec)
+
+
+async def test_push_messages_between_replies_are_not_replies(redis_server: RedisServer) -> None:
+    """On RESP3 (redis-py's default) the server may push messages between replies; here
+    client-side caching invalidations, caused by another client writing keys this
+    connection read. The batch still gets exactly its own replies, in order."""
+    client = Redis.from_url(redis_server.url, protocol=3)
+    other = redis.Redis.from_url(redis_server.url)
+    link = Link(client)
+    await link.open()
+    try:
+        assert await link.call("CLIENT", "TRACKING", "ON") == b"OK"
+        for i in range(50):
+            await link.call("GET", f"tracked:{i}")
+        for i in range(50):
+            other.set(f"tracked:{i}", "changed")  # one invalidation push each
+        replies = await _batch(link, "s", 0, _records(100, 50), nomkstream=False)
+        assert replies == [b"1-%d" % i for i in range(100)]
+        assert await link.call("PING") == b"PONG"
+    finally:
+        await link.close(broken=False)
+        await client.aclose()
+        other.close()
