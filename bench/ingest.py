@@ -8,12 +8,12 @@ persistence), for records of 100 B, 8 KiB and 128 KiB:
 2. trainguard: the Producer from a file source (a uint8 ``.npy`` cut into records of
    that size), shuffle, deterministic IDs, exactly-once Lua appends.
 
-Each size runs ``--rounds`` rounds of raw then trainguard back to back; the table shows
-the best round of each (records/s, MB/s of payload bytes, trainguard/raw), the ratio's
-range over the rounds, and the producer's MB per CPU-second of its own process (what
-one free core would give it; this number depends less on what else the machine runs).
-Runs of a few hundred MB, so that start-up (connections, the first sync) is noise. Not
-a test: numbers vary, on a shared 2-core machine by 20% between runs.
+Each size runs ``--rounds`` rounds of raw then trainguard back to back. The table shows
+the best round of each (records/s, MB/s of payload bytes) and their ratio, the median
+and range of the ratio of each round's pair (a pair shares the machine's mood), and the
+producer's MB per CPU-second of its own process (what one free core would give it).
+Runs are a few hundred MB, so that start-up (connections, the first sync) is noise.
+Not a test: on a shared 2-core machine raw alone moves by 2x between rounds.
 Usage: python bench/ingest.py [--mb 256] [--partitions 16] [--rounds 3]
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,7 +101,7 @@ def main() -> None:
         print(f"redis-server :{server.port}, {args.partitions} partitions, "
               f"{args.mb} MB of payload per size, best of {args.rounds} rounds")
         print(f"{'size':>8} {'records':>9} | {'raw rec/s':>11} {'raw MB/s':>9} | "
-              f"{'tg rec/s':>11} {'tg MB/s':>9} | {'ratio':>5} {'(rounds)':>11} | "
+              f"{'tg rec/s':>11} {'tg MB/s':>9} | {'ratio':>5} | {'paired ratios':>16} | "
               f"{'tg MB/cpu-s':>11}")
         for size in SIZES:
             count = max(1000, args.mb * 1_000_000 // size)
@@ -126,9 +127,10 @@ def main() -> None:
             mb = count * size / 1e6
             ratios = sorted(r / t for r, t in zip(raw_s, tg_s))
             raw, tg = min(raw_s), min(tg_s)
+            paired = f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
             print(f"{size:>8} {count:>9} | {count / raw:>11,.0f} {mb / raw:>9,.1f} | "
-                  f"{count / tg:>11,.0f} {mb / tg:>9,.1f} | {raw / tg:>5.2f} "
-                  f"{f'({ratios[0]:.2f}-{ratios[-1]:.2f})':>11} | {mb / min(tg_cpu):>11,.1f}")
+                  f"{count / tg:>11,.0f} {mb / tg:>9,.1f} | {raw / tg:>5.2f} | {paired:>16} | "
+                  f"{mb / min(tg_cpu):>11,.1f}")
     finally:
         flush.close()
         server.kill()

@@ -98,6 +98,11 @@ def xadd_records(
     and the parts shared by records of one layout (``meta``) are encoded once."""
     meta: Any = None
     head = fields = b""
+    # The ID's length, kept by counting digits instead of formatting the ID apart.
+    ms_len = len(b"%d-" % ms)
+    digits = len(b"%d" % first)
+    next_digit = 10**digits
+    append = parts.append
     for index, rec in enumerate(records, first):
         if rec.meta is not meta:
             meta = rec.meta
@@ -105,13 +110,15 @@ def xadd_records(
             head = b"*%d\r\n$4\r\nXADD\r\n%b%b" % (
                 argc, key_bulk, _NOMKSTREAM if nomkstream else b"")
             fields = b"".join(bulk(k) + bulk(v) for k, v in meta) + _POS
-        sid = b"%d-%d" % (ms, index)
+        if index >= next_digit:
+            digits += 1
+            next_digit *= 10
         pos = rec.pos
         data = rec.data
-        parts.append(b"%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n%b$%d\r\n" % (
-            head, len(sid), sid, fields, len(pos), pos, _D, len(data)))
-        parts.append(data)
-        parts.append(_CRLF)
+        append(b"%b$%d\r\n%d-%d\r\n%b$%d\r\n%b\r\n%b$%d\r\n" % (
+            head, ms_len + digits, ms, index, fields, len(pos), pos, _D, len(data)))
+        append(data)
+        append(_CRLF)
 
 
 def bulk(value: bytes) -> bytes:

@@ -361,14 +361,13 @@ class Producer:
                 chunk = await asyncio.to_thread(next, chunks, None)
             if chunk is None:
                 break
-            for p in range(partitions):
-                index, records = chunk.for_partition(p, partitions)
+            for p, index, records in chunk.by_partition(partitions):
                 skip = next_index[p] - index
                 if skip > 0:  # already in the partition (a resumed run)
                     records = records[skip:]
                     index += skip
-                if not records:
-                    continue
+                    if not records:
+                        continue
                 if not pending[p]:
                     pending_first[p] = index
                 pending[p] += records

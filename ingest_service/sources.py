@@ -9,6 +9,7 @@ each file from its start. Bad records are not errors here: they come out as
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Callable, Iterator, Mapping
@@ -35,8 +36,8 @@ producer encodes it once, not per record."""
 class GoodRecord(NamedTuple):
     """A record to append: its payload (``F_DATA``), its source position (``F_POS``)
     and the shared small fields. A named tuple because records are made by the
-    hundred thousand a second: ``GoodRecord._make`` builds them from C, without a
-    Python ``__init__`` per record."""
+    hundred thousand a second: ``tuple.__new__`` builds them from C, without a Python
+    ``__init__`` per record."""
 
     data: bytes
     pos: bytes
@@ -190,7 +191,7 @@ def _read_npy(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: st
         # Large samples are read one at a time: the read's own bytes object is then the
         # record (a whole-range slice of bytes is the same object), one copy less.
         per_read = (1 if step >= _READ_BLOCK // 4 else _READ_BLOCK // step) if step else samples
-        make = GoodRecord._make
+        make = functools.partial(tuple.__new__, GoodRecord)  # _make without its Python frame
         done = 0
         while done < samples:
             want = min(per_read, samples - done)

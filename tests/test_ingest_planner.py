@@ -47,15 +47,14 @@ def test_planner_order_is_pinned() -> None:
 
 @pytest.mark.parametrize("partitions", [1, 3, 16, 1500])
 def test_chunks_split_over_partitions_as_the_per_record_plan(partitions: int) -> None:
-    """Each chunk's ``for_partition`` slices give every partition the same records, at
+    """Each chunk's ``by_partition`` slices give every partition the same records, at
     the same indexes, as the per-record plan (the k-th record to ``k % P`` as its
     ``k // P``-th), across chunk boundaries and for more partitions than a chunk holds."""
     kw = {"seed": 3, "epoch": 2, "shuffle_buffer": 100, "chunk_records": 37}
     sliced: list[list[int]] = [[] for _ in range(partitions)]
     for chunk in plan_chunks(_items(5000), **kw):
-        for p in range(partitions):
-            index, records = chunk.for_partition(p, partitions)
-            assert index == len(sliced[p]) or not records
+        for p, index, records in chunk.by_partition(partitions):
+            assert records and index == len(sliced[p])
             sliced[p] += [int(r.pos[2:]) for r in records]
     per_record = _by_partition(
         plan_epoch(_items(5000), partitions=partitions, seed=3, epoch=2, shuffle_buffer=100),
