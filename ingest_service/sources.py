@@ -199,7 +199,7 @@ def _read_npy(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: st
             got = len(block) // step if step else want  # zero-size samples read nothing
             starts = range(done * sample_len, (done + got) * sample_len, sample_len)
             positions = [b"%b:%d" % (path_b, start) for start in starts]
-            chunks = [block[i:i + step] for i in range(0, got * step, step)]
+            chunks = [block[i:i + step] for i in range(0, got * step, step)] if step else [b""] * got
             if not positions or fixed + len(positions[-1]) <= limit:
                 # The common case, built from C: positions only grow, so the last one
                 # is the longest.

@@ -91,6 +91,16 @@ def test_npy_samples_match_numpy_across_read_boundaries(
         assert np.array_equal(got, array[k * sample_len:(k + 1) * sample_len])
 
 
+def test_npy_of_zero_size_items_gives_empty_records(tmp_path: Path) -> None:
+    """A structured dtype without fields has items of 0 bytes: the file still has its
+    samples (here 25 of 4 items), each an empty payload, and reading ends."""
+    np.save(tmp_path / "z.npy", np.empty(100, dtype=np.dtype([])))
+    items = list(read_source(_spec(str(tmp_path / "z.npy"), "npy", sample_len=4)))
+    assert len(items) == 25
+    assert all(isinstance(i, GoodRecord) and i.data == b"" for i in items)
+    assert items[-1].pos.endswith(b":96")
+
+
 def test_npy_truncated_file_gives_its_samples_then_one_bad_record(tmp_path: Path) -> None:
     """A .npy cut short (its header promises more than the file holds): every whole
     sample is a record, the partial one is an undecodable bad record with its bytes,
