@@ -11,12 +11,16 @@ How it stays exactly-once (see ``planner`` for where each record goes):
    and append, per partition, only the records after its last ID. All partitions are
    written concurrently (one batch in flight per partition, so a partition's batches
    stay in order); the next epoch starts when every write of this one is acknowledged.
-3. Every batch goes through one Lua call (``_lua.APPEND``) that checks the stream still
-   ends where the producer thinks it ends, skips entries already there (a retried
-   batch) and appends the rest. If Redis lost the stream or its tail (a restart
-   without or with partial persistence) the call says so; the producer syncs again and
-   refills from what Redis still has, or from the last retention floor it saw when the
-   stream is gone: consumers never go below their floor.
+3. Each writer owns one connection (a ``_resp.Link``, never silently reconnected) and
+   first checks on it that its partitions still end where the sync saw them. A batch is
+   pipelined ``XADD``s with explicit IDs, ``NOMKSTREAM`` once the stream exists: Redis
+   refuses an ID not above the stream's last one (an entry already there, from a
+   retried batch) and never re-creates a stream behind the producer's back. If Redis
+   lost the stream or its tail (a restart without or with partial persistence) the
+   replies or the check say so; the producer syncs again and refills from what Redis
+   still has, or from the last retention floor it saw when the stream is gone:
+   consumers never go below their floor. (Dead letters go through one Lua call,
+   ``_lua.APPEND``, which skips the entries already there.)
 
 The progress hash (``streams.progress_key``) records finished epochs, only as a hint
 to skip re-reading them; the partitions' last IDs are the truth.

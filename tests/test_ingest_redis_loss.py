@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,3 +122,35 @@ async def test_redis_killed_repeatedly_producer_still_exact(
 
 async def _progress_at_least(producer: Producer, task: asyncio.Task[None], n: int) -> bool:
     return task.done() or producer.progress.records >= n
+
+
+async def test_redis_that_stops_answering_times_out_and_resumes_exactly(
+    redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis frozen (SIGSTOP) while batches are in flight: the writers' calls time out
+    (the client's socket timeout), the producer syncs again once Redis answers
+    (SIGCONT), and it finishes with exactly the planned partitions: the batches cut off
+    mid-send or mid-reply are neither lost nor doubled."""
+    write_jsonl(tmp_path, 40_000, files=2)
+    spec = _spec(tmp_path)
+    client = Redis.from_url(redis_server.url, socket_timeout=0.5)
+    producer = Producer(client, spec, batch_records=64)
+    task = asyncio.create_task(producer.run())
+    probe = Redis.from_url(redis_server.url)
+    await until(lambda: _has_records(probe, spec))
+    await probe.aclose()
+    assert redis_server.pid is not None
+    os.kill(redis_server.pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(1.5)
+        assert not task.done()
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+    await asyncio.wait_for(task, 120)
+    await client.aclose()
+    assert "syncing again" in caplog.text  # a timeout was met, not waited out
+    assert read_partitions(redis_server.url, spec) == expected_partitions(spec)
+
+
+async def _has_records(client: Redis, spec: streams.DatasetSpec) -> bool:
+    return await _total(client, spec) > 0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +12,9 @@ import pytest
 import redis
 from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ingest_service._resp import Link, _hiredis_reader, bulk, xadd_records
 from ingest_service.producer import Producer
@@ -100,3 +105,28 @@ async def test_push_messages_between_replies_are_not_replies(redis_server: Redis
         await link.close(broken=False)
         await client.aclose()
         other.close()
+
+
+async def test_a_batch_waiting_on_a_frozen_redis_times_out_and_breaks_the_link(
+    redis_server: RedisServer,
+) -> None:
+    """Replies that never come (Redis frozen by SIGSTOP after the batch was sent) end in
+    a timeout after the client's socket timeout, not a hang; the link is then broken
+    (its next call raises), so the producer syncs again instead of reading late replies
+    as answers to later commands."""
+    client = Redis.from_url(redis_server.url, socket_timeout=0.5)
+    link = Link(client)
+    await link.open()
+    assert redis_server.pid is not None
+    os.kill(redis_server.pid, signal.SIGSTOP)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(RedisTimeoutError):
+            await asyncio.wait_for(_batch(link, "s", 0, _records(10, 100), nomkstream=False), 30)
+        assert asyncio.get_running_loop().time() - started < 25  # the link's deadline, not ours
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+    with pytest.raises(RedisConnectionError):
+        await link.call("PING")
+    await link.close(broken=True)
+    await client.aclose()
