@@ -6,7 +6,7 @@ persistence), for records of 100 B, 8 KiB and 128 KiB:
 1. raw: ``redis-cli --pipe`` fed pre-encoded ``XADD <partition> <id> d <payload>``
    commands, spread over the same partitions: what Redis itself takes;
 2. trainguard: the Producer from a file source (a uint8 ``.npy`` cut into records of
-   that size), shuffle, deterministic IDs, exactly-once Lua appends.
+   that size), shuffle, deterministic IDs, pipelined XADDs with explicit IDs.
 
 Each size runs ``--rounds`` rounds of raw then trainguard back to back. The table shows
 the best round of each (records/s, MB/s of payload bytes) and their ratio, the median

@@ -138,9 +138,12 @@ class Link:
     def __init__(self, redis: Redis) -> None:
         self._pool = redis.connection_pool
         self._conn: Any = None
+        self._drain = _drain_each
 
     async def open(self) -> None:
         self._conn = await self._pool.get_connection()
+        # Decided once: a Link's connection (and so its parser) never changes.
+        self._drain = _drain_hiredis if _hiredis_reader(self._conn) is not None else _drain_each
         honour_cancel()
 
     def _live(self) -> Any:
@@ -165,10 +168,7 @@ class Link:
         deadline = conn.socket_timeout or 60.0
         try:
             async with asyncio.timeout(deadline):
-                if _hiredis_reader(conn) is not None:
-                    out = await _drain_hiredis(conn, replies)
-                else:
-                    out = await _drain_each(conn, replies)
+                out = await self._drain(conn, replies)
         except TimeoutError as exc:
             await conn.disconnect(nowait=True)
             raise RedisTimeoutError(f"no reply from Redis within {deadline} s") from exc

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ingest_service.sources import BadRecord, GoodRecord, SourceItem, read_source
@@ -64,7 +64,7 @@ class PlanChunk:
 
     first: int
     records: list[GoodRecord]
-    dead: list[PlannedDeadLetter] = field(default_factory=list)
+    dead: list[PlannedDeadLetter]
 
     def by_partition(self, partitions: int) -> Iterator[tuple[int, int, list[GoodRecord]]]:
         """(partition, index in it of the first one, records) for every partition that
@@ -88,10 +88,6 @@ class Planned:
     @property
     def fields(self) -> dict[bytes, bytes]:
         return self.record.fields
-
-    @property
-    def size(self) -> int:
-        return self.record.size
 
 
 def shuffle_rng(seed: int, epoch: int) -> random.Random:
@@ -133,17 +129,12 @@ def plan_chunks(
     bad = 0
     first = 0
     # This loop is the producer's inner loop: fast locals, no Python-level call per record
-    # (hence the chunk cut written out three times rather than a closure).
+    # (hence the chunk cut written out twice rather than a closure).
     for item in items:
         if item.__class__ is BadRecord:
             dead.append(PlannedDeadLetter(bad, item))  # type: ignore[arg-type]
             bad += 1
-            if len(dead) >= chunk_records:  # a run of bad records is bounded too
-                yield PlanChunk(first, out, dead)
-                first += len(out)
-                out, out_bytes, dead = [], 0, []
-            continue
-        if not shuffle:
+        elif not shuffle:
             out.append(item)  # type: ignore[arg-type]
             out_bytes += len(item.data)  # type: ignore[union-attr]
         else:
@@ -163,7 +154,8 @@ def plan_chunks(
                 held -= size
                 out.append(rec)
                 out_bytes += size
-        if len(out) >= chunk_records or out_bytes >= chunk_bytes:
+        # A run of bad records makes a chunk too: dead letters are bounded as well.
+        if len(out) >= chunk_records or out_bytes >= chunk_bytes or len(dead) >= chunk_records:
             yield PlanChunk(first, out, dead)
             first += len(out)
             out, out_bytes, dead = [], 0, []

@@ -190,16 +190,18 @@ def _read_npy(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: st
         samples = total // sample_len if sample_len else 0
         # Large samples are read one at a time: the read's own bytes object is then the
         # record (a whole-range slice of bytes is the same object), one copy less.
-        per_read = (1 if step >= _READ_BLOCK // 4 else _READ_BLOCK // step) if step else samples
+        per_read = 1 if step >= _READ_BLOCK // 4 else _READ_BLOCK // max(step, 1)
         make = functools.partial(tuple.__new__, GoodRecord)  # _make without its Python frame
         done = 0
         while done < samples:
             want = min(per_read, samples - done)
             block = f.read(want * step)
-            got = len(block) // step if step else want  # zero-size samples read nothing
+            # A complete read has every sample (also when samples are 0 bytes and it read
+            # nothing); a short one has the whole samples it holds.
+            got = want if len(block) == want * step else len(block) // step
             starts = range(done * sample_len, (done + got) * sample_len, sample_len)
             positions = [b"%b:%d" % (path_b, start) for start in starts]
-            chunks = [block[i:i + step] for i in range(0, got * step, step)] if step else [b""] * got
+            chunks = [block[i * step:(i + 1) * step] for i in range(got)]
             if not positions or fixed + len(positions[-1]) <= limit:
                 # The common case, built from C: positions only grow, so the last one
                 # is the longest.

@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ingest_service._resp import Link, _hiredis_reader, bulk, xadd_records
+from ingest_service._resp import Link, _drain_each, _drain_hiredis, bulk, xadd_records
 from ingest_service.producer import Producer
 from ingest_service.sources import GoodRecord
 from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
@@ -48,7 +48,7 @@ async def test_batch_replies_take_the_hiredis_path(redis_server: RedisServer, pr
     link = Link(client)
     await link.open()
     try:
-        assert _hiredis_reader(link._conn) is not None
+        assert link._drain is _drain_hiredis
         records = _records(300, 700)  # small and large values, replies over several reads
         assert await _batch(link, "s", 0, records, nomkstream=False) == [
             b"1-%d" % i for i in range(300)
@@ -77,7 +77,7 @@ async def test_producer_without_hiredis_writes_the_same_partitions(
                                format="jsonl", seed=3, epochs=1, shuffle_buffer=100)
     link = Link(client)
     await link.open()
-    assert _hiredis_reader(link._conn) is None
+    assert link._drain is _drain_each
     await link.close(broken=False)
     await Producer(client, spec, batch_records=64).run()
     await client.aclose()
