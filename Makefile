@@ -1,6 +1,7 @@
 # trainguard: two commands from a fresh clone.
 #   make demo   -- the main job: ingest, train, kill -9, resume, count (0 lost, 0 duplicated)
-#   make test   -- ruff + the test suite against real redis-server, torch, files, moto S3
+#   make test   -- ruff, import-linter, mypy + the test suite against real redis-server,
+#                  torch, files, moto S3
 #
 # Both create .venv when missing and install what they need. A stamp keyed on
 # pyproject.toml's hash makes a second run install nothing.
@@ -39,11 +40,14 @@ redis:
 	    echo "macOS: brew install redis) and run this again."; exit 1; \
 	  fi; }
 
+# Style, the layers of ARCHITECTURE.md (import-linter contracts in pyproject.toml) and
+# types (mypy, --strict on the foundation and the public modules).
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
-test: setup
-	$(VENV)/bin/ruff check .
+test: lint
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 chaos: setup

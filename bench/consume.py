@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.servers import RedisServer  # noqa: E402
 from trainer_client import StreamingDataset, TrainingSession  # noqa: E402
-from trainguard import streams  # noqa: E402
+from trainguard.core import streams  # noqa: E402
 
 
 def fill(url: str, name: str, partitions: int, size: int, count: int) -> None:

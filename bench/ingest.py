@@ -39,7 +39,7 @@ from redis.asyncio import Redis  # noqa: E402
 
 from ingest_service.producer import Producer  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
-from trainguard import streams  # noqa: E402
+from trainguard.core import streams  # noqa: E402
 
 SIZES = (100, 8 * 1024, 128 * 1024)
 

@@ -10,9 +10,17 @@ store.load({"model": model, "optim": opt})     # newest valid checkpoint, in pla
 The on-disk format is documented in ``FORMAT.md`` (shipped with the package).
 """
 
-from checkpoint_store.api import CheckpointStoreAPI
-from checkpoint_store.errors import (
+from checkpoint_store.export import export_safetensors
+from checkpoint_store.handle import SaveHandle
+from checkpoint_store.manifest import FORMAT_VERSION, Manifest
+from checkpoint_store.retention import GcReport
+from checkpoint_store.shard import Shard
+from checkpoint_store.store import CheckpointStore
+from checkpoint_store.tiered import TieredCheckpointStore
+from checkpoint_store.tiers import TierState, TierStatus, tier_statuses
+from trainguard.core.checkpoints import (
     CheckpointError,
+    CheckpointStoreAPI,
     CheckpointWriteError,
     CommitConflictError,
     CorruptCheckpointError,
@@ -23,12 +31,6 @@ from checkpoint_store.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
-from checkpoint_store.handle import SaveHandle
-from checkpoint_store.manifest import FORMAT_VERSION, Manifest
-from checkpoint_store.retention import GcReport
-from checkpoint_store.shard import Shard
-from checkpoint_store.store import CheckpointStore
-from checkpoint_store.tiered import TieredCheckpointStore, TierState, TierStatus
 
 __all__ = [
     "FORMAT_VERSION",
@@ -51,4 +53,6 @@ __all__ = [
     "TierStatus",
     "TieredCheckpointStore",
     "UnsupportedValueError",
+    "export_safetensors",
+    "tier_statuses",
 ]

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from checkpoint_store.dtypes import dtype_name, is_supported
-from checkpoint_store.errors import CorruptCheckpointError, UnsupportedValueError
 from checkpoint_store.shard import Shard
+from trainguard.core.checkpoints import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = ["TensorLeaf", "TensorRef", "decode_skeleton", "flatten", "is_stateful", "join_path"]
 

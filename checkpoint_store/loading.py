@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from checkpoint_store.dtypes import dtype_from_name, dtype_name, raw_view
-from checkpoint_store.errors import CorruptCheckpointError, StateMismatchError
 from checkpoint_store.flatten import TensorRef, is_stateful, join_path
 from checkpoint_store.reader import ChunkReader
 from checkpoint_store.shard import Shard
+from trainguard.core.checkpoints import CorruptCheckpointError, StateMismatchError
 
 __all__ = ["Applier"]
 

@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint_store.errors import CorruptCheckpointError
 from checkpoint_store.layout import data_dir, parse_manifest_name
+from trainguard.core.checkpoints import CorruptCheckpointError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Manifest", "encode_manifest", "parse_manifest"]
 

@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from checkpoint_store.backends import Backend, aligned_buffer
-from checkpoint_store.errors import CorruptCheckpointError
 from checkpoint_store.flatten import decode_skeleton
 from checkpoint_store.layout import data_dir
 from checkpoint_store.manifest import Manifest
 from checkpoint_store.zarr_format import CRC_BYTES, check_chunk
+from trainguard.core.checkpoints import CorruptCheckpointError
 
 __all__ = ["ChunkReader", "verify_data"]
 

@@ -29,12 +29,6 @@ from checkpoint_store import _faults
 from checkpoint_store.backends import Backend
 from checkpoint_store.dist import Comm, all_gather_json, broadcast_json
 from checkpoint_store.dtypes import dtype_name
-from checkpoint_store.errors import (
-    CheckpointError,
-    CheckpointWriteError,
-    CommitConflictError,
-    DistributedSaveError,
-)
 from checkpoint_store.flatten import TensorLeaf
 from checkpoint_store.layout import (
     LATEST,
@@ -51,6 +45,12 @@ from checkpoint_store.manifest import Manifest, encode_manifest, parse_manifest
 from checkpoint_store.plan import RankPlan
 from checkpoint_store.staging import Staged
 from checkpoint_store.writer import write_rank, write_root_group
+from trainguard.core.checkpoints import (
+    CheckpointError,
+    CheckpointWriteError,
+    CommitConflictError,
+    DistributedSaveError,
+)
 
 __all__ = ["SaveJob", "latest_pointer", "run_save"]
 

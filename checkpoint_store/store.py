@@ -15,14 +15,6 @@ import torch
 
 from checkpoint_store.backends import Backend, open_backend
 from checkpoint_store.dist import Comm, all_gather_json, make_comm
-from checkpoint_store.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    NoCheckpointError,
-    PinnedCheckpointError,
-    SaveInProgressError,
-    UnsupportedValueError,
-)
 from checkpoint_store.flatten import decode_skeleton, flatten
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.layout import (
@@ -41,6 +33,15 @@ from checkpoint_store.reader import ChunkReader, verify_data
 from checkpoint_store.retention import GcReport, apply_retention, choose_deletions, collect_garbage
 from checkpoint_store.saving import SaveJob, latest_pointer, run_save
 from checkpoint_store.staging import BufferPool, Staged, direct_segments
+from trainguard.core import record
+from trainguard.core.checkpoints import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    PinnedCheckpointError,
+    SaveInProgressError,
+    UnsupportedValueError,
+)
 
 __all__ = ["CheckpointStore"]
 
@@ -225,7 +226,8 @@ class CheckpointStore:
         return out
 
     def latest(self) -> Manifest | None:
-        """The newest manifest whose checksum holds; no tensor data is read."""
+        """The newest committed manifest whose checksum holds (what LATEST names: the
+        commit order, not the restore order); no tensor data is read."""
         pins = self._pins()
         for n in reversed(self._names()):
             try:
@@ -258,10 +260,22 @@ class CheckpointStore:
         return None
 
     def _candidates(self, step: int | None) -> builtins.list[ManifestName]:
+        """``step``'s saves, newest first; without a step, every checkpoint in the
+        order a restart resumes in (:func:`trainguard.core.record.restore_order`),
+        which needs each manifest read. One that cannot be read sorts by its commit
+        time, after every checkpoint with a session record, and is reported as damaged
+        when its turn comes."""
         names = self._names()
         if step is not None:
-            names = [n for n in names if n.step == step]
-        return list(reversed(names))
+            return [n for n in reversed(names) if n.step == step]
+        pins = self._pins()
+        keys: dict[ManifestName, tuple[int, int, str, int]] = {}
+        for n in names:
+            try:
+                keys[n] = record.restore_order(self._read_manifest(n.name, pins))
+            except (CorruptCheckpointError, NoCheckpointError):
+                keys[n] = (0, 0, n.uid, n.step)
+        return sorted(names, key=keys.__getitem__, reverse=True)
 
     def load(
         self,
@@ -271,7 +285,10 @@ class CheckpointStore:
         keys: Iterable[str] | None = None,
         strict: bool = False,
     ) -> Manifest | None:
-        """Load the newest valid checkpoint (or ``step``) into ``state`` in place.
+        """Load the checkpoint a restart resumes from (or ``step``'s newest save) into
+        ``state`` in place: the newest valid one in restore order
+        (:func:`trainguard.core.record.restore_order`; commit order for checkpoints
+        without a session record).
 
         Every chunk read is verified before anything in ``state`` changes. A damaged
         checkpoint is skipped with a warning and the previous one loaded;
@@ -422,7 +439,7 @@ def _json_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(extra, Mapping):
         raise UnsupportedValueError(f"extra must be a JSON-able mapping, got {type(extra).__name__}")
     try:
-        doc = json.loads(json.dumps(dict(extra), allow_nan=False))
+        doc: dict[str, Any] = json.loads(json.dumps(dict(extra), allow_nan=False))
     except (TypeError, ValueError) as e:
         raise UnsupportedValueError(f"extra must be JSON-able (no NaN): {e}") from e
     if doc != extra:

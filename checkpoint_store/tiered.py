@@ -10,7 +10,7 @@ store.close(wait_upload=60.0)     # optionally drain the upload queue
 ```
 
 Same public API as :class:`~checkpoint_store.CheckpointStore` (both implement
-:class:`~checkpoint_store.api.CheckpointStoreAPI`), so a ``TrainingSession`` takes it
+:class:`~trainguard.core.checkpoints.CheckpointStoreAPI`), so a ``TrainingSession`` takes it
 as ``store=``. Both roots have the FORMAT.md layout and a
 checkpoint has the same manifest name in both; see ``upload.py`` for the upload order
 (data, then the manifest with an exclusive create, then LATEST).
@@ -44,92 +44,45 @@ Single process only (world size 1): the remote tier is written by one uploader.
 from __future__ import annotations
 
 import builtins
-import dataclasses
-import enum
 import logging
 import os
 import sys
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from checkpoint_store._remote_catalog import RemoteCatalog
+from checkpoint_store._tier_load import Tiers, load_from_tiers, newest_of
 from checkpoint_store.backends import LocalBackend, open_backend
-from checkpoint_store.errors import (
+from checkpoint_store.handle import SaveHandle
+from checkpoint_store.layout import manifest_path, parse_manifest_name
+from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.retention import GcReport, apply_retention, choose_deletions
+from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
+from checkpoint_store.tiers import TierStatus, tier_statuses
+from checkpoint_store.upload import Uploader
+from trainguard.core.checkpoints import (
     CheckpointError,
     CorruptCheckpointError,
     NoCheckpointError,
     PinnedCheckpointError,
 )
-from checkpoint_store.handle import SaveHandle
-from checkpoint_store.layout import MANIFEST_DIR, PINS_DIR, manifest_path, parse_manifest_name
-from checkpoint_store.manifest import Manifest, parse_manifest
-from checkpoint_store.retention import GcReport, apply_retention, choose_deletions
-from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
-from checkpoint_store.upload import Uploader
+from trainguard.core.resilience import (
+    OBJECT_STORE_NOT_TRANSIENT,
+    OBJECT_STORE_POLICY,
+    CircuitBreaker,
+    CircuitOpenError,
+    RetryPolicy,
+    object_store_breaker,
+    object_store_errors,
+    object_store_retrier,
+)
 
-if TYPE_CHECKING:
-    from trainer_client.breaker import CircuitBreaker
-    from trainer_client.retry import RetryPolicy
-
-__all__ = ["TierState", "TierStatus", "TieredCheckpointStore", "tier_statuses"]
+__all__ = ["TieredCheckpointStore"]
 
 log = logging.getLogger("checkpoint_store.tiered")
 
 _NO_LIMIT = sys.maxsize
-
-
-class TierState(enum.StrEnum):
-    LOCAL = "local"  # committed locally, remote copy not committed (queued)
-    UPLOADING = "uploading"  # being copied now
-    REMOTE = "remote"  # remote manifest exists (local copy may or may not)
-
-
-@dataclass(frozen=True)
-class TierStatus:
-    """One checkpoint's place: ``local`` (a local manifest exists), ``remote`` (the
-    remote manifest exists: committed there) and the resulting ``state``."""
-
-    name: str
-    step: int
-    uid: str
-    state: TierState
-    local: bool
-    remote: bool
-    pinned: bool
-
-    def labels(self) -> list[str]:
-        """The admin API's status words: committed, pinned, remote | local_only."""
-        out = ["committed"]
-        if self.pinned:
-            out.append("pinned")
-        out.append("remote" if self.remote else "local_only")
-        return out
-
-
-def tier_statuses(
-    local: Iterable[Manifest],
-    remote: Iterable[Manifest],
-    *,
-    remote_committed: Iterable[str] = (),
-    uploading: str | None = None,
-) -> list[TierStatus]:
-    """Where each checkpoint is, oldest first, from the manifests of a local and a
-    remote root (e.g. two ``CheckpointStore.list()`` results; a checkpoint has the
-    same manifest name in both). ``remote_committed`` adds names known to be remote
-    without a listing, ``uploading`` names the one being copied now."""
-    local_by = {m.name: m for m in local}
-    remote_by = {m.name: m for m in remote}
-    committed = set(remote_committed) | set(remote_by)
-    out = []
-    for name in sorted({*local_by, *remote_by}, key=lambda n: parse_manifest_name(n) or n):
-        m = local_by.get(name) or remote_by[name]
-        in_remote = name in committed
-        state = (TierState.REMOTE if in_remote else
-                 TierState.UPLOADING if name == uploading else TierState.LOCAL)
-        pinned = any(x.pinned for x in (local_by.get(name), remote_by.get(name)) if x)
-        out.append(TierStatus(name, m.step, m.uid, state, name in local_by, in_remote, pinned))
-    return out
 
 
 class TieredCheckpointStore:
@@ -164,18 +117,6 @@ class TieredCheckpointStore:
         io_threads: int = 4,
         stale_after_s: float = 24 * 3600.0,
     ):
-        # Imported here: only the tiered store needs trainer_client's breaker and retries
-        # (and, through them, redis' exception types); plain checkpoint_store does not.
-        from trainer_client.errors import CircuitOpenError
-        from trainer_client.retry import (
-            OBJECT_STORE_NOT_TRANSIENT,
-            OBJECT_STORE_POLICY,
-            RetryPolicy,
-            object_store_breaker,
-            object_store_errors,
-            object_store_retrier,
-        )
-
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if remote_keep_last is not None and remote_keep_last < keep_last:
@@ -216,8 +157,6 @@ class TieredCheckpointStore:
         self._lock = threading.Lock()
         self._retention_lock = threading.Lock()
         self._last_handle: SaveHandle | None = None
-        self._remote_cache: dict[str, Manifest] = {}
-        self._remote_listed = False
         self._closed = False
         self._uploader = Uploader(
             local_backend, self._remote_backend,
@@ -226,6 +165,10 @@ class TieredCheckpointStore:
             on_committed=self._on_remote_commit, on_scanned=self._on_scanned,
             backoff_s=upload_backoff_s, threads=io_threads,
             outage=self._transient, answers=OBJECT_STORE_NOT_TRANSIENT,
+        )
+        self._remote = RemoteCatalog(
+            self._remote_backend, remote_url, read=self._read.call, try_once=self.breaker.call,
+            transient=self._transient, on_listed=self._uploader.mark_remote,
         )
         self._uploader.start()
 
@@ -274,8 +217,7 @@ class TieredCheckpointStore:
         except (FileNotFoundError, CorruptCheckpointError):
             pass
         else:
-            with self._lock:
-                self._remote_cache.setdefault(name, m)
+            self._remote.remember(m, replace=False)
         if self.remote_keep_last is not None:
             try:
                 self._retain_remote()
@@ -286,8 +228,8 @@ class TieredCheckpointStore:
     def _on_scanned(self) -> None:
         # The remote answered the uploader: learn its manifests now, in this
         # background thread, so that list() need not ask it later.
-        if not self._remote_listed:
-            self._remote_catalog(wait=False)
+        if not self._remote.listed:
+            self._remote.list(wait=False)
 
     def _wait_local(self) -> None:
         with self._lock:
@@ -315,55 +257,15 @@ class TieredCheckpointStore:
 
     def _retain_remote(self) -> None:
         assert self.remote_keep_last is not None
-        remote = sorted(self._remote_catalog(wait=True).values(),
+        remote = sorted(self._remote.list(wait=True).values(),
                         key=lambda m: parse_manifest_name(m.name) or m.name)
         doomed = choose_deletions(remote, keep_last=self.remote_keep_last,
                                   keep_every=self.keep_every)
         if doomed:
             self._read.call(apply_retention, self._remote_backend, doomed)
-            with self._lock:
-                for m in doomed:
-                    self._remote_cache.pop(m.name, None)
+            self._remote.forget(m.name for m in doomed)
 
     # ---------------------------------------------------------------- catalog
-    def _remote_catalog(self, *, wait: bool) -> dict[str, Manifest]:
-        """List the remote root (manifests are read once, then cached: they are
-        immutable). ``wait``: retry through an outage and raise CheckpointError when
-        the policy runs out; otherwise one try, and on failure the cached listing."""
-        call = self._read.call if wait else self.breaker.call
-        with self._lock:
-            cache = dict(self._remote_cache)
-        try:
-            names = [n for n in call(self._remote_backend.listdir, MANIFEST_DIR)
-                     if parse_manifest_name(n)]
-            pins = set(call(self._remote_backend.listdir, PINS_DIR))
-            found: dict[str, Manifest] = {}
-            for n in names:
-                m = cache.get(n)
-                if m is None:
-                    try:
-                        m = parse_manifest(n, call(self._remote_backend.read, manifest_path(n)))
-                    except FileNotFoundError:
-                        continue  # deleted between listing and reading
-                    except CorruptCheckpointError as e:
-                        log.warning("skipping damaged remote manifest %s: %s", n, e)
-                        continue
-                found[n] = dataclasses.replace(m, pinned=n in pins)
-        except self._transient as e:
-            if wait:
-                raise CheckpointError(
-                    f"the remote tier {self.remote_url} is unreachable ({type(e).__name__}: "
-                    f"{e}), so its checkpoints are unknown; retry when it is back"
-                ) from e
-            log.info("remote tier %s unreachable (%s: %s); using what is known of it",
-                     self.remote_url, type(e).__name__, e)
-            return cache
-        with self._lock:
-            self._remote_cache = found
-            self._remote_listed = True
-        self._uploader.mark_remote(set(found))
-        return dict(found)
-
     def _catalog(self, *, fresh: bool = False) -> tuple[dict[str, Manifest],
                                                       dict[str, Manifest]]:
         """(local, remote) manifests by name. The remote side comes from the cache
@@ -372,12 +274,10 @@ class TieredCheckpointStore:
         empty disk must not pass for a fresh start); else try once."""
         local = {m.name: m for m in self.local.list()}
         if fresh:
-            return local, self._remote_catalog(wait=True)
-        with self._lock:
-            listed, cache = self._remote_listed, dict(self._remote_cache)
-        if listed:
-            return local, cache
-        return local, self._remote_catalog(wait=not local)
+            return local, self._remote.list(wait=True)
+        if self._remote.listed:
+            return local, self._remote.known()
+        return local, self._remote.list(wait=not local)
 
     @staticmethod
     def _merged(local: dict[str, Manifest],
@@ -394,7 +294,7 @@ class TieredCheckpointStore:
     def refresh(self) -> None:
         """List the remote root again (waits out an outage), e.g. after another tool
         changed it."""
-        self._remote_catalog(wait=True)
+        self._remote.list(wait=True)
 
     def latest(self) -> Manifest | None:
         found = self.list()
@@ -403,9 +303,7 @@ class TieredCheckpointStore:
     def tiers(self) -> builtins.list[TierStatus]:
         """Where each checkpoint is, oldest first. No remote I/O: the remote side is
         what the uploader and the last listing saw."""
-        with self._lock:
-            remote = dict(self._remote_cache)
-        return tier_statuses(self.local.list(), remote.values(),
+        return tier_statuses(self.local.list(), self._remote.known().values(),
                              remote_committed=self._uploader.remote_committed(),
                              uploading=self._uploader.uploading())
 
@@ -427,17 +325,15 @@ class TieredCheckpointStore:
         return self._uploader.failures
 
     # ---------------------------------------------------------------- load / verify
-    @staticmethod
-    def _newest_of(step: int, names: Iterable[str]) -> str | None:
-        same = [p for p in map(parse_manifest_name, names) if p and p.step == step]
-        return max(same).name if same else None
+    def _tiers(self) -> Tiers:
+        return Tiers(self.local, self.remote, self._read.call, self._transient,
+                     self._retention_lock, self.url, self.remote_url)
 
     def _no_such_step(self, step: int) -> NoCheckpointError:
-        return NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
-                                 f"{self.remote_url}; list() shows the steps there are")
+        return self._tiers().no_such_step(step)
 
     def _newest_anywhere(self, step: int, local: Iterable[str], remote: Iterable[str]) -> str:
-        name = self._newest_of(step, [*local, *remote])
+        name = newest_of(step, [*local, *remote])
         if name is None:
             raise self._no_such_step(step)
         return name
@@ -450,60 +346,21 @@ class TieredCheckpointStore:
         keys: Iterable[str] | None = None,
         strict: bool = False,
     ) -> Manifest | None:
-        """Load the newest checkpoint (or ``step``) into ``state`` in place: the local
-        copy if it verifies, else the remote copy; if neither loads, the previous
+        """Load the checkpoint a restart resumes from (or ``step``'s newest; the order
+        is :func:`trainguard.core.record.restore_order`) into ``state`` in place: the
+        local copy if it verifies, else the remote copy; if neither loads, the previous
         checkpoint (``strict=True`` raises CorruptCheckpointError instead)."""
         self._wait_local()
-        keys = list(keys) if keys is not None else None
         local, remote = self._catalog()
-        local_names = set(local)
-        parsed = sorted({p for p in map(parse_manifest_name, [*local_names, *remote]) if p},
-                        reverse=True)
-        candidates = [p for p in parsed if step is None or p.step == step]
-        if not candidates:
-            if step is not None:
-                raise self._no_such_step(step)
-            return None
-        problems: builtins.list[str] = []
-        for cand in candidates:
-            name, s = cand.name, cand.step
-            if name in local_names and self._newest_of(s, local_names) == name:
-                try:
-                    with self._retention_lock:
-                        return self.local.load(state, step=s, keys=keys, strict=True)
-                except (CorruptCheckpointError, NoCheckpointError) as e:
-                    problems.append(f"local {name}: {e}")
-                    log.warning("local copy of %s cannot be loaded (%s); falling back to the "
-                                "remote copy in %s", name, e, self.remote_url)
-            if name in remote and self._newest_of(s, remote) == name:
-                try:
-                    manifest = self._read.call(self.remote.load, state, step=s, keys=keys,
-                                               strict=True)
-                except (CorruptCheckpointError, NoCheckpointError) as e:
-                    problems.append(f"remote {name}: {e}")
-                    log.warning("remote copy of %s cannot be loaded either (%s)", name, e)
-                except self._transient as e:
-                    problems.append(f"remote {name}: unreachable ({e})")
-                    log.warning("remote copy of %s is unreachable (%s)", name, e)
-                else:
-                    log.warning("loaded checkpoint %s from the remote tier %s", name,
-                                self.remote_url)
-                    return manifest
-            if strict:
-                break
-            log.warning("checkpoint %s could not be loaded from either tier; trying the "
-                        "previous one", name)
-        raise CorruptCheckpointError(
-            f"no loadable checkpoint in {self.url} or {self.remote_url}: {problems}; "
-            "restore from another copy"
-        )
+        return load_from_tiers(self._tiers(), local, remote, state, step=step,
+                               keys=None if keys is None else list(keys), strict=strict)
 
     def verify(self, step: int) -> Manifest:
         """Verify the newest checkpoint of ``step``: the local copy if there is one
         (falling back to the remote copy if it is damaged), else the remote copy."""
         local, remote = self._catalog()
         name = self._newest_anywhere(step, local, remote)
-        if name in local and self._newest_of(step, local) == name:
+        if name in local and newest_of(step, local) == name:
             try:
                 return self.local.verify(step)
             except CorruptCheckpointError as e:
@@ -524,8 +381,7 @@ class TieredCheckpointStore:
             result = self.local.pin(step)
         if name in remote:
             pinned = self._read.call(self.remote.pin, step)
-            with self._lock:
-                self._remote_cache[name] = dataclasses.replace(remote[name], pinned=True)
+            self._remote.set_pinned([remote[name]], True)
             result = result or pinned
         assert result is not None
         return result
@@ -538,10 +394,7 @@ class TieredCheckpointStore:
             self.local.unpin(step)
         if any(m.step == step for m in remote.values()):
             self._read.call(self.remote.unpin, step)
-            with self._lock:
-                for n, m in remote.items():
-                    if m.step == step:
-                        self._remote_cache[n] = dataclasses.replace(m, pinned=False)
+            self._remote.set_pinned([m for m in remote.values() if m.step == step], False)
 
     def delete(self, step: int) -> builtins.list[str]:
         """Delete every checkpoint of ``step`` from both tiers."""
@@ -560,9 +413,7 @@ class TieredCheckpointStore:
             deleted.update(self.local.delete(step))
         if any(m.step == step for m in remote.values()):
             deleted.update(self._read.call(self.remote.delete, step))
-        with self._lock:
-            for name in deleted:
-                self._remote_cache.pop(name, None)
+        self._remote.forget(deleted)
         return sorted(deleted)
 
     def gc(self) -> GcReport:

@@ -36,7 +36,6 @@ from typing import Any
 
 from checkpoint_store import _faults
 from checkpoint_store.backends import Backend, FsspecBackend, LocalBackend
-from checkpoint_store.errors import CorruptCheckpointError
 from checkpoint_store.layout import (
     INFLIGHT_DIR,
     LATEST,
@@ -52,6 +51,8 @@ from checkpoint_store.layout import (
 from checkpoint_store.manifest import Manifest, parse_manifest
 from checkpoint_store.reader import verify_data
 from checkpoint_store.saving import latest_pointer
+from trainguard.core.checkpoints import CorruptCheckpointError
+from trainguard.core.resilience import Backoff, RetryPolicy
 
 __all__ = ["UPLOAD_PHASES", "Uploader", "local_files", "remote_sizes"]
 
@@ -126,7 +127,9 @@ class Uploader:
         self._call = call
         self._on_committed = on_committed
         self._on_scanned = on_scanned
-        self._backoff_s = backoff_s
+        # (first, max) without jitter: one uploader per store, nobody to spread out.
+        self._backoff = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=backoff_s[0],
+                                    wait_max_s=backoff_s[1], wait_jitter_s=0.0)
         self._threads = max(1, threads)
         self._outage = outage
         self._answers = answers
@@ -212,7 +215,7 @@ class Uploader:
                 self._cond.wait(seconds)
 
     def _loop(self) -> None:
-        delay = self._backoff_s[0]
+        backoff = Backoff(self._backoff)
         while True:
             with self._cond:
                 while self._scanned and not self._pending and not self._stop:
@@ -226,10 +229,11 @@ class Uploader:
                     self._scan()
                 else:
                     self._upload(name)
-                delay = self._backoff_s[0]
+                backoff.reset()
             except Exception as e:  # remote down or refusing: back off, keep the queue
                 self.failures += 1
                 self.last_error = e
+                delay = backoff.next_wait_s()
                 log.warning("upload to %s failed (%s: %s); retrying in %.1f s",
                             self.remote.url, type(e).__name__, e, delay)
                 with self._cond:
@@ -241,7 +245,6 @@ class Uploader:
                         self._pending[name] = None
                     self._cond.notify_all()
                 self._sleep(delay)
-                delay = min(delay * 2, self._backoff_s[1])
                 continue
             with self._cond:
                 self._uploading = None

@@ -19,7 +19,7 @@ from typing import Any
 
 import crc32c as _crc
 
-from checkpoint_store.errors import CorruptCheckpointError
+from trainguard.core.checkpoints import CorruptCheckpointError
 
 __all__ = ["CRC_BYTES", "ArrayLayout", "check_chunk", "crc32c", "group_metadata", "zero_bytes"]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from ingest_service.datasets import create_dataset
-from trainguard.demo import write_dataset
-from trainguard.streams import DatasetSpec
+from trainguard.core.streams import DatasetSpec
+from trainguard.ops.demo import write_dataset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from trainguard import streams
+from trainguard.core import streams
 
 try:
     import hiredis

@@ -31,7 +31,6 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,10 +39,11 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from ingest_service import inspection
+from ingest_service import inspection, seek
 from ingest_service.admin_checkpoints import StoreRoot, StoreSet, parse_store_roots
-from ingest_service.inspection import AdminError, BadRequest
+from ingest_service.errors import AdminError, BadRequest
 from ingest_service.openapi import openapi_document
+from trainguard.core import settings
 
 __all__ = [
     "ADMIN_CONFIG",
@@ -54,9 +54,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
-STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
-REDIS_ENV = "TRAINGUARD_REDIS_URL"
 READY_TIMEOUT_S = 5.0
 
 
@@ -73,9 +70,8 @@ class AdminConfig:
     def from_env(cls, redis_url: str | None = None) -> AdminConfig:
         """``TRAINGUARD_ADMIN_TOKEN``, ``TRAINGUARD_CHECKPOINT_STORES``
         (``name=url[|remote_url],...``) and, unless given, ``TRAINGUARD_REDIS_URL``."""
-        url = redis_url or os.environ.get(REDIS_ENV, "redis://127.0.0.1:6379/0")
-        token = os.environ.get(TOKEN_ENV) or None
-        return cls(url, token, parse_store_roots(os.environ.get(STORES_ENV, "")))
+        return cls(settings.redis_url(redis_url), settings.admin_token(),
+                   parse_store_roots(settings.checkpoint_stores()))
 
 
 ADMIN_CONFIG = web.AppKey("trainguard_admin_config", AdminConfig)
@@ -167,7 +163,7 @@ def require_token(request: web.Request) -> None:
     if not expected:
         raise Forbidden(
             "mutations_disabled",
-            f"this service has no admin token, so changes are refused: set {TOKEN_ENV} "
+            f"this service has no admin token, so changes are refused: set {settings.ADMIN_TOKEN_ENV} "
             "for the service and send it as 'Authorization: Bearer <token>'",
         )
     header = request.headers.get("Authorization", "")
@@ -237,15 +233,15 @@ async def _seek(request: web.Request) -> web.Response:
     if "to" in body:
         if not isinstance(body["to"], str):
             raise BadRequest("bad_target", "'to' must be \"earliest\" or \"latest\"")
-        result = await inspection.seek_group(r, dataset, group, to=body["to"], force=force)
+        result = await seek.seek_group(r, dataset, group, to=body["to"], force=force)
     else:
         spec_partitions = (await inspection.dataset_spec(r, dataset)).partitions
         raw = (
             body["ids"] if "ids" in body
             else await request.app[_STORES].checkpoint_offsets(body["checkpoint"], dataset)
         )
-        ids = inspection.parse_seek_ids(raw, spec_partitions)
-        result = await inspection.seek_group(r, dataset, group, ids=ids, force=force)
+        ids = seek.parse_seek_ids(raw, spec_partitions)
+        result = await seek.seek_group(r, dataset, group, ids=ids, force=force)
     return web.json_response(result)
 
 

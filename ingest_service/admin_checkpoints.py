@@ -26,8 +26,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ingest_service.inspection import AdminError, BadRequest, NotFound, Refused
-from trainer_client import manifests as session_manifests
+from ingest_service.errors import AdminError, BadRequest, NotFound, Refused
+from trainguard.core import record
+from trainguard.core.checkpoints import (
+    CorruptCheckpointError,
+    NoCheckpointError,
+    PinnedCheckpointError,
+)
+from trainguard.core.record import SessionRecord
 
 __all__ = ["StoreRoot", "StoreSet", "manifest_json", "newest_valid", "parse_store_roots"]
 
@@ -72,12 +78,6 @@ def manifest_json(manifest: Any) -> dict[str, Any]:
 
 def _translate(exc: Exception) -> Exception:
     """Checkpoint store errors -> the admin error of the same meaning (others as is)."""
-    from checkpoint_store.errors import (
-        CorruptCheckpointError,
-        NoCheckpointError,
-        PinnedCheckpointError,
-    )
-
     if isinstance(exc, PinnedCheckpointError):
         return Refused("pinned", str(exc))
     if isinstance(exc, NoCheckpointError):
@@ -87,26 +87,15 @@ def _translate(exc: Exception) -> Exception:
     return exc
 
 
-def _session_order(m: Any) -> tuple[int, int, int]:
-    """How a TrainingSession picks the checkpoint to restore
-    (:func:`trainer_client.manifests.restore_order`); a manifest whose trainguard
-    fields are not numbers (not written by a session) sorts by its step alone."""
-    try:
-        return session_manifests.restore_order(m)
-    except (TypeError, ValueError):
-        return 0, 0, int(m.step)
-
-
 def newest_valid(store: Any) -> list[Any]:
-    """The checkpoints a restart may resume from: the newest whose data verifies in
-    the store's commit order and in the order a TrainingSession restores by (one
-    manifest when they agree; they differ when a fenced zombie committed late)."""
-    from checkpoint_store.errors import CorruptCheckpointError
-
+    """The checkpoints a delete must keep: the first whose data verifies in restore
+    order (:func:`trainguard.core.record.newest_first`: what a restart resumes from)
+    and in commit order (what LATEST names, and so what an outside reader following
+    FORMAT.md loads). One manifest when they agree; two when a fenced zombie
+    committed late."""
     manifests = store.list()
     found: dict[str, Any] = {}
-    for order in (list(reversed(manifests)), sorted(manifests, key=_session_order,
-                                                    reverse=True)):
+    for order in (record.newest_first(manifests), list(reversed(manifests))):
         for m in order:
             try:
                 store.verify(m.step)
@@ -164,7 +153,7 @@ class StoreSet:
     # -- blocking helpers (run in a thread) ---------------------------------------
 
     def _rows(self, root: StoreRoot) -> list[dict[str, Any]]:
-        from checkpoint_store.tiered import tier_statuses
+        from checkpoint_store import tier_statuses
 
         manifests = self._open(root.url, root).list()
         labels = {m.name: ["committed", "pinned"] if m.pinned else ["committed"]
@@ -216,8 +205,6 @@ class StoreSet:
 
     async def verify(self, name: str, step: int) -> dict[str, Any]:
         def run(root: StoreRoot) -> dict[str, Any]:
-            from checkpoint_store import CorruptCheckpointError
-
             self._manifest(root, step)
             try:
                 self._open(root.url, root).verify(step)
@@ -278,17 +265,20 @@ class StoreSet:
         step = int(target["step"])
 
         def run(root: StoreRoot) -> dict[str, str]:
-            # TrainingSession writes {"trainguard": {"dataset", "run", "offsets", ...}}.
-            tg = (self._manifest(root, step).extra or {}).get("trainguard") or {}
-            offsets = tg.get("offsets")
-            owner = tg.get("dataset")
-            if owner is not None and owner != dataset:
+            try:
+                rec = SessionRecord.of(self._manifest(root, step))
+            except record.RecordError as exc:
+                raise Refused("bad_record", f"checkpoint {step} of store {root.name!r}: "
+                                            f"{exc}") from exc
+            offsets = rec.offsets if rec is not None else {}
+            owner = rec.dataset if rec is not None else None
+            if owner and owner != dataset:
                 raise Refused(
                     "wrong_dataset",
                     f"checkpoint {step} of store {root.name!r} belongs to dataset {owner!r}, "
                     f"not {dataset!r}",
                 )
-            if not isinstance(offsets, Mapping) or not offsets:
+            if not offsets:
                 raise Refused(
                     "no_offsets",
                     f"checkpoint {step} of store {root.name!r} carries no stream offsets: "

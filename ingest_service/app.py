@@ -12,7 +12,7 @@ Push answers are JSON: 200 ``{"appended": true|false, "partition", "seq", "ids",
 large with ``{"error": {"code", "message"}}``; 404 unknown dataset; 409 not a push dataset; 429 with
 ``Retry-After`` when the partition's backlog is full; 503 while shutting down.
 
-Shutdown (SIGTERM under :func:`serve`): the listening socket closes first, requests in
+Shutdown (SIGTERM under ``trainguard serve``): the listening socket closes first, requests in
 flight finish (their appends are what was acknowledged), then the producers finish the
 batches they handed to Redis and stop, then the Redis client closes.
 """
@@ -42,9 +42,9 @@ from ingest_service.errors import (
 from ingest_service.metrics import IngestMetrics
 from ingest_service.push import PushIngest, parse_params, parse_records
 from ingest_service.supervisor import Supervisor
-from trainguard import streams
+from trainguard.core import streams
 
-__all__ = ["create_app", "serve", "SUPERVISOR_KEY", "PUSH_KEY"]
+__all__ = ["PUSH_KEY", "SUPERVISOR_KEY", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -173,13 +173,3 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         if task is not None:
             await task
         await app[REDIS_KEY].aclose()
-
-
-def serve(config: IngestConfig) -> int:
-    """Run the service until SIGINT/SIGTERM; returns the exit code (0 on a clean stop)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(
-        create_app(config), host=config.host, port=config.port,
-        shutdown_timeout=config.shutdown_timeout_s, print=lambda msg: log.info("%s", msg),
-    )
-    return 0

@@ -23,7 +23,7 @@ from typing import cast
 
 from redis.asyncio import Redis
 
-from trainguard import streams
+from trainguard.core import streams
 
 __all__ = [
     "BacklogLimits",

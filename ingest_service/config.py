@@ -6,7 +6,6 @@ these keys: ``app[REDIS_KEY]``, ``app[CONFIG_KEY]``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,12 +14,10 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from ingest_service.backlog import BacklogLimits
-from ingest_service.cli import DEFAULT_REDIS_URL, REDIS_URL_ENV
 from ingest_service.metrics import IngestMetrics
+from trainguard.core import settings
 
 __all__ = [
-    "REDIS_URL_ENV",
-    "DEFAULT_REDIS_URL",
     "IngestConfig",
     "REDIS_KEY",
     "CONFIG_KEY",
@@ -30,7 +27,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class IngestConfig:
-    redis_url: str = DEFAULT_REDIS_URL
+    redis_url: str = settings.DEFAULT_REDIS_URL
     host: str = "127.0.0.1"
     port: int = 8080
     produce: bool = True
@@ -51,9 +48,7 @@ class IngestConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> IngestConfig:
         """Defaults, then ``TRAINGUARD_REDIS_URL``, then ``overrides`` (None ignored)."""
-        values: dict[str, Any] = {}
-        if os.environ.get(REDIS_URL_ENV):
-            values["redis_url"] = os.environ[REDIS_URL_ENV]
+        values: dict[str, Any] = {"redis_url": settings.redis_url()}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -1,6 +1,6 @@
 """Dataset registry in Redis: create, describe, delete, list.
 
-A dataset is its :class:`~trainguard.streams.DatasetSpec`, stored as a hash under
+A dataset is its :class:`~trainguard.core.streams.DatasetSpec`, stored as a hash under
 ``meta_key(name)``, and its name in the ``datasets_key()`` set. Creating is idempotent
 for identical settings and refused for different ones, so two services racing to
 create the same dataset agree or one of them fails loudly.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from ingest_service.errors import DatasetExistsError, DatasetNotFoundError
-from trainguard import streams
+from trainguard.core import streams
 
 __all__ = ["create_dataset", "describe_dataset", "delete_dataset", "list_datasets"]
 

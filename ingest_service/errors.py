@@ -1,6 +1,12 @@
-"""Errors of the ingestion service: one base class, each also a matching built-in."""
+"""Errors of the ingestion service: one base class, each also a matching built-in.
+
+:class:`DatasetNotFoundError` is the stream contract's (one class for both sides),
+re-exported here where the service raises it."""
 
 from __future__ import annotations
+
+from trainguard.core.errors import TrainguardError
+from trainguard.core.streams import DatasetNotFoundError
 
 __all__ = [
     "IngestError",
@@ -12,15 +18,15 @@ __all__ = [
     "PushTooLargeError",
     "BacklogFullError",
     "WrongDatasetKindError",
+    "AdminError",
+    "BadRequest",
+    "NotFound",
+    "Refused",
 ]
 
 
-class IngestError(Exception):
+class IngestError(TrainguardError):
     """Base class of every error the ingestion service raises on purpose."""
-
-
-class DatasetNotFoundError(IngestError, LookupError):
-    """No dataset of that name is registered in Redis."""
 
 
 class DatasetExistsError(IngestError, FileExistsError):
@@ -68,3 +74,35 @@ class BacklogFullError(IngestError, BlockingIOError):
 
 class WrongDatasetKindError(IngestError, TypeError):
     """The operation does not fit the dataset's format (e.g. a push to a file dataset)."""
+
+
+# --------------------------------------------------------------------------- admin
+
+
+class AdminError(IngestError):
+    """Base of the errors the admin operations raise; ``code`` is the stable
+    machine-readable name that the API puts in ``{"error": {"code": ...}}``."""
+
+    status = 400
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class BadRequest(AdminError, ValueError):
+    """The input is malformed (bad name, ID, partition or target)."""
+
+    status = 400
+
+
+class NotFound(AdminError, LookupError):
+    """The dataset, group, store or checkpoint does not exist."""
+
+    status = 404
+
+
+class Refused(AdminError, PermissionError):
+    """Well-formed, but not allowed in the current state (below floor, pinned...)."""
+
+    status = 409

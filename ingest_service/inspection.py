@@ -1,8 +1,8 @@
-"""Read and seek operations on the Redis side of trainguard, shared by the admin API
+"""Read operations on the Redis side of trainguard, shared by the admin API
 and the ``trainguard`` CLI.
 
 Everything here is a few pipelined Redis calls over the keys of
-:mod:`trainguard.streams`; nothing is cached, so every answer is what Redis holds now.
+:mod:`trainguard.core.streams`; nothing is cached, so every answer is what Redis holds now.
 Results are plain, JSON-ready dicts (stable field names, documented in
 ``ingest_service/openapi.py``).
 
@@ -10,18 +10,7 @@ Bytes per partition are Redis' ``MEMORY USAGE`` of the stream key with its defau
 sampling (5 entries per radix node), so they are an estimate of the key's RAM, not
 the sum of the payloads.
 
-Seeking moves a consumer group's last-delivered ID with ``XGROUP SETID``. The group
-then reads the entries *after* that ID. A seek is refused when those entries may be
-missing: below the group's own retention floor (the producer may trim up to the
-oldest floor, and a group that reads below its own floor could have data trimmed
-under it once other groups move on) or below what Redis already deleted or trimmed.
-Pending entries of the group stay pending.
-
-A seek moves the Redis side only. A ``TrainingSession`` treats its checkpoint
-manifest as the truth: its ``restore`` moves the run's group to the manifest's
-offsets, overriding any seek. So a seek matters to readers that do not restore from
-a checkpoint; to rewind a TrainingSession run, restore or roll back to an older
-checkpoint (and delete the newer ones).
+Seeking is :mod:`ingest_service.seek`.
 """
 
 from __future__ import annotations
@@ -31,61 +20,27 @@ from dataclasses import asdict
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
-from ingest_service.errors import IngestError
-from trainguard import streams
-from trainguard.streams import ContractError, DatasetSpec
+from ingest_service.errors import BadRequest, NotFound, Refused
+from trainguard.core import streams
+from trainguard.core.streams import ContractError, DatasetSpec
 
 __all__ = [
-    "AdminError",
-    "BadRequest",
-    "NotFound",
-    "Refused",
-    "EARLIEST",
-    "LATEST",
+    "BYTES_METHOD",
+    "as_text",
     "dataset_groups",
     "dataset_spec",
+    "group_names",
     "list_datasets",
-    "parse_seek_ids",
-    "seek_group",
+    "safe_offsets",
     "show_dataset",
+    "stream_fields",
 ]
 
-EARLIEST, LATEST = "earliest", "latest"
-
-
-class AdminError(IngestError):
-    """Base of the errors the admin operations raise; ``code`` is the stable
-    machine-readable name that the API puts in ``{"error": {"code": ...}}``."""
-
-    status = 400
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-class BadRequest(AdminError, ValueError):
-    """The input is malformed (bad name, ID, partition or target)."""
-
-    status = 400
-
-
-class NotFound(AdminError, LookupError):
-    """The dataset, group, store or checkpoint does not exist."""
-
-    status = 404
-
-
-class Refused(AdminError, PermissionError):
-    """Well-formed, but not allowed in the current state (below floor, pinned...)."""
-
-    status = 409
 BYTES_METHOD = "redis MEMORY USAGE (sampled estimate of the stream key's RAM)"
 
 
-def _text(value: Any) -> Any:
+def as_text(value: Any) -> Any:
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -116,7 +71,7 @@ async def dataset_spec(r: aioredis.Redis, dataset: str) -> DatasetSpec:
 
 async def list_datasets(r: aioredis.Redis) -> list[dict[str, Any]]:
     """Every registered dataset with its spec and totals over its partitions."""
-    names = sorted(_text(n) for n in await r.smembers(streams.datasets_key()))
+    names = sorted(as_text(n) for n in await r.smembers(streams.datasets_key()))
     out = []
     for name in names:
         try:
@@ -142,7 +97,7 @@ async def list_datasets(r: aioredis.Redis) -> list[dict[str, Any]]:
     return out
 
 
-def _stream_fields(info: Any) -> dict[str, Any]:
+def stream_fields(info: Any) -> dict[str, Any]:
     """Fields of one XINFO STREAM reply; a missing key reads as an empty stream."""
     if isinstance(info, Exception) or not info:
         return {
@@ -151,10 +106,10 @@ def _stream_fields(info: Any) -> dict[str, Any]:
         }
     first = info.get("first-entry")
     last = info.get("last-entry")
-    deleted = _text(info.get("max-deleted-entry-id"))
+    deleted = as_text(info.get("max-deleted-entry-id"))
     length = int(info.get("length", 0))
-    first_id = _text(first[0]) if first else None
-    last_generated = _text(info.get("last-generated-id"))
+    first_id = as_text(first[0]) if first else None
+    last_generated = as_text(info.get("last-generated-id"))
     # XTRIM does not move max-deleted-entry-id, but it leaves entries-added above
     # length. Then every ID below the first entry may be gone: a reader is safe only
     # at or after the ID just below the first entry (or the last generated one when
@@ -165,7 +120,7 @@ def _stream_fields(info: Any) -> dict[str, Any]:
     return {
         "length": length,
         "first_id": first_id,
-        "last_id": _text(last[0]) if last else None,
+        "last_id": as_text(last[0]) if last else None,
         "last_generated_id": last_generated,
         "max_deleted_id": None if deleted in (None, streams.ZERO_ID) else deleted,
         "removed_below": removed_below,
@@ -205,8 +160,8 @@ async def _floors(r: aioredis.Redis, dataset: str, groups: list[str]) -> dict[st
     return out
 
 
-async def _group_names(r: aioredis.Redis, dataset: str) -> list[str]:
-    return sorted(_text(g) for g in await r.smembers(streams.groups_key(dataset)))
+async def group_names(r: aioredis.Redis, dataset: str) -> list[str]:
+    return sorted(as_text(g) for g in await r.smembers(streams.groups_key(dataset)))
 
 
 async def show_dataset(r: aioredis.Redis, dataset: str) -> dict[str, Any]:
@@ -225,12 +180,12 @@ async def show_dataset(r: aioredis.Redis, dataset: str) -> dict[str, Any]:
     paused_raw, dlq_len, progress = replies[-3], replies[-2], replies[-1]
     if isinstance(progress, Exception):
         progress = {}
-    paused = set() if isinstance(paused_raw, Exception) else {str(_text(m)) for m in paused_raw}
-    groups = await _group_names(r, dataset)
+    paused = set() if isinstance(paused_raw, Exception) else {str(as_text(m)) for m in paused_raw}
+    groups = await group_names(r, dataset)
     floors = await _floors(r, dataset, groups)
     partitions = []
     for i, p in enumerate(parts):
-        fields = _stream_fields(replies[2 * i])
+        fields = stream_fields(replies[2 * i])
         mem = replies[2 * i + 1]
         floor = None
         for offsets in floors.values():
@@ -270,18 +225,18 @@ async def dataset_groups(r: aioredis.Redis, dataset: str) -> list[dict[str, Any]
     for p in parts:
         pipe.xinfo_groups(streams.partition_key(dataset, p))
     replies = await pipe.execute(raise_on_error=False)
-    names = set(await _group_names(r, dataset))
+    names = set(await group_names(r, dataset))
     by_partition: dict[int, dict[str, dict[str, Any]]] = {}
     for p, reply in zip(parts, replies, strict=True):
         rows = [] if isinstance(reply, Exception) else reply
-        by_partition[p] = {_text(g["name"]): g for g in rows}
+        by_partition[p] = {as_text(g["name"]): g for g in rows}
         names.update(by_partition[p])
     out = []
     for group in sorted(names):
         committed_raw = await r.hgetall(streams.committed_key(dataset, group))
         floor_raw = await r.hgetall(streams.floor_key(dataset, group))
-        committed = _safe_offsets(committed_raw)
-        floor = _safe_offsets(floor_raw)
+        committed = safe_offsets(committed_raw)
+        floor = safe_offsets(floor_raw)
         pipe = r.pipeline(transaction=False)
         present = [p for p in parts if group in by_partition[p]]
         for p in present:
@@ -298,13 +253,13 @@ async def dataset_groups(r: aioredis.Redis, dataset: str) -> list[dict[str, Any]
                 {
                     "partition": p,
                     "exists": info is not None,
-                    "last_delivered_id": _text(info["last-delivered-id"]) if info else None,
+                    "last_delivered_id": as_text(info["last-delivered-id"]) if info else None,
                     "committed": committed.get(p),
                     "retention_floor": floor.get(p),
                     "lag": info.get("lag") if info else None,
                     "pending": int(info["pending"]) if info else 0,
                     "consumers": [
-                        {"name": _text(c["name"]), "pending": int(c["pending"]),
+                        {"name": as_text(c["name"]), "pending": int(c["pending"]),
                          "idle_ms": int(c["idle"])}
                         for c in consumers
                     ],
@@ -314,148 +269,8 @@ async def dataset_groups(r: aioredis.Redis, dataset: str) -> list[dict[str, Any]
     return out
 
 
-def _safe_offsets(raw: Mapping[Any, Any]) -> dict[int, str]:
+def safe_offsets(raw: Mapping[Any, Any]) -> dict[int, str]:
     try:
         return streams.offsets_from_wire(raw)
     except (ContractError, ValueError):
         return {}
-
-
-def parse_seek_ids(raw: Any, partitions: int) -> dict[int, str]:
-    """``{"3": "1-41", ...}`` -> ``{3: "1-41"}``, checked against the partition count."""
-    if not isinstance(raw, Mapping) or not raw:
-        raise BadRequest(
-            "bad_ids", "ids must be a non-empty object {partition: stream ID}, e.g. "
-            '{"0": "1-41"}'
-        )
-    out: dict[int, str] = {}
-    for key, value in raw.items():
-        text = str(key)
-        if not text.isdigit() or not 0 <= int(text) < partitions:
-            raise BadRequest(
-                "bad_partition",
-                f"partition {key!r} is not valid: expected an integer 0..{partitions - 1}",
-            )
-        if not isinstance(value, str):
-            raise BadRequest("bad_id", f"stream ID {value!r} is not a string like '1-41'")
-        try:
-            parsed = streams.parse_id(value)
-        except ContractError as exc:
-            raise BadRequest("bad_id", str(exc)) from exc
-        out[int(text)] = streams.format_id(parsed)
-    return out
-
-
-ACTIVE_IDLE_MS = 30_000
-"""A consumer that read within this many milliseconds counts as running."""
-
-
-async def _refuse_if_active(r: aioredis.Redis, dataset: str, group: str, parts: list[int]) -> None:
-    pipe = r.pipeline(transaction=False)
-    for p in parts:
-        pipe.xinfo_consumers(streams.partition_key(dataset, p), group)
-    active = sorted(
-        {
-            _text(c["name"])
-            for reply in await pipe.execute(raise_on_error=False)
-            if not isinstance(reply, Exception)
-            for c in reply
-            if int(c["idle"]) < ACTIVE_IDLE_MS
-        }
-    )
-    if active:
-        raise Refused(
-            "group_active",
-            f"group {group!r} has consumers that read in the last {ACTIVE_IDLE_MS // 1000} s "
-            f"({', '.join(active)}): a trainer is probably running and would skip or repeat "
-            "records. Stop it first, or force the seek",
-        )
-
-
-async def seek_group(
-    r: aioredis.Redis,
-    dataset: str,
-    group: str,
-    *,
-    to: str | None = None,
-    ids: Mapping[int, str] | None = None,
-    force: bool = False,
-) -> dict[str, Any]:
-    """Move ``group`` to ``ids`` (a subset of partitions), or every partition to
-    ``to`` = ``"earliest"`` (the lowest position whose following entries are all
-    still present and protected) or ``"latest"`` (the stream's last ID).
-
-    All targets are checked before any partition moves, so a refused seek changes
-    nothing. The group must be registered on the dataset (``tg:{D}:groups``); it is
-    created on partitions where it does not exist yet. Unless ``force``, a group with
-    a consumer active in the last ``ACTIVE_IDLE_MS`` is refused: moving a running
-    trainer's group under it makes it skip or repeat records.
-    """
-    spec = await dataset_spec(r, dataset)
-    try:
-        streams.check_name("group", group)
-    except ContractError as exc:
-        raise BadRequest("bad_name", str(exc)) from exc
-    if (to is None) == (ids is None):
-        raise BadRequest("bad_target", "give exactly one of 'to' (earliest|latest) or 'ids'")
-    if to is not None and to not in (EARLIEST, LATEST):
-        raise BadRequest("bad_target", f"'to' is {to!r}: expected 'earliest' or 'latest'")
-    for p in ids or {}:
-        if not 0 <= p < spec.partitions:
-            raise BadRequest(
-                "bad_partition",
-                f"partition {p} is outside dataset {dataset!r} (0..{spec.partitions - 1})",
-            )
-    if group not in await _group_names(r, dataset):
-        raise NotFound(
-            "group_not_found",
-            f"group {group!r} is not registered on dataset {dataset!r}: expected one of "
-            f"{await _group_names(r, dataset)}; a trainer registers its run's group when it "
-            "first reads",
-        )
-    parts = sorted(ids) if ids is not None else list(streams.all_partitions(spec))
-    if not force:
-        await _refuse_if_active(r, dataset, group, parts)
-    floor = _safe_offsets(await r.hgetall(streams.floor_key(dataset, group)))
-    pipe = r.pipeline(transaction=False)
-    for p in parts:
-        pipe.xinfo_stream(streams.partition_key(dataset, p))
-    infos = [_stream_fields(x) for x in await pipe.execute(raise_on_error=False)]
-    targets: dict[int, str] = {}
-    for p, info in zip(parts, infos, strict=True):
-        gone = streams.max_id(info["max_deleted_id"], info["removed_below"])
-        lowest = streams.max_id(floor.get(p), gone) or streams.ZERO_ID
-        if ids is not None:
-            target = ids[p]
-            if streams.parse_id(target) < streams.parse_id(lowest):
-                why = (
-                    "entries Redis already deleted or trimmed" if gone == lowest
-                    else "its retention floor"
-                )
-                raise Refused(
-                    "below_floor",
-                    f"seek of group {group!r} partition {p} to {target} is below {why} "
-                    f"({lowest}): the entries after {target} may be gone. Expected an ID "
-                    f">= {lowest}; seek to 'earliest' for the lowest safe position",
-                )
-        elif to == EARLIEST:
-            target = lowest
-        else:
-            target = info["last_generated_id"] or streams.ZERO_ID
-        targets[p] = target
-    pipe = r.pipeline(transaction=False)
-    for p, target in targets.items():
-        key = streams.partition_key(dataset, p)
-        # MKSTREAM: a partition the producer has not reached yet still gets its group.
-        pipe.execute_command("XGROUP", "CREATE", key, group, target, "MKSTREAM")
-        pipe.xgroup_setid(key, group, target)
-    pipe.sadd(streams.groups_key(dataset), group)
-    replies = await pipe.execute(raise_on_error=False)
-    for reply in replies:
-        if isinstance(reply, ResponseError) and "BUSYGROUP" not in str(reply):
-            raise reply
-    return {
-        "dataset": dataset,
-        "group": group,
-        "offsets": streams.offsets_to_wire(targets),
-    }

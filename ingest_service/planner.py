@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ingest_service.sources import BadRecord, GoodRecord, SourceItem, read_source
-from trainguard import streams
+from trainguard.core import streams
 
 __all__ = [
     "DEFAULT_SHUFFLE_BUFFER_BYTES",

@@ -29,15 +29,12 @@ to skip re-reading them; the partitions' last IDs are the truth.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
-import hashlib
 import itertools
 import logging
-import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import fsspec.utils
 import redis as redis_package
@@ -46,19 +43,21 @@ from redis.asyncio import Redis
 from redis.driver_info import DriverInfo
 
 from ingest_service import _lua
-from ingest_service._resp import Link, bulk, call_packed_script, honour_cancel, xadd_records
+from ingest_service._resp import Link, bulk, xadd_records
 from ingest_service.backlog import (
-    Backlog,
     BacklogLimits,
     apply_retention,
     min_committed,
-    read_offsets,
 )
+from ingest_service.backpressure import Backpressure, StreamLost
+from ingest_service.batching import DATA, BatchQueue, ByteBudget, first_batch
 from ingest_service.datasets import create_dataset
+from ingest_service.dead_letters import append_dead_letters
 from ingest_service.metrics import IngestMetrics
 from ingest_service.planner import PlanChunk, PlannedDeadLetter, plan_spec_chunks
 from ingest_service.sources import GoodRecord
-from trainguard import streams
+from trainguard.core import streams
+from trainguard.core.resilience import Backoff, RetryPolicy
 
 __all__ = ["Producer", "ProducerProgress"]
 
@@ -67,11 +66,12 @@ log = logging.getLogger(__name__)
 _NEVER = 1 << 62
 
 
-class _StreamLost(Exception):
-    """Redis no longer holds what the producer wrote to a partition: sync again."""
+_RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, StreamLost)
 
-
-_RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, _StreamLost)
+SYNC_POLICY = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=0.1, wait_max_s=2.0,
+                          wait_jitter_s=0.05)
+"""Waits between syncs after Redis failed: 0.1 s doubling to 2 s, until stopped. A
+restart takes seconds; the producer resumes within about 2 s of Redis answering."""
 
 
 @dataclass
@@ -88,42 +88,6 @@ class ProducerProgress:
     paused: set[int] = field(default_factory=set)
     finished: bool = False
     deleted: bool = False
-
-
-_DATA = operator.attrgetter("data")
-
-
-def _first_batch(records: list[GoodRecord], max_records: int, max_bytes: int) -> tuple[int, int]:
-    """(count, payload bytes) of the first batch of ``records``: it ends at the record
-    that reaches ``max_records`` or ``max_bytes`` (at least one record)."""
-    sizes = list(itertools.accumulate(map(len, map(_DATA, records[:max_records]))))
-    count = min(len(sizes), bisect.bisect_left(sizes, max_bytes) + 1)
-    return count, sizes[count - 1]
-
-
-_Batch = tuple[int, int, list[GoodRecord], int]
-"""(partition, index of the first record, records, payload bytes)."""
-_Queue = asyncio.Queue[_Batch | None]
-
-
-class _ByteBudget:
-    """Bytes of batches handed to writers and not yet appended, bounded."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._freed = asyncio.Event()
-
-    async def take(self, n: int) -> None:
-        # An empty budget admits any batch, so one batch over the limit still passes.
-        while self.used and self.used + n > self.limit:
-            self._freed.clear()
-            await self._freed.wait()
-        self.used += n
-
-    def give(self, n: int) -> None:
-        self.used -= n
-        self._freed.set()
 
 
 class Producer:
@@ -160,7 +124,6 @@ class Producer:
         self.maintenance_interval_s = maintenance_interval_s
         self.progress = ProducerProgress()
         self._stop = asyncio.Event()
-        self._append_sha = hashlib.sha1(_lua.APPEND.encode()).hexdigest().encode()
         self._last_id = redis.register_script(_lua.LAST_ID)
         p = spec.partitions
         self._keys = [streams.partition_key(spec.name, i) for i in range(p)]
@@ -170,10 +133,8 @@ class Producer:
         self._may_create: list[bool] = [True] * p
         self._floors: dict[int, streams.StreamId] = {}
         """Last retention floors seen: where to refill from when Redis lost a stream."""
-        self._backlogs = [Backlog() for _ in range(p)]
-        self._committed: dict[str, dict[int, str]] = {}
-        self._committed_at = -1.0
-        self._committed_lock = asyncio.Lock()
+        self._pressure = Backpressure(redis, spec, self.limits, self.metrics,
+                                      self.progress.paused)
         self._run_id: str | None = None
         self._labels = {"dataset": spec.name}
         # Local and in-memory sources are read on the event loop, in chunks: a reader
@@ -202,7 +163,7 @@ class Producer:
         await create_dataset(self.redis, self.spec)
         done = asyncio.Event()
         maintenance = asyncio.create_task(self._maintain(done), name=f"maintain-{self.spec.name}")
-        attempt = 0
+        backoff = Backoff(SYNC_POLICY)
         try:
             while not self._stop.is_set():
                 try:
@@ -212,16 +173,15 @@ class Producer:
                     log.warning("dataset %s: Redis failed (%s); syncing again",
                                 self.spec.name, group.exceptions[0])
                 # Only a retryable failure gets here: success returned above.
-                attempt += 1
-                delay = min(0.05 * 2 ** min(attempt, 6), 2.0)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay)
+                    await asyncio.wait_for(self._stop.wait(), backoff.next_wait_s())
         finally:
             # An event, not cancel(): redis-py may swallow a cancellation that lands
             # inside a command, which would leave the task running.
             done.set()
             await maintenance
-            await self._clear_paused()
+            with contextlib.suppress(*_RETRYABLE):
+                await self.redis.delete(streams.paused_key(self.spec.name))
 
     # ------------------------------------------------------------------ sync
 
@@ -243,7 +203,7 @@ class Producer:
             for key in self._keys:
                 await self._last_id(keys=[key], client=pipe)
             lasts = await pipe.execute()
-        committed = await self._refresh_committed(force=True)
+        committed = await self._pressure.committed(force=True)
         for p, raw in enumerate(lasts):
             known = self._position[p]
             if raw is None:
@@ -252,7 +212,7 @@ class Producer:
                     self._lost(p, f"stream gone; refilling after {floor or 'the start'}")
                 self._position[p] = floor
                 self._may_create[p] = True
-                self._backlogs[p].clear()
+                self._pressure.backlogs[p].clear()
                 continue
             last = streams.parse_id(raw)
             if known is not None and last < known:
@@ -260,7 +220,7 @@ class Producer:
                               f"{streams.format_id(known)} was written; refilling")
             self._position[p] = last
             self._may_create[p] = False
-            await self._backlogs[p].load(self.redis, self._keys[p], min_committed(committed, p))
+            await self._pressure.backlogs[p].load(self.redis, self._keys[p], min_committed(committed, p))
 
         progress = await self.redis.hgetall(streams.progress_key(self.spec.name))
         if progress.get(streams.PROGRESS_FINISHED) == b"1" and self.spec.finite:
@@ -319,8 +279,8 @@ class Producer:
         and the number of connections stays bounded however many partitions there are.
         """
         writers = min(self.spec.partitions, self.connections)
-        queues: list[_Queue] = [asyncio.Queue() for _ in range(writers)]
-        budget = _ByteBudget(self.max_inflight_bytes)
+        queues: list[BatchQueue] = [asyncio.Queue() for _ in range(writers)]
+        budget = ByteBudget(self.max_inflight_bytes)
         async with asyncio.TaskGroup() as tg:
             for w in range(writers):
                 tg.create_task(
@@ -331,7 +291,7 @@ class Producer:
                 q.put_nowait(None)
         return complete and not self._stop.is_set()
 
-    async def _read_epoch(self, epoch: int, queues: list[_Queue], budget: _ByteBudget) -> bool:
+    async def _read_epoch(self, epoch: int, queues: list[BatchQueue], budget: ByteBudget) -> bool:
         """Plan the epoch and hand each partition its batches. Memory: the shuffle buffer,
         one chunk, and at most ``max_inflight_bytes`` of batches not yet appended (the
         pending ones are flushed early when they would pass half of it)."""
@@ -375,11 +335,11 @@ class Producer:
                 if not pending[p]:
                     pending_first[p] = index
                 pending[p] += records
-                size = sum(map(len, map(_DATA, records)))
+                size = sum(map(len, map(DATA, records)))
                 pending_bytes[p] += size
                 pending_total += size
                 while len(pending[p]) >= self.batch_records or pending_bytes[p] >= self.batch_bytes:
-                    await hand_over(p, *_first_batch(pending[p], self.batch_records, self.batch_bytes))
+                    await hand_over(p, *first_batch(pending[p], self.batch_records, self.batch_bytes))
             if pending_total > self.max_inflight_bytes // 2:
                 for p in range(partitions):  # many partitions: do not hoard
                     if pending[p]:
@@ -393,7 +353,7 @@ class Producer:
 
     # ------------------------------------------------------------------ writing
 
-    async def _writer(self, queue: _Queue, epoch: int, budget: _ByteBudget) -> None:
+    async def _writer(self, queue: BatchQueue, epoch: int, budget: ByteBudget) -> None:
         link = Link(self.redis)
         verified: set[int] = set()
         broken = True
@@ -405,7 +365,7 @@ class Producer:
                     if p not in verified:
                         await self._verify(p, link)
                         verified.add(p)
-                    if await self._wait_room(p, len(batch), size):
+                    if await self._pressure.wait_room(p, len(batch), size, self._stop):
                         await self._write(p, first, batch, epoch, size, link)
                     # else: stopped while paused: drop the batch (it is re-planned next
                     # run) and keep draining, so that the reader never waits for us.
@@ -422,11 +382,11 @@ class Producer:
         known = self._position[p]
         if raw is None:
             if not self._may_create[p]:
-                raise _StreamLost(f"partition {p} stream is gone")
+                raise StreamLost(f"partition {p} stream is gone")
             return
         last = streams.parse_id(raw)
         if known is not None and last < known:
-            raise _StreamLost(f"partition {p} ends at {streams.format_id(last)}, "
+            raise StreamLost(f"partition {p} ends at {streams.format_id(last)}, "
                               f"before {streams.format_id(known)}")
         self._may_create[p] = False
 
@@ -444,7 +404,7 @@ class Producer:
         xadd_records(parts, self._key_bulk[p], ms, first, batch, nomkstream=not self._may_create[p])
         replies = await link.send_many(parts, len(batch))
         if None in replies:
-            raise _StreamLost(f"partition {p} stream is gone")
+            raise StreamLost(f"partition {p} stream is gone")
         errors = [r for r in replies if r.__class__ is not bytes]
         skipped = len(errors)
         added = len(batch) - skipped
@@ -456,98 +416,18 @@ class Producer:
                 raise refused
         self._position[p] = last
         self._may_create[p] = False
-        self._backlogs[p].add((ms, first), last, len(batch), size)
+        self._pressure.backlogs[p].add((ms, first), last, len(batch), size)
         self.progress.records += added
         self.progress.skipped += skipped
         added_bytes = size * added // len(batch)
         self.progress.bytes += added_bytes
         self.metrics.records.labels(**self._labels).inc(added)
         self.metrics.bytes.labels(**self._labels).inc(added_bytes)
-        self._set_lag(p)
-
-    async def _append_entries(
-        self, key: str, expected: str, entries: list[tuple[str, dict[bytes, bytes]]]
-    ) -> tuple[int, int, int]:
-        """One ``_lua.APPEND`` call: returns (added, skipped, 0) or the script's alarms."""
-        args: list[bytes] = [expected.encode()]
-        for stream_id, fields in entries:
-            args.append(stream_id.encode())
-            args.append(b"%d" % len(fields))
-            for k, v in fields.items():
-                args.append(k)
-                args.append(v)
-        result = await call_packed_script(
-            self.redis, _lua.APPEND, self._append_sha, [key.encode()], args
-        )
-        added, skipped, seq = cast(list[int], result)
-        return int(added), int(skipped), int(seq)
+        self._pressure.set_lag(p)
 
     async def _dead_letters(self, items: list[PlannedDeadLetter], epoch: int) -> None:
-        entries = [
-            (streams.make_id(epoch, item.index), streams.encode_dead_letter(
-                item.record.reason, item.record.pos, item.record.payload,
-                detail=item.record.detail, epoch=epoch,
-            ))
-            for item in items
-        ]
-        added, _skipped, _ = await self._append_entries(streams.dlq_key(self.spec.name), "", entries)
-        # The script skips a prefix (entries already there) and adds the rest.
-        for item in items[len(items) - added:]:
-            self.metrics.dead_letters.labels(dataset=self.spec.name, reason=item.record.reason).inc()
-        self.progress.dead_letters += added
-
-    # ------------------------------------------------------------------ backpressure
-
-    async def _refresh_committed(self, *, force: bool = False) -> dict[str, dict[int, str]]:
-        async with self._committed_lock:
-            now = asyncio.get_running_loop().time()
-            if force or now - self._committed_at >= self.limits.poll_interval_s / 2:
-                self._committed = await read_offsets(self.redis, self.spec.name, "committed")
-                self._committed_at = now
-            return self._committed
-
-    def _advance(self, p: int, committed: Mapping[str, Mapping[int, str]]) -> None:
-        self._backlogs[p].advance(min_committed(committed, p))
-        self._set_lag(p)
-
-    def _set_lag(self, p: int) -> None:
-        labels = {"dataset": self.spec.name, "partition": str(p)}
-        self.metrics.lag.labels(**labels).set(self._backlogs[p].entries)
-        self.metrics.lag_bytes.labels(**labels).set(self._backlogs[p].bytes)
-
-    async def _wait_room(self, p: int, count: int, size: int) -> bool:
-        backlog = self._backlogs[p]
-        if backlog.has_room(count, size, self.limits):
-            return True
-        self._advance(p, await self._refresh_committed())
-        if backlog.has_room(count, size, self.limits):
-            return True
-        await self.redis.sadd(streams.paused_key(self.spec.name), str(p))
-        self.progress.paused.add(p)
-        self.metrics.pauses.labels(**self._labels).inc()
-        self.metrics.paused.labels(**self._labels).set(len(self.progress.paused))
-        log.info("dataset %s partition %d paused: backlog %d entries, %d bytes",
-                 self.spec.name, p, backlog.entries, backlog.bytes)
-        try:
-            while not self._stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), self.limits.poll_interval_s)
-                honour_cancel()
-                if not await self.redis.exists(streams.meta_key(self.spec.name)):
-                    # Deleted (or Redis lost it) while paused: the sync tells which.
-                    raise _StreamLost(f"dataset {self.spec.name!r} is gone")
-                self._advance(p, await self._refresh_committed())
-                if backlog.has_room(count, size, self.limits):
-                    await self.redis.srem(streams.paused_key(self.spec.name), str(p))
-                    return True
-            return False
-        finally:
-            self.progress.paused.discard(p)
-            self.metrics.paused.labels(**self._labels).set(len(self.progress.paused))
-
-    async def _clear_paused(self) -> None:
-        with contextlib.suppress(*_RETRYABLE):
-            await self.redis.delete(streams.paused_key(self.spec.name))
+        self.progress.dead_letters += await append_dead_letters(
+            self.redis, self.spec.name, items, epoch, self.metrics)
 
     # ------------------------------------------------------------------ maintenance
 
@@ -557,9 +437,9 @@ class Producer:
         while True:
             final = done.is_set()  # a pass that starts after the last append
             try:
-                committed = await self._refresh_committed(force=True)
+                committed = await self._pressure.committed(force=True)
                 for p in range(self.spec.partitions):
-                    self._advance(p, committed)
+                    self._pressure.advance(p, committed)
                 self._floors.update(await apply_retention(self.redis, self.spec, self.limits))
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for key in self._keys:

@@ -28,7 +28,7 @@ from ingest_service.errors import (
     PushTooLargeError,
     WrongDatasetKindError,
 )
-from trainguard import streams
+from trainguard.core import streams
 
 __all__ = ["MSGPACK_TYPES", "PushResult", "PushIngest", "parse_records", "parse_params", "choose_partition"]
 

@@ -22,7 +22,7 @@ import numpy as np
 from fsspec.utils import infer_compression
 
 from ingest_service.errors import SourceError
-from trainguard import streams
+from trainguard.core import streams
 
 __all__ = ["GoodRecord", "BadRecord", "Meta", "SourceItem", "list_source_files", "read_source"]
 

@@ -22,7 +22,7 @@ from ingest_service.datasets import describe_dataset, list_datasets
 from ingest_service.errors import IngestError
 from ingest_service.metrics import IngestMetrics
 from ingest_service.producer import Producer
-from trainguard import streams
+from trainguard.core import streams
 
 __all__ = ["Supervisor"]
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from trainguard import streams
+from trainguard.core import streams
 
 
 def create(url: str, name: str, *, partitions: int = 4, epochs: int | None = 1) -> streams.DatasetSpec:

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from ingest_service.backlog import BacklogLimits
 from ingest_service.datasets import create_dataset
 from ingest_service.producer import Producer
-from trainguard import streams
+from trainguard.core import streams
 
 
 async def main(url: str, name: str, source: str, partitions: int, max_backlog: int) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from ingest_service.planner import Planned, plan_spec_epoch
-from trainguard import streams
+from trainguard.core import streams
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 

@@ -12,7 +12,7 @@ import sys
 from redis.asyncio import Redis
 
 from ingest_service.producer import Producer
-from trainguard import streams
+from trainguard.core import streams
 
 
 async def main(url: str, spec_json: str, batch_records: int) -> None:

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from checkpoint_store import TieredCheckpointStore
-from trainer_client.retry import RetryPolicy, object_store_breaker
+from trainguard.core.resilience import RetryPolicy, object_store_breaker
 
 _ids = itertools.count()
 

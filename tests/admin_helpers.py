@@ -19,7 +19,7 @@ from ingest_service.admin import AdminConfig, setup_admin
 from ingest_service.admin_checkpoints import StoreRoot
 from ingest_service.datasets import create_dataset
 from tests.servers import free_port
-from trainguard import streams
+from trainguard.core import streams
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

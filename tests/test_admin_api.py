@@ -6,7 +6,7 @@ import redis.asyncio as aioredis
 
 from ingest_service.admin import AdminConfig
 from tests.admin_helpers import AUTH, admin_client, make_dataset, make_group
-from trainguard import streams
+from trainguard.core import streams
 
 
 def _is_error(body: object, code: str) -> bool:
@@ -222,7 +222,7 @@ def test_config_from_env_reads_token_and_stores(monkeypatch):
 def test_service_binds_loopback_unless_told_otherwise():
     """`trainguard serve` (which serves the admin API) binds 127.0.0.1 by default;
     another address needs an explicit --host."""
-    from trainguard.cli import build_parser
+    from trainguard.ops.cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["serve"]).host == "127.0.0.1"

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from checkpoint_store import CheckpointStore
 from tests.admin_helpers import AUTH, admin_client, make_dataset, make_group, save_checkpoints
-from trainguard import streams
+from trainguard.core import streams
 
 
 def _corrupt_newest_chunk(root: Path) -> None:

@@ -21,8 +21,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests._http_servers import ControlledServer, ManualClock
-from trainer_client.breaker import BreakerState, CircuitBreaker
-from trainer_client.errors import CircuitOpenError, TrainerClientError
+from trainguard.core.resilience import CircuitOpenError, ResilienceError
+from trainguard.core.resilience.breaker import BreakerState, CircuitBreaker
 
 RESET_S = 30.0
 CLIENT_TIMEOUT_S = 0.5
@@ -93,7 +93,7 @@ def test_opens_after_threshold_and_fails_fast(
             breaker.call(get, server.url)
     assert server.hits == 3
     assert info.value.retry_after_s == pytest.approx(1.0)
-    assert isinstance(info.value, TrainerClientError) and isinstance(info.value, ConnectionError)
+    assert isinstance(info.value, ResilienceError) and isinstance(info.value, ConnectionError)
     assert breaker.retry_after_s() == pytest.approx(1.0)
 
 

@@ -11,8 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from prometheus_client import CollectorRegistry
 
 from tests._http_servers import ManualClock
-from trainer_client.breaker import BreakerState, CircuitBreaker
-from trainer_client.errors import CircuitOpenError
+from trainguard.core.resilience import CircuitOpenError
+from trainguard.core.resilience.breaker import BreakerState, CircuitBreaker
 
 THRESHOLD, RESET_S, WINDOW, MIN_CALLS, RATE = 3, 10.0, 6, 4, 0.5
 

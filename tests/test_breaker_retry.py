@@ -14,19 +14,16 @@ from prometheus_client import CollectorRegistry
 
 from tests._http_servers import ManualClock
 from tests.servers import MotoServer, RedisServer
-from trainer_client.breaker import BreakerState, CircuitBreaker
-from trainer_client.errors import CircuitOpenError
-from trainer_client.retry import (
+from trainer_client.redis_retry import aredis_call, redis_breaker, redis_call, redis_retrier
+from trainguard.core.resilience import (
+    CircuitOpenError,
     Retrier,
     RetryPolicy,
-    aredis_call,
     object_store_breaker,
     object_store_retrier,
-    redis_breaker,
-    redis_call,
-    redis_retrier,
     retry_testing,
 )
+from trainguard.core.resilience.breaker import BreakerState, CircuitBreaker
 
 FAST = RetryPolicy(attempts=None, timeout_s=120.0, wait_initial_s=0.01, wait_max_s=0.05,
                    wait_jitter_s=0.01)

@@ -271,7 +271,7 @@ def test_ledger_exactly_once_after_local_disk_wiped(tmp_path, redis_server, moto
     import redis
 
     from tests import _client_fill as cf
-    from trainguard import streams
+    from trainguard.core import streams
 
     n, partitions = 400, 4
     spec = cf.create(redis_server.url, "tok", partitions=partitions)
@@ -371,7 +371,7 @@ def test_tier_statuses_match_the_admin_status_words():
     with a remote manifest is "remote" whether or not it is still local, pins from
     either tier count, and the order is commit order (uid), not step."""
     from checkpoint_store import Manifest
-    from checkpoint_store.tiered import tier_statuses
+    from checkpoint_store.tiers import tier_statuses
 
     def manifest(step: int, uid: str, pinned: bool = False) -> Manifest:
         return Manifest(name=f"{step:012d}-{uid}.json", step=step, uid=uid, created_at=0.0,
@@ -396,7 +396,7 @@ def _tiered_on_dir(local: Path, remote: Path, **kwargs):
     """A tiered store whose remote tier is a local directory (no S3 needed), with a
     short uploader backoff."""
     from checkpoint_store import TieredCheckpointStore
-    from trainer_client.retry import object_store_breaker
+    from trainguard.core.resilience import object_store_breaker
 
     return TieredCheckpointStore(
         local, str(remote), remote_breaker=object_store_breaker(f"test-tier-dir-{local}"),

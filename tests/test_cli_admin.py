@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from checkpoint_store import CheckpointStore
 from tests.admin_helpers import make_dataset, make_group, save_checkpoints
-from trainguard import streams
-from trainguard.cli import build_parser, main
+from trainguard.core import streams
+from trainguard.ops.cli import build_parser, main
 
 
 def run(capsys, *argv: str) -> tuple[int, object]:

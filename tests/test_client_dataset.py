@@ -21,7 +21,7 @@ from tests import _client_fill as cf
 from trainer_client import offsets as ofs
 from trainer_client.dataset import Batch, StreamingDataset
 from trainer_client.errors import DatasetNotFoundError, FencedError
-from trainguard import streams
+from trainguard.core import streams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,7 +191,7 @@ def test_trainer_client_does_not_import_aiohttp() -> None:
     the checkpoint store the session opens) never loads aiohttp."""
     code = (
         "import sys, trainer_client, trainer_client.session, trainer_client.dataset, "
-        "trainer_client.offsets, trainer_client.manifests, checkpoint_store; "
+        "trainer_client.offsets, trainguard.core.record, checkpoint_store; "
         "from trainer_client import TrainingSession, StreamingDataset, Batch; "
         "print('aiohttp' in sys.modules)"
     )

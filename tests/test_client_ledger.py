@@ -18,7 +18,7 @@ import torch
 
 from tests import _client_fill as cf
 from tests import _client_ledger as ledger
-from trainguard import streams
+from trainguard.core import streams
 
 N = 3000
 P = 6

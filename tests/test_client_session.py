@@ -25,7 +25,7 @@ from trainer_client import (
     TrainingSession,
 )
 from trainer_client import offsets as ofs
-from trainguard import streams
+from trainguard.core import streams
 
 
 def _state() -> dict[str, object]:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from trainguard.cli import build_parser
+from trainguard.ops.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -188,7 +188,7 @@ def test_example_data_script_writes_and_registers(redis_server, tmp_path):
     (a re-run with the same settings is accepted, as a container restart does)."""
     import redis
 
-    from trainguard.streams import DatasetSpec, meta_key
+    from trainguard.core.streams import DatasetSpec, meta_key
 
     out = tmp_path / "data" / "tokens.jsonl"
     argv = [sys.executable, "examples/make_tokens.py", "--out", str(out), "--records", "50",

@@ -27,7 +27,7 @@ from trainer_client.errors import NoRollbackTargetError, RollbackLimitError
 from trainer_client.guard import SKIPPED_EXTRA_KEY, GuardedTraining
 from trainer_client.health import EXIT_GPU_CRITICAL
 from trainer_client.spikes import RollbackConfig, SpikeConfig
-from trainguard import streams
+from trainguard.core import streams
 
 N, P = 400, 4
 POISON = 205  # partition 1, its batch 6 -> the 26th batch (round-robin), step 26

@@ -26,7 +26,7 @@ from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset, delete_dataset
 from tests._ingest_util import until, write_jsonl
 from tests.servers import RedisServer, free_port
-from trainguard import streams
+from trainguard.core import streams
 
 ROOT = Path(__file__).resolve().parent.parent
 URL = "/v1/datasets/{}/records"
@@ -227,11 +227,11 @@ def _get(url: str) -> int:
 
 
 def test_sigterm_stops_the_service_with_exit_0(redis_server: RedisServer) -> None:
-    """``python -m ingest_service`` serves /healthz, and exits 0 on SIGTERM."""
+    """``python -m trainguard serve`` serves /healthz, and exits 0 on SIGTERM."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": redis_server.url}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ingest_service", "--port", str(port)], env=env,
+        [sys.executable, "-m", "trainguard", "serve", "--port", str(port)], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:

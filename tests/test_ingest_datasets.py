@@ -15,7 +15,7 @@ from ingest_service.datasets import create_dataset, delete_dataset, describe_dat
 from ingest_service.errors import DatasetExistsError, DatasetNotFoundError, IngestError
 from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
 from tests.servers import RedisServer
-from trainguard import streams
+from trainguard.core import streams
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from ingest_service.metrics import IngestMetrics
 from ingest_service.producer import Producer
 from tests._ingest_util import expected_partitions, read_partitions, until, values, write_jsonl
 from tests.servers import RedisServer
-from trainguard import streams
+from trainguard.core import streams
 
 
 def _metric(metrics: IngestMetrics, name: str, **labels: str) -> float:

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from ingest_service.producer import Producer
 from tests._ingest_util import expected_partitions, read_partitions, total_len, values, write_jsonl
 from tests.servers import RedisServer
-from trainguard import streams
+from trainguard.core import streams
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "_ingest_worker.py"

@@ -15,7 +15,7 @@ from ingest_service.datasets import describe_dataset
 from ingest_service.producer import Producer
 from tests._ingest_util import expected_partitions, read_partitions, until, write_jsonl
 from tests.servers import RedisServer
-from trainguard import streams
+from trainguard.core import streams
 
 
 def _spec(source: Path) -> streams.DatasetSpec:

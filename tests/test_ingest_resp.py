@@ -21,7 +21,7 @@ from ingest_service.producer import Producer
 from ingest_service.sources import GoodRecord
 from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
 from tests.servers import RedisServer
-from trainguard import streams
+from trainguard.core import streams
 
 META = ((streams.F_KIND, streams.KIND_RAW), (b"extra", b"\x00\r\n binary"))
 

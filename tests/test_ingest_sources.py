@@ -17,7 +17,7 @@ from ingest_service.producer import Producer
 from ingest_service.sources import BadRecord, GoodRecord, read_source
 from tests._ingest_util import expected_partitions, read_partitions, values
 from tests.servers import MotoServer, RedisServer
-from trainguard import streams
+from trainguard.core import streams
 
 
 def _spec(source: str, fmt: str, **kw: object) -> streams.DatasetSpec:

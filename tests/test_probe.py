@@ -17,9 +17,9 @@ import pytest
 from prometheus_client.utils import floatToGoString
 
 from tests._fake_nvml import FakeGpu, FakeNvml
-from trainer_client.cli import ProbeServer, exit_code_for, format_table
 from trainer_client.health import EXIT_GPU_CRITICAL, HealthMonitor, HealthProbe
-from trainguard.cli import main
+from trainguard.ops.cli import main
+from trainguard.ops.probe import ProbeServer, exit_code_for, format_table
 
 REPO = Path(__file__).resolve().parent.parent
 

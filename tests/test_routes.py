@@ -12,14 +12,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests._http_servers import ControlledServer, ManualClock
-from trainer_client.breaker import BreakerState
 from trainer_client.errors import (
     AllRoutesFailedError,
-    CircuitOpenError,
     RouteRejectedError,
     TrainerClientError,
 )
 from trainer_client.routes import HttpRoute, LocalRoute, RouteClient
+from trainguard.core.resilience import CircuitOpenError
+from trainguard.core.resilience.breaker import BreakerState
 
 RESET_S = 60.0
 

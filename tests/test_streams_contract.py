@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainguard import streams as s
+from trainguard.core import streams as s
 
 
 def test_keys_share_a_hash_slot_per_partition() -> None:
@@ -93,7 +93,7 @@ def test_spec_rejects_bad_values(kwargs: dict, message: str) -> None:
 
 
 def test_contract_module_imports_nothing_heavy() -> None:
-    code = ("import sys, trainguard.streams; "
+    code = ("import sys, trainguard.core.streams; "
             "print(sorted(m for m in ('aiohttp','torch','redis','zarr') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -2,40 +2,36 @@
 
 One base class, :class:`TrainerClientError`; each subclass also inherits the built-in
 exception that matches its meaning, so callers that only know the built-ins still
-catch it (``except ConnectionError`` catches an open circuit breaker).
+catch it (``except ConnectionError`` catches every route failing).
+
+Errors of the floors below are theirs, re-exported here where a trainer meets them:
+:class:`DatasetNotFoundError` (the stream contract's) and, from ``trainer_client``,
+``CircuitOpenError`` (resilience's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from trainguard.core.errors import TrainguardError
+from trainguard.core.streams import DatasetNotFoundError
 
-class TrainerClientError(Exception):
+__all__ = [
+    "AllRoutesFailedError",
+    "CheckpointMismatchError",
+    "DatasetNotFoundError",
+    "FencedError",
+    "GpuCriticalError",
+    "NoRollbackTargetError",
+    "PartitionCountError",
+    "RollbackLimitError",
+    "RouteRejectedError",
+    "TrainerClientError",
+]
+
+
+class TrainerClientError(TrainguardError):
     """Base class of every error that ``trainer_client`` raises on purpose."""
-
-
-class CircuitOpenError(TrainerClientError, ConnectionError):
-    """A circuit breaker refused the call without trying it.
-
-    Raised while the breaker is open (the dependency failed recently) and, in
-    half-open state, to every caller but the single probe. ``retry_after_s`` is how
-    long until the breaker lets the next probe through (0.0 while a probe is in
-    flight: the answer is expected any moment).
-    """
-
-    def __init__(self, name: str, state: str, retry_after_s: float) -> None:
-        self.name = name
-        self.state = state
-        self.retry_after_s = retry_after_s
-        if state == "half_open":
-            detail = "a probe call is in flight to test whether it recovered"
-        else:
-            detail = f"the next probe is allowed in {retry_after_s:.3f} s"
-        super().__init__(
-            f"circuit breaker {name!r} is {state}: the call was refused without being "
-            f"tried because the dependency failed recently; {detail}. Wait and retry "
-            "(trainer_client.retry does this for you)."
-        )
 
 
 class RollbackLimitError(TrainerClientError, RuntimeError):
@@ -99,10 +95,6 @@ class AllRoutesFailedError(TrainerClientError, ConnectionError):
 
 
 # --------------------------------------------------------------------------- streams, offsets
-
-
-class DatasetNotFoundError(TrainerClientError, LookupError):
-    """The dataset has no metadata in Redis: it was never created (or Redis lost it)."""
 
 
 class CheckpointMismatchError(TrainerClientError, ValueError):

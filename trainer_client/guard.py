@@ -71,7 +71,9 @@ from trainer_client.spikes import (
     SpikeConfig,
     SpikeGuard,
 )
-from trainguard import streams
+from trainguard.core import streams
+from trainguard.core.checkpoints import SaveHandleView, StateMismatchError
+from trainguard.core.record import SKIPPED_KEY as SKIPPED_EXTRA_KEY
 
 __all__ = ["GUARD_STATE_KEY", "SKIPPED_EXTRA_KEY", "GuardedTraining", "batch_id"]
 
@@ -79,8 +81,6 @@ log = logging.getLogger(__name__)
 
 GUARD_STATE_KEY = "trainguard_guard"
 """Key of the guard's state inside the saved training state."""
-SKIPPED_EXTRA_KEY = "skipped_batches"
-"""Manifest ``extra`` key: IDs of every batch dropped so far (consumed, never trained)."""
 
 _Range = tuple[int, streams.StreamId, streams.StreamId]
 
@@ -208,9 +208,6 @@ class GuardedTraining:
     def restore(self) -> int:
         """Restore the newest checkpoint (guard state included) through the session;
         on a fresh run, write the step-0 checkpoint. Returns the step."""
-        # Lazy, as in the session: checkpoint_store imports trainer_client's breaker.
-        from checkpoint_store import StateMismatchError
-
         target = self._target()
         try:
             self.step = self.session.restore(target)
@@ -231,15 +228,15 @@ class GuardedTraining:
         self._apply_lr()
         return self.step
 
-    def checkpoint(self, *, blocking: bool = False, extra: Mapping[str, Any] | None = None) -> Any:
+    def checkpoint(self, *, blocking: bool = False, extra: Mapping[str, Any] | None = None) -> SaveHandleView:
         """``session.checkpoint`` of the state plus the guard's, at :attr:`step`, with
         the dropped batch IDs in ``extra["skipped_batches"]``."""
         if extra is not None and SKIPPED_EXTRA_KEY in extra:
             raise ValueError(f"extra must not use the key {SKIPPED_EXTRA_KEY!r}: the guard "
                              "writes it")
         self._lineage = [s for s in self._lineage if s != self.step] + [self.step]
-        full = {**(extra or {}), SKIPPED_EXTRA_KEY: list(self.dropped_batch_ids)}
-        return self.session.checkpoint(self._target(), self.step, blocking=blocking, extra=full)
+        return self.session.checkpoint(self._target(), self.step, blocking=blocking, extra=extra,
+                                       skipped=list(self.dropped_batch_ids))
 
     # ------------------------------------------------------------------ health
 

@@ -4,7 +4,7 @@ model, tokenizer service).
 A :class:`RouteClient` holds an ordered list of routes: the primary, backups, and
 optionally a :class:`LocalRoute` (an in-process callable, e.g. a smaller reward
 model). Every call tries the routes in order and returns the first answer. Each route
-has its own :class:`~trainer_client.breaker.CircuitBreaker`: a route that keeps
+has its own :class:`~trainguard.core.resilience.breaker.CircuitBreaker`: a route that keeps
 failing is skipped without waiting for its timeout, and once its reset timeout has
 passed the next call probes it; when the probe succeeds, calls are back on the
 primary. When every route fails (or is open),
@@ -34,8 +34,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from trainer_client.breaker import CircuitBreaker
 from trainer_client.errors import AllRoutesFailedError, RouteRejectedError
+from trainguard.core.resilience.breaker import CircuitBreaker
 
 __all__ = ["HttpRoute", "LocalRoute", "Route", "RouteClient", "RouteResponse"]
 

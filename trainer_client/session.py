@@ -12,7 +12,7 @@ Call order (each method's docstring has the details)::
 
 The checkpoint manifest is the truth: its ``extra["trainguard"]`` holds the consumed
 offsets (per partition, the last stream ID the loop consumed), the dataset, the
-partition count and the fencing generation (format: :mod:`trainer_client.manifests`).
+partition count and the fencing generation (format: :mod:`trainguard.core.record`).
 Only after the manifest is committed are entries
 acknowledged (XACK) and the offsets published to Redis; a crash in between is
 harmless, because restore moves the group to the manifest's offsets and acknowledges
@@ -24,46 +24,32 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import redis
 import torch.distributed as dist
 
-from trainer_client import manifests
 from trainer_client import offsets as ofs
+from trainer_client._commit import OffsetCommitter, gather_offsets
+from trainer_client._restore import REFUSALS, check_record, warn_if_reshaped
 from trainer_client.dataset import Batch, StreamingDataset, in_worker_order, load_spec
-from trainer_client.errors import (
-    CheckpointMismatchError,
-    FencedError,
-    PartitionCountError,
-    TrainerClientError,
+from trainer_client.errors import FencedError, TrainerClientError
+from trainer_client.health import HealthMonitor, HealthProbe, HealthReport, NodeHealth
+from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
+from trainguard.core import record, streams
+from trainguard.core.checkpoints import (
+    CheckpointStoreAPI,
+    CorruptCheckpointError,
+    ManifestView,
+    SaveHandleView,
+    open_store,
 )
-from trainer_client.health import HealthMonitor, HealthProbe, HealthReport
-from trainer_client.retry import trainer_redis_breaker, trainer_redis_retrier
-from trainguard import streams
+from trainguard.core.record import SessionRecord
 
 __all__ = ["TrainingSession"]
 
 log = logging.getLogger(__name__)
-
-_REFUSALS: dict[str, type[Exception]] = {
-    "CheckpointMismatchError": CheckpointMismatchError,
-    "PartitionCountError": PartitionCountError,
-    "LookupError": LookupError,
-}
-
-
-def _warn_if_reshaped(tg: Mapping[str, Any], world_size: int, num_workers: int) -> None:
-    if tg and (tg.get("world_size"), tg.get("num_workers")) != (world_size, num_workers):
-        log.warning(
-            "deterministic mode resumes a checkpoint written with world_size=%s "
-            "num_workers=%s on world_size=%s num_workers=%s: every record is still read "
-            "once, but the batch order differs from an uninterrupted run's",
-            tg.get("world_size"), tg.get("num_workers"), world_size, num_workers,
-        )
-
 
 class TrainingSession:
     """Ties a run's checkpoints to its consumer group. See the module docstring.
@@ -81,7 +67,7 @@ class TrainingSession:
         *,
         dataset: str,
         run: str,
-        store: Any,
+        store: CheckpointStoreAPI | str,
         rank: int = 0,
         world_size: int = 1,
         keep_last: int = 3,
@@ -115,36 +101,29 @@ class TrainingSession:
         # Every Redis call goes through one breaker and waits out an outage (restart,
         # AOF loading) for up to redis_timeout_s instead of failing the training step.
         self._call = trainer_redis_retrier(trainer_redis_breaker(f"redis:{run}"), redis_timeout_s).call
-        self.spec = self._call(load_spec, self._redis, dataset)
-        if isinstance(store, str):
-            from checkpoint_store import CheckpointStore
-
-            store = CheckpointStore(
-                store,
-                keep_last=keep_last,
-                keep_every=keep_every,
-                storage_options=storage_options,
-                process_group=process_group,
-            )
-            self._owns_store = True
-        else:
-            self._owns_store = False
-        self.store = store
+        try:
+            self.spec = self._call(load_spec, self._redis, dataset)
+            self._owns_store = isinstance(store, str)
+            self.store: CheckpointStoreAPI = open_store(
+                store, keep_last=keep_last, keep_every=keep_every,
+                storage_options=storage_options, process_group=process_group,
+            ) if isinstance(store, str) else store
+        except BaseException:
+            self._redis.close()
+            raise
         self.generation: int | None = None
         self._offsets: dict[int, str] = {p: streams.ZERO_ID for p in range(self.spec.partitions)}
         self._batches: dict[int, int] = {p: 0 for p in range(self.spec.partitions)}
         self._commits = 0
         self._num_workers = 0
-        self._restored: Mapping[str, Any] = {}
+        self._restored: SessionRecord | None = None
         self._lock = threading.Lock()
-        self._inflight: list[threading.Event] = []
-        self._background_error: BaseException | None = None
+        self._committer = OffsetCommitter(self._redis, self._call, self.store,
+                                          dataset=dataset, run=run)
         self._reseek = False
         self._datasets: list[StreamingDataset] = []
-        self.last_commit_offsets_s: float | None = None
-        """Seconds the last checkpoint spent acknowledging and publishing offsets."""
         self.health_monitor = health_monitor
-        self._probe: HealthProbe | None = None  # made by the first health() without one
+        self._health = NodeHealth(health_monitor)
 
     # ------------------------------------------------------------------ helpers
 
@@ -169,21 +148,23 @@ class TrainingSession:
 
     # ------------------------------------------------------------------ restore
 
-    def checkpoints(self) -> list[Any]:
-        """The store's committed checkpoints (manifests; one store per run), in the
-        order restores prefer them: newest ``(generation, commit, step)`` first (see
-        :func:`trainer_client.manifests.restore_order`). ``rollback(state, to_step)``
-        loads the first of them with that step."""
-        return sorted(self.store.list(), key=manifests.restore_order, reverse=True)
+    @property
+    def last_commit_offsets_s(self) -> float | None:
+        """Seconds the last checkpoint spent acknowledging and publishing offsets."""
+        return self._committer.last_publish_s
 
-    def _load(self, state: Any, to_step: int | None) -> Any:
+    def checkpoints(self) -> list[ManifestView]:
+        """The store's committed checkpoints (manifests; one store per run), in the
+        order restores prefer them (:func:`trainguard.core.record.restore_order`).
+        ``rollback(state, to_step)`` loads the first of them with that step."""
+        return record.newest_first(self.store.list())
+
+    def _load(self, state: Any, to_step: int | None) -> ManifestView | None:
         """Load the newest valid manifest (or ``to_step``) into ``state`` in place.
 
         Rank 0 chooses the candidates (newest first) and every rank tries them in that
         order; a damaged checkpoint is skipped for the previous one. Refusals found by
         rank 0 are raised on every rank (no rank is left waiting in a collective)."""
-        from checkpoint_store import CorruptCheckpointError
-
         plan: dict[str, Any] = {"steps": []}
         if self.rank == 0:
             try:
@@ -191,13 +172,13 @@ class TrainingSession:
                 if to_step is not None and not cands:
                     raise LookupError(f"no checkpoint of step {to_step} for run {self.run!r}")
                 if cands:
-                    self._check_manifest(cands[0])
+                    self._check(cands[0])
                 plan = {"steps": [int(m.step) for m in cands]}
             except (TrainerClientError, LookupError) as exc:
                 plan = {"error": type(exc).__name__, "message": str(exc)}
         plan = self._broadcast(plan)
         if "error" in plan:
-            cls = _REFUSALS.get(plan["error"], LookupError)
+            cls = REFUSALS.get(plan["error"], LookupError)
             raise cls(plan["message"])
         damaged: Exception | None = None
         for step in plan["steps"]:
@@ -207,17 +188,17 @@ class TrainingSession:
                 log.warning("checkpoint of step %s is damaged (%s); trying the previous one", step, exc)
                 damaged = exc
                 continue
-            self._check_manifest(manifest)
+            assert manifest is not None  # a load of an explicit step raises instead
+            self._check(manifest)
             return manifest
         if damaged is not None:
             # Starting over would silently throw the run away: let a person decide.
             raise damaged
         return None
 
-    def _check_manifest(self, m: Any) -> dict[str, Any]:
-        return manifests.check(
-            m, dataset=self.dataset_name, run=self.run, partitions=self.spec.partitions
-        )
+    def _check(self, m: ManifestView) -> SessionRecord:
+        return check_record(m, dataset=self.dataset_name, run=self.run,
+                            partitions=self.spec.partitions)
 
     def restore(self, state: Any) -> int:
         """Load the newest valid checkpoint into ``state`` (in place) and move the
@@ -228,24 +209,27 @@ class TrainingSession:
         refused from here on; acknowledges pending entries at or below the offsets
         (committed) and leaves those after them to be delivered again.
         """
-        self._raise_background()
+        self._committer.raise_background()
         manifest = self._load(state, None)
-        tg = manifests.of(manifest) if manifest is not None else {}
-        self._apply_offsets(tg, new_generation=True)
+        self._apply_offsets(self._record(manifest), new_generation=True)
         return int(manifest.step) if manifest is not None else 0
 
-    def _apply_offsets(self, tg: Mapping[str, Any], *, new_generation: bool) -> None:
+    def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
+        return None if manifest is None else self._check(manifest)
+
+    def _apply_offsets(self, rec: SessionRecord | None, *, new_generation: bool) -> None:
         P = self.spec.partitions
         offsets = {p: streams.ZERO_ID for p in range(P)}
-        offsets.update(streams.offsets_from_wire(tg.get("offsets", {})))
         batches = {p: 0 for p in range(P)}
-        batches.update({int(k): int(v) for k, v in tg.get("batches", {}).items()})
+        if rec is not None:
+            offsets.update(rec.offsets)
+            batches.update(rec.batches)
         gen = None
         if self.rank == 0:
             r = self._redis
             self._call(r.sadd, streams.groups_key(self.dataset_name), self.run)
             if new_generation:
-                floor = int(tg.get("generation", 0))
+                floor = rec.generation if rec is not None else 0
                 gen = self._call(ofs.bump_generation, r, self.dataset_name, self.run, P, floor)
             else:
                 gen = self._gen()
@@ -261,9 +245,9 @@ class TrainingSession:
             self._batches = batches
             # A rollback keeps counting commits up: its lineage must outrank the
             # abandoned checkpoints (higher steps, same commit numbers).
-            restored = int(tg.get("commit", 0))
+            restored = rec.commit if rec is not None else 0
             self._commits = restored if new_generation else max(self._commits, restored)
-            self._restored = dict(tg)
+            self._restored = rec
         for ds in self._datasets:
             ds.generation = gen
 
@@ -272,10 +256,9 @@ class TrainingSession:
         offsets together. The running ``batches`` generator drops what its loader
         prefetched and starts a new pass at the restored offsets. Returns the step."""
         self.wait()
-        self._raise_background()
+        self._committer.raise_background()
         manifest = self._load(state, to_step)
-        tg = manifests.of(manifest) if manifest is not None else {}
-        self._apply_offsets(tg, new_generation=False)
+        self._apply_offsets(self._record(manifest), new_generation=False)
         self._reseek = True
         return int(manifest.step) if manifest is not None else 0
 
@@ -329,7 +312,7 @@ class TrainingSession:
         each worker's batch index)."""
         num_workers = int(getattr(loader, "num_workers", 0))
         if self.deterministic:
-            _warn_if_reshaped(self._restored, self.world_size, num_workers)
+            warn_if_reshaped(self._restored, self.world_size, num_workers)
         self._num_workers = num_workers
         owned = self._owned(num_workers)
         mine = sorted(p for ps in owned.values() for p in ps)
@@ -387,27 +370,31 @@ class TrainingSession:
         *,
         blocking: bool = False,
         extra: Mapping[str, Any] | None = None,
-    ) -> Any:
+        skipped: Sequence[str] | None = None,
+    ) -> SaveHandleView:
         """Save ``state`` with the offsets consumed so far; returns the store's handle.
 
         The offsets are captured now, together with the state the store stages now.
         After the manifest commits (in the store's background thread unless
         ``blocking``), entries up to them are acknowledged and the committed offsets
         and the retention floor are published. A fenced trainer is refused here, and a
-        refusal met in the background is raised by the next call.
+        refusal met in the background is raised by the next call. ``skipped`` lists
+        the batches consumed but never trained (the session record carries them).
         """
-        if extra is not None and manifests.KEY in extra:
-            raise ValueError(f"extra must not use the key {manifests.KEY!r}: the session writes it")
-        self._raise_background()
+        for key in (record.RECORD_KEY, record.SKIPPED_KEY):
+            if extra is not None and key in extra:
+                raise ValueError(f"extra must not use the key {key!r}: the session writes it")
+        self._committer.raise_background()
         gen = self._gen()
         self._check_fence(gen)
         with self._lock:
             offsets = dict(self._offsets)
             batches = dict(self._batches)
         if self.world_size > 1:
-            offsets, batches = self._gather(offsets, batches)
+            offsets, batches = gather_offsets(offsets, batches, self.world_size,
+                                              self.process_group)
         self._commits += 1
-        tg = manifests.build(
+        rec = SessionRecord(
             dataset=self.dataset_name,
             run=self.run,
             partitions=self.spec.partitions,
@@ -417,53 +404,13 @@ class TrainingSession:
             num_workers=self._num_workers,
             offsets=offsets,
             batches=batches,
+            skipped=None if skipped is None else tuple(skipped),
         )
-        full_extra = {**(extra or {}), manifests.KEY: tg}
-        handle = self.store.save(state, step=step, extra=full_extra, blocking=blocking)
-        if self.rank != 0:
-            return handle
-        done = threading.Event()
-        with self._lock:
-            self._inflight.append(done)
-
-        def after_commit(h: Any) -> None:
-            try:
-                h.wait()
-            except BaseException:
-                done.set()  # the commit failed: nothing to acknowledge
-                return
-            try:
-                self._publish(offsets, gen)
-            except BaseException as exc:
-                if isinstance(exc, FencedError) or not isinstance(exc, Exception):
-                    self._background_error = exc
-                else:
-                    log.warning("acknowledging offsets after commit failed (restore redoes it): %s", exc)
-            finally:
-                done.set()
-
-        if blocking:
-            after_commit(handle)
-            self._raise_background()
-        else:
-            handle.add_done_callback(after_commit)
+        handle = self.store.save(state, step=step, extra={**(extra or {}), **rec.to_extra()},
+                                 blocking=blocking)
+        if self.rank == 0:
+            self._committer.after(handle, offsets, gen, blocking=blocking)
         return handle
-
-    def _gather(
-        self, offsets: dict[int, str], batches: dict[int, int]
-    ) -> tuple[dict[int, str], dict[int, int]]:
-        """Every rank holds all partitions' offsets (the restored ones for partitions it
-        does not read): the newest per partition is the owner's."""
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (offsets, batches), group=self.process_group)
-        merged: dict[int, str] = {}
-        counts: dict[int, int] = {}
-        for offs, bats in gathered:
-            for p, i in offs.items():
-                merged[p] = streams.max_id(merged.get(p), i) or i
-            for p, n in bats.items():
-                counts[p] = max(counts.get(p, 0), n)
-        return merged, counts
 
     def _check_fence(self, gen: int) -> None:
         current = max(
@@ -475,51 +422,18 @@ class TrainingSession:
         if current > gen:
             raise FencedError(group=self.run, mine=gen, current=current, what="checkpoint")
 
-    def _publish(self, offsets: Mapping[int, str], gen: int) -> None:
-        t0 = time.perf_counter()
-        r = self._redis
-        self._call(ofs.ack_upto, r, self.dataset_name, self.run, gen, offsets)
-        floor = manifests.floor(
-            offsets, self.store.list(), dataset=self.dataset_name, run=self.run
-        )
-        committed: dict[Any, Any] = streams.offsets_to_wire(offsets)
-        floors: dict[Any, Any] = streams.offsets_to_wire(floor)
-
-        def publish() -> None:
-            # A new pipeline per attempt: a failed execute() empties its pipeline, so
-            # retrying the same one would publish nothing.
-            pipe = r.pipeline(transaction=True)
-            pipe.hset(streams.committed_key(self.dataset_name, self.run), mapping=committed)
-            pipe.delete(streams.floor_key(self.dataset_name, self.run))
-            pipe.hset(streams.floor_key(self.dataset_name, self.run), mapping=floors)
-            pipe.execute()
-
-        self._call(publish)
-        self.last_commit_offsets_s = time.perf_counter() - t0
-
-    def _raise_background(self) -> None:
-        exc, self._background_error = self._background_error, None
-        if exc is not None:
-            raise exc
-
     def wait(self, timeout_s: float | None = None) -> None:
         """Wait until every checkpoint started here committed and acknowledged."""
-        with self._lock:
-            events = list(self._inflight)
-        for e in events:
-            e.wait(timeout_s)
-        with self._lock:
-            self._inflight = [e for e in self._inflight if not e.is_set()]
+        self._committer.wait(timeout_s)
 
     def close(self) -> None:
         """Wait for in-flight checkpoints, then release connections (and the store
         when the session made it). Raises a fencing refusal met in the background."""
         try:
             self.wait()
-            self._raise_background()
+            self._committer.raise_background()
         finally:
-            if self._probe is not None:
-                self._probe.close()
+            self._health.close()
             if self._owns_store:
                 self.store.close()
             self._redis.close()
@@ -533,15 +447,7 @@ class TrainingSession:
         session's ``health_monitor``), probing now if it has none yet; without a
         monitor, a probe now with ``probe`` or the session's own (made on first use,
         closed by :meth:`close`). A node without GPUs reports ``no_gpu=True``."""
-        if monitor is None:
-            monitor = self.health_monitor
-        if monitor is not None:
-            return monitor.latest or monitor.probe_now()
-        if probe is None:
-            if self._probe is None:
-                self._probe = HealthProbe()
-            probe = self._probe
-        return probe.probe()
+        return self._health.report(monitor, probe=probe)
 
     def __enter__(self) -> TrainingSession:
         return self

@@ -3,8 +3,10 @@
 The three parts live in their own packages: ``ingest_service`` (datasets into Redis
 streams), ``checkpoint_store`` (crash-consistent Zarr v3 checkpoints) and
 ``trainer_client`` (the IterableDataset and the session that commits offsets inside
-checkpoints). This package holds what they share: the stream contract
-(:mod:`trainguard.streams`) and the ``trainguard`` command line.
+checkpoints). This package holds the floor below them, :mod:`trainguard.core` (the
+stream contract, the session record, the checkpoint port, settings, resilience), and
+the floor above them, :mod:`trainguard.ops` (the ``trainguard`` command, the demo,
+the service process). ARCHITECTURE.md draws the layers.
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -1,3 +1,3 @@
-from trainguard.cli import main
+from trainguard.ops.cli import main
 
 raise SystemExit(main())

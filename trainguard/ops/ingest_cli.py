@@ -1,42 +1,27 @@
-"""``trainguard ingest`` and ``trainguard serve`` (also ``python -m ingest_service``).
+"""``trainguard ingest`` and ``trainguard serve``.
 
 ``ingest`` registers the dataset from the flags when it does not exist (or checks the
 flags against it when it does), then produces until the dataset is complete, showing
 progress per dataset on stderr. SIGTERM or Ctrl-C stop it after the batches in flight.
-``serve`` runs the aiohttp service (see :mod:`ingest_service.app`).
+``serve`` runs the service process (:mod:`trainguard.ops.serve`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
-import os
 import signal
 import sys
 import time
 from typing import Any, TextIO
 
-from ingest_service.errors import DatasetExistsError, DatasetNotFoundError, SourceError
-from trainguard import streams
-from trainguard.cli import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_NOT_FOUND,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_USAGE,
-)
+from trainguard.core import settings, streams
+from trainguard.ops.exits import EXIT_INTERRUPTED, EXIT_OK
 
-__all__ = ["register", "add_serve_arguments", "run_serve"]
+__all__ = ["register"]
 
-# Also in ingest_service.config; repeated here so that registering the commands
-# (every ``trainguard`` run) imports neither aiohttp nor redis.
-REDIS_URL_ENV = "TRAINGUARD_REDIS_URL"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def _redis_url_default() -> str:
-    return os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
+_REDIS_HELP = f"Redis URL (default: ${settings.REDIS_URL_ENV} or {settings.DEFAULT_REDIS_URL})"
 
 
 def register(subparsers: Any) -> None:
@@ -45,7 +30,7 @@ def register(subparsers: Any) -> None:
         description="Create the dataset if needed, then produce every epoch of it.",
     )
     ingest.add_argument("--redis-url", default=None,
-                        help=f"Redis URL (default: ${REDIS_URL_ENV} or {DEFAULT_REDIS_URL})")
+                        help=_REDIS_HELP)
     ingest.add_argument("--dataset", required=True, help="dataset name")
     ingest.add_argument("--source", help="fsspec URL, folder or glob (omit to produce an "
                                          "already registered dataset)")
@@ -59,24 +44,24 @@ def register(subparsers: Any) -> None:
     ingest.set_defaults(handler=_run_ingest)
 
     serve = subparsers.add_parser("serve", help="run the ingestion service (HTTP)")
-    add_serve_arguments(serve)
-    serve.set_defaults(handler=run_serve)
+    _add_serve_arguments(serve)
+    serve.set_defaults(handler=_run_serve)
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--redis-url", default=None,
-                        help=f"Redis URL (default: ${REDIS_URL_ENV} or {DEFAULT_REDIS_URL})")
+                        help=_REDIS_HELP)
     parser.add_argument("--dataset", action="append", default=None,
                         help="produce only this dataset (repeatable; default: all registered)")
     parser.add_argument("--no-produce", action="store_true",
                         help="serve push and health only, run no file producers")
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from ingest_service.app import serve
+def _run_serve(args: argparse.Namespace) -> int:
     from ingest_service.config import IngestConfig
+    from trainguard.ops.serve import serve
 
     config = IngestConfig.from_env(
         redis_url=args.redis_url, host=args.host, port=args.port,
@@ -97,39 +82,16 @@ def _spec_from_args(args: argparse.Namespace) -> streams.DatasetSpec:
 
 
 def _run_ingest(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from redis.exceptions import RedisError
-
-    try:
-        return asyncio.run(_ingest(args))
-    except streams.ContractError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except DatasetExistsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
-    except DatasetNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_NOT_FOUND
-    except SourceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except RedisError as exc:
-        print(f"error: Redis failed ({type(exc).__name__}: {exc}); check that it runs and that "
-              f"--redis-url / ${REDIS_URL_ENV} points at it", file=sys.stderr)
-        return EXIT_FAILED
+    return asyncio.run(_ingest(args))
 
 
 async def _ingest(args: argparse.Namespace) -> int:
-    import asyncio
-
     from redis.asyncio import Redis
 
     from ingest_service.datasets import create_dataset, describe_dataset
     from ingest_service.producer import Producer
 
-    client = Redis.from_url(args.redis_url or _redis_url_default())
+    client = Redis.from_url(settings.redis_url(args.redis_url))
     try:
         if args.source:
             spec = await create_dataset(client, _spec_from_args(args))

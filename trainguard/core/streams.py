@@ -46,6 +46,8 @@ from typing import Any
 
 import msgpack
 
+from trainguard.core.errors import TrainguardError
+
 CONTRACT_VERSION = 1
 """Bumped on any incompatible change of the keys, IDs or encoding below."""
 
@@ -57,8 +59,14 @@ FORMATS = ("jsonl", "text", "npy", "files", "parquet", "push")
 """Source formats. ``push`` datasets have no source: records arrive over HTTP."""
 
 
-class ContractError(ValueError):
+class ContractError(TrainguardError, ValueError):
     """A value does not follow the stream contract (bad name, ID or entry)."""
+
+
+class DatasetNotFoundError(TrainguardError, LookupError):
+    """The dataset has no metadata in Redis (``meta_key``): it was never created, was
+    deleted, or Redis lost it. Raised by both sides of the contract, the producer's
+    registry and the trainer's reader, each with its own advice."""
 
 
 # --------------------------------------------------------------------------- names

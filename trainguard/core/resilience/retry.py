@@ -1,60 +1,56 @@
 """Retries with jittered exponential backoff (on ``stamina``), combined with a breaker.
 
-:class:`Retrier` (``.call`` / ``.acall``) retries a call on the given
-exceptions. With a ``breaker``, every attempt goes through it, and an open breaker
-makes the caller *wait* until the breaker admits the next probe (its
-``retry_after_s`` plus a little jitter) instead of failing or spinning; the attempt
-after the wait is either the half-open probe or fails fast again while another
-caller's probe is in flight. :func:`redis_retrier`, :func:`redis_call` and
-:func:`aredis_call` do the same with Redis' transient errors and
-:data:`REDIS_POLICY`, so a Redis outage makes training wait and retry instead of
-crashing::
+One mechanism, two shapes:
 
-    breaker = redis_breaker("redis:trainer")          # one per Redis, shared
-    offsets = redis_call(breaker, client.hgetall, key)
+- :class:`Retrier` (``.call`` / ``.acall``) retries one call on the given
+  exceptions. With a ``breaker``, every attempt goes through it, and an open breaker
+  makes the caller *wait* until the breaker admits the next probe (its
+  ``retry_after_s`` plus a little jitter) instead of failing or spinning; the attempt
+  after the wait is either the half-open probe or fails fast again while another
+  caller's probe is in flight.
+- :class:`Backoff` hands out the waits of the same :class:`RetryPolicy` to a loop that
+  retries by itself (a producer syncing again, an uploader with a queue): the loop
+  decides what an attempt is and how it waits (a stop event, a condition), the policy
+  decides how long.
+
+::
+
     s3 = object_store_retrier(object_store_breaker("s3:ckpt"))
     s3.call(fs.pipe_file, path, data)   # waits out an S3 outage, raises FileNotFoundError
 
 When the policy's attempts or timeout run out, the last exception is raised
-unchanged (a ``CircuitOpenError`` or the dependency's own error).
+unchanged (a ``CircuitOpenError`` or the dependency's own error). Redis' transient
+errors are named by the parts that talk to Redis (``trainer_client.redis_retry``,
+``ingest_service.producer``): this module imports no client library.
 
-Tests switch the waiting off with ``with retry.retry_testing(): ...`` (stamina's
-testing mode: no backoff, ``attempts`` tries).
+Tests switch the waiting off with ``with retry_testing(): ...`` (stamina's testing
+mode: no backoff, ``attempts`` tries).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-import redis.exceptions
 import stamina
 
-from trainer_client.breaker import CircuitBreaker
-from trainer_client.errors import CircuitOpenError
+from trainguard.core.resilience.breaker import CircuitBreaker
+from trainguard.core.resilience.errors import CircuitOpenError
 
 __all__ = [
     "DEFAULT_POLICY",
     "OBJECT_STORE_NOT_TRANSIENT",
     "OBJECT_STORE_POLICY",
-    "REDIS_POLICY",
-    "REDIS_RETRY_ON",
+    "Backoff",
     "Retrier",
     "RetryPolicy",
-    "aredis_call",
     "object_store_breaker",
     "object_store_errors",
     "object_store_retrier",
-    "redis_breaker",
-    "redis_call",
-    "redis_retrier",
     "retry_testing",
-    "trainer_redis_breaker",
-    "trainer_redis_retrier",
 ]
 
 P = ParamSpec("P")
@@ -80,22 +76,46 @@ class RetryPolicy:
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
 
+    def wait_s(self, failures: int) -> float:
+        """The wait after the ``failures``-th failure in a row (1 for the first)."""
+        n = max(1, failures)
+        return min(
+            self.wait_max_s,
+            self.wait_initial_s * self.wait_exp_base ** (n - 1)
+            + random.uniform(0.0, self.wait_jitter_s),
+        )
+
+
+class Backoff:
+    """The waits of ``policy`` for a loop that retries by itself::
+
+        backoff = Backoff(policy)
+        while not stopped:
+            try:
+                work()
+                backoff.reset()
+            except TransientError:
+                stop_event.wait(backoff.next_wait_s())
+
+    Unlike :class:`Retrier` it never gives up: the loop owns its stop condition
+    (``policy.attempts`` and ``timeout_s`` are not applied here).
+    """
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.failures = 0
+
+    def next_wait_s(self) -> float:
+        """Count one more failure and return how long to wait before the next try."""
+        self.failures += 1
+        return self.policy.wait_s(self.failures)
+
+    def reset(self) -> None:
+        """A success: the next failure waits ``wait_initial_s`` again."""
+        self.failures = 0
+
 
 DEFAULT_POLICY = RetryPolicy()
-
-REDIS_POLICY = RetryPolicy(attempts=None, timeout_s=900.0, wait_max_s=10.0)
-"""Redis outages (restart, failover, AOF reload) take seconds to minutes: keep trying
-for up to 15 minutes, then let the error surface so the orchestrator restarts us."""
-
-REDIS_RETRY_ON: tuple[type[Exception], ...] = (
-    redis.exceptions.ConnectionError,  # includes BusyLoadingError (Redis loading AOF)
-    redis.exceptions.TimeoutError,
-    ConnectionError,
-    TimeoutError,
-)
-"""Transient Redis errors. A ``ResponseError`` (WRONGTYPE, BUSYGROUP, ...) means Redis
-answered; it is neither retried nor counted against the breaker."""
-
 
 def retry_testing(attempts: int = 1) -> AbstractContextManager[None]:
     """Context manager: no backoff waits and exactly ``attempts`` tries per call
@@ -176,48 +196,6 @@ class Retrier:
         raise AssertionError("stamina.retry_context ended without a result or an error")
 
 
-def redis_breaker(name: str = "redis", **kwargs: Any) -> CircuitBreaker:
-    """A breaker that counts only transient Redis errors as failures (a Redis
-    ``ResponseError`` means Redis is up). ``kwargs`` go to :class:`CircuitBreaker`."""
-    kwargs.setdefault("failure_exceptions", REDIS_RETRY_ON)
-    return CircuitBreaker(name, **kwargs)
-
-
-def redis_retrier(breaker: CircuitBreaker, policy: RetryPolicy = REDIS_POLICY) -> Retrier:
-    """A :class:`Retrier` for redis-py calls (sync or ``redis.asyncio``) through
-    ``breaker``: retries transient errors, waits while the breaker is open."""
-    return Retrier(on=REDIS_RETRY_ON, breaker=breaker, policy=policy)
-
-
-def redis_call(breaker: CircuitBreaker, fn: Callable[P, T], /, *args: P.args,
-               **kwargs: P.kwargs) -> T:
-    """``redis_retrier(breaker).call(fn, *args, **kwargs)`` with :data:`REDIS_POLICY`."""
-    return redis_retrier(breaker).call(fn, *args, **kwargs)
-
-
-def trainer_redis_breaker(name: str) -> CircuitBreaker:
-    """The breaker of the training client's Redis calls: it admits a probe every
-    second, so training resumes within about a second of Redis coming back."""
-    return redis_breaker(name, reset_timeout_s=1.0)
-
-
-def trainer_redis_retrier(breaker: CircuitBreaker, timeout_s: float) -> Retrier:
-    """The retrier of the training client's Redis calls (session and readers) through
-    ``breaker``: waits out an outage for up to ``timeout_s``, backing off to at most
-    2 s (a restart takes seconds; a long wait per call would cost more than the
-    retries save)."""
-    policy = dataclasses.replace(REDIS_POLICY, timeout_s=timeout_s, wait_max_s=2.0)
-    return redis_retrier(breaker, policy)
-
-
-async def aredis_call(
-    breaker: CircuitBreaker, fn: Callable[P, Awaitable[T]], /, *args: P.args,
-    **kwargs: P.kwargs,
-) -> T:
-    """The async twin of :func:`redis_call`."""
-    return await redis_retrier(breaker).acall(fn, *args, **kwargs)
-
-
 # -- object stores (fsspec: s3fs, gcsfs, local) ----------------------------------------
 
 OBJECT_STORE_POLICY = RetryPolicy(attempts=None, timeout_s=900.0, wait_max_s=30.0)
@@ -233,8 +211,8 @@ def object_store_errors() -> tuple[type[Exception], ...]:
     """Transient object-store errors: ``OSError`` (``TimeoutError``, ``ConnectionError``),
     plus botocore's connection and timeout errors when botocore is installed: s3fs
     raises ``botocore.exceptions.EndpointConnectionError``, which is *not* an
-    ``OSError``, when the endpoint is down. Imported here, lazily, so that
-    trainer_client does not need the s3 extra."""
+    ``OSError``, when the endpoint is down. Imported lazily, so that
+    nothing needs the s3 extra."""
     errors: tuple[type[Exception], ...] = (OSError,)
     try:
         from botocore import exceptions as boto

@@ -1,4 +1,4 @@
-"""``trainguard probe``: the GPU health node daemon.
+"""The GPU health node daemon behind ``trainguard probe``.
 
 Probes every ``--interval-s`` seconds (see :mod:`trainer_client.health`) and serves::
 
@@ -46,10 +46,7 @@ from trainer_client.health import (
     Status,
 )
 
-__all__ = ["ProbeServer", "exit_code_for", "format_table", "register"]
-
-DEFAULT_PORT = 9435
-
+__all__ = ["ProbeServer", "exit_code_for", "format_table", "run_probe"]
 
 class _ReportCollector(Collector):
     """Renders the monitor's latest report at scrape time, so a GPU that disappears
@@ -176,12 +173,11 @@ def format_table(report: HealthReport) -> str:
     return "\n".join(lines)
 
 
-def _probe_command(args: argparse.Namespace) -> int:
-    thresholds = HealthThresholds(
-        expected_gpus=args.expected_gpus,
-        temperature_warn_c=args.temperature_warn_c,
-        temperature_critical_c=args.temperature_critical_c,
-    )
+def run_probe(args: argparse.Namespace) -> int:
+    """``trainguard probe``: one probe (``--once``) or the daemon until SIGTERM."""
+    overrides = {k: getattr(args, k) for k in ("temperature_warn_c", "temperature_critical_c")
+                 if getattr(args, k) is not None}
+    thresholds = HealthThresholds(expected_gpus=args.expected_gpus, **overrides)
     probe = HealthProbe(thresholds)
     try:
         if args.once:
@@ -210,27 +206,3 @@ def _probe_command(args: argparse.Namespace) -> int:
         return 0
     finally:
         probe.close()
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "probe",
-        help="GPU health node daemon (/metrics, /healthz) or a one-shot check",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
-                   help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
-    p.add_argument("--interval-s", type=float, default=15.0, help="seconds between probes")
-    p.add_argument("--once", action="store_true", help="probe once, print, exit with status")
-    p.add_argument("--json", action="store_true", help="with --once: print JSON")
-    p.add_argument("--fail-on-warn", action="store_true",
-                   help=f"with --once: exit {EXIT_GPU_CRITICAL} on WARN as well")
-    p.add_argument("--expected-gpus", type=int, default=None,
-                   help="fewer visible GPUs than this is CRITICAL (default: any number)")
-    defaults = HealthThresholds()
-    p.add_argument("--temperature-warn-c", type=float, default=defaults.temperature_warn_c)
-    p.add_argument("--temperature-critical-c", type=float,
-                   default=defaults.temperature_critical_c)
-    p.set_defaults(handler=_probe_command)

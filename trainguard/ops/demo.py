@@ -40,13 +40,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from trainguard.cli import EXIT_FAILED, EXIT_OK
+from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 
 __all__ = ["main", "register", "run_demo"]
 
 DATASET, RUN, STORE_NAME = "demo", "mlp", "demo"
 VOCAB, LENGTH = 64, 16
-TRAINER = Path(__file__).resolve().parents[1] / "examples" / "train_mlp.py"
+TRAINER = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 
 
 class DemoError(RuntimeError):
@@ -160,7 +160,7 @@ def register_dataset(redis_url: str, source: Path, partitions: int) -> None:
     import redis.asyncio as aioredis
 
     from ingest_service.datasets import create_dataset
-    from trainguard.streams import DatasetSpec
+    from trainguard.core.streams import DatasetSpec
 
     async def go() -> None:
         r = aioredis.Redis.from_url(redis_url)

@@ -1,114 +1,34 @@
-"""``trainguard datasets|offsets|ckpt|demo``: the operator's commands.
+"""``trainguard datasets|offsets``: the operator's commands on the Redis side.
 
-The commands talk to Redis and to checkpoint stores directly, through the same
-operations as the admin API (:mod:`ingest_service.inspection`,
+The commands talk to Redis (and, for ``offsets seek --checkpoint``, to a checkpoint
+store) directly, through the same operations as the admin API
+(:mod:`ingest_service.inspection`, :mod:`ingest_service.seek`,
 :mod:`ingest_service.admin_checkpoints`), so they work with or without a running
 service. Human tables by default, ``--json`` for scripts; exit codes as in
-:mod:`trainguard.cli` (0 ok, 1 failed, 2 bad input, 3 not found, 4 refused).
+:mod:`trainguard.ops.exits`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from trainguard.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+from trainguard.core import settings
+from trainguard.ops.exits import EXIT_OK
+from trainguard.ops.output import emit, table
 
 __all__ = ["register"]
 
 T = TypeVar("T")
-REDIS_ENV = "TRAINGUARD_REDIS_URL"
-
-
-# --------------------------------------------------------------------------- output
-
-
-def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    """A plain left-aligned text table (no dependencies, pipes well)."""
-    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells
-    )
-
-
-def emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> None:
-    if args.json:
-        print(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        print(human(data))
-
-
-class Progress:
-    """A one-line progress bar on stderr when it is a terminal; silent otherwise."""
-
-    def __init__(self, total: int, label: str):
-        self.total, self.label, self.done = max(total, 1), label, 0
-        self.enabled = sys.stderr.isatty()
-
-    def step(self, n: int = 1) -> None:
-        self.done += n
-        if self.enabled:
-            width = 30
-            filled = int(width * self.done / self.total)
-            sys.stderr.write(
-                f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
-                f"{self.done}/{self.total}"
-            )
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-
-
-def fail(code: int, message: str) -> int:
-    print(f"trainguard: {message}", file=sys.stderr)
-    return code
-
-
-def _exit_code(exc: BaseException) -> int:
-    from ingest_service.inspection import BadRequest, NotFound, Refused
-
-    if isinstance(exc, NotFound | FileNotFoundError | LookupError):
-        return EXIT_NOT_FOUND
-    if isinstance(exc, Refused | PermissionError | FileExistsError):
-        return EXIT_REFUSED
-    if isinstance(exc, BadRequest | ValueError):
-        return EXIT_USAGE
-    return EXIT_FAILED
-
-
-def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Expected failures -> a one-line message and a meaningful exit code."""
-
-    def run(args: argparse.Namespace) -> int:
-        # Imported per run, not when the parser is built: every ``trainguard`` command
-        # (``--version`` too) builds all parsers and must not pay for redis.
-        from redis.exceptions import RedisError
-
-        from ingest_service.errors import IngestError
-
-        try:
-            return fn(args)
-        except (IngestError, ValueError, LookupError, PermissionError, OSError) as exc:
-            return fail(_exit_code(exc), str(exc))
-        except RedisError as exc:
-            return fail(EXIT_FAILED, f"Redis at {args.redis_url} failed: {exc}")
-
-    return run
 
 
 def _with_redis(args: argparse.Namespace, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
     import redis.asyncio as aioredis
 
     async def main() -> T:
-        r = aioredis.Redis.from_url(args.redis_url, socket_timeout=10)
+        r = aioredis.Redis.from_url(settings.redis_url(args.redis_url), socket_timeout=10)
         try:
             return await op(r)
         finally:
@@ -162,7 +82,7 @@ def _datasets_show(args: argparse.Namespace) -> int:
 
 def _datasets_create(args: argparse.Namespace) -> int:
     from ingest_service.datasets import create_dataset
-    from trainguard.streams import DatasetSpec
+    from trainguard.core.streams import DatasetSpec
 
     spec = DatasetSpec(
         name=args.name, partitions=args.partitions, source=args.source or "",
@@ -180,8 +100,8 @@ def _datasets_delete(args: argparse.Namespace) -> int:
     from ingest_service.datasets import delete_dataset
 
     if not args.yes:
-        return fail(EXIT_USAGE, f"deleting {args.name!r} drops its streams and offsets: "
-                                "add --yes to confirm")
+        raise ValueError(f"deleting {args.name!r} drops its streams and offsets: "
+                         "add --yes to confirm")
     _with_redis(args, lambda r: delete_dataset(r, args.name))
     emit(args, {"deleted": args.name}, lambda d: f"dataset {d['deleted']} deleted")
     return EXIT_OK
@@ -197,7 +117,7 @@ def _offsets_show(args: argparse.Namespace) -> int:
     if args.group:
         groups = [g for g in groups if g["group"] == args.group]
         if not groups:
-            return fail(EXIT_NOT_FOUND, f"group {args.group!r} has no state on {args.dataset!r}")
+            raise LookupError(f"group {args.group!r} has no state on {args.dataset!r}")
 
     def human(groups: list[dict[str, Any]]) -> str:
         rows = [
@@ -223,12 +143,12 @@ def _parse_ids_arg(text: str) -> dict[str, str]:
 
 
 def _offsets_seek(args: argparse.Namespace) -> int:
-    from ingest_service import inspection
+    from ingest_service import inspection, seek
     from ingest_service.admin_checkpoints import StoreRoot, StoreSet
 
     async def op(r: Any) -> dict[str, Any]:
         if args.to:
-            return await inspection.seek_group(r, args.dataset, args.group, to=args.to,
+            return await seek.seek_group(r, args.dataset, args.group, to=args.to,
                                             force=args.force)
         spec = await inspection.dataset_spec(r, args.dataset)
         if args.ids:
@@ -237,11 +157,11 @@ def _offsets_seek(args: argparse.Namespace) -> int:
             stores = StoreSet({"cli": StoreRoot("cli", args.checkpoint)})
             raw = await stores.checkpoint_offsets({"store": "cli", "step": args.step},
                                                   args.dataset)
-        ids = inspection.parse_seek_ids(raw, spec.partitions)
-        return await inspection.seek_group(r, args.dataset, args.group, ids=ids, force=args.force)
+        ids = seek.parse_seek_ids(raw, spec.partitions)
+        return await seek.seek_group(r, args.dataset, args.group, ids=ids, force=args.force)
 
     if args.checkpoint and args.step is None:
-        return fail(EXIT_USAGE, "--checkpoint needs --step")
+        raise ValueError("--checkpoint needs --step")
     result = _with_redis(args, op)
     emit(args, result, lambda d: table(sorted(d["offsets"].items(), key=lambda kv: int(kv[0])),
                                        ["PART", "OFFSET"]))
@@ -255,8 +175,9 @@ def _common(p: argparse.ArgumentParser, *, redis: bool = True) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
     if redis:
         p.add_argument(
-            "--redis-url", default=os.environ.get(REDIS_ENV, "redis://127.0.0.1:6379/0"),
-            help=f"Redis to inspect (default: ${REDIS_ENV} or redis://127.0.0.1:6379/0)",
+            "--redis-url", default=None,
+            help=f"Redis to inspect (default: ${settings.REDIS_URL_ENV} or "
+                 f"{settings.DEFAULT_REDIS_URL})",
         )
 
 
@@ -265,11 +186,11 @@ def _register_datasets(sub: Any) -> None:
     dsub = ds.add_subparsers(dest="datasets_command", metavar="ACTION", required=True)
     p = dsub.add_parser("ls", help="datasets with totals")
     _common(p)
-    p.set_defaults(handler=guarded(_datasets_ls))
+    p.set_defaults(handler=_datasets_ls)
     p = dsub.add_parser("show", help="a dataset's partitions, producer position, floors")
     p.add_argument("name")
     _common(p)
-    p.set_defaults(handler=guarded(_datasets_show))
+    p.set_defaults(handler=_datasets_show)
     p = dsub.add_parser("create", help="register a dataset (the producer fills it)")
     p.add_argument("name")
     p.add_argument("--source", help="fsspec URL or glob of the source files")
@@ -280,12 +201,12 @@ def _register_datasets(sub: Any) -> None:
     p.add_argument("--endless", action="store_true", help="no end (push datasets are endless)")
     p.add_argument("--sample-len", type=int, help="tokens per record (npy sources)")
     _common(p)
-    p.set_defaults(handler=guarded(_datasets_create))
+    p.set_defaults(handler=_datasets_create)
     p = dsub.add_parser("delete", help="drop a dataset's streams and bookkeeping")
     p.add_argument("name")
     p.add_argument("--yes", action="store_true", help="confirm")
     _common(p)
-    p.set_defaults(handler=guarded(_datasets_delete))
+    p.set_defaults(handler=_datasets_delete)
 
 
 def _register_offsets(sub: Any) -> None:
@@ -295,7 +216,7 @@ def _register_offsets(sub: Any) -> None:
     p.add_argument("dataset")
     p.add_argument("--group", help="only this group")
     _common(p)
-    p.set_defaults(handler=guarded(_offsets_show))
+    p.set_defaults(handler=_offsets_show)
     p = osub.add_parser("seek", help="move a group (refused below the retention floor)")
     p.add_argument("dataset")
     p.add_argument("group")
@@ -308,13 +229,9 @@ def _register_offsets(sub: Any) -> None:
     p.add_argument("--force", action="store_true",
                    help="seek even while a consumer of the group read in the last 30 s")
     _common(p)
-    p.set_defaults(handler=guarded(_offsets_seek))
+    p.set_defaults(handler=_offsets_seek)
 
 
 def register(sub: Any) -> None:
-    from trainguard import ckpt_cli, demo
-
     _register_datasets(sub)
     _register_offsets(sub)
-    ckpt_cli.register(sub)
-    demo.register(sub)

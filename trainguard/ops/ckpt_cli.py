@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.admin_cli import Progress, emit, fail, table
-from trainguard.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+from trainguard.core import record
+from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
+from trainguard.ops.output import Progress, emit, table
 
-__all__ = ["export_safetensors", "register"]
+__all__ = ["register"]
 
 
 def _store(args: argparse.Namespace) -> Any:
@@ -41,8 +42,8 @@ def _find(store: Any, step: int | None) -> Any:
     manifests = store.list()
     if not manifests:
         raise LookupError("the store has no committed checkpoint")
-    if step is None:
-        return manifests[-1]
+    if step is None:  # the one a restart would resume from
+        return record.newest_first(manifests)[0]
     for m in reversed(manifests):  # a step saved twice: its newest save
         if m.step == step:
             return m
@@ -123,76 +124,16 @@ def _gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _top_key(path: str) -> str:
-    """The state's top-level key of a tensor path (``~1`` and ``~0`` unescaped)."""
-    return path.split("/", 1)[0].replace("~1", "/").replace("~0", "~")
-
-
-def export_safetensors(store: Any, step: int | None, out: Path) -> dict[str, Any]:
-    """Load every tensor of a checkpoint (verified) and write them to ``out``."""
-    import torch
-    from safetensors.torch import save_file
-
-    from checkpoint_store.flatten import join_path
-
-    manifest = _find(store, step)
-    keys = sorted({_top_key(p) for p in manifest.tensors})
-    state: dict[str, Any] = {}
-    store.load(state, step=manifest.step, keys=keys)
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, torch.Tensor):
-            tensors[path] = value.detach().contiguous().clone()
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, join_path(path, k))
-        elif isinstance(value, list | tuple):
-            for i, v in enumerate(value):
-                walk(v, join_path(path, i))
-
-    for k in keys:
-        walk(state[k], join_path("", k))
-    missing = set(manifest.tensors) - set(tensors)
-    if missing:
-        raise ValueError(f"tensors {sorted(missing)} of the manifest were not loaded")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"trainguard.step": str(manifest.step),
-                                          "trainguard.uid": manifest.uid})
-    tmp.replace(out)
-    return {"step": manifest.step, "path": str(out), "tensors": len(tensors),
-            "bytes": out.stat().st_size}
-
-
 def _export(args: argparse.Namespace) -> int:
+    from checkpoint_store import export_safetensors
+
     if args.format != "safetensors":
-        return fail(EXIT_USAGE, f"format {args.format!r} is not supported: use safetensors")
-    result = export_safetensors(_store(args), args.step, Path(args.output))
+        raise ValueError(f"format {args.format!r} is not supported: use safetensors")
+    store = _store(args)
+    result = export_safetensors(store, _find(store, args.step), Path(args.output))
     emit(args, result, lambda d: f"step {d['step']}: {d['tensors']} tensors -> {d['path']} "
                                  f"({d['bytes']} bytes)")
     return EXIT_OK
-
-
-def _guard(fn: Any) -> Any:
-    def run(args: argparse.Namespace) -> int:
-        from checkpoint_store import CheckpointError, CorruptCheckpointError
-
-        try:
-            return int(fn(args))
-        except CorruptCheckpointError as exc:
-            # A ValueError too, but damaged data is a failure, not a usage error.
-            return fail(EXIT_FAILED, str(exc))
-        except LookupError as exc:
-            return fail(EXIT_NOT_FOUND, str(exc))
-        except (PermissionError, FileExistsError) as exc:
-            return fail(EXIT_REFUSED, str(exc))
-        except (ValueError, json.JSONDecodeError) as exc:
-            return fail(EXIT_USAGE, str(exc))
-        except (CheckpointError, OSError) as exc:
-            return fail(EXIT_FAILED, str(exc))
-
-    return run
 
 
 def register(sub: Any) -> None:
@@ -208,7 +149,7 @@ def register(sub: Any) -> None:
             p.add_argument("step", type=int, nargs="?", help="default: the newest")
         p.add_argument("--storage-options", help="fsspec options as JSON")
         p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
-        p.set_defaults(handler=_guard(fn))
+        p.set_defaults(handler=fn)
         return p
 
     add("ls", "checkpoints, oldest first", _ls)

@@ -53,7 +53,7 @@ from typing import Any, ParamSpec, TypeVar
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client import Enum as EnumMetric
 
-from trainer_client.errors import CircuitOpenError
+from trainguard.core.resilience.errors import CircuitOpenError
 
 __all__ = [
     "REGISTRY",
@@ -66,7 +66,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 REGISTRY = CollectorRegistry(auto_describe=True)
-"""trainer_client's own metrics registry (breakers, retries). Kept apart from
+"""trainguard's own metrics registry for breakers. Kept apart from
 prometheus' process-global default so that tests and embedding applications decide
 what they expose; serve it with ``prometheus_client.generate_latest(REGISTRY)``."""
 

@@ -1,0 +1,183 @@
+"""The checkpoint port: what the rest of trainguard may assume of a checkpoint store.
+
+``checkpoint_store`` implements it (:class:`~checkpoint_store.CheckpointStore`,
+:class:`~checkpoint_store.TieredCheckpointStore`); ``trainer_client`` and the admin
+API are written against it, so the training client never imports the store (the two
+are independent parts, checked by import-linter). Three things live here:
+
+- the protocols: :class:`CheckpointStoreAPI` (save, list, verify, load, pin, delete),
+  :class:`ManifestView` (what a committed checkpoint tells its readers) and
+  :class:`SaveHandleView` (the future of one save);
+- the errors a store raises, one hierarchy under :class:`CheckpointError`, each also
+  the built-in that matches it (``except FileNotFoundError`` keeps working for callers
+  who do not know trainguard);
+- :func:`open_store`: a store from a URL, made by the implementation registered under
+  the ``trainguard.checkpoint_stores`` entry point (``checkpoint_store`` registers
+  ``default``), so that a session given a URL needs no import of it.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Protocol, cast
+
+from trainguard.core.errors import TrainguardError
+
+__all__ = [
+    "STORE_ENTRY_POINTS",
+    "CheckpointError",
+    "CheckpointStoreAPI",
+    "CheckpointWriteError",
+    "CommitConflictError",
+    "CorruptCheckpointError",
+    "DistributedSaveError",
+    "ManifestView",
+    "NoCheckpointError",
+    "PinnedCheckpointError",
+    "SaveHandleView",
+    "SaveInProgressError",
+    "StateMismatchError",
+    "UnsupportedValueError",
+    "open_store",
+]
+
+STORE_ENTRY_POINTS = "trainguard.checkpoint_stores"
+"""Entry-point group of store implementations: ``name = "module:factory"``, where
+``factory(url, **options)`` returns a :class:`CheckpointStoreAPI`."""
+
+
+class ManifestView(Protocol):
+    """A committed checkpoint as its readers see it (``checkpoint_store.Manifest``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def uid(self) -> str:
+        """Starts with the commit time: uids sort in commit order."""
+        ...
+
+    @property
+    def extra(self) -> Mapping[str, Any]:
+        """Exactly the ``extra`` given to ``save`` (the session record lives here)."""
+        ...
+
+    @property
+    def pinned(self) -> bool: ...
+
+
+class SaveHandleView(Protocol):
+    """The future of one save: completes when the manifest is committed or the save
+    failed; callbacks run once, after either."""
+
+    @property
+    def step(self) -> int: ...
+
+    def done(self) -> bool: ...
+
+    def wait(self, timeout_s: float | None = None) -> ManifestView: ...
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
+
+
+class CheckpointStoreAPI(Protocol):
+    """Save, list, verify, load, pin and delete checkpoints of one run.
+
+    ``CheckpointStore`` and ``TieredCheckpointStore`` mirror these signatures on
+    purpose; ``test_both_stores_implement_the_shared_api`` keeps them from drifting."""
+
+    url: str
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def save(self, state: Mapping[str, Any], *, step: int,
+             extra: Mapping[str, Any] | None = None, blocking: bool = True,
+             if_busy: str = "wait") -> SaveHandleView: ...
+
+    def load(self, state: Mapping[str, Any], *, step: int | None = None,
+             keys: Iterable[str] | None = None, strict: bool = False) -> ManifestView | None: ...
+
+    def list(self) -> Sequence[ManifestView]: ...
+
+    def latest(self) -> ManifestView | None: ...
+
+    def verify(self, step: int) -> ManifestView: ...
+
+    def pin(self, step: int) -> ManifestView: ...
+
+    def unpin(self, step: int) -> None: ...
+
+    def delete(self, step: int) -> builtins.list[str]: ...
+
+    def gc(self) -> object: ...
+
+    def close(self) -> object: ...
+
+
+def open_store(url: str, *, implementation: str = "default", **options: Any) -> CheckpointStoreAPI:
+    """A store at ``url`` (``options`` go to the implementation's constructor, e.g.
+    ``keep_last``, ``storage_options``, ``process_group``)."""
+    found = entry_points(group=STORE_ENTRY_POINTS, name=implementation)
+    if not found:
+        raise LookupError(
+            f"no checkpoint store implementation {implementation!r} is registered under the "
+            f"{STORE_ENTRY_POINTS!r} entry points: install trainguard (pip install -e .), "
+            "or pass a store object instead of a URL"
+        )
+    factory = next(iter(found)).load()
+    return cast(CheckpointStoreAPI, factory(url, **options))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class CheckpointError(TrainguardError):
+    """Base class of every error raised by ``checkpoint_store``."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Stored data does not match its checksum, or a record cannot be parsed."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No (valid) checkpoint matches the request."""
+
+
+class SaveInProgressError(CheckpointError, RuntimeError):
+    """A save is in flight and the caller asked not to wait (``if_busy="raise"``)."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a checkpoint failed (full disk, I/O error, permission); ``errno`` is kept.
+
+    The previous checkpoint is untouched: nothing is published before the data is
+    durable."""
+
+
+class CommitConflictError(CheckpointError, FileExistsError):
+    """The manifest name already exists: another writer committed the same record."""
+
+
+class DistributedSaveError(CheckpointError, RuntimeError):
+    """At least one rank failed its part of a save, so nothing was committed."""
+
+
+class PinnedCheckpointError(CheckpointError, PermissionError):
+    """The checkpoint is pinned; unpin it before deleting it."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The state to load into does not match the checkpoint (keys, shapes or dtypes)."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state cannot be checkpointed; the message names its key path."""

@@ -1,0 +1,185 @@
+"""The session record: what a ``TrainingSession`` writes into each checkpoint manifest,
+and the one order in which checkpoints are restored.
+
+A manifest's ``extra`` carries it under two keys (the user's own ``extra`` keys sit
+beside them)::
+
+    extra["trainguard"]        version 1
+        version      1
+        dataset      dataset name               run          the run (= consumer group)
+        partitions   partition count            world_size   ranks that wrote it
+        num_workers  DataLoader workers per rank of the pass it was taken in
+        generation   fencing generation of the writer
+        commit       the writer's commit counter
+        offsets      {"<partition>": "<last consumed stream ID>"} for every partition
+                     ("0-0": nothing consumed yet)
+        batches      {"<partition>": <batches consumed from it>} (deterministic mode)
+    extra["skipped_batches"]   IDs of every batch consumed but never trained (written
+                               only by runs that skip batches: ``GuardedTraining``)
+
+:class:`SessionRecord` is that document as one frozen type, and
+:meth:`SessionRecord.from_extra` its only parser. The test
+``test_fresh_run_reads_everything_and_final_checkpoint_acks_all`` pins the exact
+document.
+
+Restore order (:func:`restore_order`): the newest by ``(generation, commit, commit
+time)``. A rollback's lineage beats the higher steps it abandoned (a rollback keeps
+counting commits up), and a newer generation beats a zombie's late commit. A
+checkpoint without a session record sorts by its commit time alone, so for plain
+``CheckpointStore`` users this is "the newest committed". Every walker of "the
+checkpoint a restart resumes from" sorts by it: the session, both stores, the admin
+API and the CLI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from trainguard.core import streams
+from trainguard.core.checkpoints import ManifestView
+from trainguard.core.errors import TrainguardError
+
+__all__ = [
+    "RECORD_KEY",
+    "RECORD_VERSION",
+    "SKIPPED_KEY",
+    "RecordError",
+    "SessionRecord",
+    "newest_first",
+    "restore_order",
+    "retention_floor",
+]
+
+RECORD_KEY = "trainguard"
+SKIPPED_KEY = "skipped_batches"
+RECORD_VERSION = 1
+
+M = TypeVar("M", bound=ManifestView)
+
+
+class RecordError(TrainguardError, ValueError):
+    """A manifest's session record is malformed, or newer than this trainguard reads."""
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """One checkpoint's session record; see the module docstring for each field."""
+
+    dataset: str
+    run: str
+    partitions: int
+    generation: int
+    commit: int
+    world_size: int
+    num_workers: int
+    offsets: Mapping[int, str] = field(default_factory=dict)
+    batches: Mapping[int, int] = field(default_factory=dict)
+    skipped: tuple[str, ...] | None = None
+    """Batches consumed but never trained; None: the run does not skip batches."""
+    version: int = RECORD_VERSION
+
+    def to_extra(self) -> dict[str, Any]:
+        """The record as manifest ``extra`` keys (JSON-ready)."""
+        doc: dict[str, Any] = {
+            RECORD_KEY: {
+                "version": self.version,
+                "dataset": self.dataset,
+                "run": self.run,
+                "partitions": self.partitions,
+                "generation": self.generation,
+                "commit": self.commit,
+                "world_size": self.world_size,
+                "num_workers": self.num_workers,
+                "offsets": streams.offsets_to_wire(self.offsets),
+                "batches": {str(p): int(n) for p, n in sorted(self.batches.items())},
+            }
+        }
+        if self.skipped is not None:
+            doc[SKIPPED_KEY] = list(self.skipped)
+        return doc
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> SessionRecord | None:
+        """The record in a manifest's ``extra``; None when it has none (not written by
+        a session). Raises :class:`RecordError` when it is malformed or of a newer
+        version."""
+        doc = (extra or {}).get(RECORD_KEY)
+        if not doc:
+            return None
+        if not isinstance(doc, Mapping):
+            raise RecordError(f"the session record is a {type(doc).__name__}, expected an object")
+        try:
+            version = int(doc.get("version", 0))
+            if version > RECORD_VERSION:
+                raise RecordError(
+                    f"the session record has version {version}, this trainguard reads up to "
+                    f"{RECORD_VERSION}: upgrade trainguard"
+                )
+            skipped = (extra or {}).get(SKIPPED_KEY)
+            # Fields a reader needs to order checkpoints default to "oldest"; the
+            # identity (dataset, run, partitions) defaults to values that no run has,
+            # so check_record refuses such a record with a clear message.
+            return cls(
+                dataset=str(doc.get("dataset", "")),
+                run=str(doc.get("run", "")),
+                partitions=int(doc.get("partitions", -1)),
+                generation=int(doc.get("generation", 0)),
+                commit=int(doc.get("commit", 0)),
+                world_size=int(doc.get("world_size", 1)),
+                num_workers=int(doc.get("num_workers", 0)),
+                offsets=streams.offsets_from_wire(doc.get("offsets") or {}),
+                batches={int(p): int(n) for p, n in (doc.get("batches") or {}).items()},
+                skipped=None if skipped is None else tuple(str(b) for b in skipped),
+                version=version,
+            )
+        except (TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, RecordError):
+                raise
+            raise RecordError(
+                f"the session record is malformed ({type(exc).__name__}: {exc}); expected "
+                "the document TrainingSession.checkpoint writes"
+            ) from exc
+
+    @classmethod
+    def of(cls, manifest: ManifestView) -> SessionRecord | None:
+        """:meth:`from_extra` of ``manifest.extra``."""
+        return cls.from_extra(manifest.extra)
+
+
+def restore_order(manifest: ManifestView) -> tuple[int, int, str, int]:
+    """The sort key of "which checkpoint a restart resumes from" (larger: preferred).
+
+    ``(generation, commit, uid, step)``: the uid starts with the commit time, so
+    checkpoints without a (readable) session record sort by commit time."""
+    try:
+        record = SessionRecord.of(manifest)
+    except RecordError:
+        record = None
+    if record is None:
+        return 0, 0, manifest.uid, manifest.step
+    return record.generation, record.commit, manifest.uid, manifest.step
+
+
+def newest_first(manifests: Iterable[M]) -> list[M]:
+    """``manifests`` in the order restores try them: the preferred one first."""
+    return sorted(manifests, key=restore_order, reverse=True)
+
+
+def retention_floor(
+    newest: Mapping[int, str], kept: Sequence[ManifestView], *, dataset: str, run: str
+) -> dict[int, str]:
+    """Per partition, the smallest offset over ``newest`` and the kept checkpoints of
+    this run: the producer may trim below it, never at or above."""
+    out = dict(newest)
+    for m in kept:
+        try:
+            record = SessionRecord.of(m)
+        except RecordError:
+            continue
+        if record is None or record.run != run or record.dataset != dataset:
+            continue
+        for p, i in record.offsets.items():
+            out[p] = streams.min_id(out.get(p), i) or i
+    return out

@@ -1,0 +1,107 @@
+"""The one map from an exception to the ``trainguard`` command's exit code.
+
+Every command's handler returns its code or raises; :func:`exit_code` turns what it
+raised into a code and :func:`describe` into the one line printed on stderr. An
+exception that is none of these (a bug) is not mapped: it propagates with its
+traceback.
+
+====  =====================================================================
+code  meaning
+====  =====================================================================
+0     success
+1     the operation failed (damaged checkpoint, Redis or storage failure,
+      any other error trainguard raised on purpose)
+2     bad usage or input (a value that does not parse or fit)
+3     not found (dataset, group, store, checkpoint, file)
+4     refused (conflict, not allowed: pinned, exists, fenced, active group)
+75    GPU health CRITICAL: replace the node (sysexits ``EX_TEMPFAIL``)
+130   interrupted (Ctrl-C)
+====  =====================================================================
+"""
+
+from __future__ import annotations
+
+from trainguard.core import settings
+from trainguard.core.checkpoints import CorruptCheckpointError
+from trainguard.core.errors import TrainguardError
+
+__all__ = [
+    "EPILOG",
+    "EXIT_FAILED",
+    "EXIT_GPU_CRITICAL",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_USAGE",
+    "describe",
+    "exit_code",
+]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
+EXIT_GPU_CRITICAL = 75
+"""The code a trainer exits with on a CRITICAL GPU (``trainer_client.health``'s, which
+``GpuCriticalError.exit_code`` carries; ``test_cli_exit_codes`` pins that they agree)."""
+EXIT_INTERRUPTED = 130
+
+_TABLE: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
+    # Damaged data is a failure, though a CorruptCheckpointError is a ValueError too.
+    ((CorruptCheckpointError,), EXIT_FAILED),
+    ((LookupError, FileNotFoundError), EXIT_NOT_FOUND),
+    ((PermissionError, FileExistsError), EXIT_REFUSED),
+    ((ValueError,), EXIT_USAGE),
+    ((TrainguardError, OSError), EXIT_FAILED),
+)
+"""First match wins. Each part's errors also inherit the built-in of their meaning
+(``NotFound`` is a ``LookupError``, ``PinnedCheckpointError`` a ``PermissionError``),
+which is what this table keys on; an error carrying its own ``exit_code`` (a CRITICAL
+GPU: 75) is answered with that."""
+
+EPILOG = """exit codes:
+  0    success
+  1    the operation failed (damaged checkpoint, Redis or storage failure)
+  2    bad usage or input
+  3    not found (dataset, group, store, checkpoint, file)
+  4    refused (conflict or not allowed: pinned, exists, fenced, active group)
+  75   GPU health CRITICAL: replace the node
+  130  interrupted"""
+
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    # Imported when an error is being mapped, never when the command line is built:
+    # ``trainguard --version`` must not pay for a client library.
+    try:
+        from redis.exceptions import RedisError
+    except ImportError:  # pragma: no cover - redis is a dependency
+        return ()
+    return (RedisError,)
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The exit code for ``exc``, or None when it is not an expected failure."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    own = getattr(exc, "exit_code", None)
+    if isinstance(own, int) and isinstance(exc, TrainguardError):
+        return own
+    for types, code in _TABLE:
+        if isinstance(exc, types):
+            return code
+    if isinstance(exc, _redis_errors()):
+        return EXIT_FAILED
+    return None
+
+
+
+
+
+def describe(exc: BaseException, *, redis_url: str | None = None) -> str:
+    """The line printed for ``exc``: its message, with a hint where one helps
+    (``redis_url``: the Redis the command talked to)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(exc, _redis_errors()):
+        where = f"Redis at {redis_url}" if redis_url else "Redis"
+        return (f"{where} failed ({type(exc).__name__}: {exc}); check that it runs and that "
+                f"--redis-url / ${settings.REDIS_URL_ENV} points at it")
+    return str(exc) or type(exc).__name__
