@@ -47,6 +47,7 @@ from trainguard.core import settings
 
 __all__ = [
     "ADMIN_CONFIG",
+    "STORES_KEY",
     "AdminConfig",
     "StoreRoot",
     "setup_admin",
@@ -77,6 +78,8 @@ class AdminConfig:
 ADMIN_CONFIG = web.AppKey("trainguard_admin_config", AdminConfig)
 _REDIS = web.AppKey("trainguard_admin_redis", aioredis.Redis)
 _STORES = web.AppKey("trainguard_admin_stores", StoreSet)
+STORES_KEY = _STORES
+"""The configured checkpoint stores, for other route modules (run history)."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -152,15 +152,20 @@ class StoreSet:
 
     # -- blocking helpers (run in a thread) ---------------------------------------
 
-    def _rows(self, root: StoreRoot) -> list[dict[str, Any]]:
+    def _catalog(self, root: StoreRoot) -> tuple[list[Any], dict[str, list[str]]]:
+        """The root's manifests and each one's status labels (tiers, pinned)."""
         from checkpoint_store import tier_statuses
 
-        manifests = self._open(root.url, root).list()
+        manifests = list(self._open(root.url, root).list())
         labels = {m.name: ["committed", "pinned"] if m.pinned else ["committed"]
                   for m in manifests}
         if root.remote_url:
             remote = self._open(root.remote_url, root).list()
             labels = {s.name: s.labels() for s in tier_statuses(manifests, remote) if s.local}
+        return manifests, labels
+
+    def _rows(self, root: StoreRoot) -> list[dict[str, Any]]:
+        manifests, labels = self._catalog(root)
         rows = []
         for m in manifests:
             rows.append(
@@ -196,6 +201,10 @@ class StoreSet:
         raise NotFound("checkpoint_not_found", f"store {root.name!r} has no step {step}")
 
     # -- async API ----------------------------------------------------------------
+
+    async def catalog(self, name: str) -> tuple[list[Any], dict[str, list[str]]]:
+        """Every manifest of store ``name`` with its status labels (run history)."""
+        return await self._run(name, self._catalog)
 
     async def list(self, name: str) -> list[dict[str, Any]]:
         return await self._run(name, self._rows)

@@ -41,7 +41,9 @@ from ingest_service.errors import (
 )
 from ingest_service.metrics import IngestMetrics
 from ingest_service.push import PushIngest, parse_params, parse_records
+from ingest_service.runs import setup_runs
 from ingest_service.supervisor import Supervisor
+from ingest_service.ui import setup_ui
 from trainguard.core import streams
 
 __all__ = ["PUSH_KEY", "SUPERVISOR_KEY", "create_app"]
@@ -153,6 +155,9 @@ def create_app(config: IngestConfig) -> web.Application:
 
     # The admin API adds its routes here, on the same Redis URL.
     setup_admin(app, AdminConfig.from_env(config.redis_url))
+    # The operator's view: run history, dataset detail (read-only JSON) and /ui.
+    setup_runs(app)
+    setup_ui(app)
     return app
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ingest_service.runs_openapi import runs_paths
 from trainguard import __version__
 
 __all__ = ["openapi_document"]
@@ -355,7 +356,7 @@ def openapi_document() -> dict[str, Any]:
                                '{"error": {"code", "message"}}; mutating routes need '
                                "Authorization: Bearer <TRAINGUARD_ADMIN_TOKEN>.",
             },
-            "paths": _paths(),
+            "paths": {**_paths(), **runs_paths()},
             "components": {
                 "schemas": _SCHEMAS,
                 "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from trainer_client import offsets as ofs
 from trainer_client._commit import OffsetCommitter, gather_offsets
 from trainer_client._restore import REFUSALS, check_record, warn_if_reshaped
+from trainer_client._timing import SaveClock
 from trainer_client.dataset import Batch, StreamingDataset, in_worker_order, load_spec
 from trainer_client.errors import FencedError, TrainerClientError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport, NodeHealth
@@ -45,7 +47,9 @@ from trainguard.core.checkpoints import (
     SaveHandleView,
     open_store,
 )
+from trainguard.core.interval import Advice, IntervalPolicy
 from trainguard.core.record import SessionRecord
+from trainguard.core.timing import TIMING_KEY
 
 __all__ = ["TrainingSession"]
 
@@ -56,7 +60,8 @@ class TrainingSession:
 
     ``store`` is a ``CheckpointStore`` or its URL (then ``keep_last``, ``keep_every``,
     ``storage_options`` and ``process_group`` configure the one made here).
-    ``health_monitor`` (optional) answers :meth:`health`. With
+    ``health_monitor`` (optional) answers :meth:`health`. ``interval`` tunes the
+    checkpoint interval advisor behind :meth:`should_checkpoint`. With
     ``world_size > 1``, ``torch.distributed`` must be initialised (gloo works on CPU)
     and every rank calls ``restore``, ``checkpoint`` and ``rollback`` together.
     """
@@ -78,6 +83,7 @@ class TrainingSession:
         block_ms: int = 1000,
         redis_timeout_s: float = 900.0,
         health_monitor: HealthMonitor | None = None,
+        interval: IntervalPolicy | None = None,
     ) -> None:
         streams.check_name("dataset", dataset)
         streams.check_name("run", run)
@@ -124,6 +130,7 @@ class TrainingSession:
         self._datasets: list[StreamingDataset] = []
         self.health_monitor = health_monitor
         self._health = NodeHealth(health_monitor)
+        self._clock = SaveClock(interval)
 
     # ------------------------------------------------------------------ helpers
 
@@ -212,6 +219,7 @@ class TrainingSession:
         self._committer.raise_background()
         manifest = self._load(state, None)
         self._apply_offsets(self._record(manifest), new_generation=True)
+        self._clock.restored(manifest, self.generation)
         return int(manifest.step) if manifest is not None else 0
 
     def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
@@ -260,6 +268,8 @@ class TrainingSession:
         manifest = self._load(state, to_step)
         self._apply_offsets(self._record(manifest), new_generation=False)
         self._reseek = True
+        self._clock.rolled_back(int(manifest.step) if manifest is not None else 0,
+                                self.generation)
         return int(manifest.step) if manifest is not None else 0
 
     # ------------------------------------------------------------------ reading
@@ -381,7 +391,7 @@ class TrainingSession:
         refusal met in the background is raised by the next call. ``skipped`` lists
         the batches consumed but never trained (the session record carries them).
         """
-        for key in (record.RECORD_KEY, record.SKIPPED_KEY):
+        for key in (record.RECORD_KEY, record.SKIPPED_KEY, TIMING_KEY):
             if extra is not None and key in extra:
                 raise ValueError(f"extra must not use the key {key!r}: the session writes it")
         self._committer.raise_background()
@@ -406,8 +416,12 @@ class TrainingSession:
             batches=batches,
             skipped=None if skipped is None else tuple(skipped),
         )
-        handle = self.store.save(state, step=step, extra={**(extra or {}), **rec.to_extra()},
+        timing = self._clock.extra(step)
+        started = time.monotonic()
+        handle = self.store.save(state, step=step,
+                                 extra={**(extra or {}), **rec.to_extra(), **timing},
                                  blocking=blocking)
+        self._clock.saved(handle, step, started)
         if self.rank == 0:
             self._committer.after(handle, offsets, gen, blocking=blocking)
         return handle
@@ -421,6 +435,18 @@ class TrainingSession:
         )
         if current > gen:
             raise FencedError(group=self.run, mine=gen, current=current, what="checkpoint")
+
+    def should_checkpoint(self, step: int) -> bool:
+        """Whether to checkpoint now: the loop has trained the interval the advisor
+        recommends (:meth:`checkpoint_advice`) since the last save or restore. Call it
+        every step with the step reached; it reads a clock, nothing remote."""
+        return self._clock.should_checkpoint(step)
+
+    def checkpoint_advice(self) -> Advice | None:
+        """The recommended interval (Young/Daly, :mod:`trainguard.core.interval`)
+        from this run's measured save times and restart history (carried over
+        restores in the manifests); None before a save was measured."""
+        return self._clock.advice()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Wait until every checkpoint started here committed and acknowledged."""

@@ -1,0 +1,212 @@
+"""Run history and dataset detail for the operator: the JSON behind ``/ui`` and
+``trainguard runs``.
+
+Routes (read-only, no token; documented in :mod:`ingest_service.runs_openapi`)::
+
+    GET /admin/runs                         every run (consumer group) with its summary
+    GET /admin/runs/{group}[?dataset=D]     one run: checkpoints, restarts, rollbacks,
+                                            world changes, advice, its partitions' lag
+    GET /admin/datasets/{dataset}/detail    partitions, groups' lag, dead letters,
+                                            throughput over time
+
+Everything is derived from what the system keeps: the manifests of the configured
+checkpoint stores (:func:`trainguard.core.history.history`) and Redis
+(:mod:`ingest_service.inspection`), plus the service's throughput ring
+(:mod:`ingest_service.throughput`). No database of its own.
+
+What an unauthenticated reader sees is names and figures: no store URL, no dataset
+source, no record payload; a dead letter's position keeps only its file name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from ingest_service import inspection
+from ingest_service.admin import STORES_KEY
+from ingest_service.config import METRICS_KEY, REDIS_KEY
+from ingest_service.errors import BadRequest, NotFound, Refused
+from ingest_service.throughput import ThroughputSampler
+from trainguard.core import streams
+from trainguard.core.history import history, run_keys
+from trainguard.core.interval import IntervalPolicy
+
+__all__ = ["DEAD_LETTERS_SHOWN", "SAMPLER_KEY", "collect_runs", "dataset_detail", "run_detail",
+           "setup_runs"]
+
+SAMPLER_KEY = web.AppKey("trainguard_runs_sampler", ThroughputSampler)
+DEAD_LETTERS_SHOWN = 20
+"""How many of the newest dead letters the dataset detail lists."""
+
+
+def _position(pos: str) -> str:
+    # Positions are "<source path>:<index>": keep the file name, never the directory
+    # or an URL's host and credentials.
+    return pos.rsplit("/", 1)[-1]
+
+
+async def dead_letters(r: aioredis.Redis, dataset: str, count: int) -> list[dict[str, Any]]:
+    rows = await r.xrevrange(streams.dlq_key(dataset), count=count)
+    out = []
+    for entry_id, fields in rows:
+        out.append({
+            "id": inspection.as_text(entry_id),
+            "reason": inspection.as_text(fields.get(streams.DL_REASON, b"")),
+            "position": _position(str(inspection.as_text(fields.get(streams.DL_POS, b"")))),
+            "size": int(fields.get(streams.DL_SIZE, b"0") or 0),
+            "epoch": (int(fields[streams.DL_EPOCH]) if streams.DL_EPOCH in fields else None),
+        })
+    return out
+
+
+def _lag_total(partitions: list[dict[str, Any]]) -> int | None:
+    lags = [p["lag"] for p in partitions if p["exists"]]
+    return None if not lags or any(v is None for v in lags) else int(sum(lags))
+
+
+async def dataset_detail(r: aioredis.Redis, dataset: str,
+                         sampler: ThroughputSampler | None = None) -> dict[str, Any]:
+    """A dataset as the dashboard shows it (names and figures only)."""
+    info = await inspection.show_dataset(r, dataset)
+    spec = dict(info["spec"])
+    spec.pop("source", None)
+    spec.pop("options", None)
+    groups = await inspection.dataset_groups(r, dataset)
+    return {
+        "name": dataset,
+        "spec": spec,
+        "partitions": info["partitions"],
+        "producer": info["producer"],
+        "paused": sum(1 for p in info["partitions"] if p["paused"]),
+        "length": sum(p["length"] for p in info["partitions"]),
+        "dead_letters": {"count": info["dead_letters"],
+                         "newest": await dead_letters(r, dataset, DEAD_LETTERS_SHOWN)},
+        "groups": [{"group": g["group"], "lag": _lag_total(g["partitions"]),
+                    "partitions": g["partitions"]} for g in groups],
+        "throughput": sampler.series(dataset) if sampler is not None else [],
+    }
+
+
+async def _store_histories(app: web.Application,
+                           policy: IntervalPolicy | None) -> list[dict[str, Any]]:
+    stores = app[STORES_KEY]
+    out = []
+    for name in sorted(stores.roots):
+        manifests, labels = await stores.catalog(name)
+        for key in sorted(run_keys(manifests), key=lambda k: (k.run, k.dataset)):
+            h = await asyncio.to_thread(history, manifests, dataset=key.dataset, run=key.run,
+                                        policy=policy)
+            for c in h["checkpoints"]:
+                c["status"] = labels.get(c["name"], ["committed"])
+            out.append({"store": name, **h})
+    return out
+
+
+async def collect_runs(app: web.Application, *, policy: IntervalPolicy | None = None
+                       ) -> list[dict[str, Any]]:
+    """Every run known to a configured store or to Redis (a group of a dataset), with
+    its history; a run with no checkpoint yet has an empty one."""
+    r = app[REDIS_KEY]
+    histories = await _store_histories(app, policy)
+    seen = {(h["dataset"], h["run"]) for h in histories}
+    lag: dict[tuple[str, str], dict[str, Any]] = {}
+    for d in sorted(inspection.as_text(n) for n in await r.smembers(streams.datasets_key())):
+        try:
+            groups = await inspection.dataset_groups(r, d)
+        except (NotFound, Refused):
+            continue
+        for g in groups:
+            lag[(d, g["group"])] = {"lag": _lag_total(g["partitions"]),
+                                    "partitions": g["partitions"]}
+            if (d, g["group"]) not in seen:
+                seen.add((d, g["group"]))
+                histories.append({"store": None, **history([], dataset=d, run=g["group"])})
+    for h in histories:
+        h["group"] = lag.get((h["dataset"], h["run"]), {"lag": None, "partitions": []})
+    return histories
+
+
+def _summary(h: dict[str, Any]) -> dict[str, Any]:
+    last = h["checkpoints"][-1] if h["checkpoints"] else None
+    advice = h["advice"] or {}
+    return {
+        "run": h["run"], "dataset": h["dataset"], "store": h["store"],
+        "checkpoints": len(h["checkpoints"]),
+        "last_step": last["step"] if last else None,
+        "last_commit_at": last["created_at"] if last else None,
+        "generation": last["generation"] if last else None,
+        "restarts": h["totals"]["failures"],
+        "rollbacks": len(h["rollbacks"]),
+        "lag": h["group"]["lag"],
+        "recommended_s": advice.get("recommended_s"),
+        "current_s": advice.get("current_s"),
+    }
+
+
+async def run_detail(app: web.Application, group: str, dataset: str | None) -> dict[str, Any]:
+    try:
+        streams.check_name("run", group)
+        if dataset is not None:
+            streams.check_name("dataset", dataset)
+    except streams.ContractError as exc:
+        raise BadRequest("bad_name", str(exc)) from exc
+    found = [h for h in await collect_runs(app)
+             if h["run"] == group and dataset in (None, h["dataset"])]
+    if not found:
+        raise NotFound("run_not_found",
+                       f"no run {group!r} in the configured stores or Redis groups: "
+                       "`trainguard runs ls` lists the runs")
+    if len({h["dataset"] for h in found}) > 1:
+        raise Refused("ambiguous_run",
+                      f"run {group!r} exists on datasets {sorted({h['dataset'] for h in found})}:"
+                      " add ?dataset=<name>")
+    # One dataset; several stores could hold the run: the one with checkpoints first.
+    found.sort(key=lambda h: -len(h["checkpoints"]))
+    return found[0]
+
+
+async def _list(request: web.Request) -> web.Response:
+    runs = await collect_runs(request.app)
+    return web.json_response({"runs": [_summary(h) for h in runs]})
+
+
+async def _show(request: web.Request) -> web.Response:
+    return web.json_response(await run_detail(request.app, request.match_info["group"],
+                                              request.query.get("dataset")))
+
+
+async def _detail(request: web.Request) -> web.Response:
+    return web.json_response(await dataset_detail(
+        request.app[REDIS_KEY], request.match_info["dataset"], request.app[SAMPLER_KEY]))
+
+
+ROUTES = (
+    ("GET", "/admin/runs", _list),
+    ("GET", "/admin/runs/{group}", _show),
+    ("GET", "/admin/datasets/{dataset}/detail", _detail),
+)
+
+
+def setup_runs(app: web.Application, *, sample_interval_s: float = 1.0) -> None:
+    """Add the routes above and the throughput sampler to the service ``app`` (made
+    by ``create_app``: it needs its Redis client, metrics and the admin stores)."""
+    sampler = ThroughputSampler(app[METRICS_KEY].registry, interval_s=sample_interval_s)
+    app[SAMPLER_KEY] = sampler
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+
+    async def _sampling(app: web.Application) -> AsyncIterator[None]:
+        stop = asyncio.Event()
+        task = asyncio.create_task(sampler.run(app[REDIS_KEY], stop), name="trainguard-sampler")
+        try:
+            yield
+        finally:
+            stop.set()
+            await task
+
+    app.cleanup_ctx.append(_sampling)

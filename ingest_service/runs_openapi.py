@@ -1,0 +1,94 @@
+"""The OpenAPI paths of the run history, dataset detail and dashboard routes
+(:mod:`ingest_service.runs`, :mod:`ingest_service.ui`), merged into the service's
+document by :mod:`ingest_service.openapi`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["runs_paths"]
+
+_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,128}$"}
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    text = {400: "malformed name", 404: "unknown dataset or run",
+            409: "the run name exists on several datasets: add ?dataset=",
+            503: "Redis or a checkpoint store is unreachable"}
+    return {str(s): _json(_ERROR, text[s]) for s in statuses}
+
+
+_SECONDS = {"type": "number", "nullable": True}
+_ADVICE = {
+    "type": "object", "nullable": True,
+    "description": "Young/Daly checkpoint interval advice (trainguard.core.interval)",
+    "properties": {k: _SECONDS for k in (
+        "recommended_s", "mtbf_s", "blocked_s", "durable_s", "observed_s", "current_s",
+        "lost_recommended_s", "lost_current_s")} | {
+        "failures": {"type": "integer"}, "bound": {"type": "string", "nullable": True},
+        "formula": {"type": "string"}},
+}
+_RUN = {
+    "type": "object",
+    "properties": {
+        "run": {"type": "string"}, "dataset": {"type": "string"},
+        "store": {"type": "string", "nullable": True,
+                  "description": "configured store name (never its URL)"},
+        "checkpoints": {"type": "array", "items": {"type": "object", "properties": {
+            "step": {"type": "integer"}, "name": {"type": "string"},
+            "created_at": _SECONDS, "nbytes": {"type": "integer", "nullable": True},
+            "generation": {"type": "integer"}, "commit": {"type": "integer"},
+            "world_size": {"type": "integer"}, "num_workers": {"type": "integer"},
+            "pinned": {"type": "boolean"}, "blocked_s": _SECONDS, "durable_s": _SECONDS,
+            "skipped": {"type": "integer"},
+            "status": {"type": "array", "items": {"type": "string"},
+                       "description": "committed, pinned, remote | local_only"}}}},
+        "restarts": {"type": "array", "items": {"type": "object"}},
+        "rollbacks": {"type": "array", "items": {"type": "object"}},
+        "world": {"type": "array", "items": {"type": "object"}},
+        "totals": {"type": "object"},
+        "advice": _ADVICE,
+        "group": {"type": "object", "description": "the consumer group's lag per partition"},
+    },
+}
+
+
+def runs_paths() -> dict[str, Any]:
+    return {
+        "/admin/runs": {"get": {
+            "operationId": "listRuns",
+            "summary": "Every run (consumer group) with checkpoints, restarts, lag, advice",
+            "responses": {"200": _json({"type": "object", "properties": {
+                "runs": {"type": "array", "items": {"type": "object"}}}}, "runs"),
+                **_errors(503)},
+        }},
+        "/admin/runs/{group}": {"get": {
+            "operationId": "showRun",
+            "summary": "A run's history from its manifests, its group's lag, the advice",
+            "parameters": [
+                {"name": "group", "in": "path", "required": True, "schema": _NAME,
+                 "description": "the run (its consumer group)"},
+                {"name": "dataset", "in": "query", "required": False, "schema": _NAME,
+                 "description": "the run's dataset, when its name is used on several"}],
+            "responses": {"200": _json(_RUN, "the run"), **_errors(400, 404, 409, 503)},
+        }},
+        "/admin/datasets/{dataset}/detail": {"get": {
+            "operationId": "datasetDetail",
+            "summary": "Partitions, groups' lag, newest dead letters, throughput over time",
+            "parameters": [{"name": "dataset", "in": "path", "required": True,
+                            "schema": _NAME, "description": "dataset name"}],
+            "responses": {"200": _json({"type": "object"}, "the dataset, no source path"),
+                          **_errors(400, 404, 409, 503)},
+        }},
+        "/ui": {"get": {
+            "operationId": "dashboard",
+            "summary": "The dashboard (HTML; its files under /ui/static/)",
+            "responses": {"200": {"description": "the page",
+                                  "content": {"text/html": {"schema": {"type": "string"}}}}},
+        }},
+    }

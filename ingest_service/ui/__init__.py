@@ -1,0 +1,30 @@
+"""The operator's dashboard: static HTML, CSS and JS served at ``/ui``.
+
+No build step and no third-party code: the page is ``static/index.html`` with
+``app.js`` (a hash router, polling the read-only JSON routes of
+:mod:`ingest_service.runs` and :mod:`ingest_service.admin` every two seconds, charts
+drawn as plain SVG) and ``app.css``. Reading needs no token; the one mutation the page
+offers (pin/unpin a checkpoint) sends the admin token the operator types in, which is
+kept in the tab's sessionStorage only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aiohttp import web
+
+__all__ = ["STATIC_DIR", "setup_ui"]
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+async def _index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC_DIR / "index.html",
+                            headers={"Cache-Control": "no-cache"})
+
+
+def setup_ui(app: web.Application) -> None:
+    """Serve the dashboard at ``/ui`` (its files under ``/ui/static/``)."""
+    app.router.add_get("/ui", _index)
+    app.router.add_static("/ui/static/", STATIC_DIR, append_version=False)

@@ -1,0 +1,316 @@
+// trainguard dashboard: a hash router over the read-only JSON routes, redrawn every
+// POLL_MS without reloading. Values a test compares carry data-k (key) and data-v (raw
+// value); text is built with textContent only (names come from users: never as HTML).
+"use strict";
+const POLL_MS = 2000;
+const view = document.getElementById("view");
+let timer = null;
+let generation = 0; // a newer route cancels the older one's pending redraw
+
+function h(tag, attrs, ...kids) {
+  const ns = ["svg", "line", "circle", "rect", "path", "text", "polyline", "title", "g"]
+    .includes(tag) ? "http://www.w3.org/2000/svg" : null;
+  const el = ns ? document.createElementNS(ns, tag) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "onclick") el.addEventListener("click", v);
+    else el.setAttribute(k, String(v));
+  }
+  for (const kid of kids.flat()) {
+    if (kid === null || kid === undefined) continue;
+    el.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
+  }
+  return el;
+}
+
+const fmtInt = (v) => (v === null || v === undefined ? "–" : String(v));
+function fmtS(v) {
+  if (v === null || v === undefined) return "–";
+  if (v < 1) return (v * 1000).toFixed(0) + " ms";
+  if (v < 120) return v.toFixed(1) + " s";
+  if (v < 7200) return (v / 60).toFixed(1) + " min";
+  return (v / 3600).toFixed(1) + " h";
+}
+function fmtAgo(ts) {
+  if (!ts) return "–";
+  return fmtS(Math.max(0, Date.now() / 1000 - ts)) + " ago";
+}
+function fmtBytes(v) {
+  if (v === null || v === undefined) return "–";
+  const u = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0;
+  while (v >= 1024 && i < u.length - 1) { v /= 1024; i++; }
+  return (i ? v.toFixed(1) : String(v)) + " " + u[i];
+}
+const cell = (k, v, text) => h("td", { "data-k": k, "data-v": v === null || v === undefined ? "" : v },
+  text === undefined ? fmtInt(v) : text);
+const stat = (k, v, text, label) => h("div", { class: "stat" },
+  h("b", { "data-k": k, "data-v": v === null || v === undefined ? "" : v }, text === undefined ? fmtInt(v) : text),
+  h("span", {}, label));
+const table = (head, rows) => h("div", { class: "scroll" },
+  h("table", {}, h("thead", {}, h("tr", {}, head.map((t) => h("th", {}, t)))), h("tbody", {}, rows)));
+const card = (title, ...kids) => h("section", { class: "card" }, h("h2", {}, title), ...kids);
+
+async function getJSON(path) {
+  const r = await fetch(path, { headers: { Accept: "application/json" } });
+  const body = await r.json();
+  if (!r.ok) throw new Error((body.error && body.error.message) || r.statusText);
+  return body;
+}
+
+// ------------------------------------------------------------------ charts (SVG)
+
+function lineChart(series, opts) {
+  // series: [{name, color, points: [[x, y], ...]}]
+  const W = 600, H = 160, L = 44, B = 20, T = 8, R = 8;
+  const pts = series.flatMap((s) => s.points);
+  const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": opts.label });
+  if (!pts.length) {
+    svg.append(h("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "no samples yet"));
+    return svg;
+  }
+  const x0 = Math.min(...pts.map((p) => p[0])), x1 = Math.max(...pts.map((p) => p[0]));
+  const y1 = Math.max(1e-9, ...pts.map((p) => p[1]), ...(opts.hlines || []).map((l) => l.y));
+  const sx = (x) => L + (x1 === x0 ? 0.5 : (x - x0) / (x1 - x0)) * (W - L - R);
+  const sy = (y) => H - B - (y / y1) * (H - B - T);
+  svg.append(h("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#e3e6eb" }));
+  svg.append(h("text", { x: L - 4, y: T + 8, "text-anchor": "end" }, opts.fmt(y1)));
+  svg.append(h("text", { x: L - 4, y: H - B, "text-anchor": "end" }, "0"));
+  for (const m of opts.marks || []) {
+    svg.append(h("line", { x1: sx(m.x), y1: T, x2: sx(m.x), y2: H - B, stroke: m.color,
+      "stroke-dasharray": "4 3", "data-mark": m.kind }, h("title", {}, m.title)));
+    svg.append(h("text", { x: sx(m.x) + 3, y: T + 10 }, m.label));
+  }
+  for (const l of opts.hlines || []) {
+    svg.append(h("line", { x1: L, y1: sy(l.y), x2: W - R, y2: sy(l.y), stroke: l.color,
+      "stroke-dasharray": "2 2" }));
+  }
+  for (const s of series) {
+    if (s.points.length > 1 && !opts.dots) {
+      svg.append(h("polyline", { fill: "none", stroke: s.color, "stroke-width": 1.5,
+        points: s.points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ") }));
+    }
+    if (opts.dots) for (const p of s.points) {
+      svg.append(h("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3, fill: s.color },
+        h("title", {}, p[2] || "")));
+    }
+  }
+  return svg;
+}
+
+function bars(items, opts) {
+  // items: [{label, value, color, title}]
+  const W = 600, H = 140, L = 44, B = 18, T = 8;
+  const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": opts.label });
+  const max = Math.max(1e-9, ...items.map((i) => i.value || 0));
+  const bw = (W - L) / Math.max(1, items.length);
+  svg.append(h("text", { x: L - 4, y: T + 8, "text-anchor": "end" }, opts.fmt(max)));
+  items.forEach((it, i) => {
+    const hgt = ((it.value || 0) / max) * (H - B - T);
+    svg.append(h("rect", { x: L + i * bw + 1, y: H - B - hgt, width: Math.max(1, bw - 2),
+      height: hgt, fill: it.color, "data-bar": it.label }, h("title", {}, it.title)));
+    if (items.length <= 32) svg.append(h("text", { x: L + i * bw + bw / 2, y: H - 4,
+      "text-anchor": "middle" }, it.label));
+  });
+  return svg;
+}
+
+// ------------------------------------------------------------------ pages
+
+async function overview() {
+  const [ds, runs] = await Promise.all([getJSON("/admin/datasets"), getJSON("/admin/runs")]);
+  return [
+    h("h1", {}, "Overview"),
+    card("Datasets", ds.datasets.length ? table(
+      ["dataset", "format", "partitions", "records", "paused", "dead letters", "groups"],
+      ds.datasets.map((d) => h("tr", { "data-dataset": d.name },
+        h("td", {}, h("a", { href: `#/dataset/${encodeURIComponent(d.name)}` }, d.name)),
+        h("td", {}, d.spec ? d.spec.format : "?"),
+        cell("partitions", d.partitions), cell("length", d.length), cell("paused", d.paused),
+        cell("dead_letters", d.dead_letters), h("td", {}, (d.groups || []).join(", ")))))
+      : h("p", { class: "muted" }, "no datasets")),
+    card("Runs", runs.runs.length ? table(
+      ["run", "dataset", "store", "last step", "last commit", "gen", "restarts", "rollbacks",
+        "lag", "interval now", "recommended"],
+      runs.runs.map((r) => h("tr", { "data-run": r.run, "data-dataset": r.dataset },
+        h("td", {}, h("a", { href: `#/run/${encodeURIComponent(r.run)}?dataset=${encodeURIComponent(r.dataset)}` }, r.run)),
+        h("td", {}, r.dataset), h("td", {}, r.store || "–"),
+        cell("last_step", r.last_step), cell("last_commit_at", r.last_commit_at, fmtAgo(r.last_commit_at)),
+        cell("generation", r.generation), cell("restarts", r.restarts), cell("rollbacks", r.rollbacks),
+        cell("lag", r.lag), cell("current_s", r.current_s, fmtS(r.current_s)),
+        cell("recommended_s", r.recommended_s, fmtS(r.recommended_s)))))
+      : h("p", { class: "muted" }, "no runs")),
+  ];
+}
+
+const COLORS = ["#2563eb", "#16a34a", "#9333ea", "#0891b2", "#d97706", "#db2777"];
+
+async function datasetPage(name) {
+  const d = await getJSON(`/admin/datasets/${encodeURIComponent(name)}/detail`);
+  const groups = d.groups;
+  const lagBars = groups.map((g, gi) => card(`Lag of ${g.group} per partition`,
+    h("div", { class: "stats" }, stat("group_lag", g.lag, undefined, "entries not yet delivered")),
+    bars(g.partitions.map((p) => ({ label: `p${p.partition}`, value: p.lag || 0,
+      color: COLORS[gi % COLORS.length], title: `partition ${p.partition}: lag ${fmtInt(p.lag)}` })),
+    { label: `lag of ${g.group}`, fmt: fmtInt })));
+  const tp = d.throughput;
+  const series = [{ name: "produced", color: "#111827",
+    points: tp.map((s) => [s.at, s.produced_per_s]) }].concat(groups.map((g, i) => ({
+    name: g.group, color: COLORS[i % COLORS.length],
+    points: tp.map((s) => [s.at, (s.read_per_s[g.group] || 0)]) })));
+  return [
+    h("h1", {}, `Dataset ${d.name}`),
+    h("section", { class: "card stats" },
+      stat("length", d.length, undefined, "records in Redis"),
+      stat("partitions", d.partitions.length, undefined, "partitions"),
+      stat("paused", d.paused, undefined, "paused (backpressure)"),
+      stat("dead_letters", d.dead_letters.count, undefined, "dead letters"),
+      stat("finished", d.producer.finished ? 1 : 0, d.producer.finished ? "yes" : "no", "producer finished")),
+    h("div", { class: "grid" }, lagBars,
+      card("Throughput (records/s)", lineChart(series, { label: "throughput", fmt: (v) => v.toFixed(1) }),
+        h("div", { class: "legend" }, series.map((s) => [h("i", { style: `background:${s.color}` }), s.name])))),
+    card("Partitions", table(
+      ["partition", "length", "last ID", "paused", "retention floor"].concat(
+        groups.flatMap((g) => [`committed (${g.group})`, `lag (${g.group})`])),
+      d.partitions.map((p) => h("tr", { "data-partition": p.partition },
+        cell("partition", p.partition), cell("length", p.length), cell("last_id", p.last_id),
+        cell("paused", p.paused ? 1 : 0, p.paused ? "paused" : ""),
+        cell("retention_floor", p.retention_floor),
+        groups.flatMap((g) => {
+          const gp = g.partitions.find((x) => x.partition === p.partition) || {};
+          return [cell(`committed:${g.group}`, gp.committed), cell(`lag:${g.group}`, gp.lag)];
+        }))))),
+    card(`Dead letters (newest ${d.dead_letters.newest.length} of ${d.dead_letters.count})`,
+      d.dead_letters.newest.length ? table(["ID", "reason", "position", "bytes"],
+        d.dead_letters.newest.map((x) => h("tr", {}, h("td", {}, x.id), h("td", {}, x.reason),
+          h("td", {}, x.position), cell("size", x.size))))
+        : h("p", { class: "muted" }, "none")),
+  ];
+}
+
+function token() { return sessionStorage.getItem("trainguard-token"); }
+
+async function pin(store, step, pinned) {
+  const t = token();
+  if (!t) { alert("Set the admin token first (footer)."); return; }
+  const r = await fetch(`/admin/checkpoints/${encodeURIComponent(store)}/${step}/${pinned ? "pin" : "unpin"}`,
+    { method: "POST", headers: { Authorization: `Bearer ${t}` } });
+  if (!r.ok) { const b = await r.json(); alert(b.error ? b.error.message : r.statusText); }
+  refresh();
+}
+
+async function runPage(name, dataset) {
+  const q = dataset ? `?dataset=${encodeURIComponent(dataset)}` : "";
+  const r = await getJSON(`/admin/runs/${encodeURIComponent(name)}${q}`);
+  const cps = r.checkpoints, a = r.advice;
+  const last = cps.length ? cps[cps.length - 1] : null;
+  const marks = r.restarts.map((x) => ({ x: x.at, kind: "restart", color: "#dc2626",
+    label: `restart → g${x.generation}`, title: `restart: resumed at step ${x.resumed_step}` }))
+    .concat(r.rollbacks.map((x) => ({ x: x.at, kind: "rollback", color: "#d97706",
+      label: "rollback", title: `rollback to step ${x.to_step}` })));
+  const timeline = lineChart([{ name: "checkpoints", color: "#2563eb",
+    points: cps.map((c) => [c.created_at, c.step, `step ${c.step} (gen ${c.generation})`]) }],
+  { label: "checkpoint timeline", fmt: fmtInt, dots: true, marks });
+  const timed = cps.filter((c) => c.blocked_s !== null);
+  return [
+    h("h1", {}, `Run ${r.run}`),
+    h("section", { class: "card stats" },
+      stat("dataset", r.dataset, r.dataset, "dataset"),
+      stat("store", r.store, r.store || "–", "checkpoint store"),
+      stat("checkpoints", cps.length, undefined, "checkpoints kept"),
+      stat("last_step", last ? last.step : null, undefined, "last committed step"),
+      stat("last_commit_at", last ? last.created_at : null, fmtAgo(last && last.created_at), "last commit"),
+      stat("generation", last ? last.generation : null, undefined, "generation"),
+      stat("restarts", r.totals.failures, undefined, "restarts"),
+      stat("rollbacks", r.rollbacks.length, undefined, "rollbacks"),
+      stat("lag", r.group.lag, undefined, "lag (entries)")),
+    h("div", { class: "grid" },
+      card("Checkpoint timeline (step over time; restarts red, rollbacks amber)", timeline),
+      card("Save time per checkpoint (blocked / durable)",
+        bars(timed.flatMap((c) => [
+          { label: String(c.step), value: c.blocked_s, color: "#2563eb", title: `step ${c.step}: blocked ${fmtS(c.blocked_s)}` },
+          { label: "", value: c.durable_s || 0, color: "#93c5fd", title: `step ${c.step}: durable ${fmtS(c.durable_s)}` }]),
+        { label: "save times", fmt: fmtS }),
+        h("div", { class: "legend" }, h("i", { style: "background:#2563eb" }), "blocked",
+          h("i", { style: "background:#93c5fd" }), "durable"))),
+    card("Checkpoint interval", a ? h("div", {},
+      h("div", { class: "stats" },
+        stat("recommended_s", a.recommended_s, fmtS(a.recommended_s), "recommended interval"),
+        stat("current_s", a.current_s, fmtS(a.current_s), "current interval"),
+        stat("lost_recommended_s", a.lost_recommended_s, fmtS(a.lost_recommended_s), "lost per failure (recommended)"),
+        stat("lost_current_s", a.lost_current_s, fmtS(a.lost_current_s), "lost per failure (current)"),
+        stat("mtbf_s", a.mtbf_s, fmtS(a.mtbf_s), "MTBF estimate"),
+        stat("blocked_s", a.blocked_s, fmtS(a.blocked_s), "save blocks"),
+        stat("durable_s", a.durable_s, fmtS(a.durable_s), "save durable after")),
+      h("p", { class: "muted" }, `${a.formula}; M from ${a.failures} restarts in ${fmtS(a.observed_s)}`
+        + (a.bound ? `; held at the ${a.bound} bound` : "")))
+      : h("p", { class: "muted" }, "no measured save yet")),
+    card("Restarts", r.restarts.length ? table(["at", "generation", "resumed at step", "last committed", "steps redone"],
+      r.restarts.map((x) => h("tr", { "data-restart": x.generation },
+        h("td", {}, fmtAgo(x.at)), cell("generation", x.generation), cell("resumed_step", x.resumed_step),
+        cell("last_committed_step", x.last_committed_step),
+        cell("steps_redone", x.steps_redone, (x.steps_redone_exact ? "" : "≥ ") + x.steps_redone)))))
+      : h("p", { class: "muted" }, "none")),
+    r.rollbacks.length ? card("Rollbacks", table(["at", "to step", "from step", "skipped batches"],
+      r.rollbacks.map((x) => h("tr", {}, h("td", {}, fmtAgo(x.at)), cell("to_step", x.to_step),
+        cell("last_step", x.last_step), h("td", {}, x.skipped.join(", ") || "–"))))) : null,
+    card("Checkpoints", table(["step", "committed", "gen", "bytes", "blocked", "durable", "world", "status", ""],
+      cps.slice().reverse().map((c) => h("tr", { "data-step": c.step },
+        cell("step", c.step), h("td", {}, fmtAgo(c.created_at)), cell("generation", c.generation),
+        cell("nbytes", c.nbytes, fmtBytes(c.nbytes)), cell("blocked_s", c.blocked_s, fmtS(c.blocked_s)),
+        cell("durable_s", c.durable_s, fmtS(c.durable_s)), h("td", {}, `${c.world_size}×${c.num_workers}`),
+        h("td", {}, (c.status || []).join(", ")),
+        h("td", {}, r.store ? h("button", { type: "button",
+          onclick: () => pin(r.store, c.step, !(c.status || []).includes("pinned")) },
+        (c.status || []).includes("pinned") ? "unpin" : "pin") : null))))),
+  ];
+}
+
+// ------------------------------------------------------------------ router
+
+function route() {
+  const hash = location.hash.replace(/^#/, "") || "/";
+  const [path, query] = hash.split("?");
+  const params = new URLSearchParams(query || "");
+  const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+  if (parts[0] === "dataset" && parts[1]) return () => datasetPage(parts[1]);
+  if (parts[0] === "run" && parts[1]) return () => runPage(parts[1], params.get("dataset"));
+  return overview;
+}
+
+async function health() {
+  const el = document.getElementById("health");
+  try {
+    const r = await fetch("/readyz");
+    const b = await r.json();
+    el.textContent = b.ready ? "ready" : "not ready";
+    el.className = "pill " + (b.ready ? "ok" : "bad");
+    el.title = b.reason || "";
+  } catch (e) {
+    el.textContent = "unreachable"; el.className = "pill bad";
+  }
+}
+
+async function refresh() {
+  const mine = ++generation;
+  clearTimeout(timer);
+  try {
+    const [content] = await Promise.all([route()(), health()]);
+    if (mine !== generation) return;
+    view.replaceChildren(...content.flat().filter(Boolean));
+    document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
+    document.body.dataset.loaded = String(mine);
+  } catch (e) {
+    if (mine !== generation) return;
+    view.replaceChildren(h("section", { class: "card" }, h("h2", {}, "Cannot show this page"),
+      h("p", { "data-k": "error" }, e.message)));
+  }
+  if (mine === generation) timer = setTimeout(refresh, POLL_MS);
+}
+
+document.getElementById("token-btn").addEventListener("click", () => {
+  const t = prompt("Admin token (kept in this tab's sessionStorage only):", "");
+  if (t === null) return;
+  if (t) sessionStorage.setItem("trainguard-token", t); else sessionStorage.removeItem("trainguard-token");
+});
+window.addEventListener("hashchange", refresh);
+refresh();

@@ -1,0 +1,166 @@
+"""A run's history, derived from its checkpoint manifests alone: checkpoints over time,
+restarts, rollbacks, world-size changes, save timing and the interval advice.
+
+The manifests are the truth (no database of its own): the session record
+(:mod:`trainguard.core.record`) gives each checkpoint's generation, commit, world
+size and skipped batches; the timing record (:mod:`trainguard.core.timing`) gives
+save timings, restore/rollback events and the run's totals. Manifests of older
+writers (no timing record) still give the timeline: a restart is then a generation
+change, and the observed time the span of commit times.
+
+Only the manifests a store keeps are seen: a retention that deleted old checkpoints
+shortens the timeline, while the totals (carried from manifest to manifest) stay.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.core.checkpoints import ManifestView
+from trainguard.core.interval import IntervalPolicy, advise
+from trainguard.core.record import RecordError, SessionRecord
+from trainguard.core.timing import TimingError, TimingRecord
+
+__all__ = ["RunKey", "history", "run_keys"]
+
+
+@dataclass(frozen=True)
+class RunKey:
+    dataset: str
+    run: str
+
+
+def _record(m: ManifestView) -> SessionRecord | None:
+    try:
+        return SessionRecord.of(m)
+    except RecordError:
+        return None
+
+
+def _timing(m: ManifestView) -> TimingRecord | None:
+    try:
+        return TimingRecord.from_extra(m.extra)
+    except TimingError:
+        return None
+
+
+def run_keys(manifests: Iterable[ManifestView]) -> set[RunKey]:
+    """The (dataset, run) pairs whose session records ``manifests`` carry."""
+    out = set()
+    for m in manifests:
+        rec = _record(m)
+        if rec is not None and rec.run:
+            out.add(RunKey(rec.dataset, rec.run))
+    return out
+
+
+def _created(m: ManifestView) -> float | None:
+    value = getattr(m, "created_at", None)
+    return None if value is None else float(value)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
+            policy: IntervalPolicy | None = None) -> dict[str, Any]:
+    """The history of ``run`` on ``dataset`` from ``manifests`` (any order, any runs:
+    the others are ignored), as JSON-ready data."""
+    mine = []
+    for m in manifests:
+        rec = _record(m)
+        if rec is not None and rec.run == run and rec.dataset == dataset:
+            mine.append((m, rec, _timing(m)))
+    mine.sort(key=lambda t: t[0].uid)  # commit order
+    measured: dict[tuple[int, str | None], tuple[float, float | None]] = {}
+    for _, _, tim in mine:
+        for s in tim.saves if tim else ():
+            old = measured.get((s.step, s.name))
+            if old is None or (old[1] is None and s.durable_s is not None):
+                measured[(s.step, s.name)] = (s.blocked_s, s.durable_s)
+    checkpoints: list[dict[str, Any]] = []
+    restarts: list[dict[str, Any]] = []
+    rollbacks: list[dict[str, Any]] = []
+    world: list[dict[str, Any]] = []
+    prev: tuple[ManifestView, SessionRecord] | None = None
+    committed_by_gen: dict[int, int] = {}
+    for m, rec, tim in mine:
+        blocked, durable = measured.get((m.step, m.name), (None, None))
+        checkpoints.append({
+            "step": m.step, "name": m.name, "created_at": _created(m),
+            "nbytes": getattr(m, "nbytes", None), "generation": rec.generation,
+            "commit": rec.commit, "world_size": rec.world_size, "num_workers": rec.num_workers,
+            "pinned": m.pinned, "blocked_s": blocked, "durable_s": durable,
+            "skipped": len(rec.skipped or ()),
+        })
+        events = tim.events if tim else ()
+        if prev is not None and rec.generation > prev[1].generation:
+            restore = next((e for e in reversed(events) if e.kind == "restore"), None)
+            resumed = restore.to_step if restore else _resumed_guess(mine, m, rec)
+            old_max = committed_by_gen.get(prev[1].generation, prev[0].step)
+            last = restore.last_step if restore else None
+            restarts.append({
+                "at": restore.at if restore else _created(m), "generation": rec.generation,
+                "from_generation": prev[1].generation, "resumed_step": resumed,
+                "first_step_after": m.step, "last_committed_step": old_max,
+                "steps_redone": (last if last is not None else old_max) - resumed,
+                "steps_redone_exact": last is not None,
+            })
+        for e in events:
+            if e.kind == "rollback":
+                rollbacks.append({"at": e.at, "to_step": e.to_step, "last_step": e.last_step,
+                                  "generation": e.generation})
+        if prev is not None and prev[1].skipped != rec.skipped and rollbacks:
+            before = set(prev[1].skipped or ())
+            rollbacks[-1].setdefault("skipped", [b for b in rec.skipped or () if b not in before])
+        if prev is None or (prev[1].world_size, prev[1].num_workers) != (rec.world_size,
+                                                                          rec.num_workers):
+            world.append({"at": _created(m), "step": m.step, "world_size": rec.world_size,
+                          "num_workers": rec.num_workers})
+        committed_by_gen[rec.generation] = max(committed_by_gen.get(rec.generation, 0), m.step)
+        prev = (m, rec)
+    for rb in rollbacks:
+        rb.setdefault("skipped", [])
+    return {
+        "dataset": dataset, "run": run, "checkpoints": checkpoints, "restarts": restarts,
+        "rollbacks": rollbacks, "world": world,
+        **_advice(mine, restarts, policy),
+    }
+
+
+def _resumed_guess(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
+                   m: ManifestView, rec: SessionRecord) -> int:
+    """Without a restore event: the newest earlier checkpoint of an older generation
+    (what the restore order picks), else 0."""
+    older = [(r.generation, r.commit, x.uid, x.step) for x, r, _ in mine
+             if x.uid < m.uid and r.generation < rec.generation]
+    return max(older)[3] if older else 0
+
+
+def _advice(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
+            restarts: list[dict[str, Any]], policy: IntervalPolicy | None) -> dict[str, Any]:
+    timed = [t for _, _, t in mine if t is not None]
+    saves = {(s.step, s.name): s for t in timed for s in t.saves}
+    blocked = _median([s.blocked_s for s in saves.values()])
+    durable = _median([s.durable_s for s in saves.values() if s.durable_s is not None])
+    current = _median([t.interval_s for t in timed[-SAVES_WINDOW:] if t.interval_s is not None])
+    if timed:
+        failures, observed = timed[-1].totals.restarts, timed[-1].totals.trained_s
+    else:
+        times = [c for c in (_created(m) for m, _, _ in mine) if c is not None]
+        failures, observed = len(restarts), (max(times) - min(times)) if times else 0.0
+    totals = {"failures": failures, "observed_s": observed,
+              "rollbacks": timed[-1].totals.rollbacks if timed else None}
+    if blocked is None:
+        return {"totals": totals, "advice": None}
+    advice = advise(blocked_s=blocked, durable_s=durable if durable is not None else blocked,
+                    observed_s=observed, failures=failures, current_s=current, policy=policy)
+    return {"totals": totals, "advice": advice.to_json()}
+
+
+SAVES_WINDOW = 8
+"""How many recent manifests' intervals make "the current interval" (their median)."""
