@@ -26,6 +26,7 @@ from trainer_client import (
 )
 from trainer_client import offsets as ofs
 from trainguard.core import streams
+from trainguard.core.timing import TIMING_KEY
 
 
 def _state() -> dict[str, object]:
@@ -62,7 +63,8 @@ def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(redis_server, 
     m = s.checkpoint(state, 13, blocking=True).wait()
     s.close()
     ends = {p: streams.make_id(0, 29) for p in range(3)}
-    assert m.extra == {"trainguard": {  # the manifest format, version 1 (see session.py)
+    # The session record, exactly (the timing record beside it: test_run_history.py).
+    assert {k: v for k, v in m.extra.items() if k != TIMING_KEY} == {"trainguard": {
         "version": 1, "dataset": "tok", "run": "exp", "partitions": 3, "generation": 1,
         "commit": 1, "world_size": 1, "num_workers": 0,
         "offsets": {"0": "1-29", "1": "1-29", "2": "1-29"},
