@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainer_client import TrainingSession
+from trainguard.core.interval import IntervalPolicy
 
 
 class Ledger(nn.Module):
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep-ms", type=float, default=0.0)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--trace", default="", help="append each consumed batch's record IDs here")
+    ap.add_argument("--keep-last", type=int, default=2)
+    ap.add_argument("--auto-mtbf-s", type=float, default=0.0,
+                    help="checkpoint when session.should_checkpoint says so (this prior MTBF)")
     args = ap.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
@@ -78,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     state, model, opt = make_state(args.n)
     session = TrainingSession(
         args.redis, dataset=args.dataset, run=args.run, store=args.store,
-        rank=rank, world_size=world, keep_last=2, deterministic=args.deterministic,
+        rank=rank, world_size=world, keep_last=args.keep_last, deterministic=args.deterministic,
         block_ms=200,
+        interval=IntervalPolicy(prior_mtbf_s=args.auto_mtbf_s or 86400.0, min_interval_s=0.05),
     )
     step = session.restore(state)
     say(f"READY {step}")
@@ -118,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"STEP {step}")
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
-        if step % args.ckpt_every == 0:
+        due = (session.should_checkpoint(step) if args.auto_mtbf_s
+               else step % args.ckpt_every == 0)
+        if due:
             say(f"SAVE {step}")
             handle = session.checkpoint(state, step)
             if rank == 0:

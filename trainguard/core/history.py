@@ -22,7 +22,7 @@ from typing import Any
 from trainguard.core.checkpoints import ManifestView
 from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.record import RecordError, SessionRecord
-from trainguard.core.timing import TimingError, TimingRecord
+from trainguard.core.timing import SaveTime, TimingError, TimingRecord
 
 __all__ = ["RunKey", "history", "run_keys"]
 
@@ -76,12 +76,7 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
         if rec is not None and rec.run == run and rec.dataset == dataset:
             mine.append((m, rec, _timing(m)))
     mine.sort(key=lambda t: t[0].uid)  # commit order
-    measured: dict[tuple[int, str | None], tuple[float, float | None]] = {}
-    for _, _, tim in mine:
-        for s in tim.saves if tim else ():
-            old = measured.get((s.step, s.name))
-            if old is None or (old[1] is None and s.durable_s is not None):
-                measured[(s.step, s.name)] = (s.blocked_s, s.durable_s)
+    measured = {s.name: (s.blocked_s, s.durable_s) for s in _saves(mine) if s.name}
     checkpoints: list[dict[str, Any]] = []
     restarts: list[dict[str, Any]] = []
     rollbacks: list[dict[str, Any]] = []
@@ -89,7 +84,7 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
     prev: tuple[ManifestView, SessionRecord] | None = None
     committed_by_gen: dict[int, int] = {}
     for m, rec, tim in mine:
-        blocked, durable = measured.get((m.step, m.name), (None, None))
+        blocked, durable = measured.get(m.name, (None, None))
         checkpoints.append({
             "step": m.step, "name": m.name, "created_at": _created(m),
             "nbytes": getattr(m, "nbytes", None), "generation": rec.generation,
@@ -132,6 +127,20 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
     }
 
 
+def _saves(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]]
+           ) -> list[SaveTime]:
+    """Every measured save once. Manifests repeat the last few, the earlier copies
+    before the save was durable (no name, no durable time): a measurement is one
+    (step, blocked_s), and its most complete copy wins."""
+    out: dict[tuple[int, float], SaveTime] = {}
+    for _, _, tim in mine:
+        for s in tim.saves if tim else ():
+            old = out.get((s.step, s.blocked_s))
+            if old is None or (old.durable_s is None and s.durable_s is not None):
+                out[(s.step, s.blocked_s)] = s
+    return list(out.values())
+
+
 def _resumed_guess(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
                    m: ManifestView, rec: SessionRecord) -> int:
     """Without a restore event: the newest earlier checkpoint of an older generation
@@ -144,9 +153,9 @@ def _resumed_guess(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | 
 def _advice(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
             restarts: list[dict[str, Any]], policy: IntervalPolicy | None) -> dict[str, Any]:
     timed = [t for _, _, t in mine if t is not None]
-    saves = {(s.step, s.name): s for t in timed for s in t.saves}
-    blocked = _median([s.blocked_s for s in saves.values()])
-    durable = _median([s.durable_s for s in saves.values() if s.durable_s is not None])
+    saves = _saves(mine)
+    blocked = _median([s.blocked_s for s in saves])
+    durable = _median([s.durable_s for s in saves if s.durable_s is not None])
     current = _median([t.interval_s for t in timed[-SAVES_WINDOW:] if t.interval_s is not None])
     if timed:
         failures, observed = timed[-1].totals.restarts, timed[-1].totals.trained_s
