@@ -17,9 +17,9 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: test demo setup redis lint chaos bench clean
+.PHONY: test demo setup redis chromium lint chaos bench clean
 
-setup: $(STAMP) redis
+setup: $(STAMP) redis chromium
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,19 @@ redis:
 	    echo "macOS: brew install redis) and run this again."; exit 1; \
 	  fi; }
 
+# The dashboard's browser tests drive Debian's chromium through playwright (never
+# playwright's own browser downloads).
+chromium:
+	@[ -n "$$TRAINGUARD_CHROMIUM" ] || command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "chromium not found: installing Debian's chromium (for the dashboard's browser tests)"; \
+	    (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "chromium is not on PATH: the dashboard's browser tests need it. Install it"; \
+	    echo "(Debian/Ubuntu: sudo apt-get install chromium) or set TRAINGUARD_CHROMIUM to a"; \
+	    echo "Chromium binary, and run this again."; exit 1; \
+	  fi; }
+
 # Style, the layers of ARCHITECTURE.md (import-linter contracts in pyproject.toml) and
 # types (mypy, --strict on the foundation and the public modules).
 lint: setup
@@ -53,8 +66,9 @@ test: lint
 chaos: setup
 	$(VENV)/bin/python -m pytest -m chaos $(PYTEST_ARGS)
 
+# make demo KEEP=1: keep the service (and its dashboard) up after the demo until Ctrl-C.
 demo: setup
-	$(VENV)/bin/trainguard demo
+	$(VENV)/bin/trainguard demo $(if $(KEEP),--keep)
 
 bench: setup
 	$(PY) bench/checkpoint.py

@@ -31,6 +31,7 @@ from ingest_service import inspection
 from ingest_service.admin import STORES_KEY
 from ingest_service.config import METRICS_KEY, REDIS_KEY
 from ingest_service.errors import BadRequest, NotFound, Refused
+from ingest_service.lag import fill_lag
 from ingest_service.throughput import ThroughputSampler
 from trainguard.core import streams
 from trainguard.core.history import history, run_keys
@@ -64,6 +65,18 @@ async def dead_letters(r: aioredis.Redis, dataset: str, count: int) -> list[dict
     return out
 
 
+async def _groups(r: aioredis.Redis, dataset: str,
+                  info: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The dataset's groups with their lag filled in where Redis cannot tell."""
+    info = info or await inspection.show_dataset(r, dataset)
+    spec = await inspection.dataset_spec(r, dataset)
+    last = {p["partition"]: p["last_generated_id"] for p in info["partitions"]}
+    groups = await inspection.dataset_groups(r, dataset)
+    for g in groups:
+        await fill_lag(r, spec, g["partitions"], last)
+    return groups
+
+
 def _lag_total(partitions: list[dict[str, Any]]) -> int | None:
     lags = [p["lag"] for p in partitions if p["exists"]]
     return None if not lags or any(v is None for v in lags) else int(sum(lags))
@@ -76,7 +89,7 @@ async def dataset_detail(r: aioredis.Redis, dataset: str,
     spec = dict(info["spec"])
     spec.pop("source", None)
     spec.pop("options", None)
-    groups = await inspection.dataset_groups(r, dataset)
+    groups = await _groups(r, dataset, info)
     return {
         "name": dataset,
         "spec": spec,
@@ -117,7 +130,7 @@ async def collect_runs(app: web.Application, *, policy: IntervalPolicy | None = 
     lag: dict[tuple[str, str], dict[str, Any]] = {}
     for d in sorted(inspection.as_text(n) for n in await r.smembers(streams.datasets_key())):
         try:
-            groups = await inspection.dataset_groups(r, d)
+            groups = await _groups(r, d)
         except (NotFound, Refused):
             continue
         for g in groups:

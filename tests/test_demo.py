@@ -95,3 +95,44 @@ def test_demo_interrupted_leaves_no_process(sig):
     pids = _started_pids(seen + rest)
     assert set(pids) >= {"redis-server", "ingest service", "trainer"}
     assert not [p for ps in pids.values() for p in ps if _alive(p)]
+
+
+def test_demo_keep_serves_the_dashboard_until_ctrl_c():
+    """--keep: after the summary, the demo prints the dashboard URL and stays up; the
+    page is served, the run's history shows the SIGKILL as one restart (from the
+    manifests the demo's trainers wrote); Ctrl-C then stops every child (exit 0)."""
+    import shutil
+
+    import requests
+
+    proc = _demo("--records", "300", "--checkpoint-every", "4", "--step-delay-ms", "20",
+                 "--keep")
+    assert proc.stdout is not None
+    seen = ""
+    try:
+        deadline = time.monotonic() + 240
+        while "the service stays up" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        found = re.search(r"the service stays up: open (http://127\.0\.0\.1:\d+/ui) ", seen)
+        assert found, seen
+        url = found.group(1)
+        page = requests.get(url, timeout=10)
+        assert page.status_code == 200 and "<title>trainguard</title>" in page.text
+        runs = requests.get(url.replace("/ui", "/admin/runs"), timeout=30).json()["runs"]
+        assert [(r["run"], r["restarts"]) for r in runs] == [("mlp", 1)]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    pids = _started_pids(err)
+    assert set(pids) == {"redis-server", "ingest service", "trainer"}
+    assert not [p for ps in pids.values() for p in ps if _alive(p)]
+    workdir = re.search(r"files stay in (\S+)\)", seen)
+    assert workdir and Path(workdir.group(1)).is_dir()
+    shutil.rmtree(workdir.group(1))

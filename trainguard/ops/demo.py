@@ -12,7 +12,10 @@ What it does, all on this machine and cleaned up afterwards:
 5. kills the trainer with SIGKILL between two checkpoints, restarts it, lets it
    finish;
 6. loads the final checkpoint's ledger independently and prints: records ingested,
-   trained, duplicated, lost, checkpoints, resume time.
+   trained, duplicated, lost, checkpoints, resume time;
+7. with ``--keep``: prints the dashboard's URL (``/ui``: the run's checkpoint
+   timeline with the kill and the resume on it) and keeps Redis and the service up
+   until Ctrl-C, then stops them (the work directory stays).
 
 Every child runs in its own process group (and, on Linux, dies with the demo); the
 demo kills them all on exit, on Ctrl-C and on SIGTERM.
@@ -36,7 +39,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -294,7 +297,9 @@ def final_ledger(store: Path, records: int) -> tuple[list[int], int]:
 # --------------------------------------------------------------------------- the run
 
 
-def run_demo(args: argparse.Namespace, say: Any) -> dict[str, Any]:
+def run_demo(args: argparse.Namespace, say: Any,
+             hold: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The demo; ``hold(summary)`` (with ``--keep``) runs before the children stop."""
     if not TRAINER.is_file():
         raise DemoError(f"the example trainer {TRAINER} is missing: run the demo from a "
                         "source checkout (git clone, then make demo)")
@@ -314,6 +319,7 @@ def run_demo(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         store = workdir / "checkpoints"
         token = secrets.token_urlsafe(16)
         api = start_service(children, workdir, redis_url, store, token, args.port or free_port())
+        say(f"dashboard: {api}/ui")
         say(f"admin API while it runs: {api}/admin/datasets/{DATASET}  "
             f"{api}/admin/datasets/{DATASET}/groups  {api}/admin/checkpoints/{STORE_NAME}  "
             f"(mutations: Authorization: Bearer {token})")
@@ -363,7 +369,10 @@ def run_demo(args: argparse.Namespace, say: Any) -> dict[str, Any]:
             "admin_api": api,
             "workdir": str(workdir),
             "elapsed_s": round(time.monotonic() - started, 1),
+            "dashboard": f"{api}/ui",
         }
+        if hold is not None:
+            hold(summary)
         return summary
     except DemoError:
         failed = True  # keep the logs the message points to
@@ -394,6 +403,7 @@ def _human(s: dict[str, Any]) -> str:
         f"(restore itself: {s['restore_s']} s)",
         f"  final step / loss    {s['final_step']} / {s['final_loss']}",
         f"  admin API (was)      {s['admin_api']}",
+        f"  dashboard            {s['dashboard']} (stays up with --keep)",
         f"  took                 {s['elapsed_s']} s",
         "",
         "OK: every record trained exactly once." if ok else "FAILED: see the counts above.",
@@ -413,17 +423,31 @@ def main(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(f"[demo] {msg}", file=log, flush=True)
 
+    def show(summary: dict[str, Any]) -> None:
+        if args.json:
+            print(json.dumps(summary, indent=2, sort_keys=True), flush=True)
+        else:
+            print(_human(summary), flush=True)
+
+    def hold(summary: dict[str, Any]) -> None:
+        # --keep: the summary now, then the service stays up for a look at the
+        # dashboard; Ctrl-C (or SIGTERM) ends the demo normally.
+        show(summary)
+        say(f"the service stays up: open {summary['dashboard']} (Ctrl-C to stop; "
+            f"files stay in {summary['workdir']})")
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
+
     try:
-        summary = run_demo(args, say)
+        summary = run_demo(args, say, hold if args.keep else None)
     except DemoError as exc:
         print(f"trainguard demo: {exc}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if args.json:
-        print(json.dumps(summary, indent=2, sort_keys=True))
-    else:
-        print(_human(summary))
+    if not args.keep:
+        show(summary)
     ok = summary["lost"] == 0 and summary["duplicated"] == 0 and summary["kills"] == 1
     return EXIT_OK if ok else EXIT_FAILED
 
@@ -442,6 +466,8 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=None, help="service port (default: a free one)")
     p.add_argument("--workdir", help="keep everything here (default: a temp dir, removed)")
-    p.add_argument("--keep", action="store_true", help="keep the temp dir")
+    p.add_argument("--keep", action="store_true",
+                   help="after the run, keep the service up (print the dashboard URL) until "
+                        "Ctrl-C, and keep the temp dir")
     p.add_argument("--json", action="store_true", help="the summary as JSON on stdout")
     p.set_defaults(handler=main)

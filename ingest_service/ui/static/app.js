@@ -3,6 +3,7 @@
 // value); text is built with textContent only (names come from users: never as HTML).
 "use strict";
 const POLL_MS = 2000;
+const ROWS = 12; // checkpoint rows on the run page (the API has them all)
 const view = document.getElementById("view");
 let timer = null;
 let generation = 0; // a newer route cancels the older one's pending redraw
@@ -16,7 +17,7 @@ function h(tag, attrs, ...kids) {
     if (k === "onclick") el.addEventListener("click", v);
     else el.setAttribute(k, String(v));
   }
-  for (const kid of kids.flat()) {
+  for (const kid of kids.flat(Infinity)) {
     if (kid === null || kid === undefined) continue;
     el.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
   }
@@ -78,7 +79,9 @@ function lineChart(series, opts) {
   for (const m of opts.marks || []) {
     svg.append(h("line", { x1: sx(m.x), y1: T, x2: sx(m.x), y2: H - B, stroke: m.color,
       "stroke-dasharray": "4 3", "data-mark": m.kind }, h("title", {}, m.title)));
-    svg.append(h("text", { x: sx(m.x) + 3, y: T + 10 }, m.label));
+    const right = sx(m.x) > W - 120; // keep the label inside the chart
+    svg.append(h("text", { x: sx(m.x) + (right ? -3 : 3), y: T + 10,
+      "text-anchor": right ? "end" : "start" }, m.label));
   }
   for (const l of opts.hlines || []) {
     svg.append(h("line", { x1: L, y1: sy(l.y), x2: W - R, y2: sy(l.y), stroke: l.color,
@@ -248,13 +251,14 @@ async function runPage(name, dataset) {
       r.restarts.map((x) => h("tr", { "data-restart": x.generation },
         h("td", {}, fmtAgo(x.at)), cell("generation", x.generation), cell("resumed_step", x.resumed_step),
         cell("last_committed_step", x.last_committed_step),
-        cell("steps_redone", x.steps_redone, (x.steps_redone_exact ? "" : "≥ ") + x.steps_redone)))))
+        cell("steps_redone", x.steps_redone, (x.steps_redone_exact ? "" : "≥ ") + x.steps_redone))))
       : h("p", { class: "muted" }, "none")),
     r.rollbacks.length ? card("Rollbacks", table(["at", "to step", "from step", "skipped batches"],
       r.rollbacks.map((x) => h("tr", {}, h("td", {}, fmtAgo(x.at)), cell("to_step", x.to_step),
         cell("last_step", x.last_step), h("td", {}, x.skipped.join(", ") || "–"))))) : null,
-    card("Checkpoints", table(["step", "committed", "gen", "bytes", "blocked", "durable", "world", "status", ""],
-      cps.slice().reverse().map((c) => h("tr", { "data-step": c.step },
+    card(cps.length > ROWS ? `Checkpoints (newest ${ROWS} of ${cps.length})` : "Checkpoints",
+      table(["step", "committed", "gen", "bytes", "blocked", "durable", "world", "status", ""],
+      cps.slice(-ROWS).reverse().map((c) => h("tr", { "data-step": c.step },
         cell("step", c.step), h("td", {}, fmtAgo(c.created_at)), cell("generation", c.generation),
         cell("nbytes", c.nbytes, fmtBytes(c.nbytes)), cell("blocked_s", c.blocked_s, fmtS(c.blocked_s)),
         cell("durable_s", c.durable_s, fmtS(c.durable_s)), h("td", {}, `${c.world_size}×${c.num_workers}`),
