@@ -25,7 +25,8 @@ MAX_EPOCHS_SPANNED = 16
 
 
 async def _epoch_count(r: aioredis.Redis, key: str, epoch: int) -> int:
-    last = await r.xrevrange(key, max=f"{epoch + 1}-{2**64 - 1}", min=f"{epoch + 1}-0", count=1)
+    last: list[Any] = await r.xrevrange(key, max=f"{epoch + 1}-{2**64 - 1}",
+                                        min=f"{epoch + 1}-0", count=1) or []
     return streams.id_epoch_index(last[0][0])[1] + 1 if last else 0
 
 

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from ingest_service import inspection
 from ingest_service.admin import STORES_KEY
+from ingest_service.admin_checkpoints import StoreSet
 from ingest_service.config import METRICS_KEY, REDIS_KEY
 from ingest_service.errors import BadRequest, NotFound, Refused
 from ingest_service.lag import fill_lag
@@ -38,7 +39,7 @@ from trainguard.core.history import history, run_keys
 from trainguard.core.interval import IntervalPolicy
 
 __all__ = ["DEAD_LETTERS_SHOWN", "SAMPLER_KEY", "collect_runs", "dataset_detail", "run_detail",
-           "setup_runs"]
+           "setup_runs", "summary"]
 
 SAMPLER_KEY = web.AppKey("trainguard_runs_sampler", ThroughputSampler)
 DEAD_LETTERS_SHOWN = 20
@@ -52,9 +53,10 @@ def _position(pos: str) -> str:
 
 
 async def dead_letters(r: aioredis.Redis, dataset: str, count: int) -> list[dict[str, Any]]:
-    rows = await r.xrevrange(streams.dlq_key(dataset), count=count)
+    rows: list[Any] = await r.xrevrange(streams.dlq_key(dataset), count=count) or []
     out = []
-    for entry_id, fields in rows:
+    for entry_id, raw in rows:
+        fields: dict[bytes, bytes] = raw or {}
         out.append({
             "id": inspection.as_text(entry_id),
             "reason": inspection.as_text(fields.get(streams.DL_REASON, b"")),
@@ -105,9 +107,8 @@ async def dataset_detail(r: aioredis.Redis, dataset: str,
     }
 
 
-async def _store_histories(app: web.Application,
+async def _store_histories(stores: StoreSet,
                            policy: IntervalPolicy | None) -> list[dict[str, Any]]:
-    stores = app[STORES_KEY]
     out = []
     for name in sorted(stores.roots):
         manifests, labels = await stores.catalog(name)
@@ -120,12 +121,11 @@ async def _store_histories(app: web.Application,
     return out
 
 
-async def collect_runs(app: web.Application, *, policy: IntervalPolicy | None = None
-                       ) -> list[dict[str, Any]]:
+async def collect_runs(r: aioredis.Redis, stores: StoreSet, *,
+                       policy: IntervalPolicy | None = None) -> list[dict[str, Any]]:
     """Every run known to a configured store or to Redis (a group of a dataset), with
     its history; a run with no checkpoint yet has an empty one."""
-    r = app[REDIS_KEY]
-    histories = await _store_histories(app, policy)
+    histories = await _store_histories(stores, policy)
     seen = {(h["dataset"], h["run"]) for h in histories}
     lag: dict[tuple[str, str], dict[str, Any]] = {}
     for d in sorted(inspection.as_text(n) for n in await r.smembers(streams.datasets_key())):
@@ -138,13 +138,15 @@ async def collect_runs(app: web.Application, *, policy: IntervalPolicy | None = 
                                     "partitions": g["partitions"]}
             if (d, g["group"]) not in seen:
                 seen.add((d, g["group"]))
-                histories.append({"store": None, **history([], dataset=d, run=g["group"])})
+                histories.append({"store": None, **history([], dataset=d, run=g["group"],
+                                                           policy=policy)})
     for h in histories:
         h["group"] = lag.get((h["dataset"], h["run"]), {"lag": None, "partitions": []})
     return histories
 
 
-def _summary(h: dict[str, Any]) -> dict[str, Any]:
+def summary(h: dict[str, Any]) -> dict[str, Any]:
+    """One row of ``/admin/runs``: a run's history in a few figures."""
     last = h["checkpoints"][-1] if h["checkpoints"] else None
     advice = h["advice"] or {}
     return {
@@ -161,14 +163,15 @@ def _summary(h: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def run_detail(app: web.Application, group: str, dataset: str | None) -> dict[str, Any]:
+async def run_detail(r: aioredis.Redis, stores: StoreSet, group: str, dataset: str | None,
+                     *, policy: IntervalPolicy | None = None) -> dict[str, Any]:
     try:
         streams.check_name("run", group)
         if dataset is not None:
             streams.check_name("dataset", dataset)
     except streams.ContractError as exc:
         raise BadRequest("bad_name", str(exc)) from exc
-    found = [h for h in await collect_runs(app)
+    found = [h for h in await collect_runs(r, stores, policy=policy)
              if h["run"] == group and dataset in (None, h["dataset"])]
     if not found:
         raise NotFound("run_not_found",
@@ -184,13 +187,14 @@ async def run_detail(app: web.Application, group: str, dataset: str | None) -> d
 
 
 async def _list(request: web.Request) -> web.Response:
-    runs = await collect_runs(request.app)
-    return web.json_response({"runs": [_summary(h) for h in runs]})
+    runs = await collect_runs(request.app[REDIS_KEY], request.app[STORES_KEY])
+    return web.json_response({"runs": [summary(h) for h in runs]})
 
 
 async def _show(request: web.Request) -> web.Response:
-    return web.json_response(await run_detail(request.app, request.match_info["group"],
-                                              request.query.get("dataset")))
+    return web.json_response(await run_detail(
+        request.app[REDIS_KEY], request.app[STORES_KEY], request.match_info["group"],
+        request.query.get("dataset")))
 
 
 async def _detail(request: web.Request) -> web.Response:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -75,7 +76,7 @@ class ThroughputSampler:
         by each group since the previous sample."""
         ring = list(self._rings.get(dataset, ()))
         out = []
-        for prev, cur in zip(ring, ring[1:]):
+        for prev, cur in itertools.pairwise(ring):
             dt = cur.at - prev.at
             if dt <= 0:
                 continue

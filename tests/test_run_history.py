@@ -5,6 +5,7 @@ restart counts and trained time reach the advisor; a rollback is on the timeline
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from trainguard.core import record
 from trainguard.core.history import history
 from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.timing import TimingRecord
+from trainguard.ops.cli import main
 
 N, P = 1200, 3
 
@@ -106,7 +108,8 @@ def _state() -> dict[str, object]:
     return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
 
 
-def test_rollback_and_restart_carry_into_the_advice(redis_server, tmp_path: Path) -> None:
+def test_rollback_and_restart_carry_into_the_advice(redis_server, tmp_path: Path,
+                                                    capsys) -> None:
     """A rollback is recorded with the step it went back to and the step it left; a
     restarted session's advice already counts the restart and the measured saves."""
     spec = cf.create(redis_server.url, "tok", partitions=2)
@@ -147,3 +150,19 @@ def test_rollback_and_restart_carry_into_the_advice(redis_server, tmp_path: Path
     assert carried.blocked_s == pytest.approx(statistics.median(
         c["blocked_s"] for c in h["checkpoints"] if c["blocked_s"] is not None))
     again.close()
+
+    # The CLI reads the same history from Redis and the store (no service running).
+    common = ["--redis-url", redis_server.url, "--stores", f"main={url}"]
+    assert main(["runs", "show", "exp", *common, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    after = history(CheckpointStore(url, keep_last=100).list(), dataset="tok", run="exp")
+    assert {k: shown[k] for k in after} == {**after, "checkpoints": [
+        {**c, "status": ["committed"]} for c in after["checkpoints"]]}
+    assert shown["store"] == "main" and shown["group"]["lag"] is not None
+    assert main(["runs", "ls", *common]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].split() == [
+        "RUN", "DATASET", "STORE", "CKPTS", "STEP", "LAST", "COMMIT", "GEN", "RESTARTS",
+        "ROLLBACKS", "LAG", "INTERVAL", "RECOMMENDED"]
+    assert text.splitlines()[1].split()[:5] == ["exp", "tok", "main", "3", "8"]
+    assert main(["runs", "show", "nope", *common]) == 3  # not found
