@@ -8,6 +8,8 @@ Routes (read-only, no token; documented in :mod:`ingest_service.runs_openapi`)::
                                             world changes, advice, its partitions' lag
     GET /admin/datasets/{dataset}/detail    partitions, groups' lag, dead letters,
                                             throughput over time
+    GET /admin/health                       GPU health of the nodes in TRAINGUARD_PROBES
+                                            (:mod:`ingest_service.gpu_health`)
 
 Everything is derived from what the system keeps: the manifests of the configured
 checkpoint stores (:func:`trainguard.core.history.history`) and Redis
@@ -32,9 +34,10 @@ from ingest_service.admin import STORES_KEY
 from ingest_service.admin_checkpoints import StoreSet
 from ingest_service.config import METRICS_KEY, REDIS_KEY
 from ingest_service.errors import BadRequest, NotFound, Refused
+from ingest_service.gpu_health import nodes_health, parse_probes
 from ingest_service.lag import fill_lag
 from ingest_service.throughput import ThroughputSampler
-from trainguard.core import streams
+from trainguard.core import settings, streams
 from trainguard.core.history import history, run_keys
 from trainguard.core.interval import IntervalPolicy
 
@@ -42,6 +45,7 @@ __all__ = ["DEAD_LETTERS_SHOWN", "SAMPLER_KEY", "collect_runs", "dataset_detail"
            "setup_runs", "summary"]
 
 SAMPLER_KEY = web.AppKey("trainguard_runs_sampler", ThroughputSampler)
+PROBES_KEY = web.AppKey("trainguard_runs_probes", dict)
 DEAD_LETTERS_SHOWN = 20
 """How many of the newest dead letters the dataset detail lists."""
 
@@ -202,18 +206,26 @@ async def _detail(request: web.Request) -> web.Response:
         request.app[REDIS_KEY], request.match_info["dataset"], request.app[SAMPLER_KEY]))
 
 
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"nodes": await nodes_health(request.app[PROBES_KEY])})
+
+
 ROUTES = (
     ("GET", "/admin/runs", _list),
     ("GET", "/admin/runs/{group}", _show),
     ("GET", "/admin/datasets/{dataset}/detail", _detail),
+    ("GET", "/admin/health", _health),
 )
 
 
-def setup_runs(app: web.Application, *, sample_interval_s: float = 1.0) -> None:
+def setup_runs(app: web.Application, *, sample_interval_s: float = 1.0,
+               probes: str | None = None) -> None:
     """Add the routes above and the throughput sampler to the service ``app`` (made
-    by ``create_app``: it needs its Redis client, metrics and the admin stores)."""
+    by ``create_app``: it needs its Redis client, metrics and the admin stores).
+    ``probes``: ``node=url,...`` (default ``$TRAINGUARD_PROBES``)."""
     sampler = ThroughputSampler(app[METRICS_KEY].registry, interval_s=sample_interval_s)
     app[SAMPLER_KEY] = sampler
+    app[PROBES_KEY] = parse_probes(settings.probes() if probes is None else probes)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
 

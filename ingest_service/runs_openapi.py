@@ -85,6 +85,17 @@ def runs_paths() -> dict[str, Any]:
             "responses": {"200": _json({"type": "object"}, "the dataset, no source path"),
                           **_errors(400, 404, 409, 503)},
         }},
+        "/admin/health": {"get": {
+            "operationId": "nodesHealth",
+            "summary": "GPU health of the nodes whose probes TRAINGUARD_PROBES names",
+            "responses": {"200": _json({"type": "object", "properties": {
+                "nodes": {"type": "array", "items": {"type": "object", "properties": {
+                    "node": {"type": "string"},
+                    "status": {"type": "string",
+                               "enum": ["OK", "WARN", "CRITICAL", "UNKNOWN", "UNREACHABLE"]},
+                    "gpus": {"type": "array", "items": {"type": "object"}}}}}}},
+                "nodes, read now from their daemons' /metrics")},
+        }},
         "/ui": {"get": {
             "operationId": "dashboard",
             "summary": "The dashboard (HTML; its files under /ui/static/)",

@@ -14,6 +14,9 @@ variable                       what                          default
 ``TRAINGUARD_CHECKPOINT_STORES`` checkpoint roots the admin  unset: none
                                API serves:
                                ``name=url[|remote_url],...``
+``TRAINGUARD_PROBES``          GPU health daemons the        unset: none
+                               dashboard reads:
+                               ``node=http://host:port,...``
 ============================== ============================= =======================
 """
 
@@ -25,9 +28,11 @@ __all__ = [
     "ADMIN_TOKEN_ENV",
     "CHECKPOINT_STORES_ENV",
     "DEFAULT_REDIS_URL",
+    "PROBES_ENV",
     "REDIS_URL_ENV",
     "admin_token",
     "checkpoint_stores",
+    "probes",
     "redis_url",
 ]
 
@@ -35,6 +40,7 @@ REDIS_URL_ENV = "TRAINGUARD_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ADMIN_TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
 CHECKPOINT_STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
+PROBES_ENV = "TRAINGUARD_PROBES"
 
 
 def redis_url(explicit: str | None = None) -> str:
@@ -50,3 +56,9 @@ def admin_token() -> str | None:
 def checkpoint_stores() -> str:
     """``$TRAINGUARD_CHECKPOINT_STORES`` as written (parsed by the admin API)."""
     return os.environ.get(CHECKPOINT_STORES_ENV, "")
+
+
+def probes() -> str:
+    """``$TRAINGUARD_PROBES`` as written: ``node=http://host:port,...``, the GPU health
+    daemons (``trainguard probe``) whose metrics the dashboard shows."""
+    return os.environ.get(PROBES_ENV, "")

@@ -120,9 +120,23 @@ function bars(items, opts) {
 // ------------------------------------------------------------------ pages
 
 async function overview() {
-  const [ds, runs] = await Promise.all([getJSON("/admin/datasets"), getJSON("/admin/runs")]);
+  const [ds, runs, health] = await Promise.all([getJSON("/admin/datasets"), getJSON("/admin/runs"),
+    getJSON("/admin/health")]);
+  const pillClass = (s) => (s === "OK" ? "ok" : s === "WARN" ? "warn" : "bad");
   return [
     h("h1", {}, "Overview"),
+    card("GPU health", health.nodes.length ? table(["node", "status", "GPUs", "problems"],
+      health.nodes.map((n) => h("tr", { "data-node": n.node }, h("td", {}, n.node),
+        h("td", {}, h("span", { class: "pill " + pillClass(n.status), "data-k": "node_status",
+          "data-v": n.status }, n.status)),
+        h("td", {}, n.gpus.map((g) => h("span", { class: "pill " + pillClass(g.status),
+          "data-k": `gpu_status:${g.gpu}`, "data-v": g.status,
+          title: Object.entries(g.readings).map(([k, v]) => `${k}=${v}`).join(" ") },
+        `gpu ${g.gpu} ${g.status}` + ("temperature_celsius" in g.readings
+          ? ` ${g.readings.temperature_celsius}°C` : "")))),
+        h("td", {}, n.gpus.flatMap((g) => g.problems.map((p) => `gpu ${g.gpu} ${p}`)).join("; ")
+          || n.reason || "–"))))
+      : h("p", { class: "muted" }, "no probes configured (TRAINGUARD_PROBES=node=http://host:port)")),
     card("Datasets", ds.datasets.length ? table(
       ["dataset", "format", "partitions", "records", "paused", "dead letters", "groups"],
       ds.datasets.map((d) => h("tr", { "data-dataset": d.name },

@@ -1,0 +1,95 @@
+"""GPU health of the training nodes, from the metrics their health daemons export.
+
+Each node runs ``trainguard probe`` (:mod:`trainguard.ops.probe`), which serves its
+latest NVML report as Prometheus text at ``/metrics``. The service reads the daemons
+named in ``TRAINGUARD_PROBES`` (``node=http://host:port,...``) when asked (no
+background scraping: Prometheus does that), and reduces each to the node's status and,
+per GPU, the worst check and its readings. A daemon that does not answer is
+``UNREACHABLE``; its URL is never shown (only the node's name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["STATUS_NAMES", "nodes_health", "parse_probes", "summarize_metrics"]
+
+STATUS_NAMES = ("OK", "WARN", "CRITICAL")
+SCRAPE_TIMEOUT_S = 3.0
+
+
+def parse_probes(text: str) -> dict[str, str]:
+    """``"a=http://h:9400,b=http://g:9400"`` -> {node: URL}."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, url = item.partition("=")
+        if not sep or not name.strip() or not url.strip().startswith(("http://", "https://")):
+            raise ValueError(
+                f"probe {item!r} is not valid: expected node=http://host:port, comma-separated")
+        out[name.strip()] = url.strip().rstrip("/")
+    return out
+
+
+def _status(value: float) -> str:
+    i = int(value)
+    return STATUS_NAMES[i] if 0 <= i < len(STATUS_NAMES) else "UNKNOWN"
+
+
+def summarize_metrics(text: str) -> dict[str, Any]:
+    """A probe's /metrics text -> node status, GPU count and per-GPU status/readings."""
+    node: dict[str, Any] = {"status": "UNKNOWN", "no_gpu": None, "gpus": [],
+                            "taken_at": None}
+    gpus: dict[int, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            if name == "trainguard_node_health_status":
+                node["status"] = _status(value)
+            elif name == "trainguard_node_no_gpu":
+                node["no_gpu"] = value == 1
+            elif name == "trainguard_health_probe_timestamp_seconds":
+                node["taken_at"] = value
+            elif name.startswith("trainguard_gpu_") and "gpu" in labels:
+                gpu = gpus.setdefault(int(labels["gpu"]), {
+                    "gpu": int(labels["gpu"]), "status": "OK", "problems": [],
+                    "readings": {}})
+                if name == "trainguard_gpu_check_status":
+                    if value > STATUS_NAMES.index(gpu["status"]):
+                        gpu["status"] = _status(value)
+                    if value > 0:
+                        gpu["problems"].append(f"{labels.get('signal')}: {_status(value)}")
+                else:
+                    gpu["readings"][name.removeprefix("trainguard_gpu_")] = value
+    node["gpus"] = [gpus[i] for i in sorted(gpus)]
+    return node
+
+
+async def _node(session: aiohttp.ClientSession, name: str, url: str) -> dict[str, Any]:
+    try:
+        async with session.get(f"{url}/metrics") as resp:
+            if resp.status != 200:
+                return {"node": name, "status": "UNREACHABLE", "reason": f"HTTP {resp.status}",
+                        "gpus": []}
+            text = await resp.text()
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        # The type only: a message could carry the URL.
+        return {"node": name, "status": "UNREACHABLE", "reason": type(exc).__name__,
+                "gpus": []}
+    try:
+        return {"node": name, **summarize_metrics(text)}
+    except ValueError:
+        return {"node": name, "status": "UNREACHABLE", "reason": "unreadable metrics",
+                "gpus": []}
+
+
+async def nodes_health(probes: dict[str, str]) -> list[dict[str, Any]]:
+    """Every configured node's health, read now (concurrently, a few seconds at most)."""
+    if not probes:
+        return []
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        return list(await asyncio.gather(*(_node(session, n, u) for n, u in probes.items())))
