@@ -5,6 +5,7 @@ TrainingSession run in progress (a trainer process killed with SIGKILL and resum
   with SIGSTOP, so both sides see the same Redis and the same manifests);
 - the lag shown changes while records are consumed, without a reload;
 - a SIGKILL and resume of the trainer appears on the run's timeline, live;
+- a node's GPU health (a real probe daemon over the allowed fake NVML) is shown;
 - pin is refused without the admin token, in the page too;
 - every page renders at 1280x800 and 390x844 without sideways overflow, with a
   screenshot of each under the test's tmp dir, and no console error anywhere.
@@ -25,8 +26,11 @@ from ingest_service.admin_checkpoints import StoreRoot
 from tests import _client_fill as cf
 from tests._client_ledger import Job, zygote
 from tests._dashboard import DESKTOP, PHONE, Page, browser, same
+from tests._fake_nvml import FakeGpu, FakeNvml
 from tests.admin_helpers import TOKEN, ThreadedServer, service_app
+from trainer_client.health import HealthMonitor, HealthProbe
 from trainguard.core import streams
+from trainguard.ops.probe import ProbeServer
 
 N, P = 12000, 4
 
@@ -53,6 +57,10 @@ def _api(base: str, path: str) -> dict:
 
 
 def _check_overview(page: Page, base: str) -> None:
+    nodes = _api(base, "/admin/health")["nodes"]
+    assert [(n["node"], n["status"]) for n in nodes] == [("node-a", "WARN")]
+    assert page.value('tr[data-node="node-a"] [data-k="node_status"]') == "WARN"
+    assert page.value('tr[data-node="node-a"] [data-k="gpu_status:0"]') == "WARN"
     datasets = {d["name"]: d for d in _api(base, "/admin/datasets")["datasets"]}
     shown = page.values('tr[data-dataset="tok"]:not([data-run])')
     for key in ("partitions", "length", "paused", "dead_letters"):
@@ -106,7 +114,7 @@ def _check_run(page: Page, base: str) -> dict:
     return r
 
 
-def test_dashboard_in_chromium(redis_server, tmp_path: Path) -> None:
+def test_dashboard_in_chromium(redis_server, tmp_path: Path, monkeypatch) -> None:
     spec = cf.create(redis_server.url, "tok", partitions=P)
     cf.fill(redis_server.url, spec, N)
     client = redis.Redis.from_url(redis_server.url)
@@ -114,6 +122,11 @@ def test_dashboard_in_chromium(redis_server, tmp_path: Path) -> None:
                 streams.encode_dead_letter("undecodable", "/data/secret/dir/x.jsonl:99", b"{"))
     ckpt = tmp_path / "ckpt"
     store = f"file://{ckpt}"
+    # One node's GPU health daemon, its GPU warm (the fake NVML: no GPU here).
+    monitor = HealthMonitor(HealthProbe(nvml=FakeNvml([FakeGpu(temperature_c=90)])))
+    monitor.probe_now()
+    probe = ProbeServer(monitor, "127.0.0.1", 0).start()
+    monkeypatch.setenv("TRAINGUARD_PROBES", f"node-a={probe.url}")
     server = ThreadedServer(service_app(
         AdminConfig(redis_server.url, TOKEN, {"main": StoreRoot("main", store)}))).start()
     base = server.url
@@ -196,6 +209,7 @@ def test_dashboard_in_chromium(redis_server, tmp_path: Path) -> None:
             job.kill()
     finally:
         server.stop()
+        probe.stop()
     assert errors == []
     assert sorted(p.name for p in shots.iterdir()) == sorted(
         f"{n}-{s}.png" for n in ("overview", "dataset", "run") for s in ("1280x800", "390x844"))

@@ -267,6 +267,9 @@ async function runPage(name, dataset) {
         cell("last_committed_step", x.last_committed_step),
         cell("steps_redone", x.steps_redone, (x.steps_redone_exact ? "" : "≥ ") + x.steps_redone))))
       : h("p", { class: "muted" }, "none")),
+    r.world.length > 1 ? card("World size changes", table(["at", "from step", "ranks", "workers per rank"],
+      r.world.map((x) => h("tr", {}, h("td", {}, fmtAgo(x.at)), cell("step", x.step),
+        cell("world_size", x.world_size), cell("num_workers", x.num_workers))))) : null,
     r.rollbacks.length ? card("Rollbacks", table(["at", "to step", "from step", "skipped batches"],
       r.rollbacks.map((x) => h("tr", {}, h("td", {}, fmtAgo(x.at)), cell("to_step", x.to_step),
         cell("last_step", x.last_step), h("td", {}, x.skipped.join(", ") || "–"))))) : null,
