@@ -20,7 +20,7 @@ from trainer_client import TrainingSession
 from trainguard.core import record
 from trainguard.core.history import history
 from trainguard.core.interval import IntervalPolicy, advise
-from trainguard.core.timing import TimingRecord
+from trainguard.core.timing import Event, SaveTime, TimingError, TimingRecord, Totals
 from trainguard.ops.cli import main
 
 N, P = 1200, 3
@@ -166,3 +166,31 @@ def test_rollback_and_restart_carry_into_the_advice(redis_server, tmp_path: Path
         "ROLLBACKS", "LAG", "INTERVAL", "RECOMMENDED"]
     assert text.splitlines()[1].split()[:5] == ["exp", "tok", "main", "3", "8"]
     assert main(["runs", "show", "nope", *common]) == 3  # not found
+
+
+def test_timing_record_format_and_refusals() -> None:
+    """The timing record's document, exactly (version 1); a newer version and a
+    malformed record are refused with a clear error."""
+    rec = TimingRecord(
+        saves=(SaveTime(10, "m10.json", 0.5, 2.0), SaveTime(20, None, 0.25, None)),
+        events=(Event("restore", 10, 2, 1700000000.0, None),),
+        interval_s=30.0, interval_steps=10, totals=Totals(1, 0, 3600.0))
+    doc = rec.to_extra()
+    assert doc == {"trainguard_timing": {
+        "version": 1,
+        "saves": [{"step": 10, "name": "m10.json", "blocked_s": 0.5, "durable_s": 2.0},
+                  {"step": 20, "name": None, "blocked_s": 0.25, "durable_s": None}],
+        "events": [{"kind": "restore", "to_step": 10, "generation": 2, "at": 1700000000.0,
+                    "last_step": None}],
+        "interval": {"seconds": 30.0, "steps": 10},
+        "totals": {"restarts": 1, "rollbacks": 0, "trained_s": 3600.0},
+    }}
+    assert TimingRecord.from_extra(doc) == rec
+    assert TimingRecord.from_extra({}) is None
+    with pytest.raises(TimingError, match=r"version 2.*upgrade trainguard"):
+        TimingRecord.from_extra({"trainguard_timing": {"version": 2}})
+    with pytest.raises(TimingError, match=r"malformed.*KeyError"):
+        TimingRecord.from_extra({"trainguard_timing": {"version": 1, "saves": [{"step": 1}]}})
+    with pytest.raises(TimingError, match="event kind 'crash' is unknown"):
+        TimingRecord.from_extra({"trainguard_timing": {"version": 1, "events": [
+            {"kind": "crash", "to_step": 1, "at": 0}]}})

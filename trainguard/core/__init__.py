@@ -7,6 +7,9 @@
   sides run);
 - :mod:`~trainguard.core.record`: the session record a checkpoint manifest carries,
   and the one restore order;
+- :mod:`~trainguard.core.timing`, :mod:`~trainguard.core.interval`,
+  :mod:`~trainguard.core.history`: the timing record a session adds to each manifest,
+  the checkpoint interval advisor, and a run's history derived from its manifests;
 - :mod:`~trainguard.core.checkpoints`: the checkpoint port (protocols, errors,
   ``open_store``);
 - :mod:`~trainguard.core.settings`: environment names and defaults;

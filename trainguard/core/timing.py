@@ -91,29 +91,31 @@ class TimingRecord:
         doc = (extra or {}).get(TIMING_KEY)
         if not doc:
             return None
+        version = doc.get("version", 0) if isinstance(doc, Mapping) else 0
+        if isinstance(version, int) and version > TIMING_VERSION:
+            raise TimingError(
+                f"the timing record has version {version}, this trainguard reads up to "
+                f"{TIMING_VERSION}: upgrade trainguard")
         try:
-            version = int(doc.get("version", 0))
-            if version > TIMING_VERSION:
-                raise TimingError(
-                    f"the timing record has version {version}, this trainguard reads up to "
-                    f"{TIMING_VERSION}: upgrade trainguard")
-            interval = doc.get("interval") or {}
-            totals = doc.get("totals") or {}
-            return cls(
-                saves=tuple(_save(s) for s in doc.get("saves") or ()),
-                events=tuple(_event(e) for e in doc.get("events") or ()),
-                interval_s=_opt_float(interval.get("seconds")),
-                interval_steps=_opt_int(interval.get("steps")),
-                totals=Totals(int(totals.get("restarts", 0)), int(totals.get("rollbacks", 0)),
-                              float(totals.get("trained_s", 0.0))),
-                version=version,
-            )
-        except (TypeError, ValueError, AttributeError) as exc:
-            if isinstance(exc, TimingError):
-                raise
+            return _parse(doc)
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
             raise TimingError(
                 f"the timing record is malformed ({type(exc).__name__}: {exc}); expected "
                 "the document TrainingSession.checkpoint writes") from exc
+
+
+def _parse(doc: Mapping[str, Any]) -> TimingRecord:
+    interval = doc.get("interval") or {}
+    totals = doc.get("totals") or {}
+    return TimingRecord(
+        saves=tuple(_save(s) for s in doc.get("saves") or ()),
+        events=tuple(_event(e) for e in doc.get("events") or ()),
+        interval_s=_opt_float(interval.get("seconds")),
+        interval_steps=_opt_int(interval.get("steps")),
+        totals=Totals(int(totals.get("restarts", 0)), int(totals.get("rollbacks", 0)),
+                      float(totals.get("trained_s", 0.0))),
+        version=int(doc.get("version", 0)),
+    )
 
 
 def _opt_float(v: Any) -> float | None:
