@@ -66,11 +66,20 @@ class Page:
     def rendered(self) -> int:
         return int(self.page.evaluate("Number(document.body.dataset.loaded || 0)"))
 
+    def wait_until(self, expression: str, timeout_ms: int = 30_000) -> Any:
+        """Poll the JS ``expression`` until it is truthy. (Not wait_for_function: that
+        evaluates a string inside the page, which the page's CSP forbids.)"""
+        for _ in range(timeout_ms // 100):
+            value = self.page.evaluate(expression)
+            if value:
+                return value
+            self.page.wait_for_timeout(100)
+        raise AssertionError(f"not true within {timeout_ms} ms: {expression}")
+
     def fresh_render(self, timeout_ms: int = 30_000) -> None:
         """Wait until a redraw that began after now has finished (the page polls)."""
         n = self.rendered()
-        self.page.wait_for_function(f"Number(document.body.dataset.loaded || 0) >= {n + 2}",
-                                    timeout=timeout_ms)
+        self.wait_until(f"Number(document.body.dataset.loaded || 0) >= {n + 2}", timeout_ms)
 
     def value(self, selector: str) -> str | None:
         """The raw value (data-v) of the element ``selector`` names."""

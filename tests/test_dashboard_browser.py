@@ -85,6 +85,7 @@ def _check_dataset(page: Page, base: str, client: redis.Redis) -> None:
         row = page.values(f'tr[data-partition="{p["partition"]}"]')
         for key in ("length", "last_id", "retention_floor", "paused"):
             assert same(row[key], p[key]), (p["partition"], key, row[key], p[key])
+        assert same(row["produced"], p["producer_position"]["records"])
         assert same(row["committed:exp"], by_part[p["partition"]]["committed"])
         assert same(row["lag:exp"], by_part[p["partition"]]["lag"])
         # The lag is exact: the entries after the group's last delivered ID (Redis
@@ -140,6 +141,9 @@ def test_dashboard_in_chromium(redis_server, tmp_path: Path, monkeypatch) -> Non
             job = z.spawn(_trainer_args(redis_server.url, store), 1)
             assert job.wait_line("COMMITTED", 120, nth=2)
 
+            # The page may run only its own files (a violation would be a console error).
+            csp = requests.get(f"{base}/ui", timeout=10).headers["Content-Security-Policy"]
+            assert csp.startswith("default-src 'none'; script-src 'self'")
             with browser() as b:
                 page = Page(b, base, DESKTOP, errors)
                 page.open("/")
@@ -156,9 +160,9 @@ def test_dashboard_in_chromium(redis_server, tmp_path: Path, monkeypatch) -> Non
                 assert "secret" not in page.page.content()
                 lag_before = int(page.value('[data-k="group_lag"]') or 0)
                 _signal(job, signal.SIGCONT)
-                page.page.wait_for_function(
+                page.wait_until(
                     f"Number(document.querySelector('[data-k=group_lag]').dataset.v) "
-                    f"< {lag_before}", timeout=30_000)
+                    f"< {lag_before}")
 
                 page.open("/run/exp?dataset=tok")
                 _signal(job, signal.SIGSTOP)
@@ -173,9 +177,8 @@ def test_dashboard_in_chromium(redis_server, tmp_path: Path, monkeypatch) -> Non
                 job = z.spawn(_trainer_args(redis_server.url, store), 1)
                 assert job.wait_line("COMMITTED", 120, nth=2)
                 page.page.wait_for_selector('tr[data-restart="3"]', timeout=30_000)
-                page.page.wait_for_function(
-                    "document.querySelectorAll('line[data-mark=restart]').length === 2",
-                    timeout=30_000)
+                page.wait_until(
+                    "document.querySelectorAll('line[data-mark=restart]').length === 2")
                 assert same(page.value('tr[data-restart="3"] [data-k="resumed_step"]'),
                             _ready_step(job))
                 run_png = page.screenshot(shots / "run-1280x800.png")

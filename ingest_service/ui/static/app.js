@@ -49,6 +49,9 @@ const stat = (k, v, text, label) => h("div", { class: "stat" },
   h("span", {}, label));
 const table = (head, rows) => h("div", { class: "scroll" },
   h("table", {}, h("thead", {}, h("tr", {}, head.map((t) => h("th", {}, t)))), h("tbody", {}, rows)));
+// A legend's colour square: SVG, since the page's CSP allows no inline style.
+const swatch = (color) => h("svg", { class: "swatch", viewBox: "0 0 10 10", width: 10, height: 10 },
+  h("rect", { width: 10, height: 10, fill: color }));
 const card = (title, ...kids) => h("section", { class: "card" }, h("h2", {}, title), ...kids);
 
 async function getJSON(path) {
@@ -184,12 +187,15 @@ async function datasetPage(name) {
       stat("finished", d.producer.finished ? 1 : 0, d.producer.finished ? "yes" : "no", "producer finished")),
     h("div", { class: "grid" }, lagBars,
       card("Throughput (records/s)", lineChart(series, { label: "throughput", fmt: (v) => v.toFixed(1) }),
-        h("div", { class: "legend" }, series.map((s) => [h("i", { style: `background:${s.color}` }), s.name])))),
+        h("div", { class: "legend" }, series.map((s) => [swatch(s.color), s.name])))),
     card("Partitions", table(
-      ["partition", "length", "last ID", "paused", "retention floor"].concat(
+      ["partition", "length", "produced", "last ID", "paused", "retention floor"].concat(
         groups.flatMap((g) => [`committed (${g.group})`, `lag (${g.group})`])),
       d.partitions.map((p) => h("tr", { "data-partition": p.partition },
-        cell("partition", p.partition), cell("length", p.length), cell("last_id", p.last_id),
+        cell("partition", p.partition), cell("length", p.length),
+        cell("produced", p.producer_position ? p.producer_position.records : null,
+          p.producer_position ? `epoch ${p.producer_position.epoch}: ${p.producer_position.records}` : "–"),
+        cell("last_id", p.last_id),
         cell("paused", p.paused ? 1 : 0, p.paused ? "paused" : ""),
         cell("retention_floor", p.retention_floor),
         groups.flatMap((g) => {
@@ -247,8 +253,7 @@ async function runPage(name, dataset) {
           { label: String(c.step), value: c.blocked_s, color: "#2563eb", title: `step ${c.step}: blocked ${fmtS(c.blocked_s)}` },
           { label: "", value: c.durable_s || 0, color: "#93c5fd", title: `step ${c.step}: durable ${fmtS(c.durable_s)}` }]),
         { label: "save times", fmt: fmtS }),
-        h("div", { class: "legend" }, h("i", { style: "background:#2563eb" }), "blocked",
-          h("i", { style: "background:#93c5fd" }), "durable"))),
+        h("div", { class: "legend" }, swatch("#2563eb"), "blocked", swatch("#93c5fd"), "durable"))),
     card("Checkpoint interval", a ? h("div", {},
       h("div", { class: "stats" },
         stat("recommended_s", a.recommended_s, fmtS(a.recommended_s), "recommended interval"),
