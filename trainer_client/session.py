@@ -439,8 +439,10 @@ class TrainingSession:
     def should_checkpoint(self, step: int) -> bool:
         """Whether to checkpoint now: the loop has trained the interval the advisor
         recommends (:meth:`checkpoint_advice`) since the last save or restore. Call it
-        every step with the step reached; it reads a clock, nothing remote."""
-        return self._clock.should_checkpoint(step)
+        every step with the step reached; it reads a clock, nothing remote. With
+        ``world_size > 1`` every rank calls it (rank 0's answer is broadcast, so all
+        ranks checkpoint together)."""
+        return bool(self._broadcast(self._clock.should_checkpoint(step)))
 
     def checkpoint_advice(self) -> Advice | None:
         """The recommended interval (Young/Daly, :mod:`trainguard.core.interval`)

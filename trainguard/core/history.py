@@ -83,6 +83,7 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
     world: list[dict[str, Any]] = []
     prev: tuple[ManifestView, SessionRecord] | None = None
     committed_by_gen: dict[int, int] = {}
+    newest_gen: int | None = None
     for m, rec, tim in mine:
         blocked, durable = measured.get(m.name, (None, None))
         checkpoints.append({
@@ -93,14 +94,17 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
             "skipped": len(rec.skipped or ()),
         })
         events = tim.events if tim else ()
-        if prev is not None and rec.generation > prev[1].generation:
+        # Against the newest generation seen, not the previous manifest's: a fenced
+        # zombie's late commit (an older generation) is no restart, nor is the next
+        # manifest of the generation it interrupted.
+        if prev is not None and newest_gen is not None and rec.generation > newest_gen:
             restore = next((e for e in reversed(events) if e.kind == "restore"), None)
             resumed = restore.to_step if restore else _resumed_guess(mine, m, rec)
-            old_max = committed_by_gen.get(prev[1].generation, prev[0].step)
+            old_max = committed_by_gen.get(newest_gen, prev[0].step)
             last = restore.last_step if restore else None
             restarts.append({
                 "at": restore.at if restore else _created(m), "generation": rec.generation,
-                "from_generation": prev[1].generation, "resumed_step": resumed,
+                "from_generation": newest_gen, "resumed_step": resumed,
                 "first_step_after": m.step, "last_committed_step": old_max,
                 "steps_redone": (last if last is not None else old_max) - resumed,
                 "steps_redone_exact": last is not None,
@@ -117,6 +121,7 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
             world.append({"at": _created(m), "step": m.step, "world_size": rec.world_size,
                           "num_workers": rec.num_workers})
         committed_by_gen[rec.generation] = max(committed_by_gen.get(rec.generation, 0), m.step)
+        newest_gen = max(rec.generation, newest_gen or 0)
         prev = (m, rec)
     for rb in rollbacks:
         rb.setdefault("skipped", [])
