@@ -150,10 +150,12 @@ def test_dashboard_in_chromium(redis_server, tmp_path: Path, monkeypatch) -> Non
                 _signal(job, signal.SIGSTOP)
                 page.fresh_render()
                 _check_overview(page, base)
+                assert page.overflow_px() <= 0
                 page.screenshot(shots / "overview-1280x800.png")
 
                 page.open("/dataset/tok")
                 _check_dataset(page, base, client)
+                assert page.overflow_px() <= 0
                 page.screenshot(shots / "dataset-1280x800.png")
                 # The dead letter's position is shown without its directories.
                 assert page.page.get_by_text("x.jsonl:99").count() == 1
@@ -181,6 +183,7 @@ def test_dashboard_in_chromium(redis_server, tmp_path: Path, monkeypatch) -> Non
                     "document.querySelectorAll('line[data-mark=restart]').length === 2")
                 assert same(page.value('tr[data-restart="3"] [data-k="resumed_step"]'),
                             _ready_step(job))
+                assert page.overflow_px() <= 0
                 run_png = page.screenshot(shots / "run-1280x800.png")
                 if os.environ.get("TRAINGUARD_SCREENSHOT_DIR"):
                     shutil.copy(run_png, Path(os.environ["TRAINGUARD_SCREENSHOT_DIR"])

@@ -23,7 +23,7 @@ from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.timing import Event, SaveTime, TimingError, TimingRecord, Totals
 from trainguard.ops.cli import main
 
-N, P = 1200, 3
+N, P = 720, 3
 
 
 def _args(url: str, store: str) -> list[str]:

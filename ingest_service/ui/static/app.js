@@ -107,13 +107,21 @@ function bars(items, opts) {
   // items: [{label, value, color, title}]
   const W = 600, H = 140, L = 44, B = 18, T = 8;
   const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": opts.label });
-  const max = Math.max(1e-9, ...items.map((i) => i.value || 0));
+  // One outlier (a save that waited on a stalled disk) must not flatten the rest: the
+  // scale stops at twice the 90th percentile, and taller bars are cut with a mark.
+  const sorted = items.map((i) => i.value || 0).sort((a, b) => a - b);
+  const p90 = sorted[Math.floor(0.9 * (sorted.length - 1))] || 0;
+  const top = sorted.length ? sorted[sorted.length - 1] : 0;
+  const max = Math.max(1e-9, top > 4 * p90 && p90 > 0 ? 2 * p90 : top);
   const bw = (W - L) / Math.max(1, items.length);
   svg.append(h("text", { x: L - 4, y: T + 8, "text-anchor": "end" }, opts.fmt(max)));
   items.forEach((it, i) => {
-    const hgt = ((it.value || 0) / max) * (H - B - T);
+    const cut = (it.value || 0) > max;
+    const hgt = (Math.min(it.value || 0, max) / max) * (H - B - T);
     svg.append(h("rect", { x: L + i * bw + 1, y: H - B - hgt, width: Math.max(1, bw - 2),
       height: hgt, fill: it.color, "data-bar": it.label }, h("title", {}, it.title)));
+    if (cut) svg.append(h("text", { x: L + i * bw + bw / 2, y: T - 1, "text-anchor": "middle" },
+      "↑ " + opts.fmt(it.value)));
     if (items.length <= 32) svg.append(h("text", { x: L + i * bw + bw / 2, y: H - 4,
       "text-anchor": "middle" }, it.label));
   });
