@@ -14,6 +14,9 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
 from ingest_service.admin import AdminConfig
+from ingest_service.datasets import create_dataset
+from ingest_service.inspection import dataset_groups, show_dataset
+from ingest_service.lag import fill_lag
 from tests._fake_nvml import FakeGpu, FakeNvml
 from tests.admin_helpers import TOKEN, make_dataset, make_group, service_app
 from tests.servers import free_port
@@ -122,3 +125,38 @@ async def test_gpu_health_from_probe_metrics(redis_server, monkeypatch) -> None:
     assert (g["gpu"], g["status"], g["readings"]["temperature_celsius"]) == (0, "WARN", 90)
     assert g["problems"] == ["temperature: WARN"]
     assert (b["node"], b["status"], b["gpus"]) == ("node-b", "UNREACHABLE", [])
+
+
+async def test_lag_from_ids_across_epochs_after_setid(redis_server) -> None:
+    """After XGROUP SETID Redis reports no lag; the service counts it from the IDs,
+    across epochs of different lengths, and it equals the entries after the group's
+    position (XRANGE), trimmed partitions included."""
+    r = aioredis.Redis.from_url(redis_server.url)
+    spec = streams.DatasetSpec(name="ep", partitions=1, source="memory://x", epochs=3)
+    await create_dataset(r, spec)
+    key = streams.partition_key("ep", 0)
+    for epoch, n in ((0, 7), (1, 5), (2, 9)):
+        for i in range(n):
+            await r.xadd(key, {b"d": b"1"}, id=streams.make_id(epoch, i))
+    await r.xgroup_create(key, "g", id="0-0")
+    await r.sadd(streams.groups_key("ep"), "g")
+    for position, trim in (("0-0", None), ("1-3", None), ("2-4", "1-5"), ("3-2", "3-0")):
+        if trim:
+            await r.xtrim(key, minid=trim)
+        await r.xgroup_setid(key, "g", position)
+        (group,) = await dataset_groups(r, "ep")
+        # Redis cannot tell after a SETID to anywhere but the start.
+        assert (group["partitions"][0]["lag"] is None) == (position != "0-0")
+        info = await show_dataset(r, "ep")
+        await fill_lag(r, spec, group["partitions"],
+                       {0: info["partitions"][0]["last_generated_id"]})
+        row = group["partitions"][0]
+        # Entries after the position, counted from the full history (7 + 5 + 9).
+        epoch, index = ((-1, -1) if position == "0-0" else streams.id_epoch_index(position))
+        counts = (7, 5, 9)
+        expected = sum(counts[epoch + 1:]) + (counts[epoch] - index - 1 if epoch >= 0 else 0)
+        source = "redis" if position == "0-0" else "ids"
+        assert (row["lag"], row["lag_from"]) == (expected, source), position
+        if not trim:
+            assert row["lag"] == len(await r.xrange(key, min=f"({position}"))
+    await r.aclose()
