@@ -19,7 +19,7 @@ import torch
 
 from trainguard.core import streams
 
-__all__ = ["Segment", "decode_records", "stack_arrays", "take"]
+__all__ = ["Segment", "decode_records", "positions", "stack_arrays", "take"]
 
 Segment = tuple[int, list[str], list[list[bytes]]]
 """Consecutive entries of one partition: ``(partition, IDs, flat field lists)``, the
@@ -35,6 +35,22 @@ def _fields(flat: Sequence[bytes]) -> dict[bytes, bytes]:
 def decode_records(flats: list[list[bytes]]) -> list[Any]:
     """Each entry decoded by the stream contract (bytes, msgpack value or NumPy view)."""
     return [streams.decode_record(_fields(f)) for f in flats]
+
+
+def positions(flats: list[list[bytes]]) -> list[str] | None:
+    """Each entry's source position (``pos`` field), or None when any has none.
+
+    Entries of one source share their field layout: one C-level pass checks that
+    ``pos`` sits where the first entry has it, else each entry is looked up."""
+    first = flats[0]
+    names = first[0::2]
+    if streams.F_POS not in names:
+        return None
+    at = 2 * names.index(streams.F_POS)
+    if list(map(operator.itemgetter(at), flats)).count(streams.F_POS) == len(flats):
+        return list(map(bytes.decode, map(operator.itemgetter(at + 1), flats)))
+    found = [_fields(f).get(streams.F_POS) for f in flats]
+    return None if None in found else [b.decode() for b in found if b is not None]
 
 
 def take(segments: deque[Segment], n: int) -> list[Segment]:
