@@ -47,7 +47,7 @@ class Zygote:
             if rank.isdigit():
                 self.lines.put((int(rank), line))
 
-    def spawn(self, args: list[str], world: int) -> Job:
+    def spawn(self, args: list[str], world: int, module: str | None = None) -> Job:
         from tests.servers import free_port
 
         port = str(free_port())
@@ -55,7 +55,8 @@ class Zygote:
         for rank in range(world):
             env = {"RANK": str(rank), "WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            self.proc.stdin.write(json.dumps({"rank": rank, "args": args, "env": env}) + "\n")
+            req = {"rank": rank, "args": args, "env": env, "module": module}
+            self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         job = Job(self, world)
         while len(job.pids) < world:

@@ -1,7 +1,8 @@
 """Test helper: a fork server for the ledger job, so each restart skips importing torch.
 
-Reads one JSON request per line on stdin (``{"rank": r, "args": [...], "env": {...}}``),
-forks a child that runs ``tests/_client_train.py``'s ``main(args)`` with that
+Reads one JSON request per line on stdin (``{"rank": r, "args": [...], "env": {...}}``,
+optionally ``"module": "train_gpt"``: a module of ``examples/`` instead), forks a
+child that runs ``tests/_client_train.py``'s (or that module's) ``main(args)`` with that
 environment, and prints ``<rank>: PID <pid>``, later ``<rank>: EXIT <code>`` (a child
 killed by SIGKILL exits with -9). Children are real, separate processes: the tests kill
 them with SIGKILL by PID. Torch runs one warm-up step here with OMP_NUM_THREADS=1 (no
@@ -10,11 +11,13 @@ thread pool to lose in the fork).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import threading
 import traceback
+from pathlib import Path
 
 from tests import _client_train as job
 
@@ -65,7 +68,10 @@ def main() -> None:
             try:
                 _die_with_parent()
                 os.environ.update(req["env"])
-                code = job.main(req["args"])
+                module = req.get("module")
+                if module:
+                    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+                code = (importlib.import_module(module) if module else job).main(req["args"])
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
             except BaseException:

@@ -384,7 +384,9 @@ class TrainingSession:
             deterministic=self.deterministic,
             drop_last=drop_last,
             straddle_epochs=straddle_epochs,
-            generation=self._gen(),
+            # May be made before restore (to size an LR schedule from progress()):
+            # restore then hands it the new generation.
+            generation=self.generation or 0,
             block_ms=self.block_ms,
             reconnect_timeout_s=self.redis_timeout_s,
             spec=self.spec,
