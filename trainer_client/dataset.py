@@ -50,7 +50,9 @@ class Batch:
     ``epoch`` is the epoch (from 0) of the batch's records: a batch never holds two
     epochs unless the dataset was made with ``straddle_epochs=True`` (then it is the
     first record's epoch); -1 for an empty batch. ``new_epoch`` is set by
-    ``TrainingSession.batches`` on the first batch of each epoch it yields.
+    ``TrainingSession.batches`` on the first batch of each epoch it yields. Workers
+    (and ranks) reach an epoch's end at different times, so with several of them the
+    last batches of one epoch may come after the first of the next.
     In deterministic mode ``partition`` is the one partition of the batch and ``seq``
     its index among its worker's batches.
     """

@@ -34,7 +34,10 @@ Entries are flat field maps (no base64, no JSON around binary data)::
     d    the payload bytes
     dt   (nd only) NumPy dtype string, e.g. b"<i4"
     sh   (nd only) shape as comma-separated ints, e.g. b"128"
-    pos  where the record came from in the source (file:line or file:offset)
+    pos  where the record came from in the source: ``path:line`` (jsonl, text; lines
+         count from 1), ``path:token_index`` (npy: the index of the record's first
+         token in the file's flattened array), ``path:row`` (parquet, from 0),
+         ``path`` (files); push records carry none. ``Batch.pos`` hands it on.
 """
 
 from __future__ import annotations
