@@ -20,6 +20,7 @@ nothing committed wrongly. One test per trap, numbered as in the issue:
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,16 +70,18 @@ def _recs(batches: list[Batch]) -> list[int]:
     return [int(i) for b in batches for i in b.data[:, 0].tolist()]
 
 
-def fill_epochs(url: str, spec: streams.DatasetSpec, n: int, epochs: int) -> None:
-    """``epochs`` passes over records ``0..n-1`` (record ``i`` in partition ``i % P``),
-    each with its source position ``src.npy:<8 i>``, then the producer's end marks."""
+def fill_epochs(url: str, spec: streams.DatasetSpec, n: int, epochs: int,
+                make: Callable[[int], Any] = cf.record) -> None:
+    """``epochs`` passes over records ``make(0..n-1)`` (record ``i`` in partition
+    ``i % P``), each with its source position ``src.npy:<8 i>``, then the producer's
+    end marks."""
     P = spec.partitions
     client = redis.Redis.from_url(url)
     pipe = client.pipeline(transaction=False)
     for e in range(epochs):
         for i in range(n):
             pipe.xadd(streams.partition_key(spec.name, i % P),
-                      streams.encode_record(cf.record(i), pos=f"src.npy:{8 * i}"),
+                      streams.encode_record(make(i), pos=f"src.npy:{8 * i}"),
                       id=streams.make_id(e, i // P))
     pipe.execute()
     ends = {streams.progress_end_field(p): streams.make_id(epochs - 1, len(range(p, n, P)) - 1)
