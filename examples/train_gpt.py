@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     model = TinyGPT(seq)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # The LR schedule spans the dataset: its steps come from the session.
-    total = (session.progress().steps_per_epoch or 1) * (session.spec.epochs or 1)
+    plan = session.progress()
+    total = (plan.steps_per_epoch or 1) * (plan.epochs or 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(max(1, total // 10), total))
     state = {"model": model, "optim": opt, "sched": sched}
     step = session.restore(state)

@@ -364,3 +364,82 @@ def test_inspect_reads_a_checkpoint_without_fencing_the_trainer(redis_server, tm
     s.close()
     with pytest.raises(LookupError):
         TrainingSession.inspect(f"file://{tmp_path}/empty", _state())
+
+
+# ----------------------------------------------------------------------- 4. epochs on demand
+
+
+def test_the_trainer_asks_for_epochs_and_the_producer_writes_them_as_they_drain(
+    redis_server, tmp_path
+) -> None:
+    """An endless npy dataset (ingested once, no epoch count), backlog bounded to one
+    epoch: the real producer writes epochs only as the trainer commits, and
+    ``session.dataset(epochs=3)`` trains exactly 3 epochs, each record once per
+    epoch, then ends. (The run's group exists before the first record: the producer
+    must start at epoch 0 of the empty stream the group made.) Asking a finite
+    dataset for more epochs than it has is a clear error."""
+    import asyncio
+    import threading
+
+    from redis.asyncio import Redis as AsyncRedis
+
+    from ingest_service.backlog import BacklogLimits
+    from ingest_service.datasets import create_dataset
+    from ingest_service.producer import Producer
+
+    n, P = 64, 2
+    np.save(tmp_path / "tokens.npy", np.repeat(np.arange(n, dtype=np.int64), 8))
+    spec = streams.DatasetSpec(name="endless", partitions=P, source=f"file://{tmp_path}/tokens.npy",
+                               format="npy", sample_len=8, epochs=None)
+
+    async def register() -> None:
+        client = AsyncRedis.from_url(redis_server.url)
+        try:
+            await create_dataset(client, spec)
+        finally:
+            await client.aclose()
+
+    asyncio.run(register())
+    s = _session(redis_server.url, tmp_path, dataset="endless")
+    state = _state()
+    s.restore(state)  # the run's group exists before the producer starts
+    producer_box: list[Producer] = []
+    loop = asyncio.new_event_loop()
+
+    async def produce() -> None:
+        redis_client = AsyncRedis.from_url(redis_server.url)
+        producer = Producer(redis_client, spec, batch_records=8,
+                            limits=BacklogLimits(max_entries=n // P, poll_interval_s=0.02),
+                            maintenance_interval_s=0.05)
+        producer_box.append(producer)
+        try:
+            await producer.run()
+        finally:
+            await redis_client.aclose()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(produce(),), daemon=True)
+    thread.start()
+    seen: list[int] = []
+    step = 0
+    for batch in s.batches(DataLoader(s.dataset(batch_size=8, epochs=3), batch_size=None)):
+        seen += [int(i) for i in batch.data[:, 0].tolist()]
+        step += 1
+        if step % 2 == 0:
+            s.checkpoint(state, step, blocking=True)  # commits let the producer go on
+    s.checkpoint(state, step, blocking=True)
+    assert sorted(seen) == sorted(list(range(n)) * 3)
+    assert s.progress().epochs == 3
+    sync = redis.Redis.from_url(redis_server.url)
+    produced = max(streams.parse_id(sync.xrevrange(streams.partition_key("endless", p), count=1)[0][0])[0]
+                   for p in range(P))
+    assert 3 <= produced <= 5, f"the producer ran {produced} epochs ahead of a 3-epoch trainer"
+    loop.call_soon_threadsafe(producer_box[0].stop)
+    thread.join(30)
+    s.close()
+    sync.close()
+
+    finite = cf.create(redis_server.url, "two", partitions=1, epochs=2)
+    t = _session(redis_server.url, tmp_path / "t", dataset=finite.name)
+    with pytest.raises(ValueError, match=r"epochs=3 is not available.*has 2 epochs"):
+        t.dataset(batch_size=4, epochs=3)
+    t.close()

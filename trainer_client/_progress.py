@@ -42,7 +42,8 @@ class Progress:
     """True when the producer has finished ``epoch``: ``remaining`` and
     ``steps_per_epoch`` are exact; else estimates from what was produced so far."""
     epochs: int | None
-    """The dataset's epochs (None: endless)."""
+    """Epochs this run trains: ``session.dataset(epochs=...)``, else the dataset's
+    (None: endless)."""
 
 
 class EpochSizes:

@@ -114,6 +114,10 @@ class StreamingDataset(IterableDataset[Batch]):
     short, or, with ``drop_last``, is consumed without being yielded (its records
     count as read: never trained, never read again). ``straddle_epochs=True`` lets
     batches run across epoch boundaries instead (every batch full but the last).
+    ``epochs`` reads only the first that many epochs (at most the dataset's own, any
+    number of an endless one): the pass ends after them, and records of later epochs
+    are left unread for this run. The producer writes an endless dataset's epochs as
+    the backlog drains, so the trainer's ``epochs`` is what gets produced for it.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class StreamingDataset(IterableDataset[Batch]):
         deterministic: bool = False,
         drop_last: bool = False,
         straddle_epochs: bool = False,
+        epochs: int | None = None,
         generation: int = 0,
         block_ms: int = 1000,
         reconnect_timeout_s: float = 900.0,
@@ -167,8 +172,18 @@ class StreamingDataset(IterableDataset[Batch]):
         self.generation = generation
         self.block_ms = block_ms
         self.reconnect_timeout_s = reconnect_timeout_s
+        if epochs is not None and (epochs < 1 or (spec.epochs is not None and epochs > spec.epochs)):
+            raise ValueError(
+                f"epochs={epochs} is not available: dataset {dataset!r} has "
+                f"{spec.epochs if spec.finite else 'endless'} epochs; ask for 1 to "
+                f"{spec.epochs if spec.finite else 'any number'}, or re-ingest it with "
+                "more (--epochs 0: endless)"
+            )
+        if epochs is not None and not spec.replayable:
+            raise ValueError(f"dataset {dataset!r} is a push dataset: it has no epochs to count")
+        self.epochs = epochs
         self.partitions = spec.partitions
-        self.finite = spec.finite
+        self.finite = spec.finite or epochs is not None
         self.replayable = spec.replayable
         self.session_made = False
         """True when made by ``TrainingSession.dataset``: then a pass that the

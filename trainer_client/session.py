@@ -366,12 +366,14 @@ class TrainingSession:
         collate: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = False,
         straddle_epochs: bool = False,
+        epochs: int | None = None,
     ) -> StreamingDataset:
         """A :class:`StreamingDataset` of this run's rank; pass it to a DataLoader with
         ``batch_size=None`` and iterate that through :meth:`batches`. A batch never
         holds two epochs: an epoch's last batch may be short, or with ``drop_last`` is
         consumed without being trained; ``straddle_epochs=True`` fills batches across
-        epochs instead."""
+        epochs instead. ``epochs``: train this many epochs (up to the dataset's own;
+        any number of an endless one, whose producer writes epochs as they drain)."""
         ds = StreamingDataset(
             self.redis_url,
             self.dataset_name,
@@ -384,6 +386,7 @@ class TrainingSession:
             deterministic=self.deterministic,
             drop_last=drop_last,
             straddle_epochs=straddle_epochs,
+            epochs=epochs,
             # May be made before restore (to size an LR schedule from progress()):
             # restore then hands it the new generation.
             generation=self.generation or 0,
@@ -474,8 +477,8 @@ class TrainingSession:
                 loader.generator = _rng.loader_generator(  # type: ignore[attr-defined]
                     self.seed, self.rank, sum(counts.values()))
             it = iter(loader)
+            source: Iterator[Batch] = it
             try:
-                source: Iterator[Batch] = it
                 if self.deterministic:
                     with self._lock:
                         nxt = {w: sum(self._batches[p] for p in ps) for w, ps in owned.items()}
@@ -491,6 +494,12 @@ class TrainingSession:
                 else:
                     return
             finally:
+                # Close the abandoned pass's generators now: their frames hold the
+                # loader's iterator (and with it, without workers, the reader's Redis
+                # connections) until closed.
+                close = getattr(source, "close", None)
+                if close is not None:
+                    close()
                 if isinstance(ds, StreamingDataset):
                     ds.seek = None  # a pass not started here is refused (bypass)
                 # Stop an abandoned pass's workers before the next pass seeks, so none
@@ -527,7 +536,9 @@ class TrainingSession:
         return Progress(
             epoch=epoch, batches=batches, records=done,
             remaining=max(0, sum(sizes[p] for p in mine) - done),
-            steps_per_epoch=steps, exact=exact, epochs=self.spec.epochs,
+            steps_per_epoch=steps, exact=exact,
+            epochs=self._datasets[-1].epochs if self._datasets and self._datasets[-1].epochs
+            else self.spec.epochs,
         )
 
     # ------------------------------------------------------------------ checkpoints
