@@ -48,6 +48,16 @@ def _session(url: str, tmp: Path, **kw: Any) -> TrainingSession:
     return TrainingSession(url, store=f"file://{tmp}/ckpt", **kw)
 
 
+def _restored(url: str, tmp: Path, n: int, partitions: int) -> tuple[TrainingSession, dict[str, Any]]:
+    """A dataset of ``n`` records over ``partitions``, and a restored session on it."""
+    spec = cf.create(url, "tok", partitions=partitions)
+    cf.fill(url, spec, n)
+    s = _session(url, tmp)
+    state = _state()
+    s.restore(state)
+    return s, state
+
+
 def _state() -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
@@ -177,10 +187,7 @@ def test_deterministic_is_the_default_and_resumes_batch_for_batch(redis_server, 
 def test_iterating_the_loader_directly_is_refused(redis_server, tmp_path, workers: int) -> None:
     """The loop iterates the DataLoader instead of session.batches(loader): the first
     batch raises SessionBypassedError saying what to do, and nothing is committed."""
-    spec = cf.create(redis_server.url, "tok", partitions=2)
-    cf.fill(redis_server.url, spec, 40)
-    s = _session(redis_server.url, tmp_path)
-    s.restore(_state())
+    s, _ = _restored(redis_server.url, tmp_path, 40, 2)
     loader = DataLoader(s.dataset(batch_size=4), batch_size=None, num_workers=workers)
     with pytest.raises(SessionBypassedError, match=r"session\.batches\(loader\)"):
         next(iter(loader))
@@ -192,11 +199,7 @@ def test_checkpoint_after_reading_around_the_session_is_refused(redis_server, tm
     """Records read by a StreamingDataset the session did not make (same run and
     generation), with no batches() pass: checkpoint() raises SessionBypassedError and
     commits nothing; a restart then reads every record."""
-    spec = cf.create(redis_server.url, "tok", partitions=2)
-    cf.fill(redis_server.url, spec, 40)
-    s = _session(redis_server.url, tmp_path)
-    state = _state()
-    s.restore(state)
+    s, state = _restored(redis_server.url, tmp_path, 40, 2)
     ds = StreamingDataset(redis_server.url, "tok", "exp", batch_size=4, generation=s.generation or 0)
     taken = [b for _, b in zip(range(3), iter(ds))]
     assert len(taken) == 3
@@ -316,11 +319,7 @@ def test_rollback_without_a_checkpoint_raises_and_changes_nothing(redis_server, 
     """64 records, 1 partition: after 3 batches, rollback() with no committed
     checkpoint raises NoRollbackTargetError; weights and offsets stay, and finishing
     the run trains every record exactly once."""
-    spec = cf.create(redis_server.url, "tok", partitions=1)
-    cf.fill(redis_server.url, spec, 64)
-    s = _session(redis_server.url, tmp_path)
-    state = _state()
-    s.restore(state)
+    s, state = _restored(redis_server.url, tmp_path, 64, 1)
     it = iter(s.batches(DataLoader(s.dataset(batch_size=8), batch_size=None)))
     first = [next(it) for _ in range(3)]
     weights = [p.detach().clone() for p in state["model"].parameters()]
@@ -341,11 +340,7 @@ def test_inspect_reads_a_checkpoint_without_fencing_the_trainer(redis_server, tm
     """An evaluation script inspects the run's newest checkpoint while the trainer
     runs: it gets the weights and the session record, and the trainer goes on reading
     and checkpointing (no new generation was taken, nothing moved)."""
-    spec = cf.create(redis_server.url, "tok", partitions=2)
-    cf.fill(redis_server.url, spec, 80)
-    s = _session(redis_server.url, tmp_path)
-    state = _state()
-    s.restore(state)
+    s, state = _restored(redis_server.url, tmp_path, 80, 2)
     it = iter(s.batches(DataLoader(s.dataset(batch_size=4), batch_size=None, num_workers=2)))
     for _ in range(4):
         _step(state, next(it))
