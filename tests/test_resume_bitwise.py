@@ -78,17 +78,19 @@ def _train(z: ledger.Zygote, args: list[str], *, kills: int, seed: int) -> list[
     rng = random.Random(seed)
     losses: list[tuple[int, str]] = []
     resumed: list[int] = []
+    history: list[str] = []
     done = 0
     while True:
         job = z.spawn(args, 1, module="train_gpt")
         killed = done < kills and _kill(job, rng, mid_checkpoint=done % 2 == 1)
         resumed += [int(line.split()[-1]) for line in job.seen if line.startswith("0: READY")]
+        history.append(f"killed={killed} {job.seen[:3]} ... {job.seen[-4:]}")
         if killed:
             done += 1
             losses += _losses(job.seen)
             continue
         job.finish(300)
-        assert kills == 0 or max(resumed) > 0, "no restart resumed from a checkpoint"
+        assert kills == 0 or max(resumed) > 0, f"no restart resumed from a checkpoint: {history}"
         return losses + _losses(job.seen)
 
 

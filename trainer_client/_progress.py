@@ -10,14 +10,16 @@ is known, since every epoch of a source holds the same records).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
 
+from trainer_client._consumed import Snapshot
+from trainer_client.dataset import StreamingDataset
 from trainguard.core import streams
 
-__all__ = ["EpochSizes", "Progress", "consumed_in_epoch", "steps_per_epoch"]
+__all__ = ["EpochSizes", "Progress", "consumed_in_epoch", "measure", "steps_per_epoch"]
 
 _MAX_SEQ = 2**64 - 1
 
@@ -108,3 +110,36 @@ def steps_per_epoch(
                 total += batches(sum(sizes[p] for p in owned))
         most = max(most, total)
     return most
+
+
+def measure(
+    now: Snapshot,
+    sizes_of: Callable[[int], tuple[dict[int, int], bool]],
+    mine: Sequence[int],
+    *,
+    world_size: int,
+    num_workers: int,
+    deterministic: bool,
+    dataset: StreamingDataset | None,
+    epochs: int | None,
+) -> Progress:
+    """This rank's :class:`Progress` from what it consumed (``now``), the epoch's
+    partition sizes (``sizes_of(epoch)``: sizes and whether exact) and its partitions
+    ``mine``; steps per epoch from ``dataset``'s batch size (None without one)."""
+    epoch = max(now.epoch, 0)
+    sizes, exact = sizes_of(epoch)
+    done = sum(consumed_in_epoch(now.offsets[p], epoch, sizes[p]) for p in mine)
+    steps = None
+    if dataset is not None:
+        steps = steps_per_epoch(sizes, world_size=world_size, num_workers=num_workers,
+                                batch_size=dataset.batch_size, deterministic=deterministic,
+                                drop_last=dataset.drop_last)
+    return Progress(
+        epoch=epoch,
+        batches=now.epoch_batches if now.epoch == epoch else 0,
+        records=done,
+        remaining=max(0, sum(sizes[p] for p in mine) - done),
+        steps_per_epoch=steps,
+        exact=exact,
+        epochs=dataset.epochs if dataset is not None and dataset.epochs else epochs,
+    )

@@ -37,7 +37,6 @@ the fence on every read, acknowledgement and checkpoint.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -49,7 +48,8 @@ from trainer_client import _rng
 from trainer_client import offsets as ofs
 from trainer_client._checks import check_not_bypassed, warn_divergent
 from trainer_client._commit import OffsetCommitter, gather_offsets
-from trainer_client._progress import EpochSizes, Progress, consumed_in_epoch, steps_per_epoch
+from trainer_client._consumed import Consumed
+from trainer_client._progress import EpochSizes, Progress, measure
 from trainer_client._restore import REFUSALS, check_record, warn_if_reshaped
 from trainer_client._timing import SaveClock
 from trainer_client._uneven import UNEVEN_MODES, in_step
@@ -142,20 +142,15 @@ class TrainingSession:
             self._redis.close()
             raise
         self.generation: int | None = None
-        self._offsets: dict[int, str] = {p: streams.ZERO_ID for p in range(self.spec.partitions)}
-        self._batches: dict[int, int] = {p: 0 for p in range(self.spec.partitions)}
+        self._consumed = Consumed(self.spec.partitions)
         self._commits = 0
         self._num_workers = 0
         self._restored: SessionRecord | None = None
-        self._lock = threading.Lock()
         self._committer = OffsetCommitter(self._redis, self._call, self.store,
                                           dataset=dataset, run=run)
         self._reseek = False
         self._datasets: list[StreamingDataset] = []
         self.seed = _rng.default_seed(run) if seed is None else int(seed)
-        self._passes = 0
-        self._epoch = -1
-        self._epoch_batches = 0
         self._sizes = EpochSizes(self._redis, dataset, self.spec.partitions)
         self.health_monitor = health_monitor
         self._health = NodeHealth(health_monitor)
@@ -179,8 +174,7 @@ class TrainingSession:
     def offsets(self) -> dict[int, str]:
         """Per partition, the last stream ID the training loop consumed (all ranks'
         partitions as of the last restore, this rank's as consumed since)."""
-        with self._lock:
-            return dict(self._offsets)
+        return self._consumed.snapshot().offsets
 
     # ------------------------------------------------------------------ restore
 
@@ -256,16 +250,15 @@ class TrainingSession:
     def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
         return None if manifest is None else self._check(manifest)
 
-    def _apply_rank_state(self, rec: SessionRecord | None) -> None:
-        """The saved seed, epoch position and random states of this rank."""
+    def _apply_rank_state(self, rec: SessionRecord | None) -> RankState | None:
+        """Set the saved seed and this rank's random states; returns its rank state."""
         if rec is None:
-            return
+            return None
         if rec.seed is not None:
             self.seed = rec.seed
         mine = rec.ranks.get(self.rank)
         if mine is None:
-            return
-        self._epoch, self._epoch_batches = mine.epoch, mine.epoch_batches
+            return None
         if rec.world_size != self.world_size:
             log.warning(
                 "restoring a checkpoint of world_size=%s on world_size=%s: every record is "
@@ -274,6 +267,7 @@ class TrainingSession:
                 rec.world_size, self.world_size,
             )
         _rng.restore(mine.rng)
+        return mine
 
     def _apply_offsets(self, rec: SessionRecord | None, *, new_generation: bool) -> None:
         P = self.spec.partitions
@@ -297,17 +291,13 @@ class TrainingSession:
             )
             self._call(ofs.ack_upto, r, self.dataset_name, self.run, gen, offsets)
         gen = self._broadcast(gen)
-        with self._lock:
-            self.generation = gen
-            self._offsets = offsets
-            self._batches = batches
-            # A rollback keeps counting commits up: its lineage must outrank the
-            # abandoned checkpoints (higher steps, same commit numbers).
-            restored = rec.commit if rec is not None else 0
-            self._commits = restored if new_generation else max(self._commits, restored)
-            self._restored = rec
-            self._passes = 0
-        self._apply_rank_state(rec)
+        self.generation = gen
+        # A rollback keeps counting commits up: its lineage must outrank the
+        # abandoned checkpoints (higher steps, same commit numbers).
+        restored = rec.commit if rec is not None else 0
+        self._commits = restored if new_generation else max(self._commits, restored)
+        self._restored = rec
+        self._consumed.reset(offsets, batches, self._apply_rank_state(rec))
         for ds in self._datasets:
             ds.generation = gen
 
@@ -410,28 +400,13 @@ class TrainingSession:
             for w in range(max(1, num_workers))
         }
 
-    def _consume(self, batch: Batch) -> None:
-        """Record ``batch`` as consumed by the loop: offsets, counts, epoch position."""
-        with self._lock:
-            for p, i in batch.offsets.items():
-                self._offsets[p] = i
-            if batch.partition >= 0:
-                self._batches[batch.partition] += 1
-            if batch.dropped or not batch.ids:
-                return
-            if batch.epoch > self._epoch:
-                self._epoch, self._epoch_batches = batch.epoch, 0
-                batch.new_epoch = True
-            if batch.epoch == self._epoch:
-                self._epoch_batches += 1
-
-    def _consumed(self, source: Iterator[Batch]) -> Iterator[Batch]:
+    def _loop_batches(self, source: Iterator[Batch]) -> Iterator[Batch]:
         """The batches the loop gets: end markers skipped, dropped tails recorded."""
         for batch in source:
             if batch.final:
                 continue
             if batch.dropped:
-                self._consume(batch)
+                self._consumed.record(batch)
                 continue
             yield batch
 
@@ -459,10 +434,7 @@ class TrainingSession:
         mine = sorted(p for ps in owned.values() for p in ps)
         while True:
             self._reseek = False
-            self._passes += 1
-            with self._lock:
-                positions = {p: self._offsets[p] for p in mine}
-                counts = {p: self._batches[p] for p in mine}
+            positions, counts = self._consumed.start_pass(mine)
             self._call(
                 ofs.write_seek, self._redis, self.dataset_name, self.run, self._gen(),
                 positions, counts,
@@ -471,8 +443,7 @@ class TrainingSession:
             if isinstance(ds, StreamingDataset):
                 # Full table: the partitions of any rank could be asked for (a
                 # dataset made elsewhere); ours are the ones that changed.
-                with self._lock:
-                    ds.seek = {p: (self._offsets[p], self._batches[p]) for p in self._offsets}
+                ds.seek = self._consumed.seek_table()
             if getattr(loader, "generator", False) is None:
                 loader.generator = _rng.loader_generator(  # type: ignore[attr-defined]
                     self.seed, self.rank, sum(counts.values()))
@@ -480,14 +451,13 @@ class TrainingSession:
             source: Iterator[Batch] = it
             try:
                 if self.deterministic:
-                    with self._lock:
-                        nxt = {w: sum(self._batches[p] for p in ps) for w, ps in owned.items()}
+                    nxt = {w: sum(counts[p] for p in ps) for w, ps in owned.items()}
                     source = in_worker_order(it, nxt)
-                source = self._consumed(source)
+                source = self._loop_batches(source)
                 if self.world_size > 1:
                     source = in_step(source, mode=uneven, group=self.process_group)
                 for batch in source:
-                    self._consume(batch)
+                    self._consumed.record(batch)
                     yield batch
                     if self._reseek:
                         break
@@ -518,27 +488,12 @@ class TrainingSession:
         :meth:`dataset`). Exact once the producer has finished the epoch, estimated
         from what it produced so far before that (``exact``). Reads Redis (a few
         commands): call it every few steps, not in the innermost loop."""
-        epoch = max(self._epoch, 0)
-        sizes, exact = self._call(self._sizes.get, epoch)
-        with self._lock:
-            offsets = dict(self._offsets)
-            batches = self._epoch_batches if self._epoch == epoch else 0
         mine = sorted(p for ps in self._owned(self._num_workers).values() for p in ps)
-        done = sum(consumed_in_epoch(offsets[p], epoch, sizes[p]) for p in mine)
-        steps = None
-        if self._datasets:
-            ds = self._datasets[-1]
-            steps = steps_per_epoch(
-                sizes, world_size=self.world_size, num_workers=self._num_workers,
-                batch_size=ds.batch_size, deterministic=self.deterministic,
-                drop_last=ds.drop_last,
-            )
-        return Progress(
-            epoch=epoch, batches=batches, records=done,
-            remaining=max(0, sum(sizes[p] for p in mine) - done),
-            steps_per_epoch=steps, exact=exact,
-            epochs=self._datasets[-1].epochs if self._datasets and self._datasets[-1].epochs
-            else self.spec.epochs,
+        return measure(
+            self._consumed.snapshot(), lambda e: self._call(self._sizes.get, e), mine,
+            world_size=self.world_size, num_workers=self._num_workers,
+            deterministic=self.deterministic,
+            dataset=self._datasets[-1] if self._datasets else None, epochs=self.spec.epochs,
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -572,13 +527,10 @@ class TrainingSession:
         self._committer.raise_background()
         gen = self._gen()
         self._check_fence(gen)
-        with self._lock:
-            offsets = dict(self._offsets)
-            batches = dict(self._batches)
-            mine = RankState(rng=_rng.capture(), epoch=self._epoch,
-                             epoch_batches=self._epoch_batches)
-            passes = self._passes
-        if passes == 0:
+        now = self._consumed.snapshot()
+        offsets, batches = now.offsets, now.batches
+        mine = RankState(rng=_rng.capture(), epoch=now.epoch, epoch_batches=now.epoch_batches)
+        if now.passes == 0:
             owned = sorted(p for ps in self._owned(self._num_workers).values() for p in ps)
             self._call(check_not_bypassed, self._redis, self.dataset_name, self.run,
                        {p: offsets[p] for p in owned})
