@@ -438,3 +438,32 @@ def test_the_trainer_asks_for_epochs_and_the_producer_writes_them_as_they_drain(
     with pytest.raises(ValueError, match=r"epochs=3 is not available.*has 2 epochs"):
         t.dataset(batch_size=4, epochs=3)
     t.close()
+
+
+def test_random_augmentation_in_workers_is_the_same_on_a_resume(redis_server, tmp_path) -> None:
+    """A collate that adds random noise (drawn in the DataLoader workers) produces, in a
+    resumed run, bitwise the batches of an uninterrupted run: workers draw from
+    generators seeded per batch from the run seed, not from the worker's lineage."""
+    spec = cf.create(redis_server.url, "tok", partitions=3)
+    cf.fill(redis_server.url, spec, 90)
+
+    def noisy(records: list[Any]) -> torch.Tensor:
+        return torch.from_numpy(np.stack(records)).float() + torch.rand(len(records), 8)
+
+    def run(name: str, stop: int | None, workers: int) -> list[torch.Tensor]:
+        s = _session(redis_server.url, tmp_path / name, run=name, seed=7)
+        s.restore(_state())
+        loader = DataLoader(s.dataset(batch_size=4, collate=noisy), batch_size=None,
+                            num_workers=workers)
+        out = []
+        for i, b in enumerate(s.batches(loader)):
+            out.append(b.data)
+            if i + 1 == stop:
+                s.checkpoint(_state(), stop, blocking=True)
+                break
+        s.close()
+        return out
+
+    whole = run("whole", None, 2)
+    resumed = run("cut", 5, 2) + run("cut", None, 2)
+    assert len(whole) == len(resumed) and all(torch.equal(a, b) for a, b in zip(whole, resumed))

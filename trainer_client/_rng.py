@@ -9,7 +9,11 @@ the session record (:class:`trainguard.core.record.RankState`).
 
 The DataLoader is the other half: creating its iterator draws a base seed from the
 global generator unless the loader has its own. :func:`loader_generator` gives it
-one derived from the run seed, so ``batches()`` never moves the global state.
+one derived from the run seed, so ``batches()`` never moves the global state. Inside
+a worker, a ``decode``/``collate`` that draws random numbers (augmentation) gets
+generators seeded per batch (:func:`seed_batch`: run seed, partition, batch index
+in it), so what it draws is a function of the batch alone, whatever the worker, the
+worker count or the resume point.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture", "default_seed", "loader_generator", "restore"]
+__all__ = ["capture", "default_seed", "loader_generator", "restore", "seed_batch"]
 
 
 def _b64(data: bytes) -> str:
@@ -83,3 +87,11 @@ def loader_generator(seed: int, rank: int, consumed: int) -> torch.Generator:
     before the pass, so the same resume point gives the same worker seeds."""
     mixed = zlib.crc32(f"{seed}:{rank}:{consumed}".encode())
     return torch.Generator().manual_seed(mixed)
+
+
+def seed_batch(seed: int, partition: int, index: int) -> None:
+    """Seed this (worker) process's generators for batch ``index`` of ``partition``."""
+    mixed = zlib.crc32(f"{seed}:{partition}:{index}".encode())
+    torch.manual_seed(mixed)
+    np.random.seed(mixed)
+    random.seed(mixed)

@@ -25,6 +25,7 @@ import redis
 from redis.driver_info import DriverInfo
 from torch.utils.data import IterableDataset, get_worker_info
 
+from trainer_client import _rng
 from trainer_client._reader import LIB_VERSION, Reader
 from trainer_client._stacking import Segment, decode_records, positions, stack_arrays, take
 from trainer_client.errors import DatasetNotFoundError, SessionBypassedError
@@ -107,7 +108,9 @@ class StreamingDataset(IterableDataset[Batch]):
     partition (fewer only at an epoch's end) and a worker visits its partitions
     round-robin, so a resumed run (same world size and num_workers) yields exactly
     the batches an uninterrupted one would; it waits for slow partitions instead of
-    reading whatever is ready. Greedy (the default here; ``TrainingSession``
+    reading whatever is ready. In a DataLoader worker, ``decode`` and ``collate`` run
+    with random generators seeded per batch from ``seed`` (random augmentation is
+    then the same on a resume). Greedy (the default here; ``TrainingSession``
     defaults to deterministic) mixes whatever partitions are ready into a batch.
 
     Epochs: a batch holds records of one epoch; the last batch of an epoch may be
@@ -135,6 +138,7 @@ class StreamingDataset(IterableDataset[Batch]):
         drop_last: bool = False,
         straddle_epochs: bool = False,
         epochs: int | None = None,
+        seed: int = 0,
         generation: int = 0,
         block_ms: int = 1000,
         reconnect_timeout_s: float = 900.0,
@@ -182,6 +186,7 @@ class StreamingDataset(IterableDataset[Batch]):
         if epochs is not None and not spec.replayable:
             raise ValueError(f"dataset {dataset!r} is a push dataset: it has no epochs to count")
         self.epochs = epochs
+        self.seed = seed
         self.partitions = spec.partitions
         self.finite = spec.finite or epochs is not None
         self.replayable = spec.replayable
@@ -326,6 +331,9 @@ class StreamingDataset(IterableDataset[Batch]):
             if len(chunk_ids) < bs and not cut:
                 active.remove(p)
             if chunk_ids:
+                if in_worker and (self.decode is not None or self.collate is not None):
+                    # Random draws of decode/collate: a function of the batch alone.
+                    _rng.seed_batch(self.seed, p, counts[p])
                 segs: list[Segment] = [(p, chunk_ids, chunk_flats)]
                 batch = (self._batch(segs, worker, in_worker) if len(chunk_ids) == bs
                          else self._tail(segs, worker, in_worker))

@@ -299,7 +299,7 @@ class TrainingSession:
         self._restored = rec
         self._consumed.reset(offsets, batches, self._apply_rank_state(rec))
         for ds in self._datasets:
-            ds.generation = gen
+            ds.generation, ds.seed = gen, self.seed
 
     def rollback(self, state: Any, to_step: int | None = None) -> int:
         """Go back to a committed checkpoint (the newest, or ``to_step``): weights,
@@ -377,6 +377,7 @@ class TrainingSession:
             drop_last=drop_last,
             straddle_epochs=straddle_epochs,
             epochs=epochs,
+            seed=self.seed,
             # May be made before restore (to size an LR schedule from progress()):
             # restore then hands it the new generation.
             generation=self.generation or 0,
