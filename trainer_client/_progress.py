@@ -38,8 +38,9 @@ class Progress:
     """Records of this rank's partitions in ``epoch`` not consumed yet."""
     steps_per_epoch: int | None
     """Loop iterations an epoch takes on every rank (the most any rank needs: ranks
-    step together) for this world size, worker count, batch size and mode; None
-    before ``session.dataset()``."""
+    step together) for this world size, batch size and mode; None before
+    ``session.dataset()``. Greedy mode pools each worker's partitions, so there it
+    also depends on the worker count: the running ``batches()`` pass's (0 before)."""
     exact: bool
     """True when the producer has finished ``epoch``: ``remaining`` and
     ``steps_per_epoch`` are exact; else estimates from what was produced so far."""
