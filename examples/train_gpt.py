@@ -14,8 +14,9 @@ about RNG itself::
     python examples/train_gpt.py --redis-url redis://127.0.0.1:6379/0 \\
         --dataset text --run gpt --store file:///tmp/ckpt/gpt
 
-One process (the README's loop shows several ranks). Prints ``<rank>: STEP <step> <loss> <loss as float.hex>`` per step, ``<rank>: SAVE
-<step>`` before each checkpoint and ``<rank>: DONE <step>`` at the end.
+One process (the README's loop shows several ranks). Prints ``<rank>: STEP <step>
+<loss> <loss as float.hex>`` per step, ``<rank>: SAVE <step>`` before each checkpoint,
+``<rank>: COMMITTED <step>`` once it is committed, and ``<rank>: DONE <step>`` at the end.
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ def warmup_cosine(warmup: int, total: int) -> Any:
     return factor
 
 
+def committed(handle: Any, step: int, say: Any) -> None:
+    try:
+        handle.wait()
+    except Exception:
+        return  # a failed save: the next checkpoint() raises its error
+    say(f"COMMITTED {step}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -141,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"STEP {step} {loss.item():.4f} {loss.item().hex()}")
         if step % args.ckpt_every == 0:
             say(f"SAVE {step}")
-            session.checkpoint(state, step)
+            handle = session.checkpoint(state, step)  # written in the background
+            handle.add_done_callback(lambda h, s=step: committed(h, s, say))
             saved = step
     if saved != step:  # commit the steps after the last periodic checkpoint
         say(f"SAVE {step}")

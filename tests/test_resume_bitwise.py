@@ -56,8 +56,8 @@ def _losses(seen: list[str]) -> list[tuple[int, str]]:
 
 
 def _kill(job: ledger.Job, rng: random.Random, mid_checkpoint: bool) -> bool:
-    """SIGKILL at a random step past the first checkpoint, or just after a checkpoint
-    of a random step started (its write in flight); False if the job ended first."""
+    """SIGKILL 0-8 steps after one of the first checkpoints committed, or just after a
+    checkpoint started (its write in flight); False if the job ended first."""
     if not job.wait_line("READY", 120):
         return False
     if mid_checkpoint:
@@ -65,8 +65,12 @@ def _kill(job: ledger.Job, rng: random.Random, mid_checkpoint: bool) -> bool:
             return False
         if not job.sleep(rng.uniform(0.0, 0.01)):
             return False
-    elif not job.wait_line("STEP", 120, nth=rng.randint(12, 30)):
-        return False
+    else:
+        if not job.wait_line("COMMITTED", 120, nth=rng.randint(1, 2)):
+            return False
+        steps = rng.randint(0, 8)
+        if steps and not job.wait_line("STEP", 120, nth=steps):
+            return False
     job.kill()
     return True
 
@@ -83,13 +87,14 @@ def _train(z: ledger.Zygote, args: list[str], *, kills: int, seed: int) -> list[
     while True:
         job = z.spawn(args, 1, module="train_gpt")
         killed = done < kills and _kill(job, rng, mid_checkpoint=done % 2 == 1)
+        if not killed:
+            job.finish(300)
         resumed += [int(line.split()[-1]) for line in job.seen if line.startswith("0: READY")]
         history.append(f"killed={killed} {job.seen[:3]} ... {job.seen[-4:]}")
         if killed:
             done += 1
             losses += _losses(job.seen)
             continue
-        job.finish(300)
         assert kills == 0 or max(resumed) > 0, f"no restart resumed from a checkpoint: {history}"
         return losses + _losses(job.seen)
 

@@ -62,8 +62,8 @@ def _is_shard(value: Any) -> bool:
 
 
 def _digest(value: Any, h: Any) -> None:
-    if _is_shard(value):
-        return
+    if _is_shard(value) or hasattr(value, "device_mesh"):
+        return  # each rank saves its own block (Shard; DTensor's local shard)
     if isinstance(value, torch.Tensor):
         flat = value.detach().reshape(-1)[:_SAMPLE].cpu()
         h.update(f"T{tuple(value.shape)}{value.dtype}".encode())
