@@ -25,6 +25,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -117,9 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    printing = threading.Lock()  # COMMITTED lines come from the writer thread
 
     def say(line: str) -> None:
-        print(f"0: {line}", flush=True)
+        with printing:
+            sys.stdout.write(f"0: {line}\n")
+            sys.stdout.flush()
 
     session = TrainingSession(args.redis_url, dataset=args.dataset, run=args.run,
                               store=args.store)

@@ -9,6 +9,7 @@ training loop does nothing about random states: the session saves and restores t
 from __future__ import annotations
 
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,12 @@ def _args(url: str, store: str, run: str) -> list[str]:
             "--workers", "2", "--ckpt-every", "10", "--batch-size", "8"]
 
 
+_STEP = re.compile(r"0: STEP (\d+) \S+ (-?0x[0-9a-f.]+p[-+]\d+)")
+
+
 def _losses(seen: list[str]) -> list[tuple[int, str]]:
-    out = []
-    for line in seen:
-        _, _, rest = line.partition(": ")
-        if rest.startswith("STEP "):
-            _, step, _, hexed = rest.split()
-            out.append((int(step), hexed))
-    return out
+    """(step, loss) of every complete STEP line (a SIGKILL may cut the last one)."""
+    return [(int(m[1]), m[2]) for line in seen if (m := _STEP.fullmatch(line))]
 
 
 def _kill(job: ledger.Job, rng: random.Random, mid_checkpoint: bool) -> bool:
