@@ -38,12 +38,17 @@ def _ranks(url: str, store: str, *extra: str) -> list[tuple[int, int, list[int],
 
 def test_join_steps_the_short_rank_on_empty_batches(redis_server, tmp_path) -> None:
     """uneven="join" (default): both loops run 10 steps (rank 0's batch count); rank 1
-    consumes its 20 records in 5, then steps on 5 empty batches; every record once."""
+    consumes its 20 records in 5, then steps on 5 empty batches; every record once.
+    ``note`` differs across ranks and is not a Shard: rank 0's checkpoint warns,
+    naming it (and not the model, which is equal on both)."""
     spec = cf.create(redis_server.url, "tok", partitions=P)
     cf.fill(redis_server.url, spec, N)
-    (s0, n0, ids0, _), (s1, n1, ids1, _) = _ranks(redis_server.url, f"file://{tmp_path}/c")
+    (s0, n0, ids0, out0), (s1, n1, ids1, _) = _ranks(redis_server.url, f"file://{tmp_path}/c",
+                                                     "--diverge")
     assert (s0, s1, n0, n1) == (10, 10, 40, 20)
     assert sorted(ids0 + ids1) == list(range(N))
+    warning = next(x for x in out0.splitlines() if "differ across ranks" in x)
+    assert "'note'" in warning and "'model'" not in warning
 
 
 def test_stop_ends_every_rank_with_the_first_and_keeps_the_rest(redis_server, tmp_path) -> None:
@@ -57,13 +62,3 @@ def test_stop_ends_every_rank_with_the_first_and_keeps_the_rest(redis_server, tm
     (t0, m0, rest0, _), (t1, m1, rest1, _) = _ranks(redis_server.url, store)
     assert (m0, m1) == (20, 0) and (t0, t1) == (10, 10)
     assert sorted(ids0 + ids1 + rest0 + rest1) == list(range(N))
-
-
-def test_a_value_differing_across_ranks_is_named_in_a_warning(redis_server, tmp_path) -> None:
-    """``note`` differs across ranks and is not a Shard: rank 0 warns, naming it (and
-    not the model, which is equal on both)."""
-    spec = cf.create(redis_server.url, "tok", partitions=P)
-    cf.fill(redis_server.url, spec, N)
-    (_, _, _, out0), _ = _ranks(redis_server.url, f"file://{tmp_path}/c", "--diverge")
-    warning = next(x for x in out0.splitlines() if "differ across ranks" in x)
-    assert "'note'" in warning and "'model'" not in warning
