@@ -467,3 +467,30 @@ def test_random_augmentation_in_workers_is_the_same_on_a_resume(redis_server, tm
     whole = run("whole", None, 2)
     resumed = run("cut", 5, 2) + run("cut", None, 2)
     assert len(whole) == len(resumed) and all(torch.equal(a, b) for a, b in zip(whole, resumed))
+
+
+def test_a_checkpoint_of_record_version_1_still_resumes(redis_server, tmp_path) -> None:
+    """A checkpoint written before random states were saved (session record version
+    1) restores: weights and offsets come back, the random states are left as they
+    are, and the run then reads exactly the records after the offsets."""
+    from checkpoint_store import CheckpointStore
+
+    s, state = _restored(redis_server.url, tmp_path, 40, 2)
+    s.close()
+    v1 = {"trainguard": {"version": 1, "dataset": "tok", "run": "exp", "partitions": 2,
+                         "generation": 1, "commit": 1, "world_size": 1, "num_workers": 0,
+                         "offsets": {"0": "1-9", "1": "1-9"}, "batches": {"0": 0, "1": 0}}}
+    store = CheckpointStore(f"file://{tmp_path}/ckpt")
+    store.save(state, step=5, extra=v1, blocking=True)
+    store.close()
+    b = _session(redis_server.url, tmp_path)
+    target = _state()
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    assert b.restore(target) == 5
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(torch.equal(x, y) for x, y in zip(target["model"].parameters(),
+                                                  state["model"].parameters()))
+    rest = list(b.batches(DataLoader(b.dataset(batch_size=4), batch_size=None)))
+    assert sorted(_recs(rest)) == list(range(20, 40))  # records 0..19 are at or below 1-9
+    b.close()
