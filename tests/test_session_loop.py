@@ -480,6 +480,8 @@ def test_a_checkpoint_of_record_version_1_still_resumes(redis_server, tmp_path) 
     v1 = {"trainguard": {"version": 1, "dataset": "tok", "run": "exp", "partitions": 2,
                          "generation": 1, "commit": 1, "world_size": 1, "num_workers": 0,
                          "offsets": {"0": "1-9", "1": "1-9"}, "batches": {"0": 0, "1": 0}}}
+    with torch.no_grad():
+        state["model"][0].weight.add_(1.0)  # unlike a fresh _state()
     store = CheckpointStore(f"file://{tmp_path}/ckpt")
     store.save(state, step=5, extra=v1, blocking=True)
     store.close()
