@@ -16,6 +16,9 @@ __all__ = [
     "PushRejectedError",
     "MalformedPushError",
     "PushTooLargeError",
+    "PushTooSlowError",
+    "UnsupportedMediaError",
+    "PushOutOfOrderError",
     "BacklogFullError",
     "WrongDatasetKindError",
     "AdminError",
@@ -62,6 +65,29 @@ class PushTooLargeError(PushRejectedError):
     """The push body or one of its records is over the size limit."""
 
     status = 413
+
+
+class PushTooSlowError(PushRejectedError, TimeoutError):
+    """The push body did not arrive within the read timeouts."""
+
+    status = 408
+
+
+class UnsupportedMediaError(PushRejectedError):
+    """The push body's content type is not one the service parses."""
+
+    status = 415
+
+
+class PushOutOfOrderError(PushRejectedError):
+    """``seq`` is not the producer's next one (``mark + 1``, or 0 without a mark):
+    ``mark`` is the producer's last wholly appended seq (None: it has none)."""
+
+    status = 409
+
+    def __init__(self, message: str, mark: int | None):
+        super().__init__(message)
+        self.mark = mark
 
 
 class BacklogFullError(IngestError, BlockingIOError):

@@ -1,0 +1,236 @@
+"""A push body: read within limits while it streams, then parsed into stream entries.
+
+Reading (:func:`read_body`, on the event loop) counts bytes as they arrive and, for
+NDJSON and msgpack, records too (newlines; a msgpack array's header), so an oversized
+request is refused (413) as soon as it passes a limit, not after it was buffered.
+Each chunk must arrive within ``chunk_timeout_s`` and the whole body within
+``total_timeout_s`` (408): a body trickled a byte at a time does not hold a slot.
+
+Parsing (:func:`parse_records`) runs in a worker thread. It decodes record by record
+(one JSON line, one element of a JSON array, one msgpack item per call), so no single
+C call holds the interpreter for the whole body and the event loop keeps its turns.
+
+Content types: ``application/x-ndjson`` (one JSON value per line), ``application/json``
+(one array of records), ``application/msgpack`` (one array; ``bin`` items stay raw
+bytes). Anything else is 415. Malformed numbers (integers over 64 bits or thousands
+of digits), nesting deeper than the decoders allow, and undecodable text are 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import msgpack
+from aiohttp import StreamReader
+
+from ingest_service.errors import MalformedPushError, PushTooLargeError, PushTooSlowError
+from trainguard.core import streams
+
+__all__ = [
+    "CONTENT_TYPES",
+    "JSON_TYPE",
+    "MSGPACK_TYPES",
+    "NDJSON_TYPE",
+    "BodyLimits",
+    "parse_records",
+    "read_body",
+]
+
+NDJSON_TYPE = "application/x-ndjson"
+JSON_TYPE = "application/json"
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+CONTENT_TYPES = (NDJSON_TYPE, JSON_TYPE, *MSGPACK_TYPES)
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    max_bytes: int = 16 * 1024 * 1024
+    max_records: int = 10_000
+    chunk_timeout_s: float = 10.0
+    total_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1 or self.max_records < 1:
+            raise ValueError(f"push limits must be >= 1, got {self}")
+
+
+def _too_many(limits: BodyLimits, found: str) -> PushTooLargeError:
+    return PushTooLargeError(
+        f"the batch holds {found} records: the limit is {limits.max_records} per request; "
+        "send smaller batches"
+    )
+
+
+def _msgpack_array_len(head: bytes) -> int | None:
+    """The element count of a msgpack array from its first bytes (None: not yet known
+    or not an array; the parser reports the latter)."""
+    if not head:
+        return None
+    b = head[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    size = {0xDC: 2, 0xDD: 4}.get(b)
+    if size is None or len(head) < 1 + size:
+        return None
+    return int.from_bytes(head[1:1 + size], "big")
+
+
+async def read_body(content: StreamReader, content_type: str, limits: BodyLimits) -> bytes:
+    """The whole body, refused with 413 as soon as it passes a limit."""
+    chunks: list[bytes] = []
+    size = newlines = 0
+    deadline = time.monotonic() + limits.total_timeout_s
+    head = b""
+    while True:
+        timeout = min(limits.chunk_timeout_s, deadline - time.monotonic())
+        try:
+            chunk = await asyncio.wait_for(content.readany(), max(timeout, 0.0))
+        except TimeoutError as exc:
+            raise PushTooSlowError(
+                f"the body did not arrive in time (each chunk within {limits.chunk_timeout_s} s, "
+                f"the whole body within {limits.total_timeout_s} s); send it at once"
+            ) from exc
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limits.max_bytes:
+            raise PushTooLargeError(
+                f"the body is over {limits.max_bytes} bytes: the limit per request; send smaller "
+                "batches"
+            )
+        if content_type == NDJSON_TYPE:
+            newlines += chunk.count(b"\n")
+            if newlines > limits.max_records:
+                raise _too_many(limits, f"more than {limits.max_records}")
+        elif content_type in MSGPACK_TYPES and len(head) < 5:
+            head += chunk[:5]
+            count = _msgpack_array_len(head)
+            if count is not None and count > limits.max_records:
+                raise _too_many(limits, str(count))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _encode(value: object, where: str, max_record_bytes: int) -> dict[bytes, bytes]:
+    try:
+        fields = streams.encode_record(value)
+    except streams.ContractError as exc:
+        raise MalformedPushError(f"{where}: {exc}") from exc
+    size = streams.record_size(fields)
+    if size > max_record_bytes:
+        raise PushTooLargeError(f"{where} is {size} bytes: the limit is {max_record_bytes} per record")
+    return fields
+
+
+def _json_value(decode: json.JSONDecoder, text: str, start: int, where: str) -> tuple[object, int]:
+    try:
+        return decode.raw_decode(text, start)
+    except json.JSONDecodeError as exc:
+        raise MalformedPushError(f"{where} is not valid JSON: {exc.msg} at character {exc.pos}") from exc
+    except RecursionError as exc:
+        raise MalformedPushError(f"{where} is nested too deeply to decode") from exc
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise MalformedPushError(f"{where} is not valid JSON: {exc}") from exc
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _ndjson(text: str, decoder: json.JSONDecoder) -> list[object]:
+    values: list[object] = []
+    for lineno, line in enumerate(text.split("\n"), 1):
+        start = _skip_ws(line, 0)
+        if start == len(line):
+            continue
+        value, end = _json_value(decoder, line, start, f"line {lineno}")
+        if _skip_ws(line, end) != len(line):
+            raise MalformedPushError(f"line {lineno} holds more than one JSON value")
+        values.append(value)
+    return values
+
+
+def _json_array(text: str, decoder: json.JSONDecoder, limits: BodyLimits) -> list[object]:
+    i = _skip_ws(text, 0)
+    if i == len(text) or text[i] != "[":
+        raise MalformedPushError("an application/json body must be one array of records: [r0, r1, ...]")
+    values: list[object] = []
+    i = _skip_ws(text, i + 1)
+    if i < len(text) and text[i] == "]":
+        i += 1
+    else:
+        while True:
+            value, i = _json_value(decoder, text, i, f"record {len(values)}")
+            values.append(value)
+            if len(values) > limits.max_records:
+                raise _too_many(limits, f"more than {limits.max_records}")
+            i = _skip_ws(text, i)
+            if i < len(text) and text[i] == ",":
+                i = _skip_ws(text, i + 1)
+                continue
+            if i < len(text) and text[i] == "]":
+                i += 1
+                break
+            raise MalformedPushError(f"the JSON array is not closed after record {len(values) - 1}")
+    if _skip_ws(text, i) != len(text):
+        raise MalformedPushError("the body holds more after the JSON array")
+    return values
+
+
+def _msgpack(body: bytes, limits: BodyLimits) -> list[object]:
+    unpacker = msgpack.Unpacker(
+        raw=False, max_buffer_size=max(len(body), 1), max_array_len=limits.max_records,
+        max_map_len=limits.max_records, strict_map_key=True,
+    )
+    unpacker.feed(body)
+    try:
+        count = unpacker.read_array_header()
+        if count > limits.max_records:
+            raise _too_many(limits, str(count))
+        values = [unpacker.unpack() for _ in range(count)]
+    except msgpack.OutOfData as exc:
+        raise MalformedPushError("the msgpack body ends inside its array") from exc
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError) as exc:
+        raise MalformedPushError(
+            f"body is not valid msgpack, or not an array of records ({type(exc).__name__}: {exc})"
+        ) from exc
+    try:
+        unpacker.unpack()
+    except msgpack.OutOfData:
+        return values
+    except (ValueError, TypeError, msgpack.FormatError, msgpack.StackError):
+        pass
+    raise MalformedPushError("the msgpack body holds more after its array of records")
+
+
+def parse_records(body: bytes, content_type: str, max_record_bytes: int,
+                  limits: BodyLimits) -> list[dict[bytes, bytes]]:
+    """The records of a push body, encoded as stream entries. Raises MalformedPushError
+    (400) or PushTooLargeError (413) naming the offending record. Runs in a worker
+    thread (see the module docstring)."""
+    values: list[object]
+    if content_type in MSGPACK_TYPES:
+        values = _msgpack(body, limits)
+        where = "record"
+    else:
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise MalformedPushError(f"the body is not UTF-8 text: {exc}") from exc
+        decoder = json.JSONDecoder()
+        if content_type == JSON_TYPE:
+            values, where = _json_array(text, decoder, limits), "record"
+        else:
+            values, where = _ndjson(text, decoder), "line"
+    if not values:
+        raise MalformedPushError("the body holds no record: expected at least one")
+    if len(values) > limits.max_records:
+        raise _too_many(limits, str(len(values)))
+    base = 1 if where == "line" else 0
+    return [_encode(v, f"{where} {i + base}", max_record_bytes) for i, v in enumerate(values)]
