@@ -162,7 +162,7 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         raise BadRequest("timeout", f"the body did not arrive within {BODY_TIMEOUT_S} s") from exc
     try:
         body = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise BadRequest("bad_json", f"the body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("bad_json", f"the body must be a JSON object, got {type(body).__name__}")
@@ -171,7 +171,7 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
 
 def _step(request: web.Request) -> int:
     text = request.match_info["step"]
-    if not text.isdigit() or len(text) > 18:
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
         raise BadRequest("bad_step", f"step {text!r} is not valid: expected an integer >= 0")
     return int(text)
 

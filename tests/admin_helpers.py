@@ -21,7 +21,7 @@ from ingest_service.datasets import create_dataset
 from tests.servers import free_port
 from trainguard.core import streams
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-for-the-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
