@@ -44,6 +44,7 @@ from trainguard.core import streams
 
 __all__ = [
     "MAX_SEQ",
+    "PROBE_SEQ",
     "SLICE_BYTES",
     "SLICE_RECORDS",
     "PushIngest",
@@ -53,8 +54,11 @@ __all__ = [
     "parse_uint",
 ]
 
-MAX_SEQ = 2**53 - 1
-"""Lua compares seqs as doubles: exact up to 2^53."""
+MAX_SEQ = 2**53 - 2
+"""The largest seq of a batch (Lua compares seqs as doubles: exact up to 2^53)."""
+PROBE_SEQ = MAX_SEQ + 1
+"""Never appended: a push with this seq is answered 409 with the producer's mark, which
+is how a (re)starting client learns where it stands."""
 SLICE_RECORDS = 256
 SLICE_BYTES = 512 * 1024
 
@@ -98,7 +102,7 @@ def parse_params(query: Mapping[str, str]) -> tuple[str, int]:
         streams.check_name("producer_id", producer_id)
     except streams.ContractError as exc:
         raise MalformedPushError(str(exc)) from exc
-    seq = parse_uint("seq", query.get("seq", ""), MAX_SEQ)
+    seq = parse_uint("seq", query.get("seq", ""), PROBE_SEQ)
     return producer_id, seq
 
 
@@ -184,6 +188,9 @@ class PushIngest:
                      records: list[dict[bytes, bytes]]) -> PushResult:
         check_push_dataset(spec)
         p = choose_partition(producer_id, spec.partitions)
+        if seq == PROBE_SEQ:
+            mark = await self.redis.hget(streams.seq_key(spec.name, p), producer_id)
+            raise _out_of_order(seq, None if mark is None else int(mark))
         keys = [streams.partition_key(spec.name, p), streams.seq_key(spec.name, p)]
         slices = list(_slices(records))
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -205,14 +212,7 @@ class PushIngest:
             return PushResult(p, seq, False, 0, None, None, int(_text(replies[0][1])))
         if status == -1:
             mark_text = _text(replies[0][1])
-            mark = int(mark_text) if mark_text else None
-            expected = 0 if mark is None else mark + 1
-            raise PushOutOfOrderError(
-                f"seq {seq} is out of order for this producer: its mark (last batch wholly "
-                f"appended) is {mark if mark is not None else 'none'}, so the next batch is seq "
-                f"{expected}; resend from there (batches at or below the mark are in already)",
-                mark,
-            )
+            raise _out_of_order(seq, int(mark_text) if mark_text else None)
         backlog = self._backlogs.get((spec.name, p))
         count, first, last = 0, None, None
         for (_, end), reply in zip(slices, replies, strict=True):
@@ -231,6 +231,16 @@ class PushIngest:
             first = first or a
             last = b
         return PushResult(p, seq, count > 0, count, first, last, seq)
+
+
+def _out_of_order(seq: int, mark: int | None) -> PushOutOfOrderError:
+    expected = 0 if mark is None else mark + 1
+    return PushOutOfOrderError(
+        f"seq {seq} is out of order for this producer: its mark (last batch wholly appended) "
+        f"is {mark if mark is not None else 'none'}, so the next batch is seq {expected}; "
+        "resend from there (batches at or below the mark are in already)",
+        mark,
+    )
 
 
 def _text(value: object) -> str:
