@@ -160,6 +160,19 @@ class PushIngest:
         for key in [k for k in self._backlogs if k[0] == dataset]:
             del self._backlogs[key]
 
+    async def check_order(self, spec: streams.DatasetSpec, producer_id: str, seq: int) -> int | None:
+        """Before the body is read: the producer's mark when ``seq`` is at or below it
+        (the batch is in: nothing to parse or append), None when ``seq`` is next; raises
+        PushOutOfOrderError (409) otherwise. The Lua call decides again, atomically."""
+        p = choose_partition(producer_id, spec.partitions)
+        raw = await self.redis.hget(streams.seq_key(spec.name, p), producer_id)
+        mark = None if raw is None else int(raw)
+        if mark is not None and seq <= mark:
+            return mark
+        if seq != (0 if mark is None else mark + 1):
+            raise _out_of_order(seq, mark)
+        return None
+
     async def check_room(self, spec: streams.DatasetSpec, producer_id: str, seq: int,
                          count: int = 0, size: int = 0) -> None:
         """Raises BacklogFullError (429) when the producer's partition has no room for

@@ -7,8 +7,10 @@
    ``--insecure-local`` (loopback only, for the demo).
 3. What: the content type is NDJSON, JSON or msgpack (415); a declared length over
    the limit is 413 before a byte is read.
-4. Where: the dataset exists (404) and takes pushes (409); the producer's partition
-   has room (429 with ``Retry-After``), checked before the body is read.
+4. Where: the dataset exists (404) and takes pushes (409); ``seq`` is the producer's
+   next (409 with the mark otherwise; a retry of a batch that is in is answered 200
+   without reading its body); the producer's partition has room (429 with
+   ``Retry-After``). All before the body is read.
 5. The body streams in within its limits (413, 408), is parsed in a worker thread
    (400, 413), checked against the backlog again with its real size, and appended in
    slices (409 with the mark when ``seq`` is out of order; 503 with ``Retry-After``
@@ -42,7 +44,13 @@ from ingest_service.errors import (
     WrongDatasetKindError,
 )
 from ingest_service.http_errors import RETRY_AFTER_S, error_response, unavailable
-from ingest_service.push import PushIngest, check_push_dataset, parse_params
+from ingest_service.push import (
+    PushIngest,
+    PushResult,
+    check_push_dataset,
+    choose_partition,
+    parse_params,
+)
 from ingest_service.push_body import CONTENT_TYPES, BodyLimits, parse_records, read_body
 from trainguard.core import streams
 
@@ -134,6 +142,10 @@ async def _push(request: web.Request, route: PushRoute,
     spec = await describe_dataset(app[REDIS_KEY], name)
     known.append(spec)
     check_push_dataset(spec)
+    mark = await route.ingest.check_order(spec, producer_id, seq)
+    if mark is not None:  # a retry of a batch that is in: its body is not even read
+        return _reply(PushResult(choose_partition(producer_id, spec.partitions), seq, False, 0,
+                                 None, None, mark))
     await route.ingest.check_room(spec, producer_id, seq)
     async with route.bodies:
         body = await read_body(request.content, content_type, route.limits)
@@ -149,6 +161,10 @@ async def _push(request: web.Request, route: PushRoute,
         metrics = app[METRICS_KEY]
         metrics.records.labels(dataset=name).inc(result.count)
         metrics.bytes.labels(dataset=name).inc(sum(streams.record_size(f) for f in records))
+    return _reply(result)
+
+
+def _reply(result: PushResult) -> web.Response:
     return web.json_response({
         "appended": result.appended, "partition": result.partition, "seq": result.seq,
         "mark": result.mark, "count": result.count, "first_id": result.first_id,

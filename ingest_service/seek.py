@@ -51,8 +51,10 @@ def parse_seek_ids(raw: Any, partitions: int) -> dict[int, str]:
     out: dict[int, str] = {}
     for key, value in raw.items():
         text = str(key)
-        if not text.isascii() or not text.isdigit() or len(text) > 5 or int(text) >= partitions:
-            raise BadRequest(
+        if not text.isascii() or not text.isdigit() or len(text) > 5:
+            raise BadRequest("bad_partition", f"partition {key!r} is not an integer")
+        if int(text) >= partitions:
+            raise NotFound(
                 "bad_partition",
                 f"partition {key!r} is not valid: expected an integer 0..{partitions - 1}",
             )
@@ -122,7 +124,7 @@ async def seek_group(
         raise BadRequest("bad_target", f"'to' is {to!r}: expected 'earliest' or 'latest'")
     for p in ids or {}:
         if not 0 <= p < spec.partitions:
-            raise BadRequest(
+            raise NotFound(
                 "bad_partition",
                 f"partition {p} is outside dataset {dataset!r} (0..{spec.partitions - 1})",
             )
