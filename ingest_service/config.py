@@ -50,7 +50,6 @@ class IngestConfig:
     loopback address only)."""
     allowed_hosts: tuple[str, ...] = DEFAULT_ALLOWED_HOSTS
     """``Host`` names the service answers to (``"*"``: any; e.g. behind a proxy that checks)."""
-    push_parse_threads: int = 2
     max_concurrent_pushes: int = 32
     """Push bodies read or parsed at once; more requests wait their turn."""
     verify_threads: int = 2

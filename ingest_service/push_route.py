@@ -11,7 +11,7 @@
    next (409 with the mark otherwise; a retry of a batch that is in is answered 200
    without reading its body); the producer's partition has room (429 with
    ``Retry-After``). All before the body is read.
-5. The body streams in within its limits (413, 408), is parsed in a worker thread
+5. The body streams in within its limits (413, 408), is parsed in slices on the loop
    (400, 413), checked against the backlog again with its real size, and appended in
    slices (409 with the mark when ``seq`` is out of order; 503 with ``Retry-After``
    when Redis is out of reach).
@@ -23,7 +23,6 @@ The answer is small whatever the batch: ``{"appended", "partition", "seq", "mark
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -51,7 +50,7 @@ from ingest_service.push import (
     choose_partition,
     parse_params,
 )
-from ingest_service.push_body import CONTENT_TYPES, BodyLimits, parse_records, read_body
+from ingest_service.push_body import CONTENT_TYPES, BodyLimits, parse_records_sliced, read_body
 from trainguard.core import streams
 
 __all__ = ["PUSH_KEY", "PushRoute", "setup_push"]
@@ -62,14 +61,13 @@ _CODES = {400: "bad_request", 408: "timeout", 409: "conflict", 413: "too_large",
 
 @dataclass
 class PushRoute:
-    """What the route holds: the appender, the tokens, the parse threads and a bound
-    on bodies in memory at once."""
+    """What the route holds: the appender, the tokens and a bound on bodies in memory
+    at once."""
 
     ingest: PushIngest
     tokens: PushTokens
     insecure_local: bool
     limits: BodyLimits
-    parse_pool: ThreadPoolExecutor
     bodies: asyncio.Semaphore
     stopping: asyncio.Event
 
@@ -149,10 +147,8 @@ async def _push(request: web.Request, route: PushRoute,
     await route.ingest.check_room(spec, producer_id, seq)
     async with route.bodies:
         body = await read_body(request.content, content_type, route.limits)
-        records = await asyncio.get_running_loop().run_in_executor(
-            route.parse_pool, parse_records, body, content_type, spec.max_record_bytes,
-            route.limits,
-        )
+        records = await parse_records_sliced(body, content_type, spec.max_record_bytes,
+                                             route.limits)
         del body
     size = sum(len(f.get(streams.F_DATA, b"")) for f in records)
     await route.ingest.check_room(spec, producer_id, seq, len(records), size)
@@ -175,18 +171,11 @@ def _reply(result: PushResult) -> web.Response:
 def setup_push(app: web.Application, ingest: PushIngest, stopping: asyncio.Event) -> PushRoute:
     """Add the push route to ``app`` with what ``app[CONFIG_KEY]`` configures."""
     config = app[CONFIG_KEY]
-    pool = ThreadPoolExecutor(max_workers=config.push_parse_threads,
-                              thread_name_prefix="trainguard-push-parse")
     route = PushRoute(
         ingest=ingest, tokens=config.push_tokens, insecure_local=config.insecure_local,
-        limits=config.push_limits, parse_pool=pool,
+        limits=config.push_limits,
         bodies=asyncio.Semaphore(config.max_concurrent_pushes), stopping=stopping,
     )
     app[PUSH_KEY] = route
     app.router.add_post("/v1/datasets/{name}/records", push_records)
-
-    async def _close(app: web.Application) -> None:
-        pool.shutdown(wait=False, cancel_futures=True)
-
-    app.on_cleanup.append(_close)
     return route
