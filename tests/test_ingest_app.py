@@ -24,8 +24,8 @@ from ingest_service.app import create_app
 from ingest_service.auth import PushTokens
 from ingest_service.backlog import BacklogLimits
 from ingest_service.config import IngestConfig
-from ingest_service.push_body import BodyLimits
 from ingest_service.datasets import create_dataset, delete_dataset
+from ingest_service.push_body import BodyLimits
 from tests._ingest_util import until, write_jsonl
 from tests.servers import RedisServer, free_port
 from trainguard.core import streams

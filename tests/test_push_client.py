@@ -80,8 +80,8 @@ def test_producer_sends_exactly_once_through_restarts(served: str,
 def test_producer_refused_for_good_raises(served: str, durable_redis: RedisServer) -> None:
     """A producer_id outside the token's scope is refused with 403, raised at once
     (not retried), and nothing is stored."""
-    with Producer(served, "rl", "intruder", token=TOKEN) as p:
-        with pytest.raises(PushRefusedError) as caught:
-            p.send([{"w": "intruder", "n": 0}])
+    with Producer(served, "rl", "intruder", token=TOKEN) as p, \
+            pytest.raises(PushRefusedError) as caught:
+        p.send([{"w": "intruder", "n": 0}])
     assert caught.value.status == 403
     assert _values(durable_redis.url, "intruder") == []

@@ -332,3 +332,46 @@ async def test_admin_bad_input_is_4xx_json(redis_server: RedisServer) -> None:
         assert "GET" in resp.headers["Allow"]
         await _is_error(await client.get("/no/such/route"), 404)
     await r.aclose()
+
+
+async def test_first_pushes_after_a_restart_load_the_backlog_once(redis_server: RedisServer) -> None:
+    """A service started over a partition holding 2,500 entries, hit by 16 concurrent
+    first pushes (16 producers of that partition): the backlog is read from the stream
+    once (Redis counts 4 XRANGE calls: 3 pages and the empty end), not 16 times, and
+    all 16 batches are appended."""
+    r = Redis.from_url(redis_server.url)
+    await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
+    key = streams.partition_key("rl", 0)
+    async with r.pipeline(transaction=False) as pipe:
+        for i in range(2_500):
+            pipe.xadd(key, streams.encode_record(i))
+        await pipe.execute()
+    await r.config_resetstat()
+    async with service(redis_server) as client:
+        replies = await asyncio.gather(*(
+            client.post(URL.format("rl"), params={"producer_id": f"actor-{n}", "seq": "0"},
+                        headers={**NDJSON, **AUTH}, data=b"1\n")
+            for n in range(16)))
+        assert [resp.status for resp in replies] == [200] * 16
+    stats = await r.info("commandstats")
+    assert stats["cmdstat_xrange"]["calls"] == 4
+    assert await r.xlen(key) == 2_516
+    await r.aclose()
+
+
+async def test_reads_show_names_and_figures_and_paths_only_to_the_admin(
+    redis_server: RedisServer,
+) -> None:
+    """Without the admin token a dataset's source is hidden; with it, it is shown with
+    the password of its URL redacted."""
+    r = Redis.from_url(redis_server.url)
+    await create_dataset(r, streams.DatasetSpec(
+        name="files", source="s3://user:hunter2@bucket/data/*.jsonl?token=abc"))
+    async with service(redis_server) as client:
+        anonymous = await (await client.get("/admin/datasets/files")).json()
+        admin = await (await client.get("/admin/datasets/files", headers=ADMIN_AUTH)).json()
+        listed = await (await client.get("/admin/datasets")).json()
+    assert anonymous["spec"]["source"] is None and anonymous["name"] == "files"
+    assert listed["datasets"][0]["spec"]["source"] is None
+    assert admin["spec"]["source"] == "s3://user:***@bucket/data/*.jsonl?token=***"
+    await r.aclose()
