@@ -43,8 +43,8 @@ from aiohttp import web
 
 from ingest_service import inspection, seek
 from ingest_service.admin_checkpoints import StoreRoot, StoreSet, parse_store_roots
-from ingest_service.auth import Forbidden, Unauthorized, bearer_token, check_secret, tokens_equal
-from ingest_service.errors import BadRequest
+from ingest_service.auth import bearer_token, check_secret, tokens_equal
+from ingest_service.errors import BadRequest, Forbidden, Unauthorized
 from ingest_service.http_errors import json_errors
 from ingest_service.openapi import openapi_document
 from trainguard.core import settings

@@ -28,18 +28,14 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from ingest_service.errors import AdminError
+from ingest_service.errors import Forbidden, Misdirected, TokenConfigError, Unauthorized
 from trainguard.core import settings
 
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",
     "MIN_TOKEN_CHARS",
-    "Forbidden",
-    "Misdirected",
     "ProducerToken",
     "PushTokens",
-    "TokenConfigError",
-    "Unauthorized",
     "bearer_token",
     "check_secret",
     "host_check_middleware",
@@ -50,26 +46,6 @@ __all__ = [
 MIN_TOKEN_CHARS = 16
 DEFAULT_ALLOWED_HOSTS = ("127.0.0.1", "localhost", "::1")
 _PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
-
-
-class TokenConfigError(AdminError, ValueError):
-    """A configured token is blank, too short or malformed: the service will not start."""
-
-    status = 500
-
-
-class Unauthorized(AdminError, PermissionError):
-    status = 401
-
-
-class Forbidden(AdminError, PermissionError):
-    status = 403
-
-
-class Misdirected(AdminError, PermissionError):
-    """The request's Host is not a name this service answers to."""
-
-    status = 421
 
 
 def check_secret(what: str, value: str) -> str:

@@ -25,6 +25,10 @@ __all__ = [
     "BadRequest",
     "NotFound",
     "Refused",
+    "Unauthorized",
+    "Forbidden",
+    "Misdirected",
+    "TokenConfigError",
 ]
 
 
@@ -132,3 +136,27 @@ class Refused(AdminError, PermissionError):
     """Well-formed, but not allowed in the current state (below floor, pinned...)."""
 
     status = 409
+
+
+class TokenConfigError(AdminError, ValueError):
+    """A configured token is blank, too short or malformed: the service will not start."""
+
+    status = 500
+
+
+class Unauthorized(AdminError, PermissionError):
+    """No bearer token, or one this service does not know."""
+
+    status = 401
+
+
+class Forbidden(AdminError, PermissionError):
+    """A known token, not allowed this (or no token configured for it at all)."""
+
+    status = 403
+
+
+class Misdirected(AdminError, PermissionError):
+    """The request's Host is not a name this service answers to."""
+
+    status = 421

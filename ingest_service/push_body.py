@@ -39,7 +39,6 @@ __all__ = [
     "MSGPACK_TYPES",
     "NDJSON_TYPE",
     "BodyLimits",
-    "parse_records",
     "parse_records_sliced",
     "read_body",
 ]
@@ -276,22 +275,12 @@ def _parse(body: bytes, content_type: str, max_record_bytes: int,
     return records
 
 
-def parse_records(body: bytes, content_type: str, max_record_bytes: int,
-                  limits: BodyLimits) -> list[dict[bytes, bytes]]:
-    """The records of a push body, encoded as stream entries. Raises MalformedPushError
-    (400) or PushTooLargeError (413) naming the offending record."""
-    steps = _parse(body, content_type, max_record_bytes, limits)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-
-
 async def parse_records_sliced(body: bytes, content_type: str, max_record_bytes: int,
                                limits: BodyLimits) -> list[dict[bytes, bytes]]:
-    """:func:`parse_records` on the event loop, handing it back after every slice of
-    at most 64 records or 128 KiB of text, so other requests are served between them."""
+    """The records of a push body, encoded as stream entries; raises MalformedPushError
+    (400) or PushTooLargeError (413) naming the offending record. Runs on the event
+    loop, handing it back after every slice of at most 64 records or 128 KiB of text,
+    so other requests are served between slices."""
     steps = _parse(body, content_type, max_record_bytes, limits)
     while True:
         try:

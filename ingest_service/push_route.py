@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from ingest_service.auth import Forbidden, PushTokens
+from ingest_service.auth import PushTokens
 from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY
 from ingest_service.datasets import describe_dataset
 from ingest_service.errors import (
     AdminError,
     BacklogFullError,
     DatasetNotFoundError,
+    Forbidden,
     MalformedPushError,
     PushOutOfOrderError,
     PushRejectedError,

@@ -141,7 +141,7 @@ async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
          "group_not_found"),
         ("POST", seek, {"ids": {"0": "banana"}}, 400, "bad_id"),
         ("POST", seek, {"ids": {"0": 17}}, 400, "bad_id"),
-        ("POST", seek, {"ids": {"7": "1-0"}}, 400, "bad_partition"),
+        ("POST", seek, {"ids": {"7": "1-0"}}, 404, "bad_partition"),  # no such partition
         ("POST", seek, {"ids": {"-1": "1-0"}}, 400, "bad_partition"),
         ("POST", seek, {"ids": {}}, 400, "bad_ids"),
         ("POST", seek, {"to": "middle"}, 400, "bad_target"),
@@ -224,7 +224,7 @@ def test_config_from_env_reads_token_and_stores(monkeypatch):
 def test_blank_or_short_admin_token_refuses_to_start(monkeypatch, token):
     """A guessable admin token is refused when the config is read (the service does not
     start), naming the variable and the minimum length."""
-    from ingest_service.auth import TokenConfigError
+    from ingest_service.errors import TokenConfigError
 
     monkeypatch.setenv("TRAINGUARD_ADMIN_TOKEN", token)
     with pytest.raises(TokenConfigError, match="TRAINGUARD_ADMIN_TOKEN"):

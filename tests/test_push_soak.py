@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PUSH_TOKEN = "soak-producer-token-0123456"
 ADMIN_TOKEN = "soak-admin-token-0123456789"
 DATASET, GROUP, PRODUCERS, BATCH = "rl", "soak", 6, 50
+DURATION_S = float(os.environ.get("TRAINGUARD_SOAK_S", "600"))
 
 
 def _rss_mb(pid: int) -> float:
@@ -77,8 +78,9 @@ def _redis_retry(fn: Callable[[], object], stop: threading.Event) -> object:
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(DURATION_S + 300)
 def test_push_soak_with_redis_restarts(redis_factory: Callable[..., RedisServer]) -> None:
-    duration = float(os.environ.get("TRAINGUARD_SOAK_S", "600"))
+    duration = DURATION_S
     server = redis_factory(persistence="always")
     async def create() -> None:
         from redis.asyncio import Redis
