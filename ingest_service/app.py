@@ -93,7 +93,7 @@ def create_app(config: IngestConfig) -> web.Application:
     app.cleanup_ctx.append(_background)
 
     # The admin API adds its routes here, on the same Redis URL.
-    setup_admin(app, AdminConfig.from_env(config.redis_url))
+    setup_admin(app, AdminConfig.from_env(config.redis_url), verify_threads=config.verify_threads)
     # The operator's view: run history, dataset detail (read-only JSON) and /ui.
     setup_runs(app)
     setup_ui(app)

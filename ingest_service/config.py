@@ -52,6 +52,10 @@ class IngestConfig:
     """``Host`` names the service answers to (``"*"``: any; e.g. behind a proxy that checks)."""
     max_concurrent_pushes: int = 32
     """Push bodies read or parsed at once; more requests wait their turn."""
+    header_timeout_s: float = 30.0
+    """A request's headers must be in within this long of the connection opening or of
+    the previous answer on it (also the idle keep-alive limit): aiohttp's keep-alive
+    timer closes a connection that is still waiting for a whole request then."""
     verify_threads: int = 2
     """Checkpoint verifications at once (``/verify``), in their own threads."""
     push_retry_after_s: int = 1

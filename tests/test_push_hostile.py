@@ -260,6 +260,35 @@ async def test_a_trickled_body_times_out_with_408(redis_server: RedisServer) -> 
     await r.aclose()
 
 
+async def test_trickled_headers_are_cut_off(redis_server: RedisServer) -> None:
+    """A connection that sends its request line and then trickles headers never gets a
+    request handled: the server closes it (header_timeout_s, here 0.3 s, as
+    ``trainguard serve`` configures it) while /healthz answers others."""
+    config = IngestConfig(redis_url=redis_server.url, produce=False, header_timeout_s=0.3)
+    server = TestServer(create_app(config), host="127.0.0.1")
+    await server.start_server(keepalive_timeout=config.header_timeout_s)
+    async with TestClient(server) as client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        closed = False
+        for _ in range(400):  # a bound, not a clock: the server closes long before
+            try:
+                writer.write(b"X-Slow: 1\r\n")
+                await writer.drain()
+                data = await asyncio.wait_for(reader.read(100), 0.05)
+            except TimeoutError:
+                assert (await client.get("/healthz")).status == 200
+                continue
+            except ConnectionError:
+                closed = True
+                break
+            assert data == b"", data  # closed without an answer
+            closed = True
+            break
+        assert closed
+        writer.transport.abort()
+
+
 async def test_pushes_to_made_up_datasets_add_no_metric_labels(redis_server: RedisServer) -> None:
     """404 pushes to 50 names that do not exist leave /metrics without any of them."""
     r = Redis.from_url(redis_server.url)

@@ -42,8 +42,9 @@ def serve(config: IngestConfig) -> int:
     web.run_app(
         create_app(config), host=config.host, port=config.port,
         shutdown_timeout=config.shutdown_timeout_s, print=lambda msg: log.info("%s", msg),
-        # An idle keep-alive connection is closed after this long (not aiohttp's hour).
-        keepalive_timeout=75.0,
+        # A connection still waiting for a whole request (idle, or headers trickled) is
+        # closed after this long (not aiohttp's hour).
+        keepalive_timeout=config.header_timeout_s,
     )
     return 0
 
