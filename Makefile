@@ -84,6 +84,7 @@ bench: setup
 	$(PY) bench/checkpoint.py
 	$(PY) bench/ingest.py
 	$(PY) bench/consume.py
+	$(PY) bench/push.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -50,8 +50,6 @@ class IngestConfig:
     loopback address only)."""
     allowed_hosts: tuple[str, ...] = DEFAULT_ALLOWED_HOSTS
     """``Host`` names the service answers to (``"*"``: any; e.g. behind a proxy that checks)."""
-    max_concurrent_pushes: int = 32
-    """Push bodies read or parsed at once; more requests wait their turn."""
     header_timeout_s: float = 30.0
     """A request's headers must be in within this long of the connection opening or of
     the previous answer on it (also the idle keep-alive limit): aiohttp's keep-alive

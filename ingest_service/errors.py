@@ -17,6 +17,7 @@ __all__ = [
     "MalformedPushError",
     "PushTooLargeError",
     "PushTooSlowError",
+    "PushBusyError",
     "UnsupportedMediaError",
     "PushOutOfOrderError",
     "BacklogFullError",
@@ -75,6 +76,12 @@ class PushTooSlowError(PushRejectedError, TimeoutError):
     """The push body did not arrive within the read timeouts."""
 
     status = 408
+
+
+class PushBusyError(PushRejectedError, BlockingIOError):
+    """The service holds as many push bodies as its memory bound allows: retry."""
+
+    status = 503
 
 
 class UnsupportedMediaError(PushRejectedError):

@@ -9,7 +9,10 @@ Each chunk must arrive within ``chunk_timeout_s`` and the whole body within
 Parsing (:func:`parse_records_sliced`) runs on the event loop in slices: it decodes
 record by record (one JSON line, one element of a JSON array, one msgpack item per
 call) and hands the loop back after every 64 records or 128 KiB, so other requests are
-served between slices. (Not worker threads: a thread parsing a big body holds the GIL
+served between slices. Bodies over ``big_body_bytes`` (1 MiB; an RL batch is a
+fraction of that) parse one at a time and rest between slices, together taking at most
+a quarter of the loop: a client sending the worst case in a loop slows itself, not the
+others. (Not worker threads: a thread parsing a big body holds the GIL
 for 5 ms turns, and every wake-up of the loop then waits a turn; under load that
 added up to seconds.)
 
@@ -30,7 +33,12 @@ from dataclasses import dataclass
 import msgpack
 from aiohttp import StreamReader
 
-from ingest_service.errors import MalformedPushError, PushTooLargeError, PushTooSlowError
+from ingest_service.errors import (
+    MalformedPushError,
+    PushBusyError,
+    PushTooLargeError,
+    PushTooSlowError,
+)
 from trainguard.core import streams
 
 __all__ = [
@@ -39,6 +47,7 @@ __all__ = [
     "MSGPACK_TYPES",
     "NDJSON_TYPE",
     "BodyLimits",
+    "ByteBudget",
     "parse_records_sliced",
     "read_body",
 ]
@@ -55,10 +64,20 @@ class BodyLimits:
     max_records: int = 10_000
     chunk_timeout_s: float = 10.0
     total_timeout_s: float = 60.0
+    big_body_bytes: int = 1024 * 1024
+    """Bodies above this parse one at a time, at ``big_body_share`` of the loop."""
+    big_body_share: float = 0.25
+    max_inflight_bytes: int = 64 * 1024 * 1024
+    """All push bodies in memory at once; past it a request is answered 503 (busy)."""
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 or self.max_records < 1:
             raise ValueError(f"push limits must be >= 1, got {self}")
+        if self.max_inflight_bytes < self.max_bytes:
+            raise ValueError(
+                f"max_inflight_bytes ({self.max_inflight_bytes}) must hold at least one body of "
+                f"max_bytes ({self.max_bytes})"
+            )
 
 
 def _too_many(limits: BodyLimits, found: str) -> PushTooLargeError:
@@ -82,39 +101,65 @@ def _msgpack_array_len(head: bytes) -> int | None:
     return int.from_bytes(head[1:1 + size], "big")
 
 
-async def read_body(content: StreamReader, content_type: str, limits: BodyLimits) -> bytes:
-    """The whole body, refused with 413 as soon as it passes a limit."""
+class ByteBudget:
+    """Bytes of push bodies held in memory by all requests together."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise PushBusyError(
+                f"the service holds {self.used} bytes of push bodies, its bound is {self.limit}: "
+                "retry after Retry-After seconds"
+            )
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+async def read_body(content: StreamReader, content_type: str, limits: BodyLimits,
+                    budget: ByteBudget) -> bytes:
+    """The whole body, refused with 413 as soon as it passes a limit, or with 503 when
+    the bodies of all requests together would pass ``budget``. The bytes stay taken
+    from ``budget``: the caller gives back ``len(body)`` when done with it."""
     chunks: list[bytes] = []
     size = newlines = 0
     deadline = time.monotonic() + limits.total_timeout_s
     head = b""
-    while True:
-        timeout = min(limits.chunk_timeout_s, deadline - time.monotonic())
-        try:
-            chunk = await asyncio.wait_for(content.readany(), max(timeout, 0.0))
-        except TimeoutError as exc:
-            raise PushTooSlowError(
-                f"the body did not arrive in time (each chunk within {limits.chunk_timeout_s} s, "
-                f"the whole body within {limits.total_timeout_s} s); send it at once"
-            ) from exc
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limits.max_bytes:
-            raise PushTooLargeError(
-                f"the body is over {limits.max_bytes} bytes: the limit per request; send smaller "
-                "batches"
-            )
-        if content_type == NDJSON_TYPE:
-            newlines += chunk.count(b"\n")
-            if newlines > limits.max_records:
-                raise _too_many(limits, f"more than {limits.max_records}")
-        elif content_type in MSGPACK_TYPES and len(head) < 5:
-            head += chunk[:5]
-            count = _msgpack_array_len(head)
-            if count is not None and count > limits.max_records:
-                raise _too_many(limits, str(count))
-        chunks.append(chunk)
+    try:
+        while True:
+            timeout = min(limits.chunk_timeout_s, deadline - time.monotonic())
+            try:
+                chunk = await asyncio.wait_for(content.readany(), max(timeout, 0.0))
+            except TimeoutError as exc:
+                raise PushTooSlowError(
+                    f"the body did not arrive in time (each chunk within {limits.chunk_timeout_s} "
+                    f"s, the whole body within {limits.total_timeout_s} s); send it at once"
+                ) from exc
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limits.max_bytes:
+                raise PushTooLargeError(
+                    f"the body is over {limits.max_bytes} bytes: the limit per request; send "
+                    "smaller batches"
+                )
+            if content_type == NDJSON_TYPE:
+                newlines += chunk.count(b"\n")
+                if newlines > limits.max_records:
+                    raise _too_many(limits, f"more than {limits.max_records}")
+            elif content_type in MSGPACK_TYPES and len(head) < 5:
+                head += chunk[:5]
+                count = _msgpack_array_len(head)
+                if count is not None and count > limits.max_records:
+                    raise _too_many(limits, str(count))
+            budget.take(len(chunk))
+            chunks.append(chunk)
+    except BaseException:
+        budget.give(sum(len(c) for c in chunks))
+        raise
     return b"".join(chunks)
 
 
@@ -276,15 +321,19 @@ def _parse(body: bytes, content_type: str, max_record_bytes: int,
 
 
 async def parse_records_sliced(body: bytes, content_type: str, max_record_bytes: int,
-                               limits: BodyLimits) -> list[dict[bytes, bytes]]:
+                               limits: BodyLimits, *, share: float = 1.0
+                               ) -> list[dict[bytes, bytes]]:
     """The records of a push body, encoded as stream entries; raises MalformedPushError
     (400) or PushTooLargeError (413) naming the offending record. Runs on the event
     loop, handing it back after every slice of at most 64 records or 128 KiB of text,
-    so other requests are served between slices."""
+    so other requests are served between slices. With ``share`` below 1 it rests
+    after each slice, so that it takes at most that share of the loop's time."""
     steps = _parse(body, content_type, max_record_bytes, limits)
+    rest = (1.0 - share) / share
     while True:
+        started = time.perf_counter()
         try:
             next(steps)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
-        await asyncio.sleep(0)
+        await asyncio.sleep((time.perf_counter() - started) * rest)

@@ -12,6 +12,7 @@
    without reading its body); the producer's partition has room (429 with
    ``Retry-After``). All before the body is read.
 5. The body streams in within its limits (413, 408), is parsed in slices on the loop
+   (bodies over 1 MiB one at a time, at a quarter of the loop at most)
    (400, 413), checked against the backlog again with its real size, and appended in
    slices (409 with the mark when ``seq`` is out of order; 503 with ``Retry-After``
    when Redis is out of reach).
@@ -51,25 +52,32 @@ from ingest_service.push import (
     choose_partition,
     parse_params,
 )
-from ingest_service.push_body import CONTENT_TYPES, BodyLimits, parse_records_sliced, read_body
+from ingest_service.push_body import (
+    CONTENT_TYPES,
+    BodyLimits,
+    ByteBudget,
+    parse_records_sliced,
+    read_body,
+)
 from trainguard.core import streams
 
 __all__ = ["PUSH_KEY", "PushRoute", "setup_push"]
 
 _CODES = {400: "bad_request", 408: "timeout", 409: "conflict", 413: "too_large",
-          415: "unsupported_media_type", 429: "backlog_full", 503: "unavailable"}
+          415: "unsupported_media_type", 429: "backlog_full", 503: "busy"}
 
 
 @dataclass
 class PushRoute:
-    """What the route holds: the appender, the tokens and a bound on bodies in memory
-    at once."""
+    """What the route holds: the appender, the tokens, the bound on the bytes of
+    bodies in memory at once, and the one slot of big-body parsing."""
 
     ingest: PushIngest
     tokens: PushTokens
     insecure_local: bool
     limits: BodyLimits
-    bodies: asyncio.Semaphore
+    budget: ByteBudget
+    big_bodies: asyncio.Semaphore
     stopping: asyncio.Event
 
     def authorize(self, request: web.Request, dataset: str, producer_id: str) -> None:
@@ -99,7 +107,9 @@ async def push_records(request: web.Request) -> web.StreamResponse:
         response = error_response(429, "backlog_full", str(exc),
                                   {"Retry-After": str(exc.retry_after_s)})
     except PushRejectedError as exc:
-        response = error_response(exc.status, _CODES.get(exc.status, "bad_request"), str(exc))
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        response = error_response(exc.status, _CODES.get(exc.status, "bad_request"), str(exc),
+                                  retry)
     except AdminError as exc:
         response = error_response(exc.status, exc.code, str(exc))
     except DatasetNotFoundError as exc:
@@ -146,10 +156,18 @@ async def _push(request: web.Request, route: PushRoute,
         return _reply(PushResult(choose_partition(producer_id, spec.partitions), seq, False, 0,
                                  None, None, mark))
     await route.ingest.check_room(spec, producer_id, seq)
-    async with route.bodies:
-        body = await read_body(request.content, content_type, route.limits)
-        records = await parse_records_sliced(body, content_type, spec.max_record_bytes,
-                                             route.limits)
+    body = await read_body(request.content, content_type, route.limits, route.budget)
+    try:
+        if len(body) > route.limits.big_body_bytes:
+            async with route.big_bodies:
+                records = await parse_records_sliced(body, content_type, spec.max_record_bytes,
+                                                     route.limits,
+                                                     share=route.limits.big_body_share)
+        else:
+            records = await parse_records_sliced(body, content_type, spec.max_record_bytes,
+                                                 route.limits)
+    finally:
+        route.budget.give(len(body))
         del body
     size = sum(len(f.get(streams.F_DATA, b"")) for f in records)
     await route.ingest.check_room(spec, producer_id, seq, len(records), size)
@@ -175,7 +193,8 @@ def setup_push(app: web.Application, ingest: PushIngest, stopping: asyncio.Event
     route = PushRoute(
         ingest=ingest, tokens=config.push_tokens, insecure_local=config.insecure_local,
         limits=config.push_limits,
-        bodies=asyncio.Semaphore(config.max_concurrent_pushes), stopping=stopping,
+        budget=ByteBudget(config.push_limits.max_inflight_bytes), big_bodies=asyncio.Semaphore(1),
+        stopping=stopping,
     )
     app[PUSH_KEY] = route
     app.router.add_post("/v1/datasets/{name}/records", push_records)

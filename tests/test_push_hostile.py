@@ -260,6 +260,43 @@ async def test_a_trickled_body_times_out_with_408(redis_server: RedisServer) -> 
     await r.aclose()
 
 
+async def test_bodies_past_the_memory_bound_are_503_busy(redis_server: RedisServer) -> None:
+    """With room for 1,000 bytes of bodies in memory, a push whose 600 bytes arrived
+    (its body unfinished) leaves no room for a second one: that is 503 busy with
+    Retry-After and appends nothing; once the first is finished, the second goes in."""
+    r = Redis.from_url(redis_server.url)
+    await _datasets(r)
+    limits = BodyLimits(max_bytes=1000, max_inflight_bytes=1000)
+    first = _lines(*["a" * 100] * 5) + b'"' + b"f" * 84  # 600 bytes: 5 lines and a part
+    rest = b'ffff"\n'  # ends the 6th line
+    async with service(redis_server, push_limits=limits) as client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(
+            b"POST /v1/datasets/rl/records?producer_id=actor-1&seq=0 HTTP/1.1\r\n"
+            b"Host: 127.0.0.1\r\nContent-Type: application/x-ndjson\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(first + rest)}\r\n\r\n".encode()
+            + first
+        )
+        await writer.drain()
+        for _ in range(3):  # the server's loop turns: the first body's bytes are taken
+            assert (await client.get("/healthz")).status == 200
+        second = _lines("x" * 280, "y" * 280)
+        busy = await client.post(URL.format("rl"), params={"producer_id": "actor-2", "seq": "0"},
+                                 headers={**NDJSON, **AUTH}, data=second)
+        await _is_error(busy, 503, "busy")
+        assert busy.headers["Retry-After"] == "1"
+        writer.write(rest)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        writer.close()
+        again = await client.post(URL.format("rl"), params={"producer_id": "actor-2", "seq": "0"},
+                                  headers={**NDJSON, **AUTH}, data=second)
+        assert again.status == 200
+    assert sum([await r.xlen(streams.partition_key("rl", p)) for p in range(2)]) == 6 + 2
+    await r.aclose()
+
+
 async def test_trickled_headers_are_cut_off(redis_server: RedisServer) -> None:
     """A connection that sends its request line and then trickles headers never gets a
     request handled: the server closes it (header_timeout_s, here 0.3 s, as

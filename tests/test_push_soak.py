@@ -223,6 +223,9 @@ def test_push_soak_with_redis_restarts(redis_factory: Callable[..., RedisServer]
     assert set(acked) == {f"w-{n}" for n in range(PRODUCERS)}
     for name, count in acked.items():
         assert consumed[name] == list(range(count)), (name, count, len(consumed[name]))
+    print(f"soak {duration:.0f} s: {sum(acked.values()):,} records acknowledged by "
+          f"{PRODUCERS} producers, statuses {dict(sorted(statuses.counts.items()))}, RSS "
+          f"{min(m for _, m in rss):.0f}-{max(m for _, m in rss):.0f} MB")
     bad = {s: n for s, n in statuses.counts.items() if s >= 500 and s != 503}
     assert not bad, statuses.counts
     assert statuses.counts[200] > 0

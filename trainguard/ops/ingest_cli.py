@@ -77,9 +77,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from trainguard.ops.serve import serve
 
     limits = BodyLimits()
+    max_bytes = args.max_push_bytes or limits.max_bytes
     limits = dataclasses.replace(
-        limits, max_bytes=args.max_push_bytes or limits.max_bytes,
-        max_records=args.max_push_records or limits.max_records,
+        limits, max_bytes=max_bytes, max_records=args.max_push_records or limits.max_records,
+        max_inflight_bytes=max(limits.max_inflight_bytes, 4 * max_bytes),
     )
     config = IngestConfig.from_env(
         redis_url=args.redis_url, host=args.host, port=args.port,
