@@ -422,9 +422,10 @@ def openapi_document() -> dict[str, Any]:
             "info": {
                 "title": "trainguard ingest service",
                 "version": __version__,
-                "description": "Admin API of trainguard. Errors are "
-                               '{"error": {"code", "message"}}; mutating routes need '
-                               "Authorization: Bearer <TRAINGUARD_ADMIN_TOKEN>.",
+                "description": "Ingest and admin API of trainguard. Errors are "
+                               '{"error": {"code", "message"}}; mutating admin routes need '
+                               "Authorization: Bearer <TRAINGUARD_ADMIN_TOKEN>, pushes a "
+                               "producer token of TRAINGUARD_PUSH_TOKENS.",
             },
             "paths": {**_paths(), **runs_paths()},
             "components": {
