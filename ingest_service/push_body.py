@@ -29,6 +29,7 @@ import json
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 from aiohttp import StreamReader
@@ -102,10 +103,11 @@ def _msgpack_array_len(head: bytes) -> int | None:
 
 
 class ByteBudget:
-    """Bytes of push bodies held in memory by all requests together."""
+    """Bytes of push bodies held in memory by all requests together, shown by
+    ``gauge`` (anything with ``set(value)``) when given."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
+    def __init__(self, limit: int, gauge: Any = None) -> None:
+        self.limit, self.used, self._gauge = limit, 0, gauge
 
     def take(self, n: int) -> None:
         if self.used + n > self.limit:
@@ -114,9 +116,13 @@ class ByteBudget:
                 "retry after Retry-After seconds"
             )
         self.used += n
+        if self._gauge is not None:
+            self._gauge.set(self.used)
 
     def give(self, n: int) -> None:
         self.used -= n
+        if self._gauge is not None:
+            self._gauge.set(self.used)
 
 
 async def read_body(content: StreamReader, content_type: str, limits: BodyLimits,

@@ -193,7 +193,9 @@ def setup_push(app: web.Application, ingest: PushIngest, stopping: asyncio.Event
     route = PushRoute(
         ingest=ingest, tokens=config.push_tokens, insecure_local=config.insecure_local,
         limits=config.push_limits,
-        budget=ByteBudget(config.push_limits.max_inflight_bytes), big_bodies=asyncio.Semaphore(1),
+        budget=ByteBudget(config.push_limits.max_inflight_bytes,
+                          app[METRICS_KEY].push_body_bytes),
+        big_bodies=asyncio.Semaphore(1),
         stopping=stopping,
     )
     app[PUSH_KEY] = route

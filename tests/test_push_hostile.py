@@ -278,8 +278,12 @@ async def test_bodies_past_the_memory_bound_are_503_busy(redis_server: RedisServ
             + first
         )
         await writer.drain()
-        for _ in range(3):  # the server's loop turns: the first body's bytes are taken
-            assert (await client.get("/healthz")).status == 200
+        for _ in range(1000):  # until the service holds the first body's 600 bytes
+            metrics = await (await client.get("/metrics")).text()
+            if "trainguard_ingest_push_body_bytes 600.0" in metrics:
+                break
+            await asyncio.sleep(0.01)
+        assert "trainguard_ingest_push_body_bytes 600.0" in metrics
         second = _lines("x" * 280, "y" * 280)
         busy = await client.post(URL.format("rl"), params={"producer_id": "actor-2", "seq": "0"},
                                  headers={**NDJSON, **AUTH}, data=second)
