@@ -237,6 +237,21 @@ async def test_healthz_answers_while_the_worst_case_push_is_refused(
     await r.aclose()
 
 
+async def _start_push(port: int, length: int, start: bytes
+                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A push of actor-1 seq 0 over a raw socket announcing ``length`` body bytes, of
+    which only ``start`` is sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/datasets/rl/records?producer_id=actor-1&seq=0 HTTP/1.1\r\n"
+        b"Host: 127.0.0.1\r\nContent-Type: application/x-ndjson\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {length}\r\n\r\n".encode()
+        + start
+    )
+    await writer.drain()
+    return reader, writer
+
+
 async def test_a_trickled_body_times_out_with_408(redis_server: RedisServer) -> None:
     """A body that stops arriving is answered 408 once a chunk is overdue, and the
     service goes on answering others."""
@@ -244,14 +259,7 @@ async def test_a_trickled_body_times_out_with_408(redis_server: RedisServer) -> 
     await _datasets(r)
     limits = BodyLimits(chunk_timeout_s=0.3, total_timeout_s=5.0)
     async with service(redis_server, push_limits=limits) as client:
-        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
-        writer.write(
-            b"POST /v1/datasets/rl/records?producer_id=actor-1&seq=0 HTTP/1.1\r\n"
-            b"Host: 127.0.0.1\r\nContent-Type: application/x-ndjson\r\n"
-            + f"Authorization: Bearer {TOKEN}\r\n".encode()
-            + b"Content-Length: 1000\r\n\r\n1\n"
-        )
-        await writer.drain()
+        reader, writer = await _start_push(client.port, 1000, b"1\n")
         head = await reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), head
         writer.close()
@@ -270,14 +278,7 @@ async def test_bodies_past_the_memory_bound_are_503_busy(redis_server: RedisServ
     first = _lines(*["a" * 100] * 5) + b'"' + b"f" * 84  # 600 bytes: 5 lines and a part
     rest = b'ffff"\n'  # ends the 6th line
     async with service(redis_server, push_limits=limits) as client:
-        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
-        writer.write(
-            b"POST /v1/datasets/rl/records?producer_id=actor-1&seq=0 HTTP/1.1\r\n"
-            b"Host: 127.0.0.1\r\nContent-Type: application/x-ndjson\r\n"
-            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(first + rest)}\r\n\r\n".encode()
-            + first
-        )
-        await writer.drain()
+        reader, writer = await _start_push(client.port, len(first + rest), first)
         for _ in range(1000):  # until the service holds the first body's 600 bytes
             metrics = await (await client.get("/metrics")).text()
             if "trainguard_ingest_push_body_bytes 600.0" in metrics:
