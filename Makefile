@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: test demo setup redis chromium lint chaos bench clean
+.PHONY: test demo setup redis chromium lint chaos bench clean compose
 
 setup: $(STAMP) redis chromium
 
@@ -70,10 +70,21 @@ chaos: setup
 demo: setup
 	$(VENV)/bin/trainguard demo $(if $(KEEP),--keep)
 
+# docker compose with secrets: .env is written once from .env.example, each CHANGE_ME a
+# fresh random value (an existing .env is kept as it is).
+compose: .env
+	docker compose up -d
+
+.env:
+	@$(PYTHON) -c "import pathlib, re, secrets; text = pathlib.Path('.env.example').read_text(); pathlib.Path('.env').write_text(re.sub('CHANGE_ME', lambda m: secrets.token_hex(16), text))"
+	@chmod 600 .env
+	@echo "wrote .env with fresh secrets (keep it private)"
+
 bench: setup
 	$(PY) bench/checkpoint.py
 	$(PY) bench/ingest.py
 	$(PY) bench/consume.py
+	$(PY) bench/push.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import mmap
 import os
+import secrets
 import shutil
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -111,7 +112,7 @@ class LocalBackend:
     def write_file(self, path: str, pieces: Sequence[Buffer]) -> None:
         full = self._abs(path)
         self._makedirs(os.path.dirname(full))
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(full, _CREATE_FLAGS, 0o644)
         try:
             for piece in pieces:
                 _write_all(fd, piece)
@@ -127,8 +128,12 @@ class LocalBackend:
         full = self._abs(path)
         directory = os.path.dirname(full)
         self._makedirs(directory)
-        tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(full)}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        # A random part, and a create that neither reuses an existing file nor follows a
+        # planted symlink; the pid stays last (gc reads it to spare live writers).
+        tmp = os.path.join(
+            directory, f"{TMP_PREFIX}{os.path.basename(full)}.{secrets.token_hex(8)}.{os.getpid()}"
+        )
+        fd = os.open(tmp, _CREATE_FLAGS, 0o644)
         try:
             half = len(data) // 2
             _write_all(fd, data[:half])
@@ -216,6 +221,10 @@ class LocalBackend:
 def _ignore_missing(func: Any, path: str, exc_info: Any) -> None:
     if not isinstance(exc_info[1], FileNotFoundError):
         raise exc_info[1]
+
+
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""Create a new file only: never an existing one, never through a symlink."""
 
 
 def _fsync_dir(path: str) -> None:

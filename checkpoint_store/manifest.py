@@ -80,6 +80,21 @@ def encode_manifest(
     return _canonical(body) + b"\n"
 
 
+def _check_array_names(name: str, arrays: object) -> None:
+    """Array names become paths under the checkpoint's data directory: a name that
+    could leave it (``..``, an absolute path, a backslash, an empty segment) makes the
+    manifest corrupt, whatever its checksum says."""
+    if not isinstance(arrays, dict):
+        raise CorruptCheckpointError(f"manifest {name}: 'arrays' is not an object")
+    for array in arrays:
+        parts = str(array).split("/")
+        if any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
+            raise CorruptCheckpointError(
+                f"manifest {name} names array {str(array)[:80]!r}, which is not a relative path "
+                "inside the checkpoint's data directory: the manifest is damaged or forged"
+            )
+
+
 def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
     """Parse and verify; raises CorruptCheckpointError on any mismatch."""
     parsed_name = parse_manifest_name(name)
@@ -113,6 +128,7 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
             f"manifest {name} records step {body['step']} uid {body['uid']}, which do not "
             "match its name"
         )
+    _check_array_names(name, body["arrays"])
     state = body["state"]
     if state.get("encoding") != "msgpack":
         raise CorruptCheckpointError(f"manifest {name}: unknown state encoding {state!r}")

@@ -8,10 +8,13 @@ below its own floor could have data trimmed under it once other groups move on) 
 below what Redis already deleted or trimmed. Pending entries of the group stay
 pending.
 
-Each partition moves by the same fenced script a trainer's restore runs, under the
-group's current fencing generation: a trainer that restores between this seek's
-checks and its move (a higher generation) makes the move refused ("fenced") rather
-than overwritten.
+Every target is checked first (a partition of the dataset, an ID of 64-bit parts, not
+below what may be gone, not past the stream's last ID); then every partition moves in
+one step: the same fenced script a trainer's restore runs, once per partition, all in
+one MULTI/EXEC under WATCH of the fencing keys. A trainer that restores between this
+seek's checks and its move (a higher generation) aborts the whole step ("fenced"),
+and nothing moves. (On Redis Cluster a MULTI spanning partitions is cross-slot: there
+a seek is refused rather than applied partly.)
 
 A seek moves the Redis side only. A ``TrainingSession`` treats its checkpoint
 manifest as the truth: its ``restore`` moves the run's group to the manifest's
@@ -26,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError, WatchError
 
 from ingest_service import inspection
 from ingest_service.errors import BadRequest, NotFound, Refused
@@ -48,8 +51,10 @@ def parse_seek_ids(raw: Any, partitions: int) -> dict[int, str]:
     out: dict[int, str] = {}
     for key, value in raw.items():
         text = str(key)
-        if not text.isdigit() or not 0 <= int(text) < partitions:
-            raise BadRequest(
+        if not text.isascii() or not text.isdigit() or len(text) > 5:
+            raise BadRequest("bad_partition", f"partition {key!r} is not an integer")
+        if int(text) >= partitions:
+            raise NotFound(
                 "bad_partition",
                 f"partition {key!r} is not valid: expected an integer 0..{partitions - 1}",
             )
@@ -119,7 +124,7 @@ async def seek_group(
         raise BadRequest("bad_target", f"'to' is {to!r}: expected 'earliest' or 'latest'")
     for p in ids or {}:
         if not 0 <= p < spec.partitions:
-            raise BadRequest(
+            raise NotFound(
                 "bad_partition",
                 f"partition {p} is outside dataset {dataset!r} (0..{spec.partitions - 1})",
             )
@@ -155,6 +160,13 @@ async def seek_group(
                     f"({lowest}): the entries after {target} may be gone. Expected an ID "
                     f">= {lowest}; seek to 'earliest' for the lowest safe position",
                 )
+            end = info["last_generated_id"] or streams.ZERO_ID
+            if streams.parse_id(target) > streams.parse_id(end):
+                raise Refused(
+                    "past_end",
+                    f"seek of group {group!r} partition {p} to {target} is past the stream's "
+                    f"last ID ({end}): expected an ID <= {end}; seek to 'latest' to skip all",
+                )
         elif to == EARLIEST:
             target = lowest
         else:
@@ -169,32 +181,30 @@ async def seek_group(
 
 
 async def _move(r: aioredis.Redis, dataset: str, group: str, targets: Mapping[int, str]) -> None:
-    """Move each partition's group to its target with the fenced seek script, under
-    the newest fencing generation of the group's partitions; register the group."""
-    pipe = r.pipeline(transaction=False)
-    for p in targets:
-        pipe.get(streams.fence_key(dataset, p, group))
-    generation = max((int(g or 0) for g in await pipe.execute()), default=0)
-    calls = groups.seek_calls(dataset, group, generation, targets, None, "0")
-    sha = groups.script_sha(groups.SEEK_LUA)
-    for attempt in range(2):
-        pipe = r.pipeline(transaction=False)
-        for keys, args in calls:
-            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
-        replies = await pipe.execute(raise_on_error=False)
-        if attempt == 0 and any(isinstance(x, NoScriptError) for x in replies):
-            await r.execute_command("SCRIPT", "LOAD", groups.SEEK_LUA)
-            continue
-        break
-    for (p, target), reply in zip(targets.items(), replies, strict=True):
-        newer = groups.fenced_generation(reply)
-        if newer is not None:
+    """Move every partition's group to its target in one step (see the module
+    docstring), under the newest fencing generation of the group's partitions; then
+    register the group."""
+    fences = [streams.fence_key(dataset, p, group) for p in sorted(targets)]
+    async with r.pipeline(transaction=True) as pipe:
+        try:
+            await pipe.watch(*fences)
+            generation = max([int(await pipe.get(k) or 0) for k in fences], default=0)
+            pipe.multi()
+            for keys, args in groups.seek_calls(dataset, group, generation, targets, None, "0"):
+                pipe.execute_command("EVAL", groups.SEEK_LUA, len(keys), *keys, *args)
+            replies = await pipe.execute(raise_on_error=False)
+        except WatchError as exc:
             raise Refused(
                 "fenced",
-                f"seek of group {group!r} partition {p} to {target} was refused: a trainer "
-                f"of the run restored (fencing generation {newer}) while the seek was "
-                "being checked; look at the group again and retry",
-            )
+                f"seek of group {group!r} was refused, nothing moved: a trainer of the run "
+                "restored (a new fencing generation) while the seek was being checked; look "
+                "at the group again and retry",
+            ) from exc
+    for (p, target), reply in zip(sorted(targets.items()), replies, strict=True):
+        newer = groups.fenced_generation(reply)
+        if newer is not None:  # not expected under WATCH; kept as the script's own guard
+            raise Refused("fenced", f"seek of group {group!r} partition {p} to {target} was "
+                          f"refused: fencing generation {newer} is newer")
         if isinstance(reply, ResponseError):
             raise reply
     await r.sadd(streams.groups_key(dataset), group)

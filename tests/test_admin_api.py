@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
 
 from ingest_service.admin import AdminConfig
@@ -140,7 +141,7 @@ async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
          "group_not_found"),
         ("POST", seek, {"ids": {"0": "banana"}}, 400, "bad_id"),
         ("POST", seek, {"ids": {"0": 17}}, 400, "bad_id"),
-        ("POST", seek, {"ids": {"7": "1-0"}}, 400, "bad_partition"),
+        ("POST", seek, {"ids": {"7": "1-0"}}, 404, "bad_partition"),  # no such partition
         ("POST", seek, {"ids": {"-1": "1-0"}}, 400, "bad_partition"),
         ("POST", seek, {"ids": {}}, 400, "bad_ids"),
         ("POST", seek, {"to": "middle"}, 400, "bad_target"),
@@ -215,8 +216,19 @@ def test_config_from_env_reads_token_and_stores(monkeypatch):
     assert config.token is None
     assert {n: (s.url, s.remote_url) for n, s in config.stores.items()} == {
         "a": ("file:///x", None), "b": ("file:///y", "s3://b/y")}
-    monkeypatch.setenv("TRAINGUARD_ADMIN_TOKEN", "t")
-    assert AdminConfig.from_env("redis://127.0.0.1:1/0").token == "t"
+    monkeypatch.setenv("TRAINGUARD_ADMIN_TOKEN", "a-token-of-24-characters")
+    assert AdminConfig.from_env("redis://127.0.0.1:1/0").token == "a-token-of-24-characters"
+
+
+@pytest.mark.parametrize("token", ["t", "fifteen-chars!!", "   ", " padded-token-of-20 ", "tökén-with-accents"])
+def test_blank_or_short_admin_token_refuses_to_start(monkeypatch, token):
+    """A guessable admin token is refused when the config is read (the service does not
+    start), naming the variable and the minimum length."""
+    from ingest_service.errors import TokenConfigError
+
+    monkeypatch.setenv("TRAINGUARD_ADMIN_TOKEN", token)
+    with pytest.raises(TokenConfigError, match="TRAINGUARD_ADMIN_TOKEN"):
+        AdminConfig.from_env("redis://127.0.0.1:1/0")
 
 
 def test_service_binds_loopback_unless_told_otherwise():

@@ -11,6 +11,9 @@ variable                       what                          default
 ``TRAINGUARD_REDIS_URL``       the Redis every part talks to ``redis://127.0.0.1:6379/0``
 ``TRAINGUARD_ADMIN_TOKEN``     bearer token of mutating      unset: mutations refused
                                admin routes
+``TRAINGUARD_PUSH_TOKENS``     producer tokens of push,      unset: push refused
+                               scoped to datasets and        (unless the service
+                               producer_ids                  runs --insecure-local)
 ``TRAINGUARD_CHECKPOINT_STORES`` checkpoint roots the admin  unset: none
                                API serves:
                                ``name=url[|remote_url],...``
@@ -29,10 +32,12 @@ __all__ = [
     "CHECKPOINT_STORES_ENV",
     "DEFAULT_REDIS_URL",
     "PROBES_ENV",
+    "PUSH_TOKENS_ENV",
     "REDIS_URL_ENV",
     "admin_token",
     "checkpoint_stores",
     "probes",
+    "push_tokens",
     "redis_url",
 ]
 
@@ -41,6 +46,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ADMIN_TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
 CHECKPOINT_STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
 PROBES_ENV = "TRAINGUARD_PROBES"
+PUSH_TOKENS_ENV = "TRAINGUARD_PUSH_TOKENS"
 
 
 def redis_url(explicit: str | None = None) -> str:
@@ -62,3 +68,8 @@ def probes() -> str:
     """``$TRAINGUARD_PROBES`` as written: ``node=http://host:port,...``, the GPU health
     daemons (``trainguard probe``) whose metrics the dashboard shows."""
     return os.environ.get(PROBES_ENV, "")
+
+
+def push_tokens() -> str:
+    """``$TRAINGUARD_PUSH_TOKENS`` as written (parsed by :mod:`ingest_service.auth`)."""
+    return os.environ.get(PUSH_TOKENS_ENV, "")

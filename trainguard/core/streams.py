@@ -152,12 +152,22 @@ def make_id(epoch: int, index: int) -> str:
     return f"{epoch + 1}-{index}"
 
 
+_U64_DIGITS = 20
+_U64 = 2**64
+
+
 def parse_id(stream_id: str | bytes) -> StreamId:
-    """``b"3-17"`` -> ``(3, 17)``. Raises ContractError on anything else."""
-    text = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    """``b"3-17"`` -> ``(3, 17)``: ASCII digits, each part below 2^64 (as Redis has
+    them). Raises ContractError on anything else."""
+    text = stream_id.decode("utf-8", "replace") if isinstance(stream_id, bytes) else stream_id
     ms, sep, seq = text.partition("-")
-    if not sep or not ms.isdigit() or not seq.isdigit():
-        raise ContractError(f"stream ID {text!r} is not of the form '<ms>-<seq>'")
+    for part in (ms, seq):
+        if not sep or not part.isascii() or not part.isdigit() or len(part) > _U64_DIGITS \
+                or int(part) >= _U64:
+            raise ContractError(
+                f"stream ID {text[:60]!r} is not of the form '<ms>-<seq>' (ASCII digits, each "
+                "below 2^64)"
+            )
     return int(ms), int(seq)
 
 

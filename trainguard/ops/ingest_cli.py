@@ -57,15 +57,36 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="produce only this dataset (repeatable; default: all registered)")
     parser.add_argument("--no-produce", action="store_true",
                         help="serve push and health only, run no file producers")
+    parser.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                        help="a Host name clients use to reach the service (repeatable; default "
+                             "127.0.0.1, localhost, ::1; '*' for any, e.g. behind a proxy)")
+    parser.add_argument("--max-push-bytes", type=int, default=None,
+                        help="bytes per push request (default 16 MiB)")
+    parser.add_argument("--max-push-records", type=int, default=None,
+                        help="records per push request (default 10000)")
+    parser.add_argument("--insecure-local", action="store_true",
+                        help="accept pushes without a producer token (demos on one machine "
+                             "only: allowed with a loopback --host only)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from ingest_service.config import IngestConfig
+    from ingest_service.push_body import BodyLimits
     from trainguard.ops.serve import serve
 
+    limits = BodyLimits()
+    max_bytes = args.max_push_bytes or limits.max_bytes
+    limits = dataclasses.replace(
+        limits, max_bytes=max_bytes, max_records=args.max_push_records or limits.max_records,
+        max_inflight_bytes=max(limits.max_inflight_bytes, 4 * max_bytes),
+    )
     config = IngestConfig.from_env(
         redis_url=args.redis_url, host=args.host, port=args.port,
         datasets=tuple(args.dataset) if args.dataset else None, produce=not args.no_produce,
+        allowed_hosts=tuple(args.allowed_host) if args.allowed_host else None,
+        push_limits=limits, insecure_local=args.insecure_local,
     )
     return serve(config)
 
