@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import json
 import posixpath
-import tarfile
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 from fsspec.utils import infer_compression
@@ -35,6 +34,72 @@ def split_key(member: str) -> tuple[str, str]:
     return posixpath.join(folder, stem) if folder else stem, ext if dot else ""
 
 
+class TornTarError(ValueError):
+    """The shard is not a complete tar (cut, or a damaged header)."""
+
+
+_BLOCK = 512
+
+
+def _octal(field: bytes) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes over 8 GiB
+        return int.from_bytes(field[1:], "big")
+    text = field.strip(b"\0 ")
+    return int(text, 8) if text else 0
+
+
+def _pax_path(data: bytes) -> str | None:
+    """The ``path`` record of a pax extended header (``"<len> path=<value>\n"``...)."""
+    path = None
+    while data:
+        length, _, rest = data.partition(b" ")
+        n = int(length)
+        key, _, value = rest[:n - len(length) - 2].partition(b"=")
+        if key == b"path":
+            path = value.decode("utf-8")
+        data = data[n:]
+    return path
+
+
+def _members(f: IO[bytes]) -> Iterator[tuple[str, bytes]]:
+    """(name, content) of each regular file of a tar stream, in order.
+
+    A small reader of ustar, GNU and pax headers rather than ``tarfile``: ``tarfile``
+    spends about 0.2 ms on a member (pax headers twice), and silently ends a shard cut
+    inside a header. Here a cut anywhere, a header that fails its checksum, or a
+    stream that ends without the end-of-archive blocks raises TornTarError."""
+    long_name: str | None = None
+    while True:
+        header = f.read(_BLOCK)
+        if len(header) < _BLOCK:
+            raise TornTarError("the shard ends without the end-of-archive blocks (cut?)")
+        if header == bytes(_BLOCK):
+            return
+        stored = _octal(header[148:156])
+        if stored != sum(header[:148]) + 256 + sum(header[156:]):
+            raise TornTarError("a header fails its checksum")
+        size = _octal(header[124:136])
+        kind = header[156:157]
+        data = f.read(size)
+        if len(data) < size:
+            raise TornTarError(f"the shard ends inside a member ({len(data)} of {size} bytes)")
+        f.read(-size % _BLOCK)
+        if kind in (b"x", b"L"):  # the next member's name
+            long_name = _pax_path(data) if kind == b"x" else data.rstrip(b"\0").decode("utf-8")
+            continue
+        if kind not in (b"0", b"\0", b"7"):
+            long_name = None
+            continue  # folders, links, global pax headers: not sample files
+        name = long_name
+        long_name = None
+        if name is None:
+            name = header[:100].split(b"\0", 1)[0].decode("utf-8")
+            if header[257:262] == b"ustar":
+                prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8")
+                name = f"{prefix}/{name}" if prefix else name
+        yield name, data
+
+
 def _sample(spec: streams.DatasetSpec, path: str, key: str, fields: dict[str, Any]) -> SourceItem:
     value = {"__key__": key, **fields}
     shown = {k: (v if isinstance(v, str) else f"<{len(v)} bytes>") for k, v in value.items()}
@@ -48,19 +113,15 @@ def read_webdataset_file(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSyste
     members = 0
     with fs.open(path, "rb", compression=infer_compression(path)) as f:
         try:
-            with tarfile.open(fileobj=f, mode="r|") as tar:
-                for member in tar:
-                    members += 1
-                    if not member.isfile():
-                        continue
-                    k, ext = split_key(member.name)
-                    if k != key or ext in fields:
-                        if key is not None:
-                            yield _sample(spec, path, key, fields)
-                        key, fields = k, {}
-                    data = tar.extractfile(member)
-                    fields[ext] = data.read() if data is not None else b""
-        except (tarfile.TarError, EOFError, OSError) as exc:
+            for name, data in _members(f):
+                members += 1
+                k, ext = split_key(name)
+                if k != key or ext in fields:
+                    if key is not None:
+                        yield _sample(spec, path, key, fields)
+                    key, fields = k, {}
+                fields[ext] = data
+        except (TornTarError, ValueError, EOFError, OSError) as exc:
             # The open sample may miss members: it goes to the dead letters with the break.
             where = f"{path}:{key}" if key is not None else f"{path}:#{members}"
             key = None
