@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(PIP_EXTRA) '$(TORCH_SPEC)'
-	$(PY) -m pip install --quiet -e '.[dev]'
+	@# torch named again: an extra's requirement must never swap it for another build
+	$(PY) -m pip install --quiet -e '.[dev]' '$(TORCH_SPEC)'
 	@rm -f $(VENV)/.trainguard-*
 	@touch $@
 

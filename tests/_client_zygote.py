@@ -1,7 +1,8 @@
 """Test helper: a fork server for the ledger job, so each restart skips importing torch.
 
 Reads one JSON request per line on stdin (``{"rank": r, "args": [...], "env": {...}}``),
-forks a child that runs ``tests/_client_train.py``'s ``main(args)`` with that
+forks a child that runs the job module's ``main(args)`` (``tests/_client_train.py``,
+or the module named as the first argument) with that
 environment, and prints ``<rank>: PID <pid>``, later ``<rank>: EXIT <code>`` (a child
 killed by SIGKILL exits with -9). Children are real, separate processes: the tests kill
 them with SIGKILL by PID. Torch runs one warm-up step here with OMP_NUM_THREADS=1 (no
@@ -10,13 +11,14 @@ thread pool to lose in the fork).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import threading
 import traceback
 
-from tests import _client_train as job
+job = importlib.import_module(sys.argv[1] if len(sys.argv) > 1 else "tests._client_train")
 
 _lock = threading.Lock()
 
@@ -56,7 +58,7 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
-    _warm_up()
+    getattr(job, "warm_up", _warm_up)()
     for line in sys.stdin:
         req = json.loads(line)
         pid = os.fork()
