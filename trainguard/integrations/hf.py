@@ -33,8 +33,10 @@ Needs ``ignore_data_skip=True`` (the stream resumes itself: skipping batches wou
 lose records) and ``dataloader_num_workers=0`` (``num_workers`` here sets the
 reading workers); one process only (multi-process runs are refused).
 
-For an Accelerate loop (``examples/accelerate_gpt.py``), :class:`ConfirmedBatches`
-over ``accelerator.prepare(loader)`` and ``confirm()`` after each step.
+An Accelerate loop needs no glue (``examples/accelerate_gpt.py``): prepare the model
+and optimizer, not the trainguard loader, and iterate ``session.batches(loader)``.
+:class:`ConfirmedBatches` is exported for loops that must let a framework fetch
+ahead: ``confirm()`` each batch once it is trained.
 """
 
 from __future__ import annotations
