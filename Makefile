@@ -75,6 +75,7 @@ bench: setup
 	$(PY) bench/checkpoint.py
 	$(PY) bench/ingest.py
 	$(PY) bench/consume.py
+	$(PY) bench/ingest_tokens.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -146,11 +146,11 @@ def _check_every_row_once(url: str, spec: streams.DatasetSpec, total: int, key: 
 def test_kill_9_producer_every_record_once_in_order(
     redis_server: RedisServer, tmp_path: Path, fmt: str
 ) -> None:
-    """The crash-resume test of the file sources, on 10,000 rows of a save_to_disk
-    folder (4 shards) and 10,000 samples of WebDataset tars (4 shards): SIGKILL the
+    """The crash-resume test of the file sources, on 6,000 rows of a save_to_disk
+    folder (4 shards) and 6,000 samples of WebDataset tars (4 shards): SIGKILL the
     producer at 6 random points, restart it each time; every record ends up exactly
     once, in planned order (deterministic IDs)."""
-    total = 10_000
+    total = 6_000
     if fmt == "hf":
         source = _save_hf(tmp_path / "ds", total, 4)
         key = lambda v: v["i"]  # noqa: E731

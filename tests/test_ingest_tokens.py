@@ -130,11 +130,11 @@ async def test_every_document_token_lands_in_exactly_one_sequence(
 def test_kill_9_producer_mid_epoch_writes_the_same_sequences(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    """The producer of a packed dataset (8,000 documents, about 18,000 sequences) is
+    """The producer of a packed dataset (4,000 documents, about 9,000 sequences) is
     SIGKILLed at 4 random points mid-epoch and restarted each time: the partitions
     hold exactly the sequences of an uninterrupted run, and every document token is
     in exactly one of them."""
-    docs = CORPUS * 4
+    docs = CORPUS * 2
     source = _write(tmp_path / "c", docs, files=4)
     spec = _spec("killed", source, pack=16, partitions=8, shuffle_buffer=500)
     total = sum(1 for _ in dataset_items(spec))
