@@ -16,11 +16,9 @@ Single process (``accelerate launch`` with one process, or plain ``python``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,32 +26,21 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_gpt import TinyGPT, report
+from tiny_gpt import TinyGPT, parse_args, report
 
 from trainer_client import TrainingSession
-from trainguard.core import settings
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--redis-url", default=None)
-    ap.add_argument("--dataset", default="story")
-    ap.add_argument("--run", default="gpt-acc")
-    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "trainguard-examples"),
-                    help="checkpoints go here (default: $TMPDIR/trainguard-examples)")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--ckpt-every", type=int, default=10)
-    ap.add_argument("--die-at-step", type=int, default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(1)  # a tiny model: more threads cost more than they give
-    url = settings.redis_url(args.redis_url)
+    args = parse_args(__doc__, "gpt-acc")
+    url, root = args.url, args.root
     accelerator = Accelerator(cpu=True)
     if accelerator.num_processes > 1:
         raise SystemExit("this recipe is single-process")
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     session = TrainingSession(url, dataset=args.dataset, run=args.run,
-                              store=f"file://{Path(args.dir) / args.run}/trainguard")
+                              store=f"file://{root}/trainguard")
     state = {"model": model, "optim": opt}
     step = session.restore(state)  # weights, optimizer and offsets of one commit
     resumed = step

@@ -9,11 +9,9 @@ same command again resumes it through the Trainer's own ``resume_from_checkpoint
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +20,8 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_gpt import TinyGPT, expected, report
+from tiny_gpt import TinyGPT, expected, parse_args, report
 
-from trainguard.core import settings
 from trainguard.integrations.hf import TrainguardHF
 
 
@@ -50,24 +47,14 @@ class DieAt(TrainerCallback):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--redis-url", default=None)
-    ap.add_argument("--dataset", default="story")
-    ap.add_argument("--run", default="gpt-hf")
-    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "trainguard-examples"),
-                    help="checkpoints go here (default: $TMPDIR/trainguard-examples)")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--die-at-step", type=int, default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(1)  # a tiny model: more threads cost more than they give
-    url = settings.redis_url(args.redis_url)
-    root = Path(args.dir) / args.run
+    args = parse_args(__doc__, "gpt-hf")
+    url, root = args.url, args.root
     tg = TrainguardHF(url, dataset=args.dataset, run=args.run, store=f"file://{root}/trainguard",
                       batch_size=args.batch_size, labels=False)
     sequences, _ = expected(url, args.dataset)
     targs = TrainingArguments(
         str(root / "hf"), per_device_train_batch_size=args.batch_size,
-        max_steps=-(-sequences // args.batch_size), save_steps=10, save_total_limit=2,
+        max_steps=-(-sequences // args.batch_size), save_steps=args.ckpt_every, save_total_limit=2,
         ignore_data_skip=True, report_to=[], use_cpu=True, learning_rate=3e-3,
         logging_steps=10, disable_tqdm=True,
     )

@@ -15,11 +15,9 @@ from ``$TRAINGUARD_REDIS_URL`` (or ``--redis-url``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +26,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_gpt import TinyGPT, report
+from tiny_gpt import TinyGPT, parse_args, report
 
-from trainguard.core import settings
 from trainguard.integrations.lightning import TrainguardDataModule
 
 
@@ -55,18 +52,8 @@ class GPT(L.LightningModule):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--redis-url", default=None)
-    ap.add_argument("--dataset", default="story")
-    ap.add_argument("--run", default="gpt-pl")
-    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "trainguard-examples"),
-                    help="checkpoints go here (default: $TMPDIR/trainguard-examples)")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--die-at-step", type=int, default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(1)  # a tiny model: more threads cost more than they give
-    url = settings.redis_url(args.redis_url)
-    root = Path(args.dir) / args.run
+    args = parse_args(__doc__, "gpt-pl")
+    url, root = args.url, args.root
     module = GPT(args.die_at_step)
     dm = TrainguardDataModule(url, dataset=args.dataset, run=args.run,
                               store=f"file://{root}/trainguard", batch_size=args.batch_size)
@@ -74,7 +61,7 @@ def main() -> int:
         max_epochs=1, accelerator="cpu", logger=False, enable_model_summary=False,
         enable_progress_bar=False, plugins=[dm.checkpoint_io],
         callbacks=[dm.callback, ModelCheckpoint(dirpath=root / "lightning",
-                                                every_n_train_steps=10, save_last=True)],
+                                                every_n_train_steps=args.ckpt_every, save_last=True)],
     )
     trainer.fit(module, datamodule=dm, ckpt_path="last")
     trainer.save_checkpoint(root / "lightning" / "last.ckpt")

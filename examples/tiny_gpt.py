@@ -11,12 +11,17 @@ each sequence was trained exactly once.
 
 from __future__ import annotations
 
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import redis
 import torch
 from torch import nn
 
-from trainguard.core import streams
+from trainguard.core import settings, streams
 
 VOCAB = 512
 _MOD = 2_147_483_647  # the hash of one sequence stays far below 2**53: sums are exact
@@ -72,3 +77,23 @@ def report(model: TinyGPT, redis_url: str, dataset: str) -> bool:
     print(f"sequences trained: {int(model.seen)} of {count}; "
           + ("each exactly once (checksum matches)" if ok else "NOT exactly once"), flush=True)
     return ok
+
+
+def parse_args(doc: str, run: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """The examples' flags; also sets ``url`` (Redis) and ``root`` (this run's folder),
+    and one torch thread (a tiny model: more threads cost more than they give)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--dataset", default="story")
+    ap.add_argument("--run", default=run)
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "trainguard-examples"),
+                    help="checkpoints go here (default: $TMPDIR/trainguard-examples)")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--die-at-step", type=int, default=None,
+                    help="SIGKILL this process after that step (to show the resume)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    args.url = settings.redis_url(args.redis_url)
+    args.root = Path(args.dir) / args.run
+    return args

@@ -224,3 +224,10 @@ def final_counts(store_url: str, n: int) -> tuple[torch.Tensor, dict[str, Any]]:
         store.close()
     assert manifest is not None, "no checkpoint was committed"
     return model.counts.clone(), dict(manifest.extra)
+
+
+def assert_each_once(counts: torch.Tensor) -> None:
+    """Every record's count is exactly 1 (the ledger's verdict)."""
+    lost, dup = int((counts == 0).sum()), int((counts > 1).sum())
+    assert (lost, dup) == (0, 0), f"{lost} records lost, {dup} trained more than once"
+    assert torch.equal(counts, torch.ones(len(counts)))
