@@ -66,9 +66,10 @@ class LoudIO(TrainguardCheckpointIO):
         say(f"COMMITTED {checkpoint['global_step']}")
 
 
-def trainer_for(dm: TrainguardDataModule, ckpt_dir: Path, every: int, extra: list[Any]) -> L.Trainer:
+def trainer_for(dm: TrainguardDataModule, ckpt_dir: Path, every: int, extra: list[Any],
+                max_steps: int = -1) -> L.Trainer:
     return L.Trainer(
-        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        max_epochs=1, max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
         enable_model_summary=False, plugins=[dm.checkpoint_io],
         callbacks=[dm.callback, ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every,
                                                 save_last=True), *extra],

@@ -51,3 +51,30 @@ def test_hf_trainer_ledger_survives_kills(redis_server: RedisServer, tmp_path: P
 @pytest.mark.chaos
 def test_hf_trainer_ledger_survives_40_kills(redis_server: RedisServer, tmp_path: Path) -> None:
     _run(redis_server.url, tmp_path, kills=40, seed=2, n=4000)
+
+
+def test_settings_that_would_lose_records_are_refused(redis_server: RedisServer,
+                                                      tmp_path: Path) -> None:
+    """The Trainer's data skip on resume (it would skip stream batches), reading
+    workers of its own, and a batch size other than the stream's: the callback refuses
+    to train, naming each setting to change."""
+    from transformers import Trainer, TrainingArguments
+
+    from tests._hf_job import Ledger
+    from trainguard.integrations.hf import TrainguardHF
+
+    spec = cf.create(redis_server.url, "tok", partitions=P)
+    cf.fill(redis_server.url, spec, 16)
+    tg = TrainguardHF(redis_server.url, dataset="tok", run="hf", batch_size=8,
+                      store=f"file://{tmp_path}/ckpt")
+    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+                             dataloader_num_workers=1, report_to=[], use_cpu=True)
+    trainer = Trainer(model=Ledger(16), args=args, train_dataset=tg.train_dataset,
+                      callbacks=[tg.callback])
+    try:
+        with pytest.raises(ValueError, match=r"ignore_data_skip=True .*; dataloader_num_workers=0"
+                                             r".*; per_device_train_batch_size=8"):
+            trainer.train()
+        assert tg.session.checkpoints() == []
+    finally:
+        tg.close()

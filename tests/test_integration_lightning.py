@@ -1,6 +1,7 @@
 """The Lightning integration: killed at random steps (during steps, during a
 checkpoint, right after a commit) and resumed with ``ckpt_path="last"``, every record
-is trained exactly once; a fresh fit over existing checkpoints is refused."""
+is trained exactly once; a fresh fit over existing checkpoints is refused, and so is a
+checkpoint that trainguard did not write."""
 
 from __future__ import annotations
 
@@ -57,3 +58,32 @@ def test_lightning_ledger_survives_kills(redis_server: RedisServer, tmp_path: Pa
 @pytest.mark.chaos
 def test_lightning_ledger_survives_40_kills(redis_server: RedisServer, tmp_path: Path) -> None:
     _run(redis_server.url, tmp_path, kills=40, seed=2, n=4000)
+
+
+def _fit(url: str, tmp_path: Path, ckpt_path: str | None, max_steps: int) -> None:
+    from tests._lightning_job import Ledger, trainer_for
+    from trainguard.integrations.lightning import TrainguardDataModule
+
+    dm = TrainguardDataModule(url, dataset="tok", run="pl", store=f"file://{tmp_path}/ckpt",
+                              batch_size=8, block_ms=200)
+    trainer = trainer_for(dm, tmp_path / "lightning", 6, [], max_steps=max_steps)
+    try:
+        trainer.fit(Ledger(N), datamodule=dm, ckpt_path=ckpt_path)
+    finally:
+        dm.close()
+
+
+def test_a_fresh_fit_over_committed_checkpoints_is_refused(redis_server: RedisServer,
+                                                           tmp_path: Path) -> None:
+    """After a run committed step 12, a fit without ckpt_path (fresh weights, while the
+    data would resume) is refused with what to do; with ckpt_path="last" it goes on;
+    a torch .ckpt that is not a trainguard marker is refused by the plugin."""
+    spec = cf.create(redis_server.url, "tok", partitions=P)
+    cf.fill(redis_server.url, spec, N)
+    _fit(redis_server.url, tmp_path, None, 12)
+    with pytest.raises(RuntimeError, match=r"committed checkpoints \(newest: step 12\).*ckpt_path='last'"):
+        _fit(redis_server.url, tmp_path, None, 24)
+    _fit(redis_server.url, tmp_path, "last", 18)
+    torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
+    with pytest.raises(ValueError, match="not a trainguard checkpoint marker"):
+        _fit(redis_server.url, tmp_path, str(tmp_path / "plain.ckpt"), 24)
