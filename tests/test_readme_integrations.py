@@ -1,7 +1,8 @@
 """README's "Where you already train": every shell block runs as written (ingest the
 bundled text tokenized and packed, then each example killed at step 25 and resumed,
-ending with every sequence trained exactly once), and every Python block is the
-example's own code, word for word."""
+ending with every sequence trained exactly once; under ``make chaos``: the default
+suite has each integration's kill -9 ledger test instead), and every Python block is
+the example's own code, word for word."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_python_blocks_are_the_examples_code() -> None:
         assert " ".join(block.split()) in examples, block
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # seven framework processes (about 40 s idle): `make chaos` runs it
 def test_shell_blocks_run_kill_and_resume_exactly_once(redis_server: RedisServer,
                                                         tmp_path: Path) -> None:
     """The ingest, then per example: the --die-at-step run dies by SIGKILL after
