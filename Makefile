@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(PIP_EXTRA) '$(TORCH_SPEC)'
-	$(PY) -m pip install --quiet -e '.[dev]'
+	@# torch named again: an extra's requirement must never swap it for another build
+	$(PY) -m pip install --quiet -e '.[dev]' '$(TORCH_SPEC)'
 	@rm -f $(VENV)/.trainguard-*
 	@touch $@
 
@@ -85,6 +86,7 @@ bench: setup
 	$(PY) bench/ingest.py
 	$(PY) bench/consume.py
 	$(PY) bench/push.py
+	$(PY) bench/ingest_tokens.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -2,7 +2,8 @@
 
 Reads one JSON request per line on stdin (``{"rank": r, "args": [...], "env": {...}}``,
 optionally ``"module": "train_gpt"``: a module of ``examples/`` instead), forks a
-child that runs ``tests/_client_train.py``'s (or that module's) ``main(args)`` with that
+child that runs the job module's ``main(args)`` (``tests/_client_train.py``, or the
+module named as the first argument, or the request's example module) with that
 environment, and prints ``<rank>: PID <pid>``, later ``<rank>: EXIT <code>`` (a child
 killed by SIGKILL exits with -9). Children are real, separate processes: the tests kill
 them with SIGKILL by PID. Torch runs one warm-up step here with OMP_NUM_THREADS=1 (no
@@ -19,7 +20,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from tests import _client_train as job
+job = importlib.import_module(sys.argv[1] if len(sys.argv) > 1 else "tests._client_train")
 
 _lock = threading.Lock()
 
@@ -59,7 +60,7 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
-    _warm_up()
+    getattr(job, "warm_up", _warm_up)()
     for line in sys.stdin:
         req = json.loads(line)
         pid = os.fork()

@@ -20,6 +20,9 @@ variable                       what                          default
 ``TRAINGUARD_PROBES``          GPU health daemons the        unset: none
                                dashboard reads:
                                ``node=http://host:port,...``
+``TRAINGUARD_TOKENIZE_PROCESSES`` processes that tokenize    one per core beyond
+                               text at ingest (0: in the     two, else 0
+                               producer's own process)
 ============================== ============================= =======================
 """
 
@@ -34,11 +37,13 @@ __all__ = [
     "PROBES_ENV",
     "PUSH_TOKENS_ENV",
     "REDIS_URL_ENV",
+    "TOKENIZE_PROCESSES_ENV",
     "admin_token",
     "checkpoint_stores",
     "probes",
     "push_tokens",
     "redis_url",
+    "tokenize_processes",
 ]
 
 REDIS_URL_ENV = "TRAINGUARD_REDIS_URL"
@@ -47,6 +52,7 @@ ADMIN_TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
 CHECKPOINT_STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
 PROBES_ENV = "TRAINGUARD_PROBES"
 PUSH_TOKENS_ENV = "TRAINGUARD_PUSH_TOKENS"
+TOKENIZE_PROCESSES_ENV = "TRAINGUARD_TOKENIZE_PROCESSES"
 
 
 def redis_url(explicit: str | None = None) -> str:
@@ -73,3 +79,15 @@ def probes() -> str:
 def push_tokens() -> str:
     """``$TRAINGUARD_PUSH_TOKENS`` as written (parsed by :mod:`ingest_service.auth`)."""
     return os.environ.get(PUSH_TOKENS_ENV, "")
+
+
+def tokenize_processes(cores: int) -> int:
+    """``$TRAINGUARD_TOKENIZE_PROCESSES``, else ``cores - 2`` when positive, else 0.
+
+    Raises ValueError when the variable is set to something other than a number >= 0."""
+    raw = os.environ.get(TOKENIZE_PROCESSES_ENV, "").strip()
+    if not raw:
+        return max(0, cores - 2)
+    if not raw.isdigit():
+        raise ValueError(f"{TOKENIZE_PROCESSES_ENV}={raw!r}: expected a number of processes >= 0")
+    return int(raw)

@@ -58,8 +58,10 @@ PREFIX = "tg"
 DEFAULT_PARTITIONS = 16
 MAX_PARTITIONS = 4096
 
-FORMATS = ("jsonl", "text", "npy", "files", "parquet", "push")
-"""Source formats. ``push`` datasets have no source: records arrive over HTTP."""
+FORMATS = ("jsonl", "text", "npy", "files", "parquet", "hf", "webdataset", "push")
+"""Source formats. ``hf`` is a Hugging Face ``datasets`` folder (``save_to_disk`` Arrow
+or Parquet shards), ``webdataset`` a set of WebDataset tar shards. ``push`` datasets
+have no source: records arrive over HTTP."""
 
 
 class ContractError(TrainguardError, ValueError):

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from trainguard.core import settings
+from trainguard.core import settings, streams
 from trainguard.core.urls import redact_url
 from trainguard.ops.exits import EXIT_OK
 from trainguard.ops.output import emit, table
@@ -204,7 +204,7 @@ def _register_datasets(sub: Any) -> None:
     p = dsub.add_parser("create", help="register a dataset (the producer fills it)")
     p.add_argument("name")
     p.add_argument("--source", help="fsspec URL or glob of the source files")
-    p.add_argument("--format", default="jsonl", help="jsonl, text, npy, files, parquet, push")
+    p.add_argument("--format", default="jsonl", help=", ".join(streams.FORMATS))
     p.add_argument("--partitions", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epochs", type=int, default=1)

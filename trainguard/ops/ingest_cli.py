@@ -41,6 +41,18 @@ def register(subparsers: Any) -> None:
     ingest.add_argument("--sample-len", type=int, default=None, help="tokens per record (npy)")
     ingest.add_argument("--shuffle-buffer", type=int, default=4096)
     ingest.add_argument("--max-record-bytes", type=int, default=16 * 1024 * 1024)
+    tok = ingest.add_argument_group(
+        "tokenize at ingest (text, jsonl, parquet, hf, webdataset; needs trainguard[hf])")
+    tok.add_argument("--tokenizer", default=None,
+                     help="a Hugging Face tokenizer.json (local path or fsspec URL): records "
+                          "become int32 token arrays")
+    tok.add_argument("--pack", type=int, default=None, metavar="SEQ_LEN",
+                     help="pack documents (each ended by EOS) into records of exactly SEQ_LEN tokens")
+    tok.add_argument("--text-field", default="text",
+                     help="field of a structured record that holds the text (default: text)")
+    tok.add_argument("--eos", default="<|endoftext|>", help="end-of-document token")
+    tok.add_argument("--pad", default=None,
+                     help="token that fills the last packed sequence (default: the EOS token)")
     ingest.set_defaults(handler=_run_ingest)
 
     serve = subparsers.add_parser("serve", help="run the ingestion service (HTTP)")
@@ -95,10 +107,26 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _spec_from_args(args: argparse.Namespace) -> streams.DatasetSpec:
+    options: dict[str, Any] = {}
+    if args.tokenizer:
+        import os
+
+        import fsspec.utils
+
+        from ingest_service.tokens import tokenize_options
+
+        url = args.tokenizer
+        if fsspec.utils.get_protocol(url) in ("file", "local") and "://" not in url:
+            url = os.path.abspath(url)  # the service may produce it from another directory
+        options = tokenize_options(url, pack=args.pack, text_field=args.text_field,
+                                   eos=args.eos, pad=args.pad)
+    elif args.pack is not None:
+        raise ValueError("--pack needs --tokenizer: packing works on token sequences")
     return streams.DatasetSpec(
         name=args.dataset, partitions=args.partitions, source=args.source, format=args.format,
         seed=args.seed, epochs=args.epochs or None, sample_len=args.sample_len,
         shuffle_buffer=args.shuffle_buffer, max_record_bytes=args.max_record_bytes,
+        options=options,
     )
 
 
