@@ -95,6 +95,10 @@ class LocalBackend:
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *path.split("/")) if path else self.root
 
+    def local_path(self, path: str) -> str:
+        """The OS path of ``path`` (for readers that use the file descriptor)."""
+        return self._abs(path)
+
     def _makedirs(self, dirpath: str) -> None:
         """Create missing parents and fsync each new entry's parent directory, so a
         directory created for a save survives a power cut along with its files."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from checkpoint_store.backends import Backend, open_backend
+from checkpoint_store.direct import DirectLoad
 from checkpoint_store.dist import Comm, all_gather_json, make_comm
 from checkpoint_store.flatten import decode_skeleton, flatten
 from checkpoint_store.handle import SaveHandle
@@ -40,6 +41,7 @@ from trainguard.core.checkpoints import (
     NoCheckpointError,
     PinnedCheckpointError,
     SaveInProgressError,
+    StateMismatchError,
     UnsupportedValueError,
 )
 
@@ -290,10 +292,19 @@ class CheckpointStore:
         (:func:`trainguard.core.record.restore_order`; commit order for checkpoints
         without a session record).
 
-        Every chunk read is verified before anything in ``state`` changes. A damaged
-        checkpoint is skipped with a warning and the previous one loaded;
-        ``strict=True`` raises CorruptCheckpointError instead. Returns None when the
-        store holds no checkpoint at all."""
+        Every chunk read is verified (CRC-32C), and a load that returns has loaded
+        every selected tensor from that one checkpoint. A damaged checkpoint is skipped
+        with a warning and the previous one loaded; ``strict=True`` raises
+        CorruptCheckpointError instead. Returns None when the store holds no
+        checkpoint at all.
+
+        Large tensors are read straight into ``state``'s tensors and verified there
+        (no second copy of the state in memory) when an earlier checkpoint exists to
+        fall back to: if one of their chunks is damaged, the fallback reloads every
+        tensor from the earlier checkpoint. ``strict=True``, ``step=...`` and the
+        oldest checkpoint instead verify everything before changing anything in
+        ``state``, so their errors leave it untouched. Only when every fallback fails
+        too does an error leave ``state`` partly overwritten, and it says so."""
         self._wait_current()
         keys = list(keys) if keys is not None else None
         candidates = self._candidates(step)
@@ -309,7 +320,12 @@ class CheckpointStore:
                 log.warning("%s in %s; using the manifest listing", problem, self.url)
         damaged: builtins.list[str] = []
         pins = self._pins()
-        for n in candidates:
+        dirty = False  # the state holds bytes of a damaged checkpoint read in place
+        for i, n in enumerate(candidates):
+            # In-place reads only where a failure can be repaired by this very call:
+            # a later candidate reloads everything. Strict loads, loads of one step and
+            # the last candidate stage and verify everything before changing anything.
+            in_place = not strict and step is None and not dirty and i < len(candidates) - 1
             applier: Applier | None = None
             error = ""
             manifest: Manifest | None = None
@@ -317,13 +333,21 @@ class CheckpointStore:
                 manifest = self._read_manifest(n.name, pins)
                 reader = ChunkReader(self._backend, data_dir(manifest.uid), manifest.arrays,
                                      io_threads=self.io_threads)
-                applier = Applier(manifest.name, manifest.tensors, reader)
+                direct = (DirectLoad(self._backend, data_dir(manifest.uid), manifest.arrays,
+                                     io_threads=self.io_threads) if in_place else None)
+                applier = Applier(manifest.name, manifest.tensors, reader, direct)
                 with torch.no_grad():
                     applier.prepare(state, decode_skeleton(manifest.state), keys)
+                if direct is not None:
+                    direct.run()
             except CorruptCheckpointError as e:
                 error = str(e)
             except NoCheckpointError:
                 continue
+            except StateMismatchError as e:
+                if dirty:
+                    e.add_note(_dirty_note(damaged))
+                raise
             verdicts = all_gather_json(self._comm, error)
             bad = [(r, v) for r, v in enumerate(verdicts) if v]
             if not bad:
@@ -336,11 +360,13 @@ class CheckpointStore:
             detail = "; ".join(f"rank {r}: {v}" for r, v in bad)
             if strict:
                 raise CorruptCheckpointError(f"checkpoint {n.name} is damaged: {detail}")
-            log.warning("checkpoint %s is damaged (%s); falling back to the previous one",
-                        n.name, detail)
+            log.warning("checkpoint %s is damaged (%s); falling back to the previous one%s",
+                        n.name, detail, " (reloading every tensor)" if in_place else "")
             damaged.append(n.name)
+            dirty = dirty or in_place
         raise CorruptCheckpointError(
             f"no loadable checkpoint in {self.url}: damaged {damaged}; restore from a copy"
+            + (f". {_dirty_note(damaged)}" if dirty else "")
         )
 
     def verify(self, step: int) -> Manifest:
@@ -431,6 +457,12 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r}, rank={self.rank}/{self.world_size})"
+
+
+def _dirty_note(damaged: builtins.list[str]) -> str:
+    return (f"The state's large tensors were read in place from {damaged[0]} before its "
+            "damage showed, and no later load replaced them: rebuild the state (or load "
+            "another store) before using it")
 
 
 def _json_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
