@@ -62,9 +62,9 @@ class _Walker:
         self.name = manifest_name
         self.tensors = tensors
         self.reader = reader
-        # Tensors read in place by ``direct`` (key paths): neither fetched nor copied here.
+        # Tensors read in place by ``direct``, by key path: neither fetched nor copied here.
         self.direct = direct
-        self.claimed: set[str] = set()
+        self.claimed: dict[str, torch.Tensor] = {}
         self.dry = True
         self.ranges: list[tuple[str, int, int]] = []
         self.skeleton: dict[Any, Any] = {}
@@ -138,7 +138,7 @@ class _Walker:
         if isinstance(target, torch.Tensor):
             self._check(path, entry, target, global_shape)
             if self.dry and self.direct is not None and self.direct.claim(target, entry):
-                self.claimed.add(path)
+                self.claimed[path] = target
             if path in self.claimed:
                 return target
             data = self.region(entry, (0,) * len(global_shape), global_shape, path)
@@ -146,6 +146,13 @@ class _Walker:
                 with torch.no_grad():
                     raw_view(target).copy_(raw_view(data))
             return target
+        if self.dry and self.direct is not None and len(entry["shards"]) == 1:
+            # No tensor to load into (e.g. a fresh optimizer's state): read into a new one.
+            fresh = _empty(global_shape, dtype_from_name(entry["dtype"]))
+            if self.direct.claim(fresh, entry):
+                self.claimed[path] = fresh
+        if path in self.claimed:
+            return self.claimed[path]
         data = self.region(entry, (0,) * len(global_shape), global_shape, path)
         # Clone through the raw view: some dtypes (bits, sub-byte ints) have no kernels.
         return None if data is None else raw_view(data).clone().view(data.dtype)
