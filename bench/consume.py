@@ -180,7 +180,7 @@ RAW, ONE, BASE, DL = ("raw XRANGE", "StreamingDataset, 1 process",
                       f"StreamingDataset, DataLoader({WORKERS} workers)")
 
 
-def measure_size(url: str, port: int, args: argparse.Namespace, kib: int
+def measure_size(url: str, port: int, pid: int, args: argparse.Namespace, kib: int
                  ) -> tuple[rd.Rounds, list[rd.Ratio], int]:
     size = kib * 1024
     count = max(args.partitions, args.mb * 1024 * 1024 // size)
@@ -189,7 +189,7 @@ def measure_size(url: str, port: int, args: argparse.Namespace, kib: int
     c = Consume(url, port, name, args.partitions, size, count)
     contestants = {RAW: c.raw, ONE: lambda: c.streaming(None), BASE: c.in_memory,
                    DL: lambda: c.streaming(WORKERS)}
-    r = rd.run_rounds(contestants, rounds=args.rounds, after=c.drop_groups)
+    r = rd.run_rounds(contestants, rounds=args.rounds, after=c.drop_groups, server_pid=pid)
     moved = {n: {s.nbytes for s in r.samples[n]} for n in contestants}
     assert all(v == {count * size} for v in moved.values()), (moved, count * size)
     client = redis.Redis.from_url(url)
@@ -225,7 +225,8 @@ def main() -> None:
             print(f"redis-server :{server.port}, {args.partitions} partitions, {args.mb} MiB per "
                   f"size, ~1 MiB batches, {args.rounds} rounds + 1 warm-up", flush=True)
             for kib in (int(s) for s in args.sizes_kib.split(",")):
-                r, ratios, count = measure_size(url, server.port, args, kib)
+                assert server.proc is not None
+                r, ratios, count = measure_size(url, server.port, server.proc.pid, args, kib)
                 print(f"\n[{kib} KiB x {count} records]")
                 print(rd.table(r))
                 headlines += ratios

@@ -44,6 +44,8 @@ class Sample:
     wall_s: float
     cpu_s: float
     nbytes: int
+    server_cpu_s: float | None = None
+    """CPU of a server process the contestant drives (redis-server), when probed."""
 
 
 def _cpu_now() -> float:
@@ -52,11 +54,20 @@ def _cpu_now() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def measure(fn: Callable[[], int | None]) -> Sample:
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of another process (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(fn: Callable[[], int | None], server_pid: int | None = None) -> Sample:
+    s0 = process_cpu_s(server_pid) if server_pid else 0.0
     c0, t0 = _cpu_now(), time.perf_counter()
     moved = fn()
     wall = time.perf_counter() - t0
-    return Sample(wall, _cpu_now() - c0, int(moved or 0))
+    cpu = _cpu_now() - c0
+    server = process_cpu_s(server_pid) - s0 if server_pid else None
+    return Sample(wall, cpu, int(moved or 0), server)
 
 
 @dataclass
@@ -76,6 +87,11 @@ class Rounds:
         per = [s.cpu_s / (s.nbytes / 2**30) for s in self.samples[name] if s.nbytes]
         return statistics.median(per) if per else None
 
+    def server_cpu_per_gib(self, name: str) -> float | None:
+        per = [s.server_cpu_s / (s.nbytes / 2**30) for s in self.samples[name]
+               if s.nbytes and s.server_cpu_s is not None]
+        return statistics.median(per) if per else None
+
     def gib_per_s(self, name: str) -> float | None:
         rates = [s.nbytes / 2**30 / s.wall_s for s in self.samples[name] if s.nbytes]
         return statistics.median(rates) if rates else None
@@ -92,9 +108,11 @@ def run_rounds(
     warmup: int = 1,
     before: Callable[[str], None] | None = None,
     after: Callable[[str], None] | None = None,
+    server_pid: int | None = None,
 ) -> Rounds:
     """Run every contestant once per round, the order rotated each round; ``before``
-    and ``after`` (outside the measurement) prepare and clean up, e.g. drop caches."""
+    and ``after`` (outside the measurement) prepare and clean up, e.g. drop caches.
+    With ``server_pid``, that process's CPU during each run is recorded too."""
     names = list(contestants)
     out = Rounds({n: [] for n in names})
     for r in range(warmup + rounds):
@@ -102,7 +120,7 @@ def run_rounds(
         for name in names[shift:] + names[:shift]:
             if before is not None:
                 before(name)
-            sample = measure(contestants[name])
+            sample = measure(contestants[name], server_pid)
             if after is not None:
                 after(name)
             if r >= warmup:
@@ -145,16 +163,22 @@ def time_ratio(r: Rounds, tg: str, base: str, **kw: str) -> Ratio:
     return Ratio(kw.pop("name", f"{tg} / {base} (time)"), r.paired(tg, base), **kw)
 
 
+def _num(v: float | None, width: int) -> str:
+    return f"{v:{width}.2f}" if v is not None else " " * (width - 1) + "-"
+
+
 def table(r: Rounds, rows: Iterable[str] | None = None) -> str:
-    lines = [f"{'operation':50s} {'median s':>9s} {'range s':>15s} {'GiB/s':>7s} {'CPU s/GiB':>9s}"]
-    for name in rows or r.samples:
+    names = list(rows or r.samples)
+    server = any(r.server_cpu_per_gib(n) is not None for n in names)
+    lines = [f"{'operation':50s} {'median s':>9s} {'range s':>15s} {'GiB/s':>7s} {'CPU s/GiB':>9s}"
+             + (f" {'server CPU s/GiB':>16s}" if server else "")]
+    for name in names:
         walls = r.walls(name)
-        rate, cpu = r.gib_per_s(name), r.cpu_per_gib(name)
         lines.append(
             f"{name:50s} {statistics.median(walls):9.3f} "
-            f"{min(walls):7.3f}-{max(walls):<7.3f} "
-            f"{(f'{rate:7.2f}' if rate is not None else '      -')} "
-            f"{(f'{cpu:9.2f}' if cpu is not None else '        -')}"
+            f"{min(walls):7.3f}-{max(walls):<7.3f} {_num(r.gib_per_s(name), 7)} "
+            f"{_num(r.cpu_per_gib(name), 9)}"
+            + (f" {_num(r.server_cpu_per_gib(name), 16)}" if server else "")
         )
     return "\n".join(lines)
 
@@ -163,7 +187,8 @@ def rows_doc(r: Rounds) -> dict[str, Any]:
     return {
         name: {"wall_s": [round(w, 5) for w in r.walls(name)],
                "median_s": round(r.median_wall(name), 5),
-               "gib_per_s": r.gib_per_s(name), "cpu_s_per_gib": r.cpu_per_gib(name)}
+               "gib_per_s": r.gib_per_s(name), "cpu_s_per_gib": r.cpu_per_gib(name),
+               "server_cpu_s_per_gib": r.server_cpu_per_gib(name)}
         for name in r.samples
     }
 
