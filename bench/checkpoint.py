@@ -1,7 +1,7 @@
 """Checkpoint benchmark: trainguard's CheckpointStore against raw writes, torch.save,
 torch.load and ``dd``, on one disk, every write fsync'd, in interleaved rounds.
 
-    python bench/checkpoint.py [--size-mib 256] [--rounds 4] [--dir /path] [--dcp]
+    python bench/checkpoint.py [--size-mib 256] [--rounds 8] [--dir /path] [--dcp]
 
 Four groups, each run in rounds (order rotated every round, the first round discarded
 as warm-up; see ``rounds.py``):
@@ -297,7 +297,7 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256, help="state size (default 256)")
     parser.add_argument("--tensors", type=int, default=20, help="tensor count (default 20)")
     parser.add_argument("--many", type=int, default=1000, help="tensor count of the variant")
-    parser.add_argument("--rounds", type=int, default=4, help="measured rounds per group")
+    parser.add_argument("--rounds", type=int, default=8, help="measured rounds per group")
     parser.add_argument("--dir", help="directory on the disk to measure (created when "
                         "missing; default: the temp dir); files go to a fresh subdirectory, "
                         "removed afterwards")

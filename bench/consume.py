@@ -19,7 +19,7 @@ Prints a table (median seconds, GiB/s, client CPU s/GiB) and the headline ratios
 committing offsets, with a ``TrainingSession`` on a local checkpoint store. Merges a
 ``consume`` section into the JSON results file.
 
-    .venv/bin/python bench/consume.py                   # 256 MiB per size, 4 rounds
+    .venv/bin/python bench/consume.py                   # 256 MiB per size, 6 rounds
     .venv/bin/python bench/consume.py --mb 512 --rounds 6
 """
 
@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256, help="MiB of records per record size")
     ap.add_argument("--partitions", type=int, default=16)
     ap.add_argument("--sizes-kib", default="8,128")
-    ap.add_argument("--rounds", type=int, default=4, help="measured rounds per size")
+    ap.add_argument("--rounds", type=int, default=6, help="measured rounds per size")
     ap.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
     args = ap.parse_args()
     out = rd.results_path() if args.json is None else Path(args.json)

@@ -16,7 +16,7 @@ for trainguard), and the headline ratio: the median of the per-round ratios, wit
 their range. 100 B records use ``--mb-small`` MB (a record costs the same whatever
 its size, so fewer bytes give as many records per second). Merges an ``ingest``
 section into the JSON results file.
-Usage: python bench/ingest.py [--mb 256] [--mb-small 32] [--partitions 16] [--rounds 4]
+Usage: python bench/ingest.py [--mb 256] [--mb-small 32] [--partitions 16] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=256, help="payload MB per record size")
     parser.add_argument("--mb-small", type=int, default=32, help="payload MB of 100 B records")
     parser.add_argument("--partitions", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
     args = parser.parse_args()
     if shutil.which("redis-cli") is None:
