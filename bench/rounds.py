@@ -194,11 +194,12 @@ def rows_doc(r: Rounds) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ the page cache
-def drop_cache(paths: Iterable[Path]) -> str:
-    """Make the next read of ``paths`` come from the disk. As root the whole page cache
-    is dropped (``echo 1 > /proc/sys/vm/drop_caches``, after a sync so dirty pages are
-    written and can go); otherwise each file's pages are dropped with
-    ``posix_fadvise(DONTNEED)``. Returns the method used, for the report."""
+def drop_cache(paths: Iterable[Path], *, whole_cache: bool = True) -> str:
+    """Make the next read of ``paths`` come from the disk. As root (and with
+    ``whole_cache``) the whole page cache is dropped (``echo 1 >
+    /proc/sys/vm/drop_caches``, after a sync so dirty pages are written and can go);
+    otherwise each file's pages are dropped with ``posix_fadvise(DONTNEED)``. Returns
+    the method used, for the report."""
     files = [p for path in paths for p in _files(path)]
     for f in files:
         fd = os.open(f, os.O_RDONLY)
@@ -206,7 +207,7 @@ def drop_cache(paths: Iterable[Path]) -> str:
             os.fdatasync(fd)  # DONTNEED skips dirty pages
         finally:
             os.close(fd)
-    if os.geteuid() == 0:
+    if whole_cache and os.geteuid() == 0:
         with contextlib.suppress(OSError):
             os.sync()
             Path("/proc/sys/vm/drop_caches").write_text("1\n")
