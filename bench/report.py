@@ -43,6 +43,12 @@ def _ratio_cell(h: dict[str, Any]) -> str:
     return f"**{h['median']:.2f}x** ({h['min']:.2f}-{h['max']:.2f}){tgt}"
 
 
+def _cpu_cell(h: dict[str, Any]) -> str:
+    if h.get("cpu_median") is None:
+        return "-"
+    return f"{h['cpu_median']:.2f}x ({h['cpu_min']:.2f}-{h['cpu_max']:.2f})"
+
+
 def _rows(section: dict[str, Any], names: list[str]) -> list[str]:
     server = any(section["rows"][n].get("server_cpu_s_per_gib") for n in names)
     out = ["| operation | median s | GiB/s | client CPU s per GiB |"
@@ -63,8 +69,10 @@ def _fmt(v: float | None) -> str:
 
 
 def _headlines(section: dict[str, Any]) -> list[str]:
-    out = ["| headline (median of per-round ratios, range) | value |", "| --- | --- |"]
-    out += [f"| {name} | {_ratio_cell(h)} |" for name, h in section["headlines"].items()]
+    out = ["| headline | wall-time ratio: median of rounds (range) | same ratio of CPU time |",
+           "| --- | --- | --- |"]
+    out += [f"| {name} | {_ratio_cell(h)} | {_cpu_cell(h)} |"
+            for name, h in section["headlines"].items()]
     return out
 
 
@@ -147,6 +155,9 @@ def compare(paths: list[Path]) -> int:
         for bench, section in d.get("benches", {}).items():
             for name, h in section.get("headlines", {}).items():
                 names.setdefault((bench, name), [None] * len(docs))[i] = h["median"]
+                if h.get("cpu_median") is not None:
+                    names.setdefault((bench, name + " [CPU]"), [None] * len(docs))[i] = \
+                        h["cpu_median"]
     bad = 0
     print(f"{'headline':70s} " + " ".join(f"{'run ' + str(i + 1):>7s}" for i in range(len(docs)))
           + "  max dev")

@@ -100,6 +100,15 @@ class Rounds:
         """Per-round ``wall(num) / wall(den)``."""
         return [a.wall_s / b.wall_s for a, b in zip(self.samples[num], self.samples[den])]
 
+    def paired_cpu(self, num: str, den: str) -> list[float]:
+        """Per-round ratio of CPU time spent (client, its children and the probed
+        server): what the wall ratio would be on cores of one's own, and far steadier
+        than wall time on a shared machine."""
+        def cpu(s: Sample) -> float:
+            return s.cpu_s + (s.server_cpu_s or 0.0)
+        return [cpu(a) / cpu(b) if cpu(b) > 0 else float("nan")
+                for a, b in zip(self.samples[num], self.samples[den])]
+
 
 def run_rounds(
     contestants: Mapping[str, Callable[[], int | None]],
@@ -136,31 +145,46 @@ class Ratio:
     values: list[float]
     target: str = ""
     note: str = ""
+    cpu_values: list[float] = field(default_factory=list)
+    """The same ratio of CPU time, per round (see ``Rounds.paired_cpu``)."""
 
     @property
     def median(self) -> float:
         return statistics.median(self.values)
 
+    @property
+    def cpu_median(self) -> float | None:
+        return statistics.median(self.cpu_values) if self.cpu_values else None
+
     def text(self) -> str:
         lo, hi = min(self.values), max(self.values)
         tgt = f"  [target {self.target}]" if self.target else ""
-        return f"{self.name:58s} {self.median:6.2f}x  ({lo:.2f}-{hi:.2f}){tgt}"
+        cpu = (f"  CPU {self.cpu_median:5.2f}x ({min(self.cpu_values):.2f}-"
+               f"{max(self.cpu_values):.2f})" if self.cpu_median is not None else "")
+        return f"{self.name:58s} {self.median:6.2f}x  ({lo:.2f}-{hi:.2f}){cpu}{tgt}"
 
     def doc(self) -> dict[str, Any]:
-        return {"median": round(self.median, 4), "min": round(min(self.values), 4),
-                "max": round(max(self.values), 4), "rounds": len(self.values),
-                "target": self.target, "note": self.note}
+        doc = {"median": round(self.median, 4), "min": round(min(self.values), 4),
+               "max": round(max(self.values), 4), "rounds": len(self.values),
+               "target": self.target, "note": self.note}
+        if self.cpu_values:
+            doc |= {"cpu_median": round(statistics.median(self.cpu_values), 4),
+                    "cpu_min": round(min(self.cpu_values), 4),
+                    "cpu_max": round(max(self.cpu_values), 4)}
+        return doc
 
 
 def speed_ratio(r: Rounds, tg: str, base: str, **kw: str) -> Ratio:
     """trainguard's speed relative to the baseline: ``wall(base) / wall(tg)`` per round
     (higher is better; 0.8x means 80 % of the baseline's throughput)."""
-    return Ratio(kw.pop("name", f"{tg} / {base} (speed)"), r.paired(base, tg), **kw)
+    return Ratio(kw.pop("name", f"{tg} / {base} (speed)"), r.paired(base, tg), **kw,
+                 cpu_values=r.paired_cpu(base, tg))
 
 
 def time_ratio(r: Rounds, tg: str, base: str, **kw: str) -> Ratio:
     """``wall(tg) / wall(base)`` per round (lower is better)."""
-    return Ratio(kw.pop("name", f"{tg} / {base} (time)"), r.paired(tg, base), **kw)
+    return Ratio(kw.pop("name", f"{tg} / {base} (time)"), r.paired(tg, base), **kw,
+                 cpu_values=r.paired_cpu(tg, base))
 
 
 def _num(v: float | None, width: int) -> str:
@@ -302,7 +326,8 @@ def write_section(path: Path, bench: str, section: dict[str, Any],
 
 
 def print_headlines(ratios: list[Ratio]) -> None:
-    print("headline ratios: median of per-round ratios (range over rounds)")
+    print("headline ratios: median of per-round ratios (range over rounds); then the same "
+          "ratio of CPU time (client + redis-server)")
     for r in ratios:
         print("  " + r.text())
 

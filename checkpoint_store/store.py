@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import logging
 import os
@@ -99,6 +100,8 @@ class CheckpointStore:
         self._current: SaveHandle | None = None
         self._unreported: SaveHandle | None = None
         self._own_inflight: set[str] = set()
+        # name -> (its bytes, parsed): retention re-reads every manifest after each save.
+        self._parsed: dict[str, tuple[bytes, Manifest]] = {}
         self._closed = False
 
     @property
@@ -206,21 +209,37 @@ class CheckpointStore:
     def _pins(self) -> set[str]:
         return set(self._backend.listdir(PINS_DIR))
 
-    def _read_manifest(self, name: str, pins: set[str] | None = None) -> Manifest:
+    def _read_manifest(self, name: str, pins: set[str] | None = None, *,
+                       reuse: bool = False) -> Manifest:
+        """Read and verify a manifest. ``reuse``: return the copy parsed from the very
+        same bytes before, if any (for retention, which reads every manifest after
+        every save and only looks at names, steps and pins; callers that hand the
+        manifest out get a fresh one)."""
         try:
             raw = self._backend.read(manifest_path(name))
         except FileNotFoundError as e:
             raise NoCheckpointError(f"manifest {name} does not exist") from e
         pinned = name in (pins if pins is not None else self._pins())
-        return parse_manifest(name, raw, pinned=pinned)
+        seen = self._parsed.get(name) if reuse else None
+        if seen is not None and seen[0] == raw:
+            return dataclasses.replace(seen[1], pinned=pinned)
+        manifest = parse_manifest(name, raw, pinned=pinned)
+        if reuse:
+            if len(self._parsed) >= 256:
+                self._parsed.clear()
+            self._parsed[name] = (raw, manifest)
+        return manifest
 
     def list(self) -> builtins.list[Manifest]:
         """Committed, readable manifests, oldest first (damaged ones are logged)."""
+        return self._list(reuse=False)
+
+    def _list(self, *, reuse: bool) -> builtins.list[Manifest]:
         pins = self._pins()
         out = []
         for n in self._names():
             try:
-                out.append(self._read_manifest(n.name, pins))
+                out.append(self._read_manifest(n.name, pins, reuse=reuse))
             except CorruptCheckpointError as e:
                 log.warning("skipping damaged manifest %s: %s", n.name, e)
             except NoCheckpointError:
@@ -380,7 +399,7 @@ class CheckpointStore:
 
     # ---------------------------------------------------------------- retention
     def _apply_retention(self, protect: str | None = None) -> builtins.list[str]:
-        manifests = self.list()
+        manifests = self._list(reuse=True)
         doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
                                               keep_every=self.keep_every)
                   if m.name != protect]

@@ -50,8 +50,10 @@ def test_ratios_pair_samples_of_the_same_round():
     speed = rd.speed_ratio(r, "tg", "base", target=">= 0.9x")
     assert speed.values == [2.0, 1.0, 0.5]
     assert speed.median == 1.0
+    assert speed.cpu_values == [2.0, 2.0, 1.0]  # CPU of base over CPU of tg, per round
     assert speed.doc() == {"median": 1.0, "min": 0.5, "max": 2.0, "rounds": 3,
-                           "target": ">= 0.9x", "note": ""}
+                           "target": ">= 0.9x", "note": "", "cpu_median": 2.0,
+                           "cpu_min": 1.0, "cpu_max": 2.0}
     assert rd.time_ratio(r, "tg", "base").values == [0.5, 1.0, 2.0]
     assert r.cpu_per_gib("tg") == 0.5 and r.gib_per_s("base") == 0.5
 
@@ -74,11 +76,12 @@ def test_results_file_merges_sections_and_feeds_readme_and_compare(tmp_path, cap
     assert doc["machine"] == {"cpus": 2, "dd": {"read_cold_mib_s": 900.0}}  # first one kept
     text = report.render(doc, "x.json")
     assert text.startswith(report.BEGIN) and text.endswith(report.END)
-    assert "| load speed / dd read (cold cache) | **1.50x** (1.50-1.50) (target >= 0.9x) |" in text
+    assert ("| load speed / dd read (cold cache) | **1.50x** (1.50-1.50) (target >= 0.9x) | "
+            "0.50x (0.50-0.50) |") in text
     assert "cold read 900.0 MiB/s" in text
 
     other = tmp_path / "b.json"
-    doc["benches"]["checkpoint"]["headlines"][head.name]["median"] = 1.2
+    doc["benches"]["checkpoint"]["headlines"][head.name]["median"] = 1.0  # 20 % off 1.25
     other.write_text(json.dumps(doc))
     assert report.compare([path, path]) == 0
     assert report.compare([path, other]) == 1
