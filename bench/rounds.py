@@ -316,6 +316,7 @@ def write_section(path: Path, bench: str, section: dict[str, Any],
     path.parent.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     doc.setdefault("format", "trainguard.bench/1")
+    doc.setdefault("commit", _commit())
     doc.setdefault("benches", {})[bench] = section
     if machine_doc is not None:
         known = doc.setdefault("machine", {})
@@ -323,6 +324,19 @@ def write_section(path: Path, bench: str, section: dict[str, Any],
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def _commit() -> str | None:
+    """The measured code's commit (``+dirty`` with uncommitted changes), if in git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS_DIR.parent,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":!bench/results"], cwd=RESULTS_DIR.parent.parent,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def print_headlines(ratios: list[Ratio]) -> None:
