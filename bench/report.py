@@ -113,7 +113,7 @@ def render(doc: dict[str, Any], source: str) -> str:
                   "| record | records | raw MB/s | trainguard MB/s | client CPU s/GiB, raw / "
                   "trainguard | redis-server CPU s/GiB, raw / trainguard |",
                   "| --- | --- | --- | --- | --- | --- |"]
-        for size, s in ing["sizes"].items():
+        for size, s in sorted(ing["sizes"].items(), key=lambda kv: int(kv[0])):
             lines.append(f"| {size} B | {s['records']:,} | {s['raw_mb_s']:.1f} | "
                          f"{s['tg_mb_s']:.1f} | {s['raw_cpu_s_per_gib']:.2f} / "
                          f"{s['tg_cpu_s_per_gib']:.2f} | {s['raw_redis_cpu_s_per_gib']:.2f} / "
@@ -125,7 +125,7 @@ def render(doc: dict[str, Any], source: str) -> str:
                   f"size, {co['args']['partitions']} partitions, ~1 MiB batches, "
                   f"{co['args']['rounds']} rounds; the in-memory `IterableDataset` through the "
                   "same `DataLoader` is torch's own limit for the worker path):", ""]
-        for kib, s in co["sizes"].items():
+        for kib, s in sorted(co["sizes"].items(), key=lambda kv: int(kv[0])):
             lines += [f"{kib} KiB records ({s['records']:,}):", ""]
             lines += _rows(s, list(s["rows"]))
             lines.append("")
