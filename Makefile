@@ -13,11 +13,13 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP_EXTRA ?=
 PYTEST_ARGS ?=
+# e.g. make bench BENCH_ARGS="--dir /mnt/nvme/tmp --size-mib 1024"
+BENCH_ARGS ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: test demo setup redis chromium lint chaos bench clean compose
+.PHONY: test demo setup redis chromium lint chaos bench bench-readme clean compose
 
 setup: $(STAMP) redis chromium
 
@@ -81,12 +83,15 @@ compose: .env
 	@chmod 600 .env
 	@echo "wrote .env with fresh secrets (keep it private)"
 
+# All the benchmarks into one results file, bench/results/<host>-<UTC stamp>.json;
+# `make bench-readme` then regenerates README's performance section from the newest.
 bench: setup
-	$(PY) bench/checkpoint.py
-	$(PY) bench/ingest.py
-	$(PY) bench/consume.py
-	$(PY) bench/push.py
-	$(PY) bench/ingest_tokens.py
+	export BENCH_STAMP=$$(date -u +%Y-%m-%dT%H%MZ) && \
+	$(PY) bench/checkpoint.py $(BENCH_ARGS) && $(PY) bench/ingest.py && $(PY) bench/consume.py && \
+	$(PY) bench/push.py && $(PY) bench/ingest_tokens.py
+
+bench-readme: setup
+	$(PY) bench/report.py --readme
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

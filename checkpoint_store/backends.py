@@ -86,6 +86,25 @@ def _write_all(fd: int, data: Buffer) -> None:
         view = view[n:]
 
 
+_IOV_MAX = 512
+"""Pieces per ``writev``: a chunk of a packed array has one piece per small tensor
+(and one per alignment gap), and a syscall per piece costs as much as its bytes."""
+
+
+def _write_pieces(fd: int, pieces: Sequence[Buffer]) -> None:
+    views = [v for v in (memoryview(p).cast("B") for p in pieces) if len(v)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + _IOV_MAX])
+        while n and i < len(views):  # drop what was written; a short write resumes
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+
+
 class LocalBackend:
     """A local directory; every write is fsync'd, directories included."""
 
@@ -95,6 +114,10 @@ class LocalBackend:
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def local_path(self, path: str) -> str:
+        """The OS path of ``path`` (for readers that use the file descriptor)."""
+        return self._abs(path)
 
     def _makedirs(self, dirpath: str) -> None:
         """Create missing parents and fsync each new entry's parent directory, so a
@@ -114,8 +137,7 @@ class LocalBackend:
         self._makedirs(os.path.dirname(full))
         fd = os.open(full, _CREATE_FLAGS, 0o644)
         try:
-            for piece in pieces:
-                _write_all(fd, piece)
+            _write_pieces(fd, pieces)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -4,6 +4,9 @@ Two passes over the same walk: a dry pass collects every byte range the state ne
 (only the blocks a ``Shard`` target overlaps, so resharded loads read their part),
 the reader fetches and verifies them all, then the real pass copies. A damaged
 checkpoint is therefore detected before anything in the caller's state changes.
+Given a :class:`~checkpoint_store.direct.DirectLoad`, the dry pass hands it the large
+tensor targets it can read in place instead; those are the caller's to run, and they
+are exempt from that guarantee (see ``CheckpointStore.load``).
 
 Rules: a tensor target is ``copy_``'d into (same shape and dtype, else
 StateMismatchError); a ``Shard`` target receives its block, assembled from whatever
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from checkpoint_store.direct import DirectLoad
 from checkpoint_store.dtypes import dtype_from_name, dtype_name, raw_view
 from checkpoint_store.flatten import TensorRef, is_stateful, join_path
 from checkpoint_store.reader import ChunkReader
@@ -53,10 +57,14 @@ def _to_tensor(data: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.
 
 
 class _Walker:
-    def __init__(self, manifest_name: str, tensors: Mapping[str, Any], reader: ChunkReader):
+    def __init__(self, manifest_name: str, tensors: Mapping[str, Any], reader: ChunkReader,
+                 direct: DirectLoad | None = None):
         self.name = manifest_name
         self.tensors = tensors
         self.reader = reader
+        # Tensors read in place by ``direct``, by key path: neither fetched nor copied here.
+        self.direct = direct
+        self.claimed: dict[str, torch.Tensor] = {}
         self.dry = True
         self.ranges: list[tuple[str, int, int]] = []
         self.skeleton: dict[Any, Any] = {}
@@ -129,11 +137,22 @@ class _Walker:
             return target
         if isinstance(target, torch.Tensor):
             self._check(path, entry, target, global_shape)
+            if self.dry and self.direct is not None and self.direct.claim(target, entry):
+                self.claimed[path] = target
+            if path in self.claimed:
+                return target
             data = self.region(entry, (0,) * len(global_shape), global_shape, path)
             if data is not None:
                 with torch.no_grad():
                     raw_view(target).copy_(raw_view(data))
             return target
+        if self.dry and self.direct is not None and len(entry["shards"]) == 1:
+            # No tensor to load into (e.g. a fresh optimizer's state): read into a new one.
+            fresh = _empty(global_shape, dtype_from_name(entry["dtype"]))
+            if self.direct.claim(fresh, entry):
+                self.claimed[path] = fresh
+        if path in self.claimed:
+            return self.claimed[path]
         data = self.region(entry, (0,) * len(global_shape), global_shape, path)
         # Clone through the raw view: some dtypes (bits, sub-byte ints) have no kernels.
         return None if data is None else raw_view(data).clone().view(data.dtype)

@@ -19,7 +19,7 @@ import torch
 
 from trainguard.core import streams
 
-__all__ = ["Segment", "decode_records", "positions", "stack_arrays", "take"]
+__all__ = ["Segment", "decode_records", "positions", "shared_empty", "stack_arrays", "take"]
 
 Segment = tuple[int, list[str], list[list[bytes]]]
 """Consecutive entries of one partition: ``(partition, IDs, flat field lists)``, the
@@ -85,6 +85,19 @@ def _nd_layout(first: list[bytes]) -> tuple[int, Callable[[Any], Any], tuple[byt
     return where[streams.F_DATA], get, get(first)
 
 
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in shared memory from the start. ``share_memory_()`` on a
+    fresh tensor would allocate it twice and copy the garbage across (and for a ~1 MiB
+    batch that costs as much as filling it); a DataLoader worker's batch then reaches
+    the main process without torch copying it into shared memory when it pickles it."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None or nbytes == 0:  # not in every torch: the plain way
+        return torch.empty(shape, dtype=dtype).share_memory_()
+    storage: torch.UntypedStorage = new_shared(nbytes)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
 def stack_arrays(flats: list[list[bytes]], in_worker: bool) -> torch.Tensor | None:
     """One tensor for same-shaped NumPy records, or None when they are not all that.
 
@@ -118,12 +131,10 @@ def stack_arrays(flats: list[list[bytes]], in_worker: bool) -> torch.Tensor | No
             f"record of {bad} bytes does not match its dtype {dtype} and shape {shape}"
         )
     n = len(payloads)
-    if in_worker or step == 0:
-        out = torch.empty((n, *shape), dtype=tdtype)
-        if in_worker:
-            out.share_memory_()
-        if step == 0:  # zero-sized records: nothing to copy (and no byte view exists)
-            return out
+    if step == 0:  # zero-sized records: nothing to copy (and no byte view exists)
+        return torch.empty((n, *shape), dtype=tdtype)
+    if in_worker:
+        out = shared_empty((n, *shape), tdtype)
         view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
         for i, data in enumerate(payloads):
             view[i * step : (i + 1) * step] = data
