@@ -21,6 +21,7 @@ import msgpack
 import numpy as np
 import torch
 
+from checkpoint_store.dtensor import LocalBlock, is_dtensor, local_block
 from checkpoint_store.dtypes import dtype_name, is_supported
 from checkpoint_store.shard import Shard
 from trainguard.core.checkpoints import CorruptCheckpointError, UnsupportedValueError
@@ -31,7 +32,7 @@ EXT_TENSOR, EXT_TUPLE, EXT_NDARRAY, EXT_NPSCALAR, EXT_BIGINT = 1, 2, 3, 4, 5
 _I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
 
 _SUPPORTED = (
-    "tensors, Shard, objects with state_dict()/load_state_dict(), dicts with str or "
+    "tensors, DTensors (Shard/Replicate placements), Shard, objects with state_dict()/load_state_dict(), dicts with str or "
     "int keys, lists, tuples, None, bool, int, float, str, bytes, numpy arrays and scalars"
 )
 
@@ -43,6 +44,10 @@ class TensorLeaf:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sharded: bool
+    writes: bool = True
+    """False on a DTensor replica whose block another rank writes."""
+    layout: dict[str, Any] | None = None
+    """A DTensor's mesh shape and placements, recorded in the manifest."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,8 @@ class _Flattener:
         self.leaves: list[TensorLeaf] = []
         self._paths: set[str] = set()
 
-    def _leaf(self, path: str, t: torch.Tensor, shard: Shard | None) -> msgpack.ExtType:
+    def _leaf(self, path: str, t: torch.Tensor, shard: Shard | LocalBlock | None
+              ) -> msgpack.ExtType:
         if t.layout != torch.strided or t.is_quantized or t.is_meta or not is_supported(t.dtype):
             raise UnsupportedValueError(
                 f"cannot checkpoint the tensor at {path!r}: dtype {dtype_name(t.dtype)}, "
@@ -95,6 +101,9 @@ class _Flattener:
         if shard is None:
             shape = tuple(t.shape)
             self.leaves.append(TensorLeaf(path, t, shape, (0,) * len(shape), False))
+        elif isinstance(shard, LocalBlock):
+            self.leaves.append(TensorLeaf(path, t, shard.global_shape, shard.offsets, True,
+                                          shard.writes, shard.layout))
         else:
             self.leaves.append(TensorLeaf(path, t, shard.global_shape, shard.offsets, True))
         return msgpack.ExtType(EXT_TENSOR, path.encode())
@@ -116,6 +125,9 @@ class _Flattener:
             return bytes(value)
         if isinstance(value, Shard):
             return self._leaf(path, value.tensor, value)
+        if is_dtensor(value):
+            block = local_block(value, path)
+            return self._leaf(path, block.tensor, block)
         if isinstance(value, torch.Tensor):
             return self._leaf(path, value, None)
         if isinstance(value, np.ndarray):
