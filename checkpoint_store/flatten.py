@@ -26,7 +26,10 @@ from checkpoint_store.dtypes import dtype_name, is_supported
 from checkpoint_store.shard import Shard
 from trainguard.core.checkpoints import CorruptCheckpointError, UnsupportedValueError
 
-__all__ = ["TensorLeaf", "TensorRef", "decode_skeleton", "flatten", "is_stateful", "join_path"]
+__all__ = [
+    "TensorLeaf", "TensorRef", "decode_skeleton", "encode_values", "flatten", "is_stateful",
+    "join_path",
+]
 
 EXT_TENSOR, EXT_TUPLE, EXT_NDARRAY, EXT_NPSCALAR, EXT_BIGINT = 1, 2, 3, 4, 5
 _I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
@@ -52,7 +55,8 @@ class TensorLeaf:
 
 @dataclass(frozen=True)
 class TensorRef:
-    """Placeholder for a tensor in a decoded skeleton."""
+    """Placeholder for a tensor in a decoded skeleton (and, given to ``flatten``, a
+    reference to a tensor that another rank saves)."""
 
     path: str
 
@@ -125,6 +129,9 @@ class _Flattener:
             return bytes(value)
         if isinstance(value, Shard):
             return self._leaf(path, value.tensor, value)
+        if isinstance(value, TensorRef):
+            # A tensor that other ranks write (the DCP writer): referenced, no leaf here.
+            return msgpack.ExtType(EXT_TENSOR, value.path.encode())
         if is_dtensor(value):
             block = local_block(value, path)
             return self._leaf(path, block.tensor, block)
@@ -212,3 +219,16 @@ def decode_skeleton(data: bytes) -> Any:
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"cannot decode the checkpoint's msgpack state: {e}") from e
+
+
+def encode_values(values: Mapping[str, Any], *, what: str) -> bytes:
+    """msgpack of plain values (no tensors), with the same types and extension types
+    as a skeleton; ``what`` names them in the error for a value holding a tensor."""
+    f = _Flattener()
+    tree = {k: f.walk(v, join_path("", k)) for k, v in values.items()}
+    if f.leaves:
+        raise UnsupportedValueError(
+            f"{what} {f.leaves[0].path!r} holds a tensor inside a non-tensor value; only "
+            "top-level tensors can be saved from it"
+        )
+    return _packb(tree)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from checkpoint_store import CheckpointStore
 from checkpoint_store import Shard as CkptShard
 from checkpoint_store._faults import CRASH_ENV
+from checkpoint_store.dcp import StorageReader, StorageWriter
 
 BATCH = 8
 
@@ -93,13 +95,37 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     return bad
 
 
+API = os.environ.get("CKPT_API", "store")  # "store", "dcp" or "dcp_async"
+
+
+def save(store: CheckpointStore, state: dict[str, Any], step: int) -> None:
+    """Through the store, or through DCP's save/async_save with trainguard's writer."""
+    if API == "store":
+        store.save(state, step=step)
+    elif API == "dcp":
+        dcp.save(state, storage_writer=StorageWriter(store, step=step))
+    else:
+        dcp.async_save(state, storage_writer=StorageWriter(store, step=step)).result()
+
+
+def load(store: CheckpointStore, state: dict[str, Any]) -> int:
+    if API == "store":
+        manifest = store.load(state, strict=True)
+        assert manifest is not None
+        return manifest.step
+    reader = StorageReader(store)
+    dcp.load(state, storage_reader=reader)
+    assert reader.manifest is not None
+    return reader.manifest.step
+
+
 def mode_train(store: CheckpointStore, rank: int, world: int, root: str, crash_rank: int
                ) -> dict[str, Any]:
     model, opt = fsdp_model(world)
     for step in (1, 2):
         train_step(model, opt, step, rank, world)
     msd, osd = get_state_dict(model, opt)
-    store.save({"model": msd, "optim": osd, "step": 2}, step=2)
+    save(store, {"model": msd, "optim": osd, "step": 2}, 2)
     ref = full_state({"model": msd, "optim": osd})
     for step in (3, 4):
         train_step(model, opt, step, rank, world)
@@ -112,7 +138,7 @@ def mode_train(store: CheckpointStore, rank: int, world: int, root: str, crash_r
         os.environ[CRASH_ENV] = "mid-data"
     msd, osd = get_state_dict(model, opt)
     try:
-        store.save({"model": msd, "optim": osd, "step": 4}, step=4)
+        save(store, {"model": msd, "optim": osd, "step": 4}, 4)
         return {"rank": rank, "saved4": True}
     except Exception as e:
         # The peer died mid-save: report and leave without the collectives of a clean
@@ -123,13 +149,20 @@ def mode_train(store: CheckpointStore, rank: int, world: int, root: str, crash_r
 
 
 def mode_export(store: CheckpointStore, root: str) -> dict[str, Any]:
-    """One process, no torch.distributed: plain tensors of the whole state (export)."""
+    """One process, no torch.distributed: plain tensors of the whole state (export),
+    through the store into empty containers, or through DCP into a plain model's
+    state dicts."""
     model = build_model()
-    state: dict[str, Any] = {"model": model.state_dict(), "optim": {}, "step": 0}
-    manifest = store.load(state, strict=True)
-    assert manifest is not None
-    return {"rank": 0, "step": manifest.step, "loaded_step": state["step"],
-            "saved_world": manifest.world_size,
+    if API == "store":
+        state: dict[str, Any] = {"model": model.state_dict(), "optim": {}, "step": 0}
+    else:
+        msd, osd = get_state_dict(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        state = {"model": msd, "optim": osd, "step": 0}
+    step = load(store, state)
+    latest = store.latest()
+    assert latest is not None
+    return {"rank": 0, "step": step, "loaded_step": state["step"],
+            "saved_world": latest.world_size,
             "diff": same(full_state({"model": state["model"], "optim": state["optim"]}),
                          torch.load(f"{root}.ref2.pt"))}
 
@@ -141,13 +174,14 @@ def mode_resume(store: CheckpointStore, rank: int, world: int, root: str, then: 
     model, opt = fsdp_model(world)
     msd, osd = get_state_dict(model, opt)
     state: dict[str, Any] = {"model": msd, "optim": osd, "step": 0}
-    manifest = store.load(state, strict=True)
-    assert manifest is not None
+    step = load(store, state)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     msd, osd = get_state_dict(model, opt)
     ref = torch.load(f"{root}.ref2.pt")
-    out: dict[str, Any] = {"rank": rank, "step": manifest.step, "loaded_step": state["step"],
-                           "saved_world": manifest.world_size,
+    latest = store.latest()
+    assert latest is not None
+    out: dict[str, Any] = {"rank": rank, "step": step, "loaded_step": state["step"],
+                           "saved_world": latest.world_size,
                            "diff": same(full_state({"model": msd, "optim": osd}), ref)}
     if then == "train":
         for step in (3, 4):
