@@ -17,6 +17,7 @@ from __future__ import annotations
 import builtins
 import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed.checkpoint as tdcp
@@ -92,6 +93,9 @@ class DcpCheckpointStore:
             handle._finish(writer.manifest, None)
             return handle
         future = tdcp.async_save(dict(state), storage_writer=writer)
+        # The default stager returns a plain Future (an AsyncSaveResponse needs a
+        # stager configured for it, which this store does not pass).
+        assert isinstance(future, Future)
 
         def done(f: Any) -> None:
             error = f.exception()
