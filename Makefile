@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: test demo setup redis chromium lint chaos bench clean
+.PHONY: test demo setup redis chromium lint chaos bench gpu-check clean
 
 setup: $(STAMP) redis chromium
 
@@ -74,6 +74,12 @@ bench: setup
 	$(PY) bench/checkpoint.py
 	$(PY) bench/ingest.py
 	$(PY) bench/consume.py
+
+# On a machine with a GPU and a CUDA build of torch (TORCH_SPEC/PIP_EXTRA above): the
+# cuda-marked tests, bench/checkpoint.py and the FSDP2-vs-DCP benchmark on the GPU, in
+# under 5 minutes, with one summary at the end.
+gpu-check: setup
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

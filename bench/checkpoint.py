@@ -2,6 +2,7 @@
 and torch.distributed.checkpoint (DCP), on one disk, every write fsync'd.
 
     python bench/checkpoint.py --size-mib 1024 --tensors 20 --many 1000 --dir /path
+    python bench/checkpoint.py --dist 4 --size-mib 256     # FSDP2 ranks vs DCP, in rounds
 
 Prints a table (seconds, GiB/s) and a final line of the ratios the issue targets.
 Not a test: numbers depend on the disk, the page cache (loads usually hit it; this
@@ -221,7 +222,18 @@ def main() -> None:
                         "dir); the files go to a fresh subdirectory, removed afterwards")
     parser.add_argument("--no-dcp", action="store_true", help="skip the DCP rows")
     parser.add_argument("--keep", action="store_true", help="keep the written files")
+    parser.add_argument("--dist", type=int, metavar="N", help="instead: N gloo ranks, an FSDP2 "
+                        "model + AdamW of --size-mib parameters against DCP, in rounds "
+                        "(bench/checkpoint_dist.py)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --dist (default 3)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where --dist keeps the state (cuda: one rank per GPU)")
     args = parser.parse_args()
+    if args.dist:
+        from checkpoint_dist import main as dist_main
+
+        dist_main(args.dist, args.size_mib, args.rounds, args.device, args.dir)
+        return
     # A fresh subdirectory, so cleaning up never touches anything already there.
     args.dir = tempfile.mkdtemp(prefix="tg-bench-", dir=args.dir)
     try:

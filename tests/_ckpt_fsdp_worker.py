@@ -38,6 +38,7 @@ from checkpoint_store._faults import CRASH_ENV
 from checkpoint_store.dcp import StorageReader, StorageWriter
 
 BATCH = 8
+DEVICE = os.environ.get("CKPT_DEVICE", "cpu")  # "cuda": one rank per GPU, NCCL for CUDA
 
 
 def build_model() -> torch.nn.Module:
@@ -47,8 +48,8 @@ def build_model() -> torch.nn.Module:
 
 
 def fsdp_model(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = build_model()
-    mesh = init_device_mesh("cpu", (world,))
+    model = build_model().to(DEVICE)
+    mesh = init_device_mesh(DEVICE, (world,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -58,7 +59,8 @@ def fsdp_model(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int,
                world: int) -> None:
     g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 5, generator=g)
+    x = torch.randn(BATCH, 16, generator=g).to(DEVICE)
+    y = torch.randn(BATCH, 5, generator=g).to(DEVICE)
     per = BATCH // world
     mine = slice(rank * per, (rank + 1) * per)
     loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
@@ -77,9 +79,9 @@ def full_state(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         for i, v in enumerate(state):
             out.update(full_state(v, f"{prefix}/{i}"))
     elif isinstance(state, DTensor):
-        out[prefix] = state.full_tensor().detach().clone()
+        out[prefix] = state.full_tensor().detach().to("cpu", copy=True)
     elif isinstance(state, torch.Tensor):
-        out[prefix] = state.detach().clone()
+        out[prefix] = state.detach().to("cpu", copy=True)
     return out
 
 
@@ -169,7 +171,7 @@ def mode_export(store: CheckpointStore, root: str) -> dict[str, Any]:
 
 def mode_resume(store: CheckpointStore, rank: int, world: int, root: str, then: str
                 ) -> dict[str, Any]:
-    if world == 1:
+    if not dist.is_initialized():
         return mode_export(store, root)
     model, opt = fsdp_model(world)
     msd, osd = get_state_dict(model, opt)
@@ -193,7 +195,7 @@ def mode_resume(store: CheckpointStore, rank: int, world: int, root: str, then: 
 
 def dtensor_state(world: int, step: int, layout: str) -> dict[str, Any]:
     """``layout`` "a" (as saved) or "b" (other placements) of the same global tensors."""
-    mesh = init_device_mesh("cpu", (2, 2) if world == 4 else (world,))
+    mesh = init_device_mesh(DEVICE, (2, 2) if world == 4 else (world,))
     rows = torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7) + step
     big = torch.arange(37 * 3, dtype=torch.int64).reshape(37, 3) * step
     one = torch.arange(world - 1, dtype=torch.bfloat16) + step  # an empty shard on a rank
@@ -212,13 +214,14 @@ def dtensor_state(world: int, step: int, layout: str) -> dict[str, Any]:
 
 def mode_dtensor(store: CheckpointStore, rank: int, world: int) -> dict[str, Any]:
     saved = dtensor_state(world, 3, "a")
-    manifest = store.save({"d": saved, "plain": torch.ones(2)}, step=3).wait()
+    manifest = store.save({"d": saved, "plain": torch.ones(2, device=DEVICE)}, step=3).wait()
     writers = {k: sorted({s["array"].split("/")[0] for s in e["shards"] if s["nbytes"]})
                for k, e in manifest.tensors.items()}
     nbytes = {k: sum(s["nbytes"] for s in e["shards"]) for k, e in manifest.tensors.items()}
-    target = {"d": dtensor_state(world, 0, "b"), "plain": torch.zeros(2)}
+    target = {"d": dtensor_state(world, 0, "b"), "plain": torch.zeros(2, device=DEVICE)}
     store.load(target, strict=True)
-    diff = same(full_state(target), full_state({"d": saved, "plain": torch.ones(2)}))
+    diff = same(full_state(target),
+                full_state({"d": saved, "plain": torch.ones(2, device=DEVICE)}))
     return {"rank": rank, "writers": writers, "nbytes": nbytes, "diff": diff,
             "layouts": {k: e.get("layout") for k, e in manifest.tensors.items()}}
 
@@ -257,8 +260,12 @@ def mode_fail_save(store: CheckpointStore, rank: int, world: int) -> dict[str, A
 def main() -> None:
     mode, rank, world, port, root = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
     args = sys.argv[6:]
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+        torch.use_deterministic_algorithms(True, warn_only=True)  # bit-exact resumes
+    if world > 1 or DEVICE == "cuda":
+        backend = "cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
     store = CheckpointStore(root, chunk_bytes=256)
     if mode == "train":
@@ -272,7 +279,7 @@ def main() -> None:
     else:
         out = mode_fail_save(store, rank, world)
     store.close()
-    if world > 1:
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     print(json.dumps(out), flush=True)
