@@ -215,15 +215,16 @@ def dtensor_state(world: int, step: int, layout: str) -> dict[str, Any]:
 def mode_dtensor(store: CheckpointStore, rank: int, world: int) -> dict[str, Any]:
     saved = dtensor_state(world, 3, "a")
     # Non-blocking: the local shards go through the staging buffer.
-    manifest = store.save({"d": saved, "plain": torch.ones(2, device=DEVICE)}, step=3,
-                          blocking=False).wait()
+    manifest = store.save({"d": saved, "plain": torch.ones(2, device=DEVICE),
+                           "none": torch.zeros(0, 3)}, step=3, blocking=False).wait()
     writers = {k: sorted({s["array"].split("/")[0] for s in e["shards"] if s["nbytes"]})
                for k, e in manifest.tensors.items()}
     nbytes = {k: sum(s["nbytes"] for s in e["shards"]) for k, e in manifest.tensors.items()}
-    target = {"d": dtensor_state(world, 0, "b"), "plain": torch.zeros(2, device=DEVICE)}
+    target = {"d": dtensor_state(world, 0, "b"), "plain": torch.zeros(2, device=DEVICE),
+              "none": torch.ones(0, 3)}
     store.load(target, strict=True)
-    diff = same(full_state(target),
-                full_state({"d": saved, "plain": torch.ones(2, device=DEVICE)}))
+    diff = same(full_state(target), full_state(
+        {"d": saved, "plain": torch.ones(2, device=DEVICE), "none": torch.zeros(0, 3)}))
     return {"rank": rank, "writers": writers, "nbytes": nbytes, "diff": diff,
             "layouts": {k: e.get("layout") for k, e in manifest.tensors.items()}}
 
