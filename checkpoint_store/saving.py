@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -115,8 +116,18 @@ def _merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "rank must save the same global tensors"
                 )
             m["shards"].append(e["shard"])
-    for m in merged.values():
+    for path, m in merged.items():
         m["shards"] = unique_blocks(m["shards"])
+        # In-bounds blocks (Shard checks that) tile the tensor exactly when their
+        # volumes add up to it and none overlaps; a sum that differs means a block
+        # is missing or overlaps another, and the loader could not use them.
+        covered = sum(math.prod(s["shape"]) for s in m["shards"])
+        if covered != math.prod(m["shape"]):
+            raise CheckpointError(
+                f"the ranks' blocks of tensor {path!r} cover {covered} of its "
+                f"{math.prod(m['shape'])} elements: blocks overlap or are missing; every "
+                "element must be saved by exactly one block (identical blocks count once)"
+            )
     return merged
 
 

@@ -236,7 +236,14 @@ def mode_blocks(store: CheckpointStore, rank: int) -> dict[str, Any]:
     lo, hi = (0, 3) if rank == 0 else (3, 5)
     state = {"g": CkptShard(rows[lo:hi].clone(), (5, 7), (lo, 0)),
              "rep": CkptShard(torch.ones(4, 3), (4, 3), (0, 0))}
-    return {"rank": rank, "name": store.save(state, step=1).wait().name}
+    out: dict[str, Any] = {"rank": rank, "name": store.save(state, step=1).wait().name}
+    lo, hi = (0, 3) if rank == 0 else (2, 5)  # row 2 twice, with different bounds
+    try:
+        store.save({"g": CkptShard(rows[lo:hi].clone(), (5, 7), (lo, 0))}, step=2)
+        out["overlap"] = "saved"
+    except Exception as e:
+        out["overlap"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def mode_fail_save(store: CheckpointStore, rank: int, world: int) -> dict[str, Any]:

@@ -116,9 +116,14 @@ def test_empty_shard_and_replicated_blocks_load(tmp_path):
     """Regression: a (5, 7) tensor saved as rows 0-3 and 3-5 by 2 ranks loads into an
     empty Shard target (it used to report "cover -14 of the 0 elements" and fall back
     to "no loadable checkpoint"); a block both ranks saved whole is recorded once and
-    loads (it used to be counted twice)."""
+    loads (it used to be counted twice); blocks overlapping with other bounds are
+    refused when saved."""
     root = tmp_path / "ckpt"
-    run_ranks(WORKER, "blocks", 2, str(root))
+    out = run_ranks(WORKER, "blocks", 2, str(root))
+    # Blocks that overlap with other bounds are refused at save time, on every rank.
+    for o in out:
+        assert o["overlap"].startswith("DistributedSaveError")
+        assert "cover 42 of its 35 elements" in o["overlap"]
     store = CheckpointStore(root)
     manifest = store.latest()
     assert manifest is not None and len(manifest.tensors["rep"]["shards"]) == 1
