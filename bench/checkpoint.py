@@ -2,6 +2,7 @@
 torch.load and ``dd``, on one disk, every write fsync'd, in interleaved rounds.
 
     python bench/checkpoint.py [--size-mib 256] [--rounds 8] [--dir /path] [--dcp]
+    python bench/checkpoint.py --dist 4 --size-mib 256     # FSDP2 ranks vs DCP, in rounds
 
 Four groups, each run in rounds (order rotated every round, the first round discarded
 as warm-up; see ``rounds.py``):
@@ -297,14 +298,27 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256, help="state size (default 256)")
     parser.add_argument("--tensors", type=int, default=20, help="tensor count (default 20)")
     parser.add_argument("--many", type=int, default=1000, help="tensor count of the variant")
-    parser.add_argument("--rounds", type=int, default=8, help="measured rounds per group")
+    parser.add_argument("--rounds", type=int, help="measured rounds per group (default 8; "
+                        "3 with --dist)")
     parser.add_argument("--dir", help="directory on the disk to measure (created when "
                         "missing; default: the temp dir); files go to a fresh subdirectory, "
                         "removed afterwards")
     parser.add_argument("--dcp", action="store_true", help="add torch.distributed.checkpoint")
     parser.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
     parser.add_argument("--keep", action="store_true", help="keep the written files")
+    parser.add_argument("--dist", type=int, metavar="N", help="instead: N gloo ranks, an FSDP2 "
+                        "model + AdamW of --size-mib parameters against DCP, in rounds "
+                        "(bench/checkpoint_dist.py)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where --dist keeps the state (cuda: one rank per GPU)")
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 3 if args.dist else 8
+    if args.dist:
+        from checkpoint_dist import main as dist_main
+
+        dist_main(args.dist, args.size_mib, args.rounds, args.device, args.dir)
+        return
     # A fresh subdirectory, so cleaning up never touches anything already there.
     base = Path(tempfile.mkdtemp(prefix="tg-bench-", dir=rd.ensure_dir(args.dir)))
     try:

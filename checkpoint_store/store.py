@@ -42,7 +42,6 @@ from trainguard.core.checkpoints import (
     NoCheckpointError,
     PinnedCheckpointError,
     SaveInProgressError,
-    StateMismatchError,
     UnsupportedValueError,
 )
 
@@ -154,10 +153,32 @@ class CheckpointStore:
             # run, and the new job queues behind them in the writer thread.
             current._result.wait()
         self._raise_unreported()
+        try:
+            job = self._prepare(state, step, extra_doc, blocking)
+        except Exception as e:
+            if self.world_size == 1:
+                raise
+            # The other ranks are entering the save's collectives: take part with the
+            # error, so that every rank learns it now (not at the gloo timeout).
+            job = SaveJob(step, extra_doc, [], plan_rank([], rank=self.rank, chunk_bytes=1,
+                                                         own_array_bytes=1),
+                          Staged([], None), b"", error=e)
+        handle = SaveHandle(step)
+        with self._lock:
+            self._current = handle
+        self._executor.submit(self._run, handle, job)
+        if blocking or job.error is not None:
+            handle.wait()
+        return handle
+
+    def _prepare(self, state: Mapping[str, Any], step: int, extra_doc: dict[str, Any],
+                 blocking: bool) -> SaveJob:
         leaves, skeleton = flatten(state)
         if self.world_size > 1 and self.rank != 0:
-            # Replicated (non-Shard) values are rank 0's to write.
+            # Replicated plain values are rank 0's to write.
             leaves = [leaf for leaf in leaves if leaf.sharded]
+        # A DTensor replica leaves its block to the replica at coordinate 0.
+        leaves = [leaf for leaf in leaves if leaf.writes]
         plan = plan_rank(leaves, rank=self.rank, chunk_bytes=self.chunk_bytes,
                          own_array_bytes=self.chunk_bytes)
         on_cpu = all(not leaf.tensor.is_cuda for leaf in leaves)
@@ -165,14 +186,7 @@ class CheckpointStore:
             staged = Staged(direct_segments(leaves, plan), None)
         else:
             staged = self._pool.stage(leaves, plan)
-        job = SaveJob(step, extra_doc, leaves, plan, staged, skeleton)
-        handle = SaveHandle(step)
-        with self._lock:
-            self._current = handle
-        self._executor.submit(self._run, handle, job)
-        if blocking:
-            handle.wait()
-        return handle
+        return SaveJob(step, extra_doc, leaves, plan, staged, skeleton)
 
     def _run(self, handle: SaveHandle, job: SaveJob) -> None:
         try:
@@ -346,7 +360,8 @@ class CheckpointStore:
             # the last candidate stage and verify everything before changing anything.
             in_place = not strict and step is None and not dirty and i < len(candidates) - 1
             applier: Applier | None = None
-            error = ""
+            verdict: dict[str, str] = {}
+            refusal: BaseException | None = None
             manifest: Manifest | None = None
             try:
                 manifest = self._read_manifest(n.name, pins)
@@ -360,14 +375,25 @@ class CheckpointStore:
                 if direct is not None:
                     direct.run()
             except CorruptCheckpointError as e:
-                error = str(e)
+                verdict = {"damaged": str(e)}
             except NoCheckpointError:
-                continue
-            except StateMismatchError as e:
+                verdict = {"gone": n.name}
+            except Exception as e:
+                # A state that does not fit is refused on every rank, not only here:
+                # the others must not wait in the collective below for this one.
+                verdict, refusal = {"refused": f"{type(e).__name__}: {e}"}, e
+            verdicts = all_gather_json(self._comm, verdict)
+            if refusal is not None:
                 if dirty:
-                    e.add_note(_dirty_note(damaged))
-                raise
-            verdicts = all_gather_json(self._comm, error)
+                    refusal.add_note(_dirty_note(damaged))
+                raise refusal
+            refused = [(r, v["refused"]) for r, v in enumerate(verdicts) if "refused" in v]
+            if refused:
+                raise CheckpointError(f"loading {n.name} was refused by rank "
+                                      f"{refused[0][0]}: {refused[0][1]}")
+            if any("gone" in v for v in verdicts):
+                continue
+            verdicts = [v.get("damaged", "") for v in verdicts]
             bad = [(r, v) for r, v in enumerate(verdicts) if v]
             if not bad:
                 assert applier is not None and manifest is not None
