@@ -85,8 +85,10 @@ class TrainguardHF:
         if session_options.get("world_size", 1) != 1 or session_options.get("deterministic"):
             raise ValueError("the Hugging Face integration runs one process in greedy order: "
                              "world_size and deterministic are not supported")
+        # Greedy order: the confirmed-batches gate hands the session its batches one
+        # at a time, which deterministic mode's worker-order merge cannot take.
         self.session = TrainingSession(redis_url, dataset=dataset, run=run, store=store,
-                                       **session_options)
+                                       **{**session_options, "deterministic": False})
         self.batch_size, self.num_workers = batch_size, num_workers
         self.decode = decode or _token_record(labels)
         self.train_dataset = TrainguardIterable(self)

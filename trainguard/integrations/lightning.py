@@ -109,8 +109,9 @@ class TrainguardDataModule(pl.LightningDataModule):
     @property
     def session(self) -> TrainingSession:
         if self._session is None:
+            options = {**self._options, "deterministic": False}  # greedy: see hf.py
             self._session = TrainingSession(self.redis_url, dataset=self.dataset_name,
-                                            run=self.run, store=self.store, **self._options)
+                                            run=self.run, store=self.store, **options)
         return self._session
 
     @property
