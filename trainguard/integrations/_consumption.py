@@ -17,12 +17,23 @@ no records (which records nothing) and then the confirmed batches, in order.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any, cast
 
 from trainer_client import Batch, TrainingSession
 
-__all__ = ["ConfirmedBatches"]
+__all__ = ["ConfirmedBatches", "session_options"]
+
+
+def session_options(framework: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``TrainingSession`` options an integration runs with: one process, greedy
+    order. Greedy, because the gate below hands the session its batches one at a time,
+    which deterministic mode's worker-order merge cannot take (and deterministic is
+    the session's default). Raises ValueError for options that ask otherwise."""
+    if options.get("world_size", 1) != 1 or options.get("deterministic"):
+        raise ValueError(f"the {framework} integration runs one process in greedy order: "
+                         "world_size and deterministic are not supported")
+    return {**options, "deterministic": False}
 
 
 class _Gate:

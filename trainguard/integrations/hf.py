@@ -51,6 +51,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trainer_client import TrainingSession
 from trainguard.integrations._consumption import ConfirmedBatches
+from trainguard.integrations._consumption import session_options as session_options_for
 
 __all__ = ["ConfirmedBatches", "TrainguardCallback", "TrainguardHF", "TrainguardIterable"]
 
@@ -82,13 +83,9 @@ class TrainguardHF:
     def __init__(self, redis_url: str, *, dataset: str, run: str, store: str, batch_size: int,
                  num_workers: int = 0, labels: bool = True,
                  decode: Callable[[Any], Any] | None = None, **session_options: Any) -> None:
-        if session_options.get("world_size", 1) != 1 or session_options.get("deterministic"):
-            raise ValueError("the Hugging Face integration runs one process in greedy order: "
-                             "world_size and deterministic are not supported")
-        # Greedy order: the confirmed-batches gate hands the session its batches one
-        # at a time, which deterministic mode's worker-order merge cannot take.
+        options = session_options_for("Hugging Face", session_options)
         self.session = TrainingSession(redis_url, dataset=dataset, run=run, store=store,
-                                       **{**session_options, "deterministic": False})
+                                       **options)
         self.batch_size, self.num_workers = batch_size, num_workers
         self.decode = decode or _token_record(labels)
         self.train_dataset = TrainguardIterable(self)

@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader
 
 from trainer_client import TrainingSession
 from trainguard.integrations._consumption import ConfirmedBatches
+from trainguard.integrations._consumption import session_options as session_options_for
 
 __all__ = ["MARKER_FORMAT", "TrainguardCallback", "TrainguardCheckpointIO", "TrainguardDataModule"]
 
@@ -93,13 +94,10 @@ class TrainguardDataModule(pl.LightningDataModule):
                  collate: Callable[[list[Any]], Any] | None = None,
                  **session_options: Any) -> None:
         super().__init__()
-        if session_options.get("world_size", 1) != 1 or session_options.get("deterministic"):
-            raise ValueError("the Lightning integration runs one process in greedy order: "
-                             "world_size and deterministic are not supported")
         self.redis_url, self.dataset_name, self.run, self.store = redis_url, dataset, run, store
         self.batch_size, self.num_workers = batch_size, num_workers
         self.decode, self.collate = decode, collate
-        self._options = session_options
+        self._options = session_options_for("Lightning", session_options)
         self._session: TrainingSession | None = None
         self._restored: int | None = None
         self._batches: ConfirmedBatches | None = None
@@ -109,9 +107,8 @@ class TrainguardDataModule(pl.LightningDataModule):
     @property
     def session(self) -> TrainingSession:
         if self._session is None:
-            options = {**self._options, "deterministic": False}  # greedy: see hf.py
             self._session = TrainingSession(self.redis_url, dataset=self.dataset_name,
-                                            run=self.run, store=self.store, **options)
+                                            run=self.run, store=self.store, **self._options)
         return self._session
 
     @property
