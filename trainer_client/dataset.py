@@ -18,14 +18,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
 from redis.driver_info import DriverInfo
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from trainer_client import _rng
+from trainer_client import _batch_ring, _rng
 from trainer_client._reader import LIB_VERSION, Reader
 from trainer_client._stacking import Segment, decode_records, positions, stack_arrays, take
 from trainer_client.errors import DatasetNotFoundError, SessionBypassedError
@@ -74,6 +75,17 @@ class Batch:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.ids.values())
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker's batch tensor in its ring crosses to the main process as a slot
+        # handle (see trainer_client._batch_ring); anything else as itself.
+        return {**self.__dict__, "data": _batch_ring.reduce_data(self.data)}
+
+    def pin_memory(self, device: Any = None) -> Batch:
+        """This batch with its data in pinned memory (what ``DataLoader(pin_memory=True)``
+        calls in its pin-memory thread; without it torch would pass a Batch through
+        unpinned). A ring slot is released as soon as its pinned copy is made."""
+        return replace(self, data=_pin_memory(self.data, device))  # type: ignore[no-untyped-call]
 
 
 def load_spec(client: redis.Redis, dataset: str) -> streams.DatasetSpec:
