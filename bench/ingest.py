@@ -17,6 +17,7 @@ their range. 100 B records use ``--mb-small`` MB (a record costs the same whatev
 its size, so fewer bytes give as many records per second). Merges an ``ingest``
 section into the JSON results file.
 Usage: python bench/ingest.py [--mb 256] [--mb-small 32] [--partitions 16] [--rounds 6]
+                              [--sizes 100,8192,131072]
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def main() -> None:
     parser.add_argument("--mb-small", type=int, default=32, help="payload MB of 100 B records")
     parser.add_argument("--partitions", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                        help="record sizes in bytes, comma-separated")
     parser.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
     args = parser.parse_args()
     if shutil.which("redis-cli") is None:
@@ -136,7 +139,7 @@ def main() -> None:
         print(f"{'size':>8} {'records':>9} | {'raw rec/s':>11} {'raw MB/s':>9} | "
               f"{'tg rec/s':>11} {'tg MB/s':>9} | {'client CPU s/GiB raw, tg':>24} | "
               f"{'redis CPU s/GiB raw, tg':>23}")
-        for size in SIZES:
+        for size in (int(s) for s in args.sizes.split(",")):
             r, ratio, count = measure_size(server, tmp, size,
                                            args.mb_small if size < 1024 else args.mb, args, flush)
             ratios.append(ratio)
