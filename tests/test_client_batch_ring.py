@@ -129,3 +129,26 @@ def test_pin_memory_pins_ring_batches(redis_server) -> None:
         _check(b)
         seen.update(b.data[:, 0].tolist())
     assert seen == Counter(range(500))
+
+
+def test_only_multiprocessing_sends_a_slot_handle(monkeypatch) -> None:
+    """``pickle`` and ``copy`` of a worker's batch keep its data a tensor with its
+    bytes (a handle would be meaningless to them); only multiprocessing's pickler (the
+    DataLoader's queues) sends the slot's handle, which unpickles to a view of it."""
+    import copy
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    monkeypatch.setattr(_batch_ring, "_rings", {})
+    flats = [[x for kv in streams.encode_record(cf.record(i, 512)).items() for x in kv]
+             for i in range(4)]
+    data = stack_arrays(flats, in_worker=True)
+    assert _batch_ring.is_ring_tensor(data)
+    b = Batch(data=data, ids={0: ["1-0"]}, offsets={0: "1-0"})
+    for other in (copy.copy(b), copy.deepcopy(b), pickle.loads(pickle.dumps(b))):
+        assert isinstance(other.data, torch.Tensor) and torch.equal(other.data, data)
+    sent = bytes(ForkingPickler.dumps(b))
+    assert len(sent) < data.numel() * data.element_size()  # the bytes did not travel
+    got = pickle.loads(sent)
+    assert _batch_ring.slot_of(got.data) is not None and torch.equal(got.data, data)
+    assert got.ids == b.ids

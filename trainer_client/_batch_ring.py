@@ -87,6 +87,7 @@ class _Ring:
         os.ftruncate(self.fd, _HEADER + slots * self.slot_bytes)
         self.mm = mmap.mmap(self.fd, _HEADER + slots * self.slot_bytes)
         self.buf = np.frombuffer(self.mm, dtype=np.uint8)
+        self.base = self.buf.ctypes.data
 
     def attached(self) -> bool:
         return self.mm[_ATTACHED] != 0
@@ -101,6 +102,7 @@ class _Ring:
 
 _rings: dict[int, _Ring] = {}
 """This worker's rings by slot size (one per batch size in practice)."""
+_by_name: dict[str, _Ring] = {}
 _stats = {"ring": 0, "fallback": 0}
 
 
@@ -117,6 +119,7 @@ def claim(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     ring = _rings.get(size)
     if ring is None or ring.pid != os.getpid():  # a ring inherited through fork is not ours
         ring = _rings[size] = _Ring(size, RING_SLOTS)
+        _by_name[ring.name] = ring
     index = ring.claim()
     if index is None:
         _stats["fallback"] += 1
@@ -124,12 +127,26 @@ def claim(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     _stats["ring"] += 1
     offset = _HEADER + index * ring.slot_bytes
     t = torch.from_numpy(ring.buf[offset : offset + nbytes]).view(dtype).view(shape)
-    setattr(t, _ATTR, (ring, Slot(ring.name, index, offset, tuple(shape), str(dtype))))
+    # Plain data on the tensor (pickle and copy carry it along harmlessly): what
+    # counts is that the tensor's memory is the slot's, checked by _owned.
+    setattr(t, _ATTR, Slot(ring.name, index, offset, tuple(shape), str(dtype)))
     return t
 
 
+def _owned(t: Any) -> tuple[_Ring, Slot] | None:
+    """The ring and slot whose memory ``t`` is; None for any other tensor (a copy of
+    a ring tensor carries its attribute, not its memory)."""
+    slot = getattr(t, _ATTR, None) if isinstance(t, torch.Tensor) else None
+    ring = _by_name.get(slot.ring) if slot is not None else None
+    if ring is None or slot is None or ring.pid != os.getpid():
+        return None
+    if t.data_ptr() != ring.base + slot.offset or tuple(t.shape) != slot.shape:
+        return None
+    return ring, slot
+
+
 def is_ring_tensor(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and hasattr(t, _ATTR)
+    return _owned(t) is not None
 
 
 def stats() -> dict[str, int]:
@@ -140,9 +157,7 @@ def stats() -> dict[str, int]:
 def reduce_data(data: Any) -> Any:
     """What crosses to the main process in place of ``data``: a slot's handle for a
     tensor in a ring slot, ``data`` itself otherwise."""
-    if not isinstance(data, torch.Tensor):
-        return data
-    got = getattr(data, _ATTR, None)
+    got = _owned(data)
     if got is None:
         return data
     ring, slot = got
