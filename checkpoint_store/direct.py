@@ -17,10 +17,14 @@ The price: a damaged chunk is found after bytes of the checkpoint are already in
 caller's tensors. So the store uses this path only where it can recover from that by
 reloading everything from an earlier checkpoint (see ``CheckpointStore.load``).
 
-Which tensors qualify (:meth:`DirectLoad.claim`): a CPU, strided, C-contiguous tensor
-that owns its whole storage (so no other target aliases its bytes), saved as one
-shard covering it. Everything else (``Shard`` targets, views, aliases) goes through
-the staged path.
+Which targets qualify (:meth:`DirectLoad.claim`): a CPU, strided, C-contiguous tensor
+(a plain tensor, a ``Shard``'s tensor or a DTensor's local shard) whose storage no
+other claimed target shares, and whose block the saved blocks give in whole rows:
+the same layout, or blocks resharded along the first axis (FSDP2's ``Shard(0)`` on
+another world size). A saved chunk only partly needed is still read whole (the rest
+into scratch) so its CRC is checked. Column-resharded blocks, views of a claimed
+storage and GPU tensors go through the staged path. Each array's ``zarr.json`` is
+checked against the manifest's SHA-256, as the staged path does.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import crc32c as _crc
 import torch
 
 from checkpoint_store.backends import Backend, LocalBackend
+from checkpoint_store.reader import check_zarr_json
+from checkpoint_store.reshard import plan_region
 from checkpoint_store.zarr_format import CRC_BYTES, check_crc, check_size
 from trainguard.core.checkpoints import CorruptCheckpointError
 
@@ -75,32 +81,42 @@ class DirectLoad:
         self._storages: set[int] = set()
         self._claimed: list[torch.Tensor] = []
 
-    def claim(self, target: torch.Tensor, entry: Mapping[str, Any]) -> bool:
-        """Take ``target`` (already checked to match ``entry``'s dtype and shape) onto
-        the direct path if it qualifies; True when taken."""
+    def claim(self, target: torch.Tensor, entry: Mapping[str, Any],
+              offsets: tuple[int, ...] | None = None, *, where: str = "") -> bool:
+        """Take ``target`` onto the direct path if it qualifies; True when taken.
+
+        ``target`` (already checked to match ``entry``'s dtype) is the block at global
+        ``offsets`` of the saved tensor (None: the whole tensor): a plain tensor, a
+        ``Shard``'s tensor or a DTensor's local shard. It qualifies when every saved
+        block it overlaps gives it whole rows (the layout of row-sharded blocks,
+        FSDP2's ``Shard(0)`` included, resharded or not): each such run of rows is a
+        contiguous byte range of both the array and the target."""
+        shape = tuple(target.shape)
         nbytes = target.numel() * target.element_size()
-        shards = entry["shards"]
         if (nbytes == 0 or target.device.type != "cpu" or target.layout != torch.strided
-                or not target.is_contiguous() or target.is_conj() or target.is_neg()
-                or len(shards) != 1):
+                or not target.is_contiguous() or target.is_conj() or target.is_neg()):
             return False
-        storage = target.untyped_storage()
-        if (target.storage_offset() != 0 or storage.nbytes() != nbytes
-                or storage.data_ptr() in self._storages):
+        storage = target.untyped_storage().data_ptr()
+        if storage in self._storages:
+            return False  # another target may alias these bytes: leave it to the stage
+        offsets = offsets if offsets is not None else (0,) * len(shape)
+        runs = _row_runs(entry["shards"], offsets, shape, nbytes,
+                         where=where or f"a tensor of {self.data_dir}")
+        if runs is None:
             return False
-        s = shards[0]
-        meta = self.arrays.get(s["array"])
-        offset = int(s["offset"])
-        if (meta is None or int(s["nbytes"]) != nbytes or any(int(o) for o in s["offsets"])
-                or (s["array"], offset) in self._taken):
-            return False
-        size = int(meta["chunk_bytes"])
-        if size <= 0 or offset < 0 or offset + nbytes > size * len(meta["crc32c"]):
-            return False  # the staged reader reports the damage
-        self._taken.add((s["array"], offset))
-        self._storages.add(storage.data_ptr())
+        for array, offset, start, length in runs:
+            meta = self.arrays.get(array)
+            if meta is None or (array, offset) in self._taken:
+                return False
+            size = int(meta["chunk_bytes"])
+            if size <= 0 or offset < 0 or offset + length > size * len(meta["crc32c"]):
+                return False  # the staged reader reports the damage
+        dest = _bytes_of(target)
+        for array, offset, start, length in runs:
+            self._taken.add((array, offset))
+            self._claims.setdefault(array, []).append((offset, dest[start : start + length]))
+        self._storages.add(storage)
         self._claimed.append(target)
-        self._claims.setdefault(s["array"], []).append((offset, _bytes_of(target)))
         return True
 
     def _jobs(self) -> list[tuple[str, list[Piece], int]]:
@@ -151,13 +167,21 @@ class DirectLoad:
             return
         local = isinstance(self.backend, LocalBackend)
         read = self._read_local if local else self._read_other
-        threads = min(self.io_threads, len(jobs))
-        if threads <= 1:
-            for job in jobs:
+
+        def work(job: tuple[str, list[Piece], int] | str) -> None:
+            if isinstance(job, str):
+                check_zarr_json(self.backend, self.data_dir, job, self.arrays[job])
+            else:
                 read(*job)
+
+        todo: list[tuple[str, list[Piece], int] | str] = [*sorted(self._claims), *jobs]
+        threads = min(self.io_threads, len(todo))
+        if threads <= 1:
+            for job in todo:
+                work(job)
         else:
             with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-direct") as pool:
-                list(pool.map(lambda job: read(*job), jobs))
+                list(pool.map(work, todo))
         for t in self._claimed:
             # Written behind autograd's back: tell it the tensor changed, as copy_ would.
             torch.autograd.graph.increment_version(t)
@@ -194,6 +218,23 @@ class DirectLoad:
             check_crc(crc, trailer, expected_crc, path)
         finally:
             os.close(fd)
+
+
+def _row_runs(shards: Any, offsets: tuple[int, ...], shape: tuple[int, ...], nbytes: int,
+              *, where: str) -> list[tuple[str, int, int, int]] | None:
+    """``(array, byte offset in it, byte offset in the target, length)`` for each saved
+    block's rows the block ``[offsets, offsets + shape)`` needs, or None when some
+    block does not give the target whole rows (a column-resharded load)."""
+    runs = []
+    row_bytes = nbytes // shape[0] if shape else nbytes
+    for p in plan_region(shards, offsets, shape, where=where):
+        if p.shape[1:] != shape[1:] or p.offsets[1:] != offsets[1:]:
+            return None
+        first = p.offsets[0] - offsets[0] if shape else 0
+        if p.nbytes != (p.shape[0] * row_bytes if shape else nbytes):
+            return None  # the manifest's sizes disagree: the staged reader reports it
+        runs.append((p.array, p.offset, first * row_bytes, p.nbytes))
+    return runs
 
 
 def _batches(pieces: list[Piece], scratch: memoryview) -> list[list[memoryview]]:

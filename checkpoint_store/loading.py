@@ -112,6 +112,19 @@ class _Walker:
                 "the saved shapes before loading"
             )
 
+    def _fill(self, dest: torch.Tensor, entry: Mapping[str, Any], offsets: tuple[int, ...],
+              path: str) -> None:
+        """Load the block at ``offsets`` into ``dest``: claimed by the direct path in the
+        dry pass when it qualifies, else fetched (dry pass) and copied (real pass)."""
+        if self.dry and self.direct is not None and self.direct.claim(
+                dest, entry, offsets, where=f"tensor {path!r} in {self.name}"):
+            self.claimed[path] = dest
+        if path in self.claimed:
+            return
+        data = self.region(entry, offsets, tuple(dest.shape), path)
+        if data is not None:
+            raw_view(dest).copy_(raw_view(data))
+
     def load_tensor(self, target: Any, ref: TensorRef, path: str) -> Any:
         entry = self._entry(ref)
         global_shape = tuple(entry["shape"])
@@ -122,11 +135,8 @@ class _Walker:
                     f"DTensor at {path!r} has global shape {block.global_shape}, checkpoint "
                     f"{self.name} has {global_shape}"
                 )
-            local = block.tensor
-            self._check(path, entry, local, tuple(local.shape))
-            data = self.region(entry, block.offsets, tuple(local.shape), path)
-            if data is not None:
-                raw_view(local).copy_(raw_view(data))
+            self._check(path, entry, block.tensor, tuple(block.tensor.shape))
+            self._fill(block.tensor, entry, block.offsets, path)
             return target
         if isinstance(target, Shard):
             if target.global_shape != global_shape:
@@ -135,25 +145,16 @@ class _Walker:
                     f"{self.name} has {global_shape}"
                 )
             self._check(path, entry, target.tensor, tuple(target.tensor.shape))
-            data = self.region(entry, target.offsets, tuple(target.tensor.shape), path)
-            if data is not None:
-                raw_view(target.tensor).copy_(raw_view(data))
+            self._fill(target.tensor, entry, target.offsets, path)
             return target
         if isinstance(target, torch.Tensor):
             self._check(path, entry, target, global_shape)
-            if self.dry and self.direct is not None and self.direct.claim(target, entry):
-                self.claimed[path] = target
-            if path in self.claimed:
-                return target
-            data = self.region(entry, (0,) * len(global_shape), global_shape, path)
-            if data is not None:
-                with torch.no_grad():
-                    raw_view(target).copy_(raw_view(data))
+            self._fill(target, entry, (0,) * len(global_shape), path)
             return target
-        if self.dry and self.direct is not None and len(entry["shards"]) == 1:
+        if self.dry and self.direct is not None:
             # No tensor to load into (e.g. a fresh optimizer's state): read into a new one.
             fresh = _empty(global_shape, dtype_from_name(entry["dtype"]))
-            if self.direct.claim(fresh, entry):
+            if self.direct.claim(fresh, entry, where=f"tensor {path!r} in {self.name}"):
                 self.claimed[path] = fresh
         if path in self.claimed:
             return self.claimed[path]

@@ -19,7 +19,7 @@ from checkpoint_store.manifest import Manifest
 from checkpoint_store.zarr_format import CRC_BYTES, check_chunk
 from trainguard.core.checkpoints import CorruptCheckpointError
 
-__all__ = ["ChunkReader", "verify_data"]
+__all__ = ["ChunkReader", "check_zarr_json", "verify_data"]
 
 
 class ChunkReader:
@@ -38,6 +38,7 @@ class ChunkReader:
         # (array, chunk index) -> (run number, the run's buffer, chunk's byte offset in it)
         self._chunks: dict[tuple[str, int], tuple[int, memoryview, int]] = {}
         self._runs = 0
+        self._checked: set[str] = set()  # arrays whose zarr.json matched the manifest
 
     def _chunk_range(self, array: str, offset: int, nbytes: int) -> range:
         size = int(self.arrays[array]["chunk_bytes"])
@@ -89,20 +90,26 @@ class ChunkReader:
                 )
             wanted.update((array, i) for i in self._chunk_range(array, offset, nbytes))
         jobs = self._plan_runs(sorted(wanted - self._chunks.keys()))
+        checks = sorted({array for array, _ in wanted} - self._checked)
 
-        def load(job: tuple[str, int, int, memoryview, int]) -> None:
+        def load(job: tuple[str, int, int, memoryview, int] | str) -> None:
+            if isinstance(job, str):
+                check_zarr_json(self.backend, self.data_dir, job, self.arrays[job])
+                return
             array, index, _, buf, pos = job
             size = int(self.arrays[array]["chunk_bytes"])
             self._load_chunk(array, index, buf[pos : pos + size])
 
-        if len(jobs) <= 1 or self.io_threads <= 1:
-            for job in jobs:
+        todo = [*checks, *jobs]
+        if len(todo) <= 1 or self.io_threads <= 1:
+            for job in todo:
                 load(job)
         else:
             # Reads and CRC-32C release the GIL, so chunks are checked in parallel too.
-            with ThreadPoolExecutor(min(self.io_threads, len(jobs)),
+            with ThreadPoolExecutor(min(self.io_threads, len(todo)),
                                     thread_name_prefix="ckpt-read") as pool:
-                list(pool.map(load, jobs))
+                list(pool.map(load, todo))
+        self._checked.update(checks)
         for array, index, run, buf, pos in jobs:
             self._chunks[(array, index)] = (run, buf, pos)
 
@@ -156,20 +163,26 @@ def verify_data(backend: Backend, manifest: Manifest, *, io_threads: int) -> Non
 
 
 def _check_zarr_json(backend: Backend, manifest: Manifest) -> None:
-    """Each array's zarr.json against the SHA-256 its manifest recorded (format 2; a
-    version 1 manifest has none)."""
     for path, meta in manifest.arrays.items():
-        expected = meta.get("zarr_json_sha256")
-        if expected is None:
-            continue
-        where = f"{data_dir(manifest.uid)}/{path}/zarr.json"
-        try:
-            raw = backend.read(where)
-        except FileNotFoundError as e:
-            raise CorruptCheckpointError(f"{where} is missing: the checkpoint is incomplete") \
-                from e
-        if hashlib.sha256(raw).hexdigest() != expected:
-            raise CorruptCheckpointError(
-                f"{where} does not match the SHA-256 in {manifest.name}: the array's "
-                "metadata is damaged; load an earlier checkpoint"
-            )
+        check_zarr_json(backend, data_dir(manifest.uid), path, meta)
+
+
+def check_zarr_json(backend: Backend, data_dir: str, array: str,
+                    meta: Mapping[str, Any]) -> None:
+    """The array's zarr.json against the SHA-256 its manifest recorded (format 2; a
+    version 1 manifest has none). Every load checks the arrays it reads, so a
+    checkpoint whose metadata another reader would trust wrongly is refused here too."""
+    expected = meta.get("zarr_json_sha256")
+    if expected is None:
+        return
+    where = f"{data_dir}/{array}/zarr.json"
+    try:
+        raw = backend.read(where)
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{where} is missing: the checkpoint is incomplete") \
+            from e
+    if hashlib.sha256(raw).hexdigest() != expected:
+        raise CorruptCheckpointError(
+            f"{where} does not match the SHA-256 in its manifest: the array's metadata "
+            "is damaged; load an earlier checkpoint"
+        )

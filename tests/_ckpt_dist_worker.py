@@ -1,9 +1,11 @@
 """One rank of a gloo job for the multi-rank checkpoint tests.
 
-usage: python tests/_ckpt_dist_worker.py save|load RANK WORLD PORT ROOT [FAIL_RANK]
+usage: python tests/_ckpt_dist_worker.py save|load|rowblocks RANK WORLD PORT ROOT [FAIL_RANK]
 Prints one JSON line with the outcome. ``save`` writes step 1 (async), then step 2,
 during which rank FAIL_RANK (if given) hits an injected I/O error mid-data. ``load``
 restores into blocks of a different decomposition and checks every element.
+``rowblocks`` saves steps 1 and 2 of a (37, 3) int64 tensor ``w`` as ``torch.chunk``
+row blocks, in chunks of 10 rows (``tests/test_checkpoint_direct_blocks.py``).
 """
 
 from __future__ import annotations
@@ -52,9 +54,17 @@ def main() -> None:
     fail_rank = int(sys.argv[6]) if len(sys.argv) > 6 else -1
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    store = CheckpointStore(root, chunk_bytes=64)
+    store = CheckpointStore(root, chunk_bytes=240 if mode == "rowblocks" else 64)
     out: dict[str, object] = {"rank": rank}
-    if mode == "save":
+    if mode == "rowblocks":
+        rows = torch.arange(37).chunk(world)[rank]
+        first, n = int(rows[0]), len(rows)
+        for step in (1, 2):
+            w = torch.arange(37 * 3, dtype=torch.int64).reshape(37, 3) * 10 + step
+            store.save({"w": Shard(w[first : first + n].clone(), (37, 3), (first, 0))},
+                       step=step)
+        out["steps"] = [m.step for m in store.list()]
+    elif mode == "save":
         out["step1"] = store.save(state(1, rank, world), step=1, blocking=False).wait().name
         if rank == fail_rank:
             os.environ[FAIL_ENV] = "mid-data"

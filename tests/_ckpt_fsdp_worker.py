@@ -13,6 +13,11 @@ Prints one JSON line with the outcome. Modes:
 - ``dtensor``: ``distribute_tensor`` with Shard/Replicate on a 1-D mesh (2-D when the
   world is 4), uneven and empty local shards; saves, checks that replicated tensors
   were written once, loads into other placements.
+- ``inplace``: the ``dtensor`` tensors saved at steps 3 and 4 (layout "a"), then
+  default loads that read local shards in place: the same layout, other placements,
+  and with a chunk of step 4 (then its zarr.json) damaged by rank 0: the fallback
+  must give step 3 whole, a strict load must raise and change nothing. Rank 0
+  restores the damaged files before leaving.
 - ``fail_save``: rank 1 saves a state with an unsupported value; every rank must get
   the error. Then rank 1 loads into a mismatched state; every rank must get a refusal.
 """
@@ -229,6 +234,78 @@ def mode_dtensor(store: CheckpointStore, rank: int, world: int) -> dict[str, Any
             "layouts": {k: e.get("layout") for k, e in manifest.tensors.items()}}
 
 
+def _claimed(store: CheckpointStore, target: dict[str, Any]) -> list[str]:
+    """Keys of ``target`` the newest checkpoint's load reads in place on this rank."""
+    from checkpoint_store.direct import DirectLoad
+    from checkpoint_store.flatten import decode_skeleton
+    from checkpoint_store.layout import data_dir
+    from checkpoint_store.loading import Applier
+    from checkpoint_store.reader import ChunkReader
+
+    m = store.list()[-1]
+    reader = ChunkReader(store._backend, data_dir(m.uid), m.arrays, io_threads=2)
+    direct = DirectLoad(store._backend, data_dir(m.uid), m.arrays, io_threads=2)
+    applier = Applier(m.name, m.tensors, reader, direct)
+    applier.prepare(target, decode_skeleton(m.state), None)
+    return sorted(applier.claimed)
+
+
+def _damage(root: str, store: CheckpointStore, key: str, what: str) -> bytes:
+    """Rank 0 damages the newest checkpoint's last chunk (or zarr.json) of the array
+    rank 1 wrote ``key`` into; returns the original bytes."""
+    from pathlib import Path
+
+    m = store.list()[-1]
+    array = next(s["array"] for s in m.tensors[key]["shards"] if s["array"].startswith("r1/"))
+    folder = Path(root) / "data" / m.uid / array
+    if what == "chunk":
+        path = max((p for p in folder.iterdir() if p.name[0].isdigit()),
+                   key=lambda p: int(p.name.split(".")[0]))
+    else:
+        path = folder / "zarr.json"
+    original = path.read_bytes()
+    data = bytearray(original)
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return path.as_posix().encode() + b"\0" + original
+
+
+def mode_inplace(store: CheckpointStore, rank: int, world: int, root: str) -> dict[str, Any]:
+    saved = {3: dtensor_state(world, 3, "a"), 4: dtensor_state(world, 4, "a")}
+    for step in (3, 4):
+        store.save({"d": saved[step]}, step=step)
+    out: dict[str, Any] = {"rank": rank, "claimed": {}, "diff": {}}
+    for layout in ("a", "b"):
+        target = {"d": dtensor_state(world, 0, layout)}
+        out["claimed"][layout] = _claimed(store, target)
+        manifest = store.load(target)
+        assert manifest is not None
+        out["diff"][layout] = [manifest.step, same(full_state(target),
+                                                   full_state({"d": saved[4]}))]
+    for what in ("chunk", "zarr.json"):
+        original = _damage(root, store, "d/big", what) if rank == 0 else b""
+        dist.barrier()
+        target = {"d": dtensor_state(world, 0, "a")}
+        manifest = store.load(target)
+        assert manifest is not None
+        fallback = [manifest.step, same(full_state(target), full_state({"d": saved[3]}))]
+        target = {"d": dtensor_state(world, 0, "a")}
+        try:
+            store.load(target, strict=True)
+            strict = "loaded"
+        except Exception as e:
+            strict = type(e).__name__
+        untouched = same(full_state(target), full_state({"d": dtensor_state(world, 0, "a")}))
+        out[what] = {"fallback": fallback, "strict": strict, "untouched": untouched}
+        dist.barrier()
+        if rank == 0:
+            path, _, data = original.partition(b"\0")
+            with open(path.decode(), "wb") as f:
+                f.write(data)
+        dist.barrier()
+    return out
+
+
 def mode_blocks(store: CheckpointStore, rank: int) -> dict[str, Any]:
     """A (5, 7) tensor saved as rows 0-3 (rank 0) and 3-5 (rank 1), and a (4, 3) block
     both ranks hold whole (replicated, saved as the same Shard)."""
@@ -284,6 +361,8 @@ def main() -> None:
         out = mode_resume(store, rank, world, root, args[0] if args else "")
     elif mode == "dtensor":
         out = mode_dtensor(store, rank, world)
+    elif mode == "inplace":
+        out = mode_inplace(store, rank, world, root)
     elif mode == "blocks":
         out = mode_blocks(store, rank)
     else:

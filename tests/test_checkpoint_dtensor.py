@@ -165,3 +165,26 @@ def test_dcp_save_on_four_ranks_loads_on_two(tmp_path, monkeypatch):
     _train_with_crash(root, 4, crash_rank=3)
     _resume(root, 4, "train")
     _resume(root, 2)
+
+
+def _check_in_place(out: list[dict], claimed: list[dict[str, list[str]]]) -> None:
+    for o, want in zip(out, claimed):
+        assert o["claimed"] == want, f"rank {o['rank']}"
+        assert o["diff"] == {"a": [4, []], "b": [4, []]}
+        for what in ("chunk", "zarr.json"):
+            assert o[what] == {"fallback": [3, []], "strict": "CorruptCheckpointError",
+                               "untouched": []}, (o["rank"], what)
+
+
+def test_dtensor_local_shards_load_in_place_and_never_a_mix(tmp_path):
+    """Default loads on 2 ranks read DTensor local shards straight into place: in the
+    saved layout every non-empty local shard, in other placements those the saved
+    blocks give whole rows (Replicate from 2 row blocks, Shard(0) of a replicated
+    save), while Shard(1) goes through the staged path; all bit for bit. A damaged
+    chunk or zarr.json of rank 1's block makes every rank fall back to step 3 whole;
+    strict loads raise and leave the targets untouched."""
+    out = run_ranks(WORKER, "inplace", 2, str(tmp_path / "ckpt"))
+    _check_in_place(out, [
+        {"a": ["d/big", "d/one", "d/rep", "d/rows"], "b": ["d/big", "d/one", "d/rep"]},
+        {"a": ["d/big", "d/rep", "d/rows"], "b": ["d/big", "d/one", "d/rep"]},
+    ])
