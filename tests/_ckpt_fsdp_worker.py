@@ -15,7 +15,8 @@ Prints one JSON line with the outcome. Modes:
   were written once, loads into other placements.
 - ``inplace``: the ``dtensor`` tensors saved at steps 3 and 4 (layout "a"), then
   default loads that read local shards in place: the same layout, other placements,
-  and with a chunk of step 4 (then its zarr.json) damaged by rank 0: the fallback
+  and with a chunk of step 4 (then its zarr.json) of another rank's block damaged by
+  rank 0: the fallback
   must give step 3 whole, a strict load must raise and change nothing. Rank 0
   restores the damaged files before leaving.
 - ``fail_save``: rank 1 saves a state with an unsupported value; every rank must get
@@ -252,11 +253,12 @@ def _claimed(store: CheckpointStore, target: dict[str, Any]) -> list[str]:
 
 def _damage(root: str, store: CheckpointStore, key: str, what: str) -> bytes:
     """Rank 0 damages the newest checkpoint's last chunk (or zarr.json) of the array
-    rank 1 wrote ``key`` into; returns the original bytes."""
+    holding ``key``'s last block (another rank's); returns the path and the original
+    bytes."""
     from pathlib import Path
 
     m = store.list()[-1]
-    array = next(s["array"] for s in m.tensors[key]["shards"] if s["array"].startswith("r1/"))
+    array = m.tensors[key]["shards"][-1]["array"]
     folder = Path(root) / "data" / m.uid / array
     if what == "chunk":
         path = max((p for p in folder.iterdir() if p.name[0].isdigit()),

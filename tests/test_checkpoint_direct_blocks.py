@@ -13,6 +13,7 @@ falls back to the previous checkpoint whole; strict loads raise and change nothi
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,13 +35,16 @@ def full(step: int) -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.int64).reshape(ROWS, COLS) * 10 + step
 
 
+def save_on(root: Path, world: int) -> Path:
+    """Steps 1 and 2 saved by ``world`` ranks (``_ckpt_dist_worker.py`` ``rowblocks``)."""
+    out = run_ranks(WORKER, "rowblocks", world, str(root))
+    assert [o["steps"] for o in out] == [[1, 2]] * world
+    return root
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Steps 1 and 2 saved by 2 ranks (see ``_ckpt_dist_worker.py`` mode ``rowblocks``)."""
-    root = tmp_path_factory.mktemp("blocks") / "ckpt"
-    out = run_ranks(WORKER, "rowblocks", 2, str(root))
-    assert [o["steps"] for o in out] == [[1, 2], [1, 2]]
-    return root
+    return save_on(tmp_path_factory.mktemp("blocks") / "ckpt", 2)
 
 
 def store_of(root: Path) -> CheckpointStore:
@@ -79,6 +83,18 @@ def test_row_blocks_of_any_world_size_load_in_place_bit_exact(saved, world):
         assert torch.equal(target.tensor, full(2)[first : first + rows])
 
 
+@pytest.mark.slow
+def test_four_rank_blocks_load_in_place_on_two(tmp_path):
+    """4->2: saved as 10/10/10/7 rows by 4 ranks, each 2-rank block (19 and 18 rows)
+    spans saved blocks and ends inside a chunk; both are read in place, exactly."""
+    store = store_of(save_on(tmp_path / "ckpt", 4))
+    for first, rows in row_blocks(2):
+        target = Shard(torch.full((rows, COLS), -1, dtype=torch.int64), (ROWS, COLS), (first, 0))
+        assert claims(store, {"w": target}) == {"w"}
+        assert store.load({"w": target}, keys=["w"]).step == 2
+        assert torch.equal(target.tensor, full(2)[first : first + rows])
+
+
 def test_empty_and_column_blocks_take_the_staged_path_exactly(saved):
     """An empty block needs no bytes; a block of columns is not contiguous in the
     saved rows, so it is copied from verified chunks instead; both load exactly."""
@@ -109,8 +125,6 @@ def test_damage_falls_back_whole_and_strict_changes_nothing(saved, tmp_path, cap
     gives step 1's rows, every one of them; a strict load raises and the target keeps
     its bytes."""
     root = tmp_path / "copy"
-    import shutil
-
     shutil.copytree(saved, root)
     store = store_of(root)
     path = newest_array_file(root, store, 1, what)

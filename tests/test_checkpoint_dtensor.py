@@ -188,3 +188,14 @@ def test_dtensor_local_shards_load_in_place_and_never_a_mix(tmp_path):
         {"a": ["d/big", "d/one", "d/rep", "d/rows"], "b": ["d/big", "d/one", "d/rep"]},
         {"a": ["d/big", "d/rep", "d/rows"], "b": ["d/big", "d/one", "d/rep"]},
     ])
+
+
+@pytest.mark.slow
+def test_dtensor_local_shards_load_in_place_on_a_2d_mesh(tmp_path):
+    """The same on a 2x2 mesh: in the saved layout every local shard is read in place
+    (blocks of rows and columns, and replicas of blocks another rank wrote); in the
+    other placements only those cut in whole rows; damage of rank 2's block makes all
+    four ranks fall back whole, strict loads change nothing."""
+    out = run_ranks(WORKER, "inplace", 4, str(tmp_path / "ckpt"))
+    _check_in_place(out, [{"a": ["d/big", "d/one", "d/rep", "d/rows"],
+                           "b": ["d/one", "d/rep"]}] * 4)
