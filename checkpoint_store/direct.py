@@ -104,7 +104,7 @@ class DirectLoad:
                          where=where or f"a tensor of {self.data_dir}")
         if runs is None:
             return False
-        for array, offset, start, length in runs:
+        for array, offset, _, length in runs:
             meta = self.arrays.get(array)
             if meta is None or (array, offset) in self._taken:
                 return False

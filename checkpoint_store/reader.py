@@ -92,7 +92,9 @@ class ChunkReader:
         jobs = self._plan_runs(sorted(wanted - self._chunks.keys()))
         checks = sorted({array for array, _ in wanted} - self._checked)
 
-        def load(job: tuple[str, int, int, memoryview, int] | str) -> None:
+        Job = tuple[str, int, int, memoryview, int] | str  # a chunk, or an array's zarr.json
+
+        def load(job: Job) -> None:
             if isinstance(job, str):
                 check_zarr_json(self.backend, self.data_dir, job, self.arrays[job])
                 return
@@ -100,7 +102,7 @@ class ChunkReader:
             size = int(self.arrays[array]["chunk_bytes"])
             self._load_chunk(array, index, buf[pos : pos + size])
 
-        todo = [*checks, *jobs]
+        todo: list[Job] = [*checks, *jobs]
         if len(todo) <= 1 or self.io_threads <= 1:
             for job in todo:
                 load(job)
