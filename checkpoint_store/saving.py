@@ -1,6 +1,7 @@
 """The save protocol, run in the background writer thread on every rank.
 
-1. rank 0 picks the uid (sorting after every existing manifest) and broadcasts it;
+1. rank 0 picks the uid (sorting after every existing manifest); every rank gathers it
+   once every rank has staged its state;
 2. each rank writes its in-flight marker, then its arrays (every file and directory
    fsync'd);
 3. ranks report success or failure to rank 0 (all-gather);
@@ -160,7 +161,10 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
             uid_doc = {"uid": new_uid(uid_time_ns(newest.uid) + 1 if newest else 0)}
         except OSError as e:
             uid_doc = {"error": f"{type(e).__name__}: {e}"}
-    uid_doc = broadcast_json(comm, uid_doc)
+    # Gathered, not broadcast: each rank queues its writer only after staging, so no
+    # rank starts writing (CRCs, copies into the page cache) while another is still in
+    # its blocked staging copy, competing for the same cores and memory bandwidth.
+    uid_doc = all_gather_json(comm, uid_doc)[0]
     if "error" in uid_doc:
         raise CheckpointWriteError(0, f"saving step {job.step} failed: rank 0 cannot list "
                                       f"the store: {uid_doc['error']}")
