@@ -10,6 +10,7 @@ reductions) and ``_StridedShard`` (blocks that are not boxes) are refused.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,18 @@ def _placement_name(p: Any, path: str) -> str:
     return f"S({p.dim})" if isinstance(p, ShardPlacement) else "R"
 
 
+@functools.lru_cache(maxsize=4096)
+def _local_shape_and_offset(global_shape: tuple[int, ...], mesh: Any,
+                            placements: tuple[Any, ...], coord: tuple[int, ...]
+                            ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The block at mesh coordinate ``coord`` (this rank's: part of the key, so a mesh
+    equal to an earlier one on another rank never reuses its answer). Cached: a
+    model's state repeats a few shapes many times (each layer, each optimizer moment),
+    and torch's computation was most of a save's blocked time outside the copy."""
+    shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(shape), tuple(offsets)
+
+
 def local_block(dt: Any, path: str) -> LocalBlock:
     """The local block of DTensor ``dt`` (any rank of its mesh, even an empty shard)."""
     names = [_placement_name(p, path) for p in dt.placements]
@@ -66,7 +79,8 @@ def local_block(dt: Any, path: str) -> LocalBlock:
         empty = local.new_empty((0,) * len(global_shape))
         return LocalBlock(empty, global_shape, global_shape, False,
                           {"mesh_shape": list(mesh.shape), "placements": names})
-    shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, dt.placements)
+    shape, offsets = _local_shape_and_offset(global_shape, mesh, tuple(dt.placements),
+                                             tuple(coord))
     if tuple(local.shape) != tuple(shape):
         raise UnsupportedValueError(
             f"cannot checkpoint the DTensor at {path!r}: its local shard has shape "
