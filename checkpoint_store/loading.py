@@ -4,8 +4,8 @@ Two passes over the same walk: a dry pass collects every byte range the state ne
 (only the blocks a ``Shard`` target overlaps, so resharded loads read their part),
 the reader fetches and verifies them all, then the real pass copies. A damaged
 checkpoint is therefore detected before anything in the caller's state changes.
-Given a :class:`~checkpoint_store.direct.DirectLoad`, the dry pass hands it the large
-tensor targets it can read in place instead; those are the caller's to run, and they
+Given a :class:`~checkpoint_store.direct.DirectLoad`, the dry pass hands it the tensor
+targets and blocks (``Shard``, DTensor local shards) it can read in place instead; those are the caller's to run, and they
 are exempt from that guarantee (see ``CheckpointStore.load``).
 
 Rules: a tensor target is ``copy_``'d into (same shape and dtype, else
@@ -123,7 +123,8 @@ class _Walker:
             return
         data = self.region(entry, offsets, tuple(dest.shape), path)
         if data is not None:
-            raw_view(dest).copy_(raw_view(data))
+            with torch.no_grad():
+                raw_view(dest).copy_(raw_view(data))
 
     def load_tensor(self, target: Any, ref: TensorRef, path: str) -> Any:
         entry = self._entry(ref)
