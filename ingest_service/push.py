@@ -36,6 +36,7 @@ from redis.asyncio import Redis
 from ingest_service import _lua
 from ingest_service._resp import bulk, call_packed_scripts, evalsha_head
 from ingest_service.backlog import Backlog, BacklogLimits, min_committed
+from ingest_service.datasets import spec_from_hash
 from ingest_service.errors import (
     BacklogFullError,
     MalformedPushError,
@@ -134,6 +135,8 @@ class PushIngest:
         self.limits = limits
         self.retry_after_s = retry_after_s
         self._backlogs: dict[tuple[str, int], Backlog] = {}
+        # The spec of each existing dataset last seen, beside the hash it was read from.
+        self._specs: dict[str, tuple[dict[bytes, bytes], streams.DatasetSpec]] = {}
         self._loading: dict[tuple[str, int], asyncio.Future[Backlog]] = {}
 
     async def _load(self, dataset: str, partition: int, after: streams.StreamId) -> Backlog:
@@ -162,29 +165,52 @@ class PushIngest:
         for key in [k for k in self._backlogs if k[0] == dataset]:
             del self._backlogs[key]
 
-    async def admit(self, spec: streams.DatasetSpec, producer_id: str, seq: int) -> int | None:
-        """Before the body is read: the producer's mark when ``seq`` is at or below it
-        (the batch is in: nothing to parse or append), None when ``seq`` is next and its
-        partition has room. Raises PushOutOfOrderError (409) for any other seq, and
-        BacklogFullError (429) when the partition's backlog is at its bound (a single
-        batch over the bound still goes into an empty one). The mark, the groups and
-        their commits are read in one round trip each; the Lua call decides the order
-        again, atomically."""
-        p = choose_partition(producer_id, spec.partitions)
+    async def admit(self, name: str, producer_id: str, seq: int,
+                    known: list[streams.DatasetSpec] | None = None
+                    ) -> tuple[streams.DatasetSpec, int | None]:
+        """Before the body is read: the dataset's spec, and the producer's mark when
+        ``seq`` is at or below it (the batch is in: nothing to parse or append), None
+        when ``seq`` is next and its partition has room. Raises DatasetNotFoundError
+        (404), WrongDatasetKindError (409), PushOutOfOrderError (409) for any other
+        seq, and BacklogFullError (429) when the partition's backlog is at its bound (a
+        single batch over the bound still goes into an empty one). ``known`` receives the
+        spec as soon as it is read, whatever the answer.
+
+        The spec, the mark and the groups are read in one round trip: the mark of the
+        partition the spec last seen says, read again if the spec read now says
+        otherwise (the dataset was recreated). The Lua call decides the order again,
+        atomically."""
+        seen = self._specs.get(name)
+        guess = None if seen is None else choose_partition(producer_id, seen[1].partitions)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hget(streams.seq_key(spec.name, p), producer_id)
-            pipe.smembers(streams.groups_key(spec.name))
-            raw_mark, raw_groups = await pipe.execute()
-        mark = None if raw_mark is None else int(raw_mark)
+            pipe.hgetall(streams.meta_key(name))
+            pipe.smembers(streams.groups_key(name))
+            if guess is not None:
+                pipe.hget(streams.seq_key(name, guess), producer_id)
+            raw_spec, raw_groups, *raw_mark = await pipe.execute()
+        if not raw_spec:
+            self._specs.pop(name, None)
+        if seen is not None and seen[0] == raw_spec:
+            spec = seen[1]
+        else:
+            spec = spec_from_hash(name, raw_spec)
+            self._specs[name] = (raw_spec, spec)
+        if known is not None:
+            known.append(spec)
+        check_push_dataset(spec)
+        p = choose_partition(producer_id, spec.partitions)
+        if p != guess:
+            raw_mark = [await self.redis.hget(streams.seq_key(name, p), producer_id)]
+        mark = None if raw_mark[0] is None else int(raw_mark[0])
         if mark is not None and seq <= mark:
-            return mark
+            return spec, mark
         if seq != (0 if mark is None else mark + 1):
             raise _out_of_order(seq, mark)
-        backlog = await self._backlog(spec.name, p, await self._committed(spec.name, p, raw_groups))
+        backlog = await self._backlog(name, p, await self._committed(name, p, raw_groups))
         if backlog.entries > 0 and (backlog.entries >= self.limits.max_entries
                                     or backlog.bytes >= self.limits.max_bytes):
-            raise self._full(spec.name, p, backlog)
-        return None
+            raise self._full(name, p, backlog)
+        return spec, None
 
     async def _committed(self, dataset: str, partition: int, raw_groups: set[bytes]
                          ) -> streams.StreamId:

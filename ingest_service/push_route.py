@@ -30,8 +30,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from ingest_service.auth import PushTokens
-from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY
-from ingest_service.datasets import describe_dataset
+from ingest_service.config import CONFIG_KEY, METRICS_KEY
 from ingest_service.errors import (
     AdminError,
     BacklogFullError,
@@ -48,7 +47,6 @@ from ingest_service.http_errors import RETRY_AFTER_S, error_response, unavailabl
 from ingest_service.push import (
     PushIngest,
     PushResult,
-    check_push_dataset,
     choose_partition,
     parse_params,
 )
@@ -148,10 +146,7 @@ async def _push(request: web.Request, route: PushRoute,
     if length is not None and length > route.limits.max_bytes:
         raise PushTooLargeError(f"the body is {length} bytes: the limit is "
                                 f"{route.limits.max_bytes} per request; send smaller batches")
-    spec = await describe_dataset(app[REDIS_KEY], name)
-    known.append(spec)
-    check_push_dataset(spec)
-    mark = await route.ingest.admit(spec, producer_id, seq)
+    spec, mark = await route.ingest.admit(name, producer_id, seq, known)
     if mark is not None:  # a retry of a batch that is in: its body is not even read
         return _reply(PushResult(choose_partition(producer_id, spec.partitions), seq, False, 0,
                                  None, None, mark))
