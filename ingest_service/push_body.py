@@ -8,11 +8,11 @@ Each chunk must arrive within ``chunk_timeout_s`` and the whole body within
 
 Parsing (:func:`parse_records_sliced`) runs on the event loop in slices: it decodes
 record by record (one JSON line, one element of a JSON array, one msgpack item per
-call) and hands the loop back after every 64 records or 128 KiB, so other requests are
-served between slices; a msgpack body of at most 128 KiB is one slice, decoded in one
-call. Encoding the records into stream entries hands the loop back every 256 records
-or 128 KiB. Bodies over ``big_body_bytes`` (1 MiB; an RL batch is a
-fraction of that) parse one at a time and rest between slices, together taking at most
+call) and hands the loop back after every 64 records or 32 KiB of JSON (about a
+millisecond) or 128 KiB of msgpack, so other requests are served between slices; a
+msgpack body of at most 128 KiB is decoded in one call. Each record is encoded into its
+stream entry as soon as it is decoded (decoded values do not pile up for the garbage
+collector). Bodies over ``big_body_bytes`` (1 MiB; an RL batch is a fraction of that) parse one at a time and rest between slices, together taking at most
 a quarter of the loop: a client sending the worst case in a loop slows itself, not the
 others. (Not worker threads: a thread parsing a big body holds the GIL
 for 5 ms turns, and every wake-up of the loop then waits a turn; under load that
@@ -39,6 +39,7 @@ from aiohttp import StreamReader
 from ingest_service.errors import (
     MalformedPushError,
     PushBusyError,
+    PushRejectedError,
     PushTooLargeError,
     PushTooSlowError,
 )
@@ -229,33 +230,58 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
-Steps = Generator[None, None, list[object]]
-"""A parser: yields between slices, returns the decoded values in order."""
 _SLICE_RECORDS = 64
 _SLICE_CHARS = 128 * 1024
+"""Bytes of msgpack per slice (decoding them takes microseconds)."""
+_SLICE_TEXT = 32 * 1024
+"""Characters of JSON per slice: about a millisecond to decode (a 15 MiB body of
+integer arrays in slices of 128 KiB held the loop 3 ms at a time)."""
 _ENCODE_SLICE_RECORDS = 256
 
 
 class _Pacer:
     """Says when a parsing slice has done enough work to hand the loop back."""
 
-    def __init__(self) -> None:
+    def __init__(self, chars: int) -> None:
+        self.limit = chars
         self.records = self.chars = 0
 
     def due(self, chars: int) -> bool:
         self.records += 1
         self.chars += chars
-        if self.records >= _SLICE_RECORDS or self.chars >= _SLICE_CHARS:
+        if self.records >= _SLICE_RECORDS or self.chars >= self.limit:
             self.records = self.chars = 0
             return True
         return False
 
 
-def _ndjson(body: bytes, decoder: json.JSONDecoder, limits: BodyLimits,
-            lines: list[int]) -> Steps:
-    """``lines`` receives each value's line number (blank lines are skipped)."""
-    values: list[object] = []
-    pacer = _Pacer()
+class _Entries:
+    """Each decoded record encoded into its stream entry as soon as it is decoded, so a
+    big body's decoded values (lists, dicts) are garbage at once. Kept until the end
+    they were promoted by the garbage collector, whose passes over the ten thousand
+    lists of a 15 MiB body then took 10-30 ms of the loop each (and 60 MB of memory)."""
+
+    def __init__(self, kind: str, max_record_bytes: int, limits: BodyLimits) -> None:
+        self.kind, self.max_record_bytes, self.limits = kind, max_record_bytes, limits
+        self.records: list[dict[bytes, bytes]] = []
+        self.sizes: list[int] = []
+        self.data_bytes = 0
+
+    def add(self, value: object, where: int) -> None:
+        if len(self.records) >= self.limits.max_records:
+            raise _too_many(self.limits, f"more than {self.limits.max_records}")
+        fields, size = _encode(value, self.kind, where, self.max_record_bytes)
+        self.records.append(fields)
+        self.sizes.append(size)
+        self.data_bytes += len(fields[streams.F_DATA])
+
+
+Steps = Generator[None, None, None]
+"""A parser: adds the records to its ``_Entries``, yields between slices."""
+
+
+def _ndjson(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
+    pacer = _Pacer(_SLICE_TEXT)
     pos, lineno = 0, 0
     while pos < len(body):
         end = body.find(b"\n", pos)
@@ -270,16 +296,12 @@ def _ndjson(body: bytes, decoder: json.JSONDecoder, limits: BodyLimits,
         value, stop = _json_value(decoder, line, _skip_ws(line, 0), f"line {lineno}")
         if _skip_ws(line, stop) != len(line):
             raise MalformedPushError(f"line {lineno} holds more than one JSON value")
-        values.append(value)
-        lines.append(lineno)
-        if len(values) > limits.max_records:
-            raise _too_many(limits, f"more than {limits.max_records}")
+        out.add(value, lineno)
         if pacer.due(len(line)):
             yield
-    return values
 
 
-def _json_array(body: bytes, decoder: json.JSONDecoder, limits: BodyLimits) -> Steps:
+def _json_array(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -287,18 +309,15 @@ def _json_array(body: bytes, decoder: json.JSONDecoder, limits: BodyLimits) -> S
     i = _skip_ws(text, 0)
     if i == len(text) or text[i] != "[":
         raise MalformedPushError("an application/json body must be one array of records: [r0, r1, ...]")
-    values: list[object] = []
-    pacer = _Pacer()
+    pacer = _Pacer(_SLICE_TEXT)
     i = _skip_ws(text, i + 1)
     if i < len(text) and text[i] == "]":
         i += 1
     else:
         while True:
-            start = i
-            value, i = _json_value(decoder, text, i, _label("record", len(values)))
-            values.append(value)
-            if len(values) > limits.max_records:
-                raise _too_many(limits, f"more than {limits.max_records}")
+            start, n = i, len(out.records)
+            value, i = _json_value(decoder, text, i, _label("record", n))
+            out.add(value, n)
             i = _skip_ws(text, i)
             if i < len(text) and text[i] == ",":
                 i = _skip_ws(text, i + 1)
@@ -308,13 +327,14 @@ def _json_array(body: bytes, decoder: json.JSONDecoder, limits: BodyLimits) -> S
             if i < len(text) and text[i] == "]":
                 i += 1
                 break
-            raise MalformedPushError(f"the JSON array is not closed after record {len(values) - 1}")
+            raise MalformedPushError(f"the JSON array is not closed after record {n}")
     if _skip_ws(text, i) != len(text):
         raise MalformedPushError("the body holds more after the JSON array")
-    return values
 
 
-def _msgpack(body: bytes, limits: BodyLimits) -> Steps:
+def _msgpack(body: bytes, out: _Entries) -> Steps:
+    limits = out.limits
+
     def unpacker() -> msgpack.Unpacker:
         u = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1),
                              max_array_len=limits.max_records, max_map_len=limits.max_records,
@@ -323,23 +343,28 @@ def _msgpack(body: bytes, limits: BodyLimits) -> Steps:
         return u
 
     items = unpacker()
-    values: list[object] = []
     try:
         count = items.read_array_header()
         if count > limits.max_records:
             raise _too_many(limits, str(count))
         if len(body) <= _SLICE_CHARS:
             # One slice's worth: the array decoded in one call (item by item cost 20x as
-            # much), by a second unpacker (the first one is past the array's header).
+            # much), by a second unpacker (the first one is past the array's header);
+            # encoded in slices of 256 records (a 100-record batch in one loop turn).
             items = unpacker()
-            values = items.unpack()
-        else:
-            slice_start, slice_end = items.tell(), _SLICE_RECORDS
-            for n in range(count):
-                values.append(items.unpack())
-                if n + 1 >= slice_end or items.tell() - slice_start >= _SLICE_CHARS:
-                    slice_start, slice_end = items.tell(), n + 1 + _SLICE_RECORDS
+            for n, value in enumerate(items.unpack()):
+                out.add(value, n)
+                if (n + 1) % _ENCODE_SLICE_RECORDS == 0:
                     yield
+        else:
+            pacer = _Pacer(_SLICE_CHARS)
+            for n in range(count):
+                before = items.tell()
+                out.add(items.unpack(), n)
+                if pacer.due(items.tell() - before):
+                    yield
+    except PushRejectedError:
+        raise  # a record refused (400, 413): not a decoding error
     except msgpack.OutOfData as exc:
         raise MalformedPushError("the msgpack body ends inside its array") from exc
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
@@ -349,38 +374,22 @@ def _msgpack(body: bytes, limits: BodyLimits) -> Steps:
         ) from exc
     if items.tell() != len(body):
         raise MalformedPushError("the msgpack body holds more after its array of records")
-    return values
 
 
 def _parse(body: bytes, content_type: str, max_record_bytes: int,
            limits: BodyLimits) -> Generator[None, None, ParsedBatch]:
-    lines: list[int] | None = None
     if content_type in MSGPACK_TYPES:
-        values = yield from _msgpack(body, limits)
+        out = _Entries("record", max_record_bytes, limits)
+        yield from _msgpack(body, out)
     elif content_type == JSON_TYPE:
-        values = yield from _json_array(body, json.JSONDecoder(), limits)
+        out = _Entries("record", max_record_bytes, limits)
+        yield from _json_array(body, json.JSONDecoder(), out)
     else:
-        lines = []
-        values = yield from _ndjson(body, json.JSONDecoder(), limits, lines)
-    if not values:
+        out = _Entries("line", max_record_bytes, limits)
+        yield from _ndjson(body, json.JSONDecoder(), out)
+    if not out.records:
         raise MalformedPushError("the body holds no record: expected at least one")
-    kind = "record" if lines is None else "line"
-    records: list[dict[bytes, bytes]] = []
-    sizes: list[int] = []
-    data_bytes = 0
-    # Encoding costs a microsecond or a few per record, decoding JSON far more: the
-    # encoding slices are longer (a 100-record batch is encoded in one).
-    slice_end, slice_bytes = _ENCODE_SLICE_RECORDS, 0
-    for n, value in enumerate(values):
-        fields, size = _encode(value, kind, n if lines is None else lines[n], max_record_bytes)
-        records.append(fields)
-        sizes.append(size)
-        data_bytes += len(fields[streams.F_DATA])
-        slice_bytes += size
-        if n + 1 >= slice_end or slice_bytes >= _SLICE_CHARS:
-            slice_end, slice_bytes = n + 1 + _ENCODE_SLICE_RECORDS, 0
-            yield
-    return ParsedBatch(records, sizes, data_bytes)
+    return ParsedBatch(out.records, out.sizes, out.data_bytes)
 
 
 async def parse_records_sliced(body: bytes, content_type: str, max_record_bytes: int,
@@ -388,7 +397,7 @@ async def parse_records_sliced(body: bytes, content_type: str, max_record_bytes:
                                ) -> ParsedBatch:
     """The records of a push body, encoded as stream entries; raises MalformedPushError
     (400) or PushTooLargeError (413) naming the offending record. Runs on the event
-    loop, handing it back after every slice of at most 64 records or 128 KiB of text,
+    loop, handing it back after every slice of at most 64 records or 32 KiB of JSON,
     so other requests are served between slices. With ``share`` below 1 it rests
     after each slice, so that it takes at most that share of the loop's time."""
     steps = _parse(body, content_type, max_record_bytes, limits)
