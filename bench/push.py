@@ -25,7 +25,10 @@ started here on free ports; the service with a producer token, no file producers
    last one over the dataset's record limit, so every one is read, parsed and refused
    (413).
 
-Each phase prints the CPU it cost per batch in the load generator, the service and
+Each phase (each round) pushes to a push dataset of its own, deleted after it: with no
+consumer committing here, the service's backlog view then starts empty every time and
+never nears its bound (429), however fast the machine. Each phase prints the CPU it cost
+per batch in the load generator, the service and
 redis-server (from /proc), and the service's RSS; the load average is printed at the
 start and the end. Not a test: on a shared 2-core machine the load generator, the
 service and Redis share the cores, and other work on the machine shows in the tail.
@@ -59,7 +62,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from redis.asyncio import Redis  # noqa: E402
 from rounds import process_cpu_s  # noqa: E402
 
-from ingest_service.datasets import create_dataset  # noqa: E402
+from ingest_service.datasets import create_dataset, delete_dataset  # noqa: E402
 from ingest_service.push import choose_partition  # noqa: E402
 from tests.servers import RedisServer, free_port  # noqa: E402
 from trainguard.core import streams  # noqa: E402
@@ -92,10 +95,23 @@ class Bench:
     def producer_ids(self) -> list[str]:
         return [f"actor-{self.generation}-{i}" for i in range(self.args.producers)]
 
+    @property
+    def dataset(self) -> str:
+        """A dataset per phase: the service's backlog view (no consumer commits here)
+        starts empty each time, never near its bound however fast the machine."""
+        return f"{DATASET}-{self.generation}"
+
+    async def next_phase(self) -> None:
+        self.generation += 1
+        r = Redis.from_url(self.redis_url)
+        await create_dataset(r, streams.DatasetSpec(name=self.dataset, partitions=PARTITIONS,
+                                                    format="push", max_record_bytes=4096))
+        await r.aclose()
+
     async def push(self, session: aiohttp.ClientSession, producer: str) -> float:
         seq = self.seqs.get(producer, 0)
         start = time.perf_counter()
-        async with session.post(f"{self.base}/v1/datasets/{DATASET}/records",
+        async with session.post(f"{self.base}/v1/datasets/{self.dataset}/records",
                                 params={"producer_id": producer, "seq": str(seq)},
                                 data=self.body, headers={
                                     "Authorization": f"Bearer {TOKEN}",
@@ -116,7 +132,7 @@ class Bench:
         return time.perf_counter() - start
 
     async def closed_loop(self, kind: str) -> tuple[float, list[float]]:
-        self.generation += 1
+        await self.next_phase()
         latencies: list[float] = []
         r = Redis.from_url(self.redis_url, max_connections=256)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
@@ -133,13 +149,13 @@ class Bench:
         return len(latencies) / elapsed, latencies
 
     async def trim(self, r: Redis) -> None:
+        await delete_dataset(r, self.dataset)
         for p in range(PARTITIONS):
-            await r.xtrim(streams.partition_key(DATASET, p), maxlen=0)
             await r.delete(streams.partition_key("raw", p))
 
     def load(self, mode: str, **options: object) -> dict[str, Any]:
         """Run the light load generator once (its own process); its JSON result."""
-        self.generation += 1
+        asyncio.run(self.next_phase())
         out = json.loads(subprocess.run(self.load_command(mode, **options), check=True,
                                          capture_output=True, text=True).stdout)
         asyncio.run(self.clear())
@@ -153,7 +169,7 @@ class Bench:
     def load_command(self, mode: str, **options: object) -> list[str]:
         cmd = [sys.executable, str(ROOT / "bench" / "push_load.py"), "--port",
                self.base.rsplit(":", 1)[1], "--token", TOKEN, "--mode", mode, "--prefix",
-               f"load-{self.generation}", "--producers", str(self.args.producers),
+               f"load-{self.generation}", "--dataset", self.dataset, "--producers", str(self.args.producers),
                "--records", str(self.args.records), "--record-bytes", str(self.args.record_bytes)]
         for k, v in options.items():
             cmd += [f"--{k}", str(v)]
@@ -162,7 +178,7 @@ class Bench:
     async def load_beside_worst(self, **options: object) -> tuple[dict[str, Any], int]:
         """The open-loop generator while this process sends the worst-case push in a
         loop; the generator's result and the worst-case requests refused (413)."""
-        self.generation += 1
+        await self.next_phase()
         refused = 0
         body = worst_case_body(self.args.max_push_bytes)
         proc = await asyncio.create_subprocess_exec(*self.load_command("open", **options),
@@ -172,7 +188,7 @@ class Bench:
                 nonlocal refused
                 while proc.returncode is None:
                     async with session.post(
-                        f"{self.base}/v1/datasets/{DATASET}/records",
+                        f"{self.base}/v1/datasets/{self.dataset}/records",
                         params={"producer_id": "attacker", "seq": "0"}, data=body,
                         headers={"Authorization": f"Bearer {TOKEN}",
                                  "Content-Type": "application/x-ndjson"},
@@ -211,13 +227,6 @@ def worst_case_body(limit: int) -> bytes:
     last = b'"' + b"z" * 5000 + b'"\n'
     count = min(9_999, (limit - len(last)) // len(line))
     return line * count + last
-
-
-async def setup(redis_url: str) -> None:
-    r = Redis.from_url(redis_url)
-    await create_dataset(r, streams.DatasetSpec(name=DATASET, partitions=PARTITIONS,
-                                                format="push", max_record_bytes=4096))
-    await r.aclose()
 
 
 def wait_ready(base: str, proc: subprocess.Popen[bytes]) -> None:
@@ -259,8 +268,7 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": server.url,
-           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}:*"}
-    asyncio.run(setup(server.url))
+           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}-*:*"}
     proc = subprocess.Popen([sys.executable, "-m", "trainguard", "serve", "--port", str(port),
                              "--no-produce"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

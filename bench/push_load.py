@@ -32,8 +32,6 @@ import time
 
 import msgpack
 
-DATASET = "rollouts"
-
 
 class Producer:
     """One producer_id on one keep-alive connection, sending seq 0, 1, 2, ..."""
@@ -42,7 +40,7 @@ class Producer:
         self.args, self.producer_id, self.body = args, producer_id, body
         self.seq = 0
         self.head = (
-            f"POST /v1/datasets/{DATASET}/records?producer_id={producer_id}&seq={{seq}} HTTP/1.1\r\n"
+            f"POST /v1/datasets/{args.dataset}/records?producer_id={producer_id}&seq={{seq}} HTTP/1.1\r\n"
             f"Host: 127.0.0.1:{args.port}\r\nAuthorization: Bearer {args.token}\r\n"
             f"Content-Type: application/msgpack\r\nContent-Length: {len(body)}\r\n\r\n"
         )
@@ -143,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token", required=True)
+    parser.add_argument("--dataset", default="rollouts", help="a push dataset")
     parser.add_argument("--prefix", required=True, help="producer_ids are <prefix>-<i>")
     parser.add_argument("--mode", choices=("closed", "open"), required=True)
     parser.add_argument("--producers", type=int, default=32)
