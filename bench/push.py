@@ -27,10 +27,9 @@ started here on free ports; the service with a producer token, no file producers
 
 Each phase (each round) pushes to a push dataset of its own, deleted after it: with no
 consumer committing here, the service's backlog view then starts empty every time and
-never nears its bound (429), however fast the machine. Each phase prints the CPU it cost
-per batch in the load generator, the service and
-redis-server (from /proc), and the service's RSS; the load average is printed at the
-start and the end. Not a test: on a shared 2-core machine the load generator, the
+never nears its bound (429), however fast the machine. Each phase prints the CPU it
+cost per batch in the load generator, the service and redis-server (from /proc), and
+the service's RSS; the load average is printed at the start and the end. Not a test: on a shared 2-core machine the load generator, the
 service and Redis share the cores, and other work on the machine shows in the tail.
 Runs in about a minute and a half with the defaults.
 Usage: python bench/push.py [--rounds 4] [--latency-rounds 3] [--seconds 8]

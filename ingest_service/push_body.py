@@ -334,29 +334,27 @@ def _json_array(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
 
 def _msgpack(body: bytes, out: _Entries) -> Steps:
     limits = out.limits
-
-    def unpacker() -> msgpack.Unpacker:
-        u = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1),
+    items = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1),
                              max_array_len=limits.max_records, max_map_len=limits.max_records,
                              strict_map_key=True)
-        u.feed(body)
-        return u
-
-    items = unpacker()
+    items.feed(body)
+    count = _msgpack_array_len(body[:5])
+    if count is not None and count > limits.max_records:
+        raise _too_many(limits, str(count))
     try:
-        count = items.read_array_header()
-        if count > limits.max_records:
-            raise _too_many(limits, str(count))
         if len(body) <= _SLICE_CHARS:
             # One slice's worth: the array decoded in one call (item by item cost 20x as
-            # much), by a second unpacker (the first one is past the array's header);
-            # encoded in slices of 256 records (a 100-record batch in one loop turn).
-            items = unpacker()
-            for n, value in enumerate(items.unpack()):
+            # much); encoded in slices of 256 records (a 100-record batch in one turn).
+            array = items.unpack()
+            if not isinstance(array, list):
+                raise MalformedPushError(
+                    f"the msgpack body is a {type(array).__name__}, not an array of records")
+            for n, value in enumerate(array):
                 out.add(value, n)
                 if (n + 1) % _ENCODE_SLICE_RECORDS == 0:
                     yield
         else:
+            count = items.read_array_header()
             pacer = _Pacer(_SLICE_CHARS)
             for n in range(count):
                 before = items.tell()
