@@ -17,10 +17,13 @@ The client's contract (what :class:`trainguard.push.Producer` does):
 
 Appending: the records go in slices (at most ``SLICE_RECORDS`` records and
 ``SLICE_BYTES`` bytes each), each one Lua call, so no Redis call runs long enough to
-hold up other clients. Each slice is idempotent by ``(producer, seq, index)``: the
-partition's seq hash remembers how many records of the batch under way are in, a
-slice skips those, and the mark rises only with the batch's last record (see
-:data:`ingest_service._lua.PUSH_SLICE`).
+hold up other clients; the slices of a batch are packed here (payloads as they are)
+and pipelined on one pooled connection. With the admission reads (the dataset's spec,
+the producer's mark and the consumer groups in one pipeline; their commits in a second
+when there are groups), a batch costs two or three round trips. Each slice is
+idempotent by ``(producer, seq, index)``: the partition's seq hash remembers how many
+records of the batch under way are in, a slice skips those, and the mark rises only
+with the batch's last record (see :data:`ingest_service._lua.PUSH_SLICE`).
 """
 
 from __future__ import annotations
