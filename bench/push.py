@@ -3,28 +3,43 @@
 In one run, against one fresh redis-server and one ``trainguard serve`` process (both
 started here on free ports; the service with a producer token, no file producers):
 
-1. Closed loop, ``--rounds`` rounds of service then raw back to back (paired, ABAB):
+1. Ratio, closed loop, ``--rounds`` rounds of service then raw back to back (paired):
    ``--producers`` concurrent producers each send ``--batches`` batches of
-   ``--records`` records of ``--record-bytes`` bytes; through the service (msgpack
-   bodies, one producer_id each, seqs 0, 1, ...) and as raw pipelined XADDs of the
-   same encoded entries to the same partitions (one pipeline per batch). Prints the
-   batches/s of each, the median and range of the per-round ratio, and p50/p99 batch
-   latency over all rounds.
-2. Open loop at half the service's measured saturation rate: each producer sends on a
-   fixed schedule; latency counts from the scheduled time (no coordinated omission).
-3. The same open loop while one more client sends the worst-case push in a loop: a
-   body at the byte limit of records that all parse, the last one over the dataset's
-   record limit, so every one is read, parsed and refused (413).
+   ``--records`` records of ``--record-bytes`` bytes; through the service (aiohttp
+   client, msgpack bodies, one producer_id each, seqs 0, 1, ...) and as raw pipelined
+   XADDs of the same encoded entries to the same partitions (redis-py, one pipeline
+   per batch), both from this process: the ordinary Python client of each. Prints the
+   batches/s of each and the median and range of the per-round ratio.
+2. Saturation: the same closed loop through the service, from the light load generator
+   (``bench/push_load.py``: pre-encoded requests over raw asyncio streams, one
+   keep-alive connection per producer, in a process of its own, so the client's own
+   CPU and pauses are not counted as the service's). The median over
+   ``--sat-rounds`` is the service's saturation rate.
+3. Latency, open loop at half that rate, ``--latency-rounds`` rounds of ``--seconds``
+   from the light generator: every producer sends on its own schedule (evenly
+   staggered, or Poisson with ``--arrivals poisson``), and a batch's latency counts
+   from its scheduled send time, so a producer still waiting for its previous answer
+   counts the wait (no coordinated omission). Prints p50/p99 per round, and over all.
+4. The same open loop while one more client (aiohttp, in this process) sends the
+   worst-case push in a loop: a body at the byte limit of records that all parse, the
+   last one over the dataset's record limit, so every one is read, parsed and refused
+   (413).
 
-The service's RSS is read from /proc before and after each phase. Not a test: on a
-shared 2-core machine the load generator, the service and Redis share the cores.
-Usage: python bench/push.py [--rounds 4] [--producers 32] [--batches 20] [--seconds 10]
+Each phase (each round) pushes to a push dataset of its own, deleted after it: with no
+consumer committing here, the service's backlog view then starts empty every time and
+never nears its bound (429), however fast the machine. Each phase prints the CPU it
+cost per batch in the load generator, the service and redis-server (from /proc), and
+the service's RSS; the load average is printed at the start and the end. Not a test: on a shared 2-core machine the load generator, the
+service and Redis share the cores, and other work on the machine shows in the tail.
+Runs in about a minute and a half with the defaults.
+Usage: python bench/push.py [--rounds 4] [--latency-rounds 3] [--seconds 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import statistics
@@ -34,16 +49,19 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgpack
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from redis.asyncio import Redis  # noqa: E402
+from rounds import process_cpu_s  # noqa: E402
 
-from ingest_service.datasets import create_dataset  # noqa: E402
+from ingest_service.datasets import create_dataset, delete_dataset  # noqa: E402
 from ingest_service.push import choose_partition  # noqa: E402
 from tests.servers import RedisServer, free_port  # noqa: E402
 from trainguard.core import streams  # noqa: E402
@@ -76,10 +94,23 @@ class Bench:
     def producer_ids(self) -> list[str]:
         return [f"actor-{self.generation}-{i}" for i in range(self.args.producers)]
 
+    @property
+    def dataset(self) -> str:
+        """A dataset per phase: the service's backlog view (no consumer commits here)
+        starts empty each time, never near its bound however fast the machine."""
+        return f"{DATASET}-{self.generation}"
+
+    async def next_phase(self) -> None:
+        self.generation += 1
+        r = Redis.from_url(self.redis_url)
+        await create_dataset(r, streams.DatasetSpec(name=self.dataset, partitions=PARTITIONS,
+                                                    format="push", max_record_bytes=4096))
+        await r.aclose()
+
     async def push(self, session: aiohttp.ClientSession, producer: str) -> float:
         seq = self.seqs.get(producer, 0)
         start = time.perf_counter()
-        async with session.post(f"{self.base}/v1/datasets/{DATASET}/records",
+        async with session.post(f"{self.base}/v1/datasets/{self.dataset}/records",
                                 params={"producer_id": producer, "seq": str(seq)},
                                 data=self.body, headers={
                                     "Authorization": f"Bearer {TOKEN}",
@@ -100,7 +131,7 @@ class Bench:
         return time.perf_counter() - start
 
     async def closed_loop(self, kind: str) -> tuple[float, list[float]]:
-        self.generation += 1
+        await self.next_phase()
         latencies: list[float] = []
         r = Redis.from_url(self.redis_url, max_connections=256)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
@@ -117,34 +148,46 @@ class Bench:
         return len(latencies) / elapsed, latencies
 
     async def trim(self, r: Redis) -> None:
+        await delete_dataset(r, self.dataset)
         for p in range(PARTITIONS):
-            await r.xtrim(streams.partition_key(DATASET, p), maxlen=0)
             await r.delete(streams.partition_key("raw", p))
 
-    async def open_loop(self, rate: float, *, attacker: bool) -> tuple[list[float], int]:
-        """Each producer sends every producers/rate seconds for --seconds; returns the
-        latencies from the scheduled times and the attacker's refused requests."""
-        self.generation += 1
-        interval = self.args.producers / rate
-        latencies: list[float] = []
-        refused = 0
-        stop = asyncio.Event()
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
-            async def one(producer: str, offset: float) -> None:
-                due = time.perf_counter() + offset
-                end = time.perf_counter() + self.args.seconds
-                while due < end:
-                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
-                    await self.push(session, producer)
-                    latencies.append(time.perf_counter() - due)
-                    due += interval
+    def load(self, mode: str, **options: object) -> dict[str, Any]:
+        """Run the light load generator once (its own process); its JSON result."""
+        asyncio.run(self.next_phase())
+        out = json.loads(subprocess.run(self.load_command(mode, **options), check=True,
+                                         capture_output=True, text=True).stdout)
+        asyncio.run(self.clear())
+        return out  # type: ignore[no-any-return]
 
+    async def clear(self) -> None:
+        r = Redis.from_url(self.redis_url)
+        await self.trim(r)
+        await r.aclose()
+
+    def load_command(self, mode: str, **options: object) -> list[str]:
+        cmd = [sys.executable, str(ROOT / "bench" / "push_load.py"), "--port",
+               self.base.rsplit(":", 1)[1], "--token", TOKEN, "--mode", mode, "--prefix",
+               f"load-{self.generation}", "--dataset", self.dataset, "--producers", str(self.args.producers),
+               "--records", str(self.args.records), "--record-bytes", str(self.args.record_bytes)]
+        for k, v in options.items():
+            cmd += [f"--{k}", str(v)]
+        return cmd
+
+    async def load_beside_worst(self, **options: object) -> tuple[dict[str, Any], int]:
+        """The open-loop generator while this process sends the worst-case push in a
+        loop; the generator's result and the worst-case requests refused (413)."""
+        await self.next_phase()
+        refused = 0
+        body = worst_case_body(self.args.max_push_bytes)
+        proc = await asyncio.create_subprocess_exec(*self.load_command("open", **options),
+                                                    stdout=asyncio.subprocess.PIPE)
+        async with aiohttp.ClientSession() as session:
             async def worst() -> None:
                 nonlocal refused
-                body = worst_case_body(self.args.max_push_bytes)
-                while not stop.is_set():
+                while proc.returncode is None:
                     async with session.post(
-                        f"{self.base}/v1/datasets/{DATASET}/records",
+                        f"{self.base}/v1/datasets/{self.dataset}/records",
                         params={"producer_id": "attacker", "seq": "0"}, data=body,
                         headers={"Authorization": f"Bearer {TOKEN}",
                                  "Content-Type": "application/x-ndjson"},
@@ -154,15 +197,26 @@ class Bench:
                             raise RuntimeError(f"the worst-case push answered {resp.status}")
                         refused += 1
 
-            tasks = [asyncio.create_task(worst())] if attacker else []
-            ids = self.producer_ids()
-            await asyncio.gather(*(one(p, interval * i / len(ids)) for i, p in enumerate(ids)))
-            stop.set()
-            await asyncio.gather(*tasks)
-        r = Redis.from_url(self.redis_url)
-        await self.trim(r)
-        await r.aclose()
-        return latencies, refused
+            task = asyncio.create_task(worst())
+            out, _ = await proc.communicate()
+            await task
+        if proc.returncode:
+            raise RuntimeError(f"the load generator failed ({proc.returncode})")
+        await self.clear()
+        return json.loads(out), refused
+
+
+class Cpu:
+    """CPU seconds of the service and redis-server over a phase, per batch."""
+
+    def __init__(self, service_pid: int, redis_pid: int) -> None:
+        self.pids = (service_pid, redis_pid)
+        self.start = tuple(process_cpu_s(p) for p in self.pids)
+
+    def per_batch(self, batches: int, generator_s: float) -> str:
+        service, redis = (process_cpu_s(p) - s for p, s in zip(self.pids, self.start, strict=True))
+        return (f"CPU ms/batch: generator {generator_s / batches * 1000:.2f}, service "
+                f"{service / batches * 1000:.2f}, redis-server {redis / batches * 1000:.2f}")
 
 
 def worst_case_body(limit: int) -> bytes:
@@ -172,13 +226,6 @@ def worst_case_body(limit: int) -> bytes:
     last = b'"' + b"z" * 5000 + b'"\n'
     count = min(9_999, (limit - len(last)) // len(line))
     return line * count + last
-
-
-async def setup(redis_url: str) -> None:
-    r = Redis.from_url(redis_url)
-    await create_dataset(r, streams.DatasetSpec(name=DATASET, partitions=PARTITIONS,
-                                                format="push", max_record_bytes=4096))
-    await r.aclose()
 
 
 def wait_ready(base: str, proc: subprocess.Popen[bytes]) -> None:
@@ -194,14 +241,25 @@ def wait_ready(base: str, proc: subprocess.Popen[bytes]) -> None:
     raise RuntimeError("trainguard serve did not become ready")
 
 
+def summary(lat: list[float]) -> str:
+    return f"p50 {pct(lat, .5):.1f} ms p99 {pct(lat, .99):.1f} ms over {len(lat)} batches"
+
+
+def loadavg() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=4, help="ratio rounds")
     parser.add_argument("--producers", type=int, default=32)
     parser.add_argument("--batches", type=int, default=20, help="per producer per round")
     parser.add_argument("--records", type=int, default=100)
     parser.add_argument("--record-bytes", type=int, default=1024)
-    parser.add_argument("--seconds", type=float, default=10.0, help="per open-loop phase")
+    parser.add_argument("--sat-rounds", type=int, default=3, help="saturation rounds")
+    parser.add_argument("--latency-rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=8.0, help="per open-loop round")
+    parser.add_argument("--arrivals", choices=("even", "poisson"), default="even")
     parser.add_argument("--max-push-bytes", type=int, default=16 * 1024 * 1024)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-push-"))
@@ -209,46 +267,74 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": server.url,
-           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}:*"}
-    asyncio.run(setup(server.url))
+           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}-*:*"}
     proc = subprocess.Popen([sys.executable, "-m", "trainguard", "serve", "--port", str(port),
                              "--no-produce"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         wait_ready(base, proc)
         bench = Bench(args, server.url, base)
+        redis_pid = server.pid
+        assert redis_pid is not None
         print(f"{args.producers} producers x batches of {args.records} x {args.record_bytes} B; "
-              f"redis :{server.port}, service :{port} (pid {proc.pid})")
+              f"redis :{server.port}, service :{port} (pid {proc.pid}); {loadavg()}")
         rss0 = rss_mb(proc.pid)
-        svc_lat: list[float] = []
-        raw_lat: list[float] = []
         ratios: list[float] = []
-        rates: list[float] = []
+        print("1. ratio, closed loop, aiohttp client -> service vs redis-py pipeline -> Redis")
         print(f"{'round':>5} | {'service batch/s':>15} | {'raw batch/s':>11} | {'ratio':>5} | "
               f"{'service RSS MB':>14}")
+        client_ms: list[float] = []
         for n in range(args.rounds):
-            svc_rate, lat = asyncio.run(bench.closed_loop("service"))
-            svc_lat += lat
-            raw_rate, lat = asyncio.run(bench.closed_loop("raw"))
-            raw_lat += lat
+            client = time.process_time()
+            svc_rate, svc_lat = asyncio.run(bench.closed_loop("service"))
+            client_ms.append((time.process_time() - client) / len(svc_lat) * 1000)
+            raw_rate, _ = asyncio.run(bench.closed_loop("raw"))
             ratios.append(svc_rate / raw_rate)
-            rates.append(svc_rate)
             print(f"{n:>5} | {svc_rate:>15,.0f} | {raw_rate:>11,.0f} | {ratios[-1]:>5.2f} | "
                   f"{rss_mb(proc.pid):>14.0f}")
         ratios.sort()
-        print(f"ratio service/raw: median {statistics.median(ratios):.2f} "
-              f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}); closed-loop batch latency "
-              f"service p50 {pct(svc_lat, .5):.1f} ms p99 {pct(svc_lat, .99):.1f} ms, "
-              f"raw p50 {pct(raw_lat, .5):.1f} ms p99 {pct(raw_lat, .99):.1f} ms")
+        ratio = f"{statistics.median(ratios):.2f} (range {ratios[0]:.2f}-{ratios[-1]:.2f})"
+        print(f"ratio service/raw: median {ratio}; the aiohttp client's CPU per service batch "
+              f"{statistics.median(client_ms):.2f} ms")
+
+        print("2. saturation, closed loop, light generator -> service")
+        rates: list[float] = []
+        for n in range(args.sat_rounds):
+            cpu = Cpu(proc.pid, redis_pid)
+            r = bench.load("closed", batches=args.batches)
+            rates.append(r["rate"])
+            print(f"  round {n}: {r['rate']:,.0f} batch/s, {summary(r['latencies'])}; "
+                  f"{cpu.per_batch(len(r['latencies']), r['cpu_s'])}")
         half = statistics.median(rates) / 2
-        lat, _ = asyncio.run(bench.open_loop(half, attacker=False))
-        print(f"open loop at half saturation ({half:,.0f} batch/s): p50 {pct(lat, .5):.1f} ms "
-              f"p99 {pct(lat, .99):.1f} ms over {len(lat)} batches; RSS {rss_mb(proc.pid):.0f} MB")
-        lat, refused = asyncio.run(bench.open_loop(half, attacker=True))
-        print(f"  + worst-case client ({len(worst_case_body(args.max_push_bytes)) / 2**20:.1f} MiB "
-              f"bodies, {refused} refused with 413): p50 {pct(lat, .5):.1f} ms p99 "
-              f"{pct(lat, .99):.1f} ms over {len(lat)} batches; RSS {rss_mb(proc.pid):.0f} MB "
-              f"(at start {rss0:.0f} MB)")
+
+        print(f"3. open loop at half saturation ({half:,.0f} batch/s, {args.arrivals} arrivals, "
+              f"latency from the scheduled send)")
+        p99s: list[float] = []
+        lat: list[float] = []
+        for n in range(args.latency_rounds):
+            cpu = Cpu(proc.pid, redis_pid)
+            r = bench.load("open", rate=half, seconds=args.seconds, arrivals=args.arrivals,
+                           seed=n)
+            lat += r["latencies"]
+            p99s.append(pct(r["latencies"], .99))
+            print(f"  round {n}: {summary(r['latencies'])} (sent late p99 "
+                  f"{pct(r['late'], .99):.1f} ms); {cpu.per_batch(len(r['latencies']), r['cpu_s'])}")
+        p99s.sort()
+
+        cpu = Cpu(proc.pid, redis_pid)
+        r, refused = asyncio.run(bench.load_beside_worst(
+            rate=half, seconds=args.seconds, arrivals=args.arrivals, seed=99))
+        worst = r["latencies"]
+        print(f"4. the same + a worst-case client "
+              f"({len(worst_case_body(args.max_push_bytes)) / 2**20:.1f} MiB bodies, {refused} "
+              f"refused with 413): {summary(worst)}; "
+              f"{cpu.per_batch(len(worst), r['cpu_s'])} (worst-case client's not counted)")
+        print(f"service RSS {rss_mb(proc.pid):.0f} MB (at start {rss0:.0f} MB); {loadavg()}")
+        print(f"HEADLINE ratio {ratio} (target >= 0.5); saturation "
+              f"{statistics.median(rates):,.0f} batch/s; at half of it p50 {pct(lat, .5):.1f} ms, "
+              f"p99 {pct(lat, .99):.1f} ms over all rounds (per round {p99s[0]:.1f}-{p99s[-1]:.1f}; "
+              f"target < 50); beside the worst-case client p99 {pct(worst, .99):.1f} ms "
+              f"(target < 100)")
     finally:
         proc.terminate()
         proc.wait(30)

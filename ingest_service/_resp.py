@@ -29,15 +29,23 @@ try:
 except ImportError:  # redis-py without hiredis, or a redis-py that moved its parser
     _NOT_ENOUGH_DATA = None
 
-__all__ = ["bulk", "evalsha_parts", "call_packed_script", "xadd_records", "Link", "honour_cancel"]
+__all__ = [
+    "bulk", "evalsha_head", "evalsha_parts", "call_packed_script", "call_packed_scripts",
+    "xadd_records", "Link", "honour_cancel",
+]
+
+
+def evalsha_head(sha: bytes, keys: Sequence[bytes], nargs: int) -> bytes:
+    """``EVALSHA sha numkeys keys...`` as RESP, for a command of ``nargs`` args to follow."""
+    n = b"%d" % len(keys)
+    return b"".join([b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n" % (3 + len(keys) + nargs, len(sha), sha),
+                     bulk(n), *(bulk(k) for k in keys)])
 
 
 def evalsha_parts(sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]) -> list[bytes]:
     """``EVALSHA sha numkeys keys... args...`` as RESP chunks."""
-    parts = [b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n" % (3 + len(keys) + len(args), len(sha), sha)]
-    n = str(len(keys)).encode()
-    parts.append(b"$%d\r\n%s\r\n" % (len(n), n))
-    for item in (*keys, *args):
+    parts = [evalsha_head(sha, keys, len(args))]
+    for item in args:
         if len(item) < 512:
             parts.append(b"$%d\r\n%s\r\n" % (len(item), item))
         else:  # large payloads are not copied into a header string
@@ -52,18 +60,42 @@ async def call_packed_script(
 ) -> object:
     """Run a script by SHA on one pooled connection; loads it once if Redis lost it
     (NOSCRIPT after a restart). Connection errors propagate (the caller syncs again)."""
+    return (await call_packed_scripts(redis, script, sha, keys, [evalsha_parts(sha, keys, args)]))[0]
+
+
+async def call_packed_scripts(
+    redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], calls: Sequence[list[bytes]]
+) -> list[object]:
+    """Run ``calls`` (each ``evalsha_parts(sha, keys, ...)``) pipelined on one pooled
+    connection, in order; their replies. When Redis lost the script (NOSCRIPT after a
+    restart), loads it and sends again from the first call that found it missing (the
+    calls before it ran; a call after it that ran anyway appended nothing, as the
+    scripts that pipeline are idempotent in order). Another error reply is raised
+    after all replies are read; connection errors propagate."""
     pool = redis.connection_pool
     conn = await pool.get_connection()
     try:
-        await conn.send_packed_command(evalsha_parts(sha, keys, args), check_health=False)
-        try:
-            return await conn.read_response()
-        except NoScriptError:
-            pass
-        await conn.send_command("SCRIPT", "LOAD", script)
-        await conn.read_response()
-        await conn.send_packed_command(evalsha_parts(sha, keys, args), check_health=False)
-        return await conn.read_response()
+        replies: list[object] = []
+        pending = list(calls)
+        loaded = False
+        while pending:
+            await conn.send_packed_command([c for call in pending for c in call],
+                                           check_health=False)
+            got: list[object] = []
+            for _ in pending:
+                try:
+                    got.append(await conn.read_response())
+                except ResponseError as exc:
+                    got.append(exc)
+            missing = next((i for i, r in enumerate(got) if isinstance(r, NoScriptError)), None)
+            if missing is None or loaded:
+                replies += got
+                break
+            replies += got[:missing]
+            pending = pending[missing:]
+            await conn.send_command("SCRIPT", "LOAD", script)
+            await conn.read_response()
+            loaded = True
     except BaseException:
         # A reply may still be on its way (cancelled, or a broken link): this
         # connection must not be reused.
@@ -71,6 +103,10 @@ async def call_packed_script(
         raise
     finally:
         await pool.release(conn)
+    for reply in replies:
+        if isinstance(reply, ResponseError):
+            raise reply
+    return replies
 
 
 _NOMKSTREAM = b"$10\r\nNOMKSTREAM\r\n"

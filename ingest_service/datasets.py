@@ -8,12 +8,16 @@ create the same dataset agree or one of them fails loudly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from redis.asyncio import Redis
 
 from ingest_service.errors import DatasetExistsError, DatasetNotFoundError
 from trainguard.core import streams
 
-__all__ = ["create_dataset", "describe_dataset", "delete_dataset", "list_datasets"]
+__all__ = [
+    "create_dataset", "describe_dataset", "delete_dataset", "list_datasets", "spec_from_hash",
+]
 
 # HSETNX-like for a whole hash: write the spec only when the meta key is absent, so that
 # of two concurrent creators exactly one writes and the other compares.
@@ -52,7 +56,12 @@ async def create_dataset(redis: Redis, spec: streams.DatasetSpec) -> streams.Dat
 
 async def describe_dataset(redis: Redis, name: str) -> streams.DatasetSpec:
     streams.check_name("dataset", name)
-    raw = await redis.hgetall(streams.meta_key(name))
+    return spec_from_hash(name, await redis.hgetall(streams.meta_key(name)))
+
+
+def spec_from_hash(name: str, raw: Mapping[bytes | str, bytes | str]) -> streams.DatasetSpec:
+    """The spec stored as ``raw`` (the meta hash of dataset ``name``); raises
+    DatasetNotFoundError when the hash is empty."""
     if not raw:
         raise DatasetNotFoundError(
             f"dataset {name!r} is not registered in Redis: create it first "

@@ -30,8 +30,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from ingest_service.auth import PushTokens
-from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY
-from ingest_service.datasets import describe_dataset
+from ingest_service.config import CONFIG_KEY, METRICS_KEY
 from ingest_service.errors import (
     AdminError,
     BacklogFullError,
@@ -48,7 +47,6 @@ from ingest_service.http_errors import RETRY_AFTER_S, error_response, unavailabl
 from ingest_service.push import (
     PushIngest,
     PushResult,
-    check_push_dataset,
     choose_partition,
     parse_params,
 )
@@ -148,34 +146,29 @@ async def _push(request: web.Request, route: PushRoute,
     if length is not None and length > route.limits.max_bytes:
         raise PushTooLargeError(f"the body is {length} bytes: the limit is "
                                 f"{route.limits.max_bytes} per request; send smaller batches")
-    spec = await describe_dataset(app[REDIS_KEY], name)
-    known.append(spec)
-    check_push_dataset(spec)
-    mark = await route.ingest.check_order(spec, producer_id, seq)
+    spec, mark = await route.ingest.admit(name, producer_id, seq, known)
     if mark is not None:  # a retry of a batch that is in: its body is not even read
         return _reply(PushResult(choose_partition(producer_id, spec.partitions), seq, False, 0,
                                  None, None, mark))
-    await route.ingest.check_room(spec, producer_id, seq)
     body = await read_body(request.content, content_type, route.limits, route.budget)
     try:
         if len(body) > route.limits.big_body_bytes:
             async with route.big_bodies:
-                records = await parse_records_sliced(body, content_type, spec.max_record_bytes,
-                                                     route.limits,
-                                                     share=route.limits.big_body_share)
+                batch = await parse_records_sliced(body, content_type, spec.max_record_bytes,
+                                                   route.limits, share=route.limits.big_body_share)
         else:
-            records = await parse_records_sliced(body, content_type, spec.max_record_bytes,
-                                                 route.limits)
+            batch = await parse_records_sliced(body, content_type, spec.max_record_bytes,
+                                               route.limits)
     finally:
         route.budget.give(len(body))
         del body
-    size = sum(len(f.get(streams.F_DATA, b"")) for f in records)
-    await route.ingest.check_room(spec, producer_id, seq, len(records), size)
-    result = await route.ingest.append(spec, producer_id, seq, records)
+    await route.ingest.check_room(spec, producer_id, seq, len(batch.records), batch.data_bytes)
+    result = await route.ingest.append(spec, producer_id, seq, batch.records, batch.sizes)
     if result.count:
         metrics = app[METRICS_KEY]
         metrics.records.labels(dataset=name).inc(result.count)
-        metrics.bytes.labels(dataset=name).inc(sum(streams.record_size(f) for f in records))
+        # The entries this request appended: a retry's completion counts its share.
+        metrics.bytes.labels(dataset=name).inc(sum(batch.sizes[len(batch.sizes) - result.count:]))
     return _reply(result)
 
 

@@ -25,6 +25,7 @@ from ingest_service.auth import PushTokens
 from ingest_service.backlog import BacklogLimits
 from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset, delete_dataset
+from ingest_service.push import choose_partition
 from ingest_service.push_body import BodyLimits
 from tests._ingest_util import until, write_jsonl
 from tests.servers import RedisServer, free_port
@@ -168,6 +169,64 @@ async def test_push_retry_is_appended_once_and_producers_keep_their_sequences(
     for name, seqs in (("a", range(0, 21)), ("b", range(0, 20))):
         ns = [v["n"] for v in got if v["p"] == name]
         assert ns == [n for seq in seqs for n in (seq * 10, seq * 10 + 1)]
+
+
+async def test_a_batch_of_several_slices_is_appended_once_after_redis_lost_its_script(
+    redis_server: RedisServer,
+) -> None:
+    """A batch of 600 records goes in 3 Lua slices, pipelined; after SCRIPT FLUSH (a
+    Redis restarted without its scripts) the first slice finds the script missing, it is
+    loaded, and the batch is appended whole, once, in order, with the mark at its seq;
+    the next batch goes in normally."""
+    r = Redis.from_url(redis_server.url)
+    await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
+    async with serving(_config(redis_server, produce=False)) as client:
+        resp = await _push(client, "rl", "a", 0, msgpack.packb([b"warm"]), "application/msgpack")
+        assert resp.status == 200
+        await r.script_flush()
+        batch = [b"%d" % i for i in range(600)]
+        resp = await _push(client, "rl", "a", 1, msgpack.packb(batch), "application/msgpack")
+        reply = await resp.json()
+        assert resp.status == 200 and reply["count"] == 600 and reply["mark"] == 1, reply
+        resp = await _push(client, "rl", "a", 2, msgpack.packb([b"next"]), "application/msgpack")
+        assert resp.status == 200 and (await resp.json())["count"] == 1
+    entries = await r.xrange(streams.partition_key("rl", 0))
+    assert [streams.decode_record(f) for _, f in entries] == [b"warm", *batch, b"next"]
+    assert reply["first_id"] == entries[1][0].decode() and reply["last_id"] == entries[600][0].decode()
+    assert await r.hgetall(streams.seq_key("rl", 0)) == {b"a": b"2"}
+    await r.aclose()
+
+
+async def test_push_follows_a_dataset_recreated_with_other_partitions(
+    redis_server: RedisServer,
+) -> None:
+    """The service reads a dataset's spec with the producer's mark in one round trip,
+    guessing the partition from the spec it saw last: after the dataset is deleted and
+    created again with another partition count, a producer's batches go to (and its mark
+    is read from) the partition the new spec gives, never the old one."""
+    r = Redis.from_url(redis_server.url)
+    await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
+    producer = next(f"actor-{i}" for i in range(100) if choose_partition(f"actor-{i}", 4) != 0)
+    async with serving(_config(redis_server, produce=False)) as client:
+        for seq in range(2):
+            resp = await _push(client, "rl", producer, seq, _lines(seq))
+            assert resp.status == 200 and (await resp.json())["partition"] == 0
+        await delete_dataset(r, "rl")
+        await create_dataset(r, streams.DatasetSpec(name="rl", partitions=4, format="push"))
+        # A mark in the partition the old spec gave: read from there, seq 0 would be "in".
+        await r.hset(streams.seq_key("rl", 0), producer, "5")
+        stale = await _push(client, "rl", producer, 2, _lines(2))  # its mark went with the dataset
+        assert stale.status == 409 and (await stale.json())["error"]["mark"] is None
+        resp = await _push(client, "rl", producer, 0, _lines("new"))
+        reply = await resp.json()
+    p = choose_partition(producer, 4)
+    assert resp.status == 200 and reply["partition"] == p, reply
+    entries = await r.xrange(streams.partition_key("rl", p))
+    assert [streams.decode_record(f) for _, f in entries] == ["new"]
+    assert await r.xlen(streams.partition_key("rl", 0)) == 0
+    assert await r.hgetall(streams.seq_key("rl", p)) == {producer.encode(): b"0"}
+    assert await r.hgetall(streams.seq_key("rl", 0)) == {producer.encode(): b"5"}
+    await r.aclose()
 
 
 async def test_push_rejects_malformed_and_oversized_bodies(redis_server: RedisServer) -> None:

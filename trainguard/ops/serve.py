@@ -9,6 +9,7 @@ when it runs, not when the parser is built.
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 
@@ -39,14 +40,24 @@ def serve(config: IngestConfig) -> int:
         handler.addFilter(RedactingFilter())
     if config.insecure_local:
         log.warning("--insecure-local: pushes are accepted without a token from this machine")
+    app = create_app(config)
+    app.on_startup.append(_freeze_heap)
     web.run_app(
-        create_app(config), host=config.host, port=config.port,
+        app, host=config.host, port=config.port,
         shutdown_timeout=config.shutdown_timeout_s, print=lambda msg: log.info("%s", msg),
         # A connection still waiting for a whole request (idle, or headers trickled) is
         # closed after this long (not aiohttp's hour).
         keepalive_timeout=config.header_timeout_s,
     )
     return 0
+
+
+async def _freeze_heap(app: web.Application) -> None:
+    """Everything loaded at start (modules, the app) leaves the collector's generations:
+    a full collection then scans only what requests keep alive, where it scanned some
+    60,000 start-up objects (15 ms on the event loop, in the tail of push latency)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _is_loopback(host: str) -> bool:
