@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator
 import redis.exceptions as redis_errors
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.asyncio import Redis
 
+from ingest_service import redis_client
 from ingest_service.admin import AdminConfig, setup_admin
 from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY, IngestConfig
 from ingest_service.datasets import describe_dataset
@@ -138,7 +138,7 @@ def create_app(config: IngestConfig) -> web.Application:
     app = web.Application(client_max_size=config.max_push_body_bytes)
     # Each producer holds its writer links (16 by default) for a whole epoch, so the
     # pool must allow more than redis-py's default of 100 connections.
-    client = Redis.from_url(config.redis_url, socket_timeout=30, max_connections=4096)
+    client = redis_client.client(config.redis_url, socket_timeout=30, max_connections=4096)
     metrics_ = IngestMetrics()
     app[CONFIG_KEY] = config
     app[REDIS_KEY] = client

@@ -13,12 +13,12 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-import redis
 import torch
 from torch.utils.data import DataLoader
 
 from tests import _client_fill as cf
 from trainer_client import offsets as ofs
+from trainer_client import redis_client
 from trainer_client.dataset import Batch, StreamingDataset
 from trainer_client.errors import DatasetNotFoundError, FencedError
 from trainguard.core import streams
@@ -46,17 +46,17 @@ def test_one_process_reads_every_record_once_with_offsets(redis_server) -> None:
             assert parsed == sorted(parsed)
             # the record payload says which record it is: it must sit in its partition
             assert all(streams.make_id(0, r // 4) in ids for r in b.data[:, 0].tolist() if r % 4 == p)
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_client.client(redis_server.url)
     assert client.sismember(streams.groups_key("tok"), "run")
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_workers_read_their_assigned_partitions(redis_server, persistent: bool) -> None:
+def test_workers_read_their_assigned_partitions(any_redis, persistent: bool) -> None:
     """num_workers=2 over 7 partitions: worker w reads exactly the partitions that
     assign_partitions gives it, and together they read every record once."""
-    spec = cf.create(redis_server.url, "tok", partitions=7)
-    cf.fill(redis_server.url, spec, 700)
-    ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=10)
+    spec = cf.create(any_redis.url, "tok", partitions=7)
+    cf.fill(any_redis.url, spec, 700)
+    ds = StreamingDataset(any_redis.url, "tok", "run", batch_size=10)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
     batches = list(loader)
     assert sorted(_ids(batches)) == list(range(700))
@@ -66,13 +66,13 @@ def test_workers_read_their_assigned_partitions(redis_server, persistent: bool) 
     assert {p for b in batches for p in b.ids} == set(range(7))
 
 
-def test_ranks_split_partitions(redis_server) -> None:
+def test_ranks_split_partitions(any_redis) -> None:
     """Two ranks (no workers) read disjoint partition sets covering every record."""
-    spec = cf.create(redis_server.url, "tok", partitions=5)
-    cf.fill(redis_server.url, spec, 500)
+    spec = cf.create(any_redis.url, "tok", partitions=5)
+    cf.fill(any_redis.url, spec, 500)
     got = []
     for rank in range(2):
-        ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=16, rank=rank, world_size=2)
+        ds = StreamingDataset(any_redis.url, "tok", "run", batch_size=16, rank=rank, world_size=2)
         got.append(_ids(list(ds)))
     assert not set(got[0]) & set(got[1])
     assert sorted(got[0] + got[1]) == list(range(500))
@@ -83,7 +83,7 @@ def test_decoding_kinds(redis_server) -> None:
     """Token arrays become one [n, len] tensor of their dtype; raw bytes and msgpack
     come back as values; a decode callable maps each record."""
     spec = cf.create(redis_server.url, "mixed", partitions=1)
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_client.client(redis_server.url)
     key = streams.partition_key("mixed", 0)
     for i in range(4):
         client.xadd(key, streams.encode_record(np.arange(6, dtype=np.int32) + i), id=streams.make_id(0, i))
@@ -163,7 +163,7 @@ def test_aof_rewind_drops_records_delivered_twice(redis_factory) -> None:
     it = iter(ds)
     before = [next(it) for _ in range(4)]
     server.restart()
-    client = redis.Redis.from_url(server.url)
+    client = redis_client.client(server.url)
     for p in range(2):  # rewind the group, as if the AOF lost its last second
         client.xgroup_setid(streams.partition_key("tok", p), "run", "0-0")
     after = list(it)
@@ -171,14 +171,14 @@ def test_aof_rewind_drops_records_delivered_twice(redis_factory) -> None:
     assert sorted(counts) == list(range(200)) and set(counts.values()) == {1}
 
 
-def test_reader_of_an_older_generation_is_fenced(redis_server) -> None:
+def test_reader_of_an_older_generation_is_fenced(any_redis) -> None:
     """Once a newer trainer took generation 2, a reader holding generation 1 cannot
     read (its read would move the newer trainer's group)."""
-    spec = cf.create(redis_server.url, "tok", partitions=2)
-    cf.fill(redis_server.url, spec, 50)
-    client = redis.Redis.from_url(redis_server.url)
+    spec = cf.create(any_redis.url, "tok", partitions=2)
+    cf.fill(any_redis.url, spec, 50)
+    client = redis_client.client(any_redis.url)
     assert ofs.bump_generation(client, "tok", "run", 2, floor=1) == 2
-    ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=8, generation=1)
+    ds = StreamingDataset(any_redis.url, "tok", "run", batch_size=8, generation=1)
     with pytest.raises(FencedError, match="generation 2 has restored") as info:
         next(iter(ds))
     assert info.value.mine == 1 and info.value.current == 2

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import torch
 from torch.utils.data import DataLoader
 
@@ -23,6 +22,7 @@ from trainer_client import (
     FencedError,
     PartitionCountError,
     TrainingSession,
+    redis_client,
 )
 from trainer_client import offsets as ofs
 from trainguard.core import streams
@@ -49,13 +49,13 @@ def _take(it, n: int) -> list[Batch]:  # type: ignore[no-untyped-def]
     return [next(it) for _ in range(n)]
 
 
-def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(redis_server, tmp_path) -> None:
+def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(any_redis, tmp_path) -> None:
     """No checkpoint: restore returns 0 and reads every partition from its start; the
     final checkpoint's manifest holds the last IDs, and after it nothing is pending,
     the committed offsets and the floor are published."""
-    spec = cf.create(redis_server.url, "tok", partitions=3)
-    cf.fill(redis_server.url, spec, 90)
-    s = _session(redis_server.url, tmp_path)
+    spec = cf.create(any_redis.url, "tok", partitions=3)
+    cf.fill(any_redis.url, spec, 90)
+    s = _session(any_redis.url, tmp_path)
     state = _state()
     assert s.restore(state) == 0
     got = list(s.batches(DataLoader(s.dataset(batch_size=7), batch_size=None)))
@@ -71,21 +71,21 @@ def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(redis_server, 
         "batches": {"0": 0, "1": 0, "2": 0},
     }}
     assert streams.offsets_from_wire(m.extra["trainguard"]["offsets"]) == ends
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_client.client(any_redis.url)
     assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends
     assert streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp"))) == ends
     for p in range(3):
         assert client.xpending(streams.partition_key("tok", p), "exp")["pending"] == 0
 
 
-def test_restart_rereads_exactly_the_uncommitted_records(redis_server, tmp_path) -> None:
+def test_restart_rereads_exactly_the_uncommitted_records(any_redis, tmp_path) -> None:
     """A trainer consumes 5 batches, checkpoints, consumes 3 more and dies. The next one
     restores the checkpoint's step and reads exactly the records after its offsets:
     checkpointed + re-read = every record once. Entries at or below the offsets are
     acknowledged, the ones after them pending until re-delivered."""
-    spec = cf.create(redis_server.url, "tok", partitions=4)
-    cf.fill(redis_server.url, spec, 200)
-    a = _session(redis_server.url, tmp_path)
+    spec = cf.create(any_redis.url, "tok", partitions=4)
+    cf.fill(any_redis.url, spec, 200)
+    a = _session(any_redis.url, tmp_path)
     state = _state()
     a.restore(state)
     it = iter(a.batches(DataLoader(a.dataset(batch_size=8), batch_size=None)))
@@ -93,13 +93,13 @@ def test_restart_rereads_exactly_the_uncommitted_records(redis_server, tmp_path)
     a.checkpoint(state, 5, blocking=True)
     assert a.offsets == {**{p: "0-0" for p in range(4)}, **{p: i for b in first for p, i in b.offsets.items()}}
     _take(it, 3)  # consumed but never checkpointed: lost with the crash
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_client.client(any_redis.url)
     committed = streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp")))
     for p in range(4):
         pending = client.xpending_range(streams.partition_key("tok", p), "exp", "-", "+", 1000)
         assert all(streams.parse_id(e["message_id"]) > streams.parse_id(committed[p]) for e in pending)
 
-    b = _session(redis_server.url, tmp_path)
+    b = _session(any_redis.url, tmp_path)
     assert b.restore(_state()) == 5
     rest = list(b.batches(DataLoader(b.dataset(batch_size=8), batch_size=None)))
     seen = _recs(first) + _recs(rest)
@@ -128,7 +128,7 @@ def test_prefetched_batches_are_not_committed(redis_server, tmp_path) -> None:
     for b in first:
         expect.update(b.offsets)
     assert streams.offsets_from_wire(m.extra["trainguard"]["offsets"]) == expect
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_client.client(redis_server.url)
     delivered = sum(client.xpending(streams.partition_key("tok", p), "exp")["pending"] for p in range(4))
     assert delivered > 0  # the workers really read ahead (still pending, not acked)
     it.close()
@@ -141,18 +141,18 @@ def test_prefetched_batches_are_not_committed(redis_server, tmp_path) -> None:
     a.close()
 
 
-def test_zombie_cannot_read_ack_or_commit(redis_server, tmp_path) -> None:
+def test_zombie_cannot_read_ack_or_commit(any_redis, tmp_path) -> None:
     """Trainer A restores; trainer B of the same run restores after it. A's reads,
     acknowledgements and checkpoints are refused with FencedError, and nothing of A's
     reaches the store or Redis."""
-    spec = cf.create(redis_server.url, "tok", partitions=2)
-    cf.fill(redis_server.url, spec, 100)
-    a = _session(redis_server.url, tmp_path)
+    spec = cf.create(any_redis.url, "tok", partitions=2)
+    cf.fill(any_redis.url, spec, 100)
+    a = _session(any_redis.url, tmp_path)
     state = _state()
     a.restore(state)
     it = iter(a.batches(DataLoader(a.dataset(batch_size=10), batch_size=None)))
     consumed = _take(it, 2)
-    b = _session(redis_server.url, tmp_path)
+    b = _session(any_redis.url, tmp_path)
     b.restore(_state())
     assert b.generation == (a.generation or 0) + 1
     manifests_before = len(b.store.list())
@@ -161,7 +161,7 @@ def test_zombie_cannot_read_ack_or_commit(redis_server, tmp_path) -> None:
         a.checkpoint(state, 2)
     assert (info.value.mine, info.value.current) == (a.generation, b.generation)
     assert len(b.store.list()) == manifests_before
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_client.client(any_redis.url)
     offsets = {p: i for bt in consumed for p, i in bt.offsets.items()}
     pending_before = [client.xpending(streams.partition_key("tok", p), "exp")["pending"] for p in range(2)]
     with pytest.raises(FencedError, match="acknowledge refused"):
@@ -236,7 +236,7 @@ def test_partition_count_changed(redis_server, tmp_path) -> None:
     a.restore(_state())
     a.checkpoint(_state(), 1, blocking=True)
     a.close()
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_client.client(redis_server.url)
     client.delete(streams.meta_key("tok"))
     cf.create(redis_server.url, "tok", partitions=3)
     b = _session(redis_server.url, tmp_path)
@@ -245,14 +245,14 @@ def test_partition_count_changed(redis_server, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_rollback_rereads_from_the_checkpoint(redis_server, tmp_path, persistent: bool) -> None:
+def test_rollback_rereads_from_the_checkpoint(any_redis, tmp_path, persistent: bool) -> None:
     """rollback() inside the loop reloads the weights of the checkpoint and the
     running batches() generator continues at its offsets: the records consumed after
     the checkpoint come again, once, and training then runs to the end (persistent
     workers too: their second pass starts at the seek recorded in Redis)."""
-    spec = cf.create(redis_server.url, "tok", partitions=3)
-    cf.fill(redis_server.url, spec, 150)
-    s = _session(redis_server.url, tmp_path)
+    spec = cf.create(any_redis.url, "tok", partitions=3)
+    cf.fill(any_redis.url, spec, 150)
+    s = _session(any_redis.url, tmp_path)
     state = _state()
     model = state["model"]
     assert isinstance(model, torch.nn.Linear)
@@ -270,7 +270,7 @@ def test_rollback_rereads_from_the_checkpoint(redis_server, tmp_path, persistent
     assert torch.equal(model.weight, saved)
     # The abandoned pass's workers may still read after the rollback moved the group
     # (tasks already queued to them); do the worst they could: move it to the end.
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_client.client(any_redis.url)
     for p in range(3):
         client.xgroup_setid(streams.partition_key("tok", p), "exp", "$")
     rest = list(it)
@@ -406,7 +406,7 @@ def test_retention_floor_is_below_every_kept_checkpoint(redis_server, tmp_path) 
         m = s.checkpoint(state, step, blocking=True).wait()
         if step == 1:
             first = streams.offsets_from_wire(m.extra["trainguard"]["offsets"])
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_client.client(redis_server.url)
     floor = streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp")))
     kept = s.store.list()
     assert 1 not in {m.step for m in kept}
@@ -437,7 +437,7 @@ class _KillsRedisAfterSave(CheckpointStore):
         out = super().list()
         if self.armed:
             self.armed = False
-            redis.Redis.from_url(self.server.url).client_pause(10_000, all=False)
+            redis_client.client(self.server.url).client_pause(10_000, all=False)
             self.bouncer = threading.Timer(0.3, self.server.restart)
             self.bouncer.start()
         return out
@@ -460,7 +460,7 @@ def test_offsets_published_when_redis_dies_during_publish(redis_factory, tmp_pat
     store.bouncer.join()
     s.close()
     ends = {p: streams.make_id(0, 9) for p in range(2)}
-    client = redis.Redis.from_url(server.url)
+    client = redis_client.client(server.url)
     assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends
     assert streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp"))) == ends
 

@@ -86,12 +86,11 @@ def _run_ingest(args: argparse.Namespace) -> int:
 
 
 async def _ingest(args: argparse.Namespace) -> int:
-    from redis.asyncio import Redis
-
+    from ingest_service import redis_client
     from ingest_service.datasets import create_dataset, describe_dataset
     from ingest_service.producer import Producer
 
-    client = Redis.from_url(settings.redis_url(args.redis_url))
+    client = redis_client.client(settings.redis_url(args.redis_url))
     try:
         if args.source:
             spec = await create_dataset(client, _spec_from_args(args))
