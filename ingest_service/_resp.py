@@ -19,6 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ingest_service import redis_client
 from trainguard.core import streams
 
 try:
@@ -50,7 +51,7 @@ async def call_packed_script(
 ) -> object:
     """Run a script by SHA on one pooled connection; loads it once if Redis lost it
     (NOSCRIPT after a restart). Connection errors propagate (the caller syncs again)."""
-    pool = redis.connection_pool
+    pool = await redis_client.pool_for(redis, keys[0].decode())
     conn = await pool.get_connection()
     try:
         await conn.send_packed_command(evalsha_parts(sha, keys, args), check_health=False)
@@ -135,12 +136,20 @@ class Link:
     new links.
     """
 
-    def __init__(self, redis: Redis) -> None:
-        self._pool = redis.connection_pool
+    def __init__(self, redis: Redis, key: str | None = None) -> None:
+        self._redis = redis
+        self._key = key
+        self._pool: Any = None
         self._conn: Any = None
         self._drain = _drain_each
 
     async def open(self) -> None:
+        """Take a connection to the server of ``key`` (any key of the Redis when None:
+        on a cluster, a link serves the partitions of one master)."""
+        if self._key is None:
+            self._pool = self._redis.connection_pool
+        else:
+            self._pool = await redis_client.pool_for(self._redis, self._key)
         self._conn = await self._pool.get_connection()
         # Decided once: a Link's connection (and so its parser) never changes.
         self._drain = _drain_hiredis if _hiredis_reader(self._conn) is not None else _drain_each

@@ -42,7 +42,7 @@ import redis.exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.driver_info import DriverInfo
 
-from ingest_service import _lua
+from ingest_service import _lua, redis_client
 from ingest_service._resp import Link, bulk, xadd_records
 from ingest_service.backlog import (
     BacklogLimits,
@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 _NEVER = 1 << 62
 
 
-_RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, StreamLost)
+_RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, StreamLost,
+              *redis_client.FAILOVER_ERRORS)
 
 SYNC_POLICY = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=0.1, wait_max_s=2.0,
                           wait_jitter_s=0.05)
@@ -109,7 +110,7 @@ class Producer:
             raise ValueError(f"dataset {spec.name!r} is a push dataset: it has no source to produce")
         self.redis = redis
         self.spec = spec
-        kwargs = redis.connection_pool.connection_kwargs
+        kwargs = {} if redis_client.is_cluster(redis) else redis.connection_pool.connection_kwargs
         if not {"driver_info", "lib_name", "lib_version"} & kwargs.keys():
             # Otherwise redis-py reads its package metadata for every new connection
             # (milliseconds each; a producer opens one per writer per epoch). Same value.
@@ -201,7 +202,9 @@ class Producer:
 
         async with self.redis.pipeline(transaction=False) as pipe:
             for key in self._keys:
-                await self._last_id(keys=[key], client=pipe)
+                # EVAL, not the registered script: a cluster pipeline refuses EVALSHA
+                # through a Script, and a sync is rare enough to send the source.
+                pipe.execute_command("EVAL", _lua.LAST_ID, 1, key)
             lasts = await pipe.execute()
         committed = await self._pressure.committed(force=True)
         for p, raw in enumerate(lasts):
@@ -354,14 +357,15 @@ class Producer:
     # ------------------------------------------------------------------ writing
 
     async def _writer(self, queue: BatchQueue, epoch: int, budget: ByteBudget) -> None:
-        link = Link(self.redis)
+        # One link per server: on a cluster a queue's partitions live on several masters.
+        links: dict[str, Link] = {}
         verified: set[int] = set()
         broken = True
         try:
-            await link.open()
             while (got := await queue.get()) is not None:
                 p, first, batch, size = got
                 try:
+                    link = await self._link(links, p)
                     if p not in verified:
                         await self._verify(p, link)
                         verified.add(p)
@@ -373,7 +377,16 @@ class Producer:
                     budget.give(size)
             broken = False
         finally:
-            await link.close(broken=broken)
+            for link in links.values():
+                await link.close(broken=broken)
+
+    async def _link(self, links: dict[str, Link], p: int) -> Link:
+        node = redis_client.node_name(self.redis, self._keys[p])
+        link = links.get(node)
+        if link is None:
+            link = links[node] = Link(self.redis, self._keys[p])
+            await link.open()
+        return link
 
     async def _verify(self, p: int, link: Link) -> None:
         """On the writer's own connection: the partition still ends where the producer

@@ -5,12 +5,23 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from trainguard.core import redis_url
 
-__all__ = ["client", "is_cluster"]
+__all__ = ["FAILOVER_ERRORS", "client", "is_cluster", "node_name", "pool_for"]
+
+
+FAILOVER_ERRORS: tuple[type[Exception], ...] = (
+    redis_errors.ClusterDownError, redis_errors.TryAgainError, redis_errors.ReadOnlyError,
+    redis_errors.MovedError, redis_errors.AskError, redis_errors.ClusterError,
+)
+"""What a Redis Cluster answers during a failover (no master for a slot yet, a write
+to a demoted master, a slot moved under one of our own connections, redis-py's own
+retries used up): transient, like a connection error."""
 
 
 def client(url: str, **kwargs: Any) -> Redis:
@@ -30,3 +41,48 @@ def client(url: str, **kwargs: Any) -> Redis:
 
 def is_cluster(c: object) -> bool:
     return isinstance(c, RedisCluster)
+
+
+class _NodePool:
+    """The connection-pool calls the hot path makes (``get_connection``, ``release``,
+    ``connection_kwargs``), served by one cluster node's own connections."""
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+        self.connection_kwargs = node.connection_kwargs
+
+    async def get_connection(self) -> Any:
+        conn = self._node.acquire_connection()
+        try:
+            await conn.connect()
+        except BaseException:
+            self._node.release(conn)
+            raise
+        return conn
+
+    async def release(self, conn: Any) -> None:
+        self._node.release(conn)
+
+
+async def pool_for(c: Redis, key: str) -> Any:
+    """The pool whose connections reach the server holding ``key``: the client's own
+    pool on one server, the master of ``key``'s slot on a cluster (looked up now: after
+    a failover the next call finds the new master)."""
+    if not is_cluster(c):
+        return c.connection_pool
+    cluster: Any = c
+    await cluster.initialize()
+    node = cluster.get_node_from_key(key)
+    if node is None:
+        raise RedisConnectionError(f"no master serves the slot of {key!r} now (a failover?)")
+    return _NodePool(node)
+
+
+def node_name(c: Redis, key: str) -> str:
+    """Which server holds ``key`` (``host:port``); one name for all keys on one server.
+    Only meaningful after the client made its first call (a cluster learns its slots
+    then)."""
+    if not is_cluster(c):
+        return ""
+    node = cast(Any, c).get_node_from_key(key)
+    return "" if node is None else str(node.name)

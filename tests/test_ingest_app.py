@@ -18,8 +18,8 @@ from pathlib import Path
 import msgpack
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from redis.asyncio import Redis
 
+from ingest_service import redis_client as ingest_redis
 from ingest_service.app import create_app
 from ingest_service.backlog import BacklogLimits
 from ingest_service.config import IngestConfig
@@ -78,7 +78,7 @@ async def test_health_ready_and_background_producer_metrics(
         assert (await client.get("/healthz")).status == 200
         ready = await client.get("/readyz")
         assert ready.status == 200 and (await ready.json())["ready"] is True
-        r = Redis.from_url(redis_server.url)
+        r = ingest_redis.client(redis_server.url)
         spec = streams.DatasetSpec(name="bg", partitions=3, source=str(tmp_path / "*.jsonl"))
         await create_dataset(r, spec)
 
@@ -102,7 +102,7 @@ async def test_background_failure_of_any_kind_is_logged(
     """A producer that fails with a Redis error reply (a partition key of the wrong
     type) is logged with its dataset, not retried in silence."""
     write_jsonl(tmp_path, 10)
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await r.set(streams.partition_key("bad", 0), b"not a stream")
     async with serving(_config(redis_server)):
         await create_dataset(r, streams.DatasetSpec(
@@ -132,7 +132,7 @@ async def test_push_retry_is_appended_once_and_producers_keep_their_sequences(
     """The same batch sent 3 times is appended once (the retries answer appended=false);
     two producers pushing concurrently each keep their own marks; the partition holds
     every record once, each producer's in its seq order."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
     async with serving(_config(redis_server)) as client:
         answers = []
@@ -166,7 +166,7 @@ async def test_push_rejects_malformed_and_oversized_bodies(redis_server: RedisSe
     """400 with the reason for bad JSON, bad msgpack, a missing seq or an empty body;
     413 for a body over the limit and for a record over max_record_bytes; 404 for an
     unknown dataset; 409 for a file dataset. Nothing is appended by any of them."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=2, format="push",
                                                 max_record_bytes=200))
     await create_dataset(r, streams.DatasetSpec(name="files", source="memory://x.jsonl"))
@@ -196,7 +196,7 @@ async def test_push_rejects_malformed_and_oversized_bodies(redis_server: RedisSe
 async def test_push_backlog_full_is_429_until_consumers_commit(redis_server: RedisServer) -> None:
     """At the backlog bound a new batch gets 429 with Retry-After (a retry of an appended
     batch is still acknowledged); once the consumer group commits, pushes go through."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
     await r.sadd(streams.groups_key("rl"), "run1")
     config = _config(redis_server, produce=False, limits=BacklogLimits(max_entries=4))
@@ -251,7 +251,7 @@ def test_sigterm_stops_the_service_with_exit_0(redis_server: RedisServer) -> Non
 async def test_service_trims_push_datasets_below_the_floor(redis_server: RedisServer) -> None:
     """A push dataset has no producer; the service still applies retention to it: with
     a group's floor at the 3rd of 6 pushed entries, the 2 entries below it go."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
     async with serving(_config(redis_server)) as client:
         ids = (await (await _push(client, "rl", "a", 0, _lines(*range(6)))).json())["ids"]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis.asyncio import Redis
 
+from ingest_service import redis_client as ingest_redis
 from ingest_service.producer import Producer
 from tests._ingest_util import expected_partitions, read_partitions, total_len, values, write_jsonl
 from tests.servers import RedisServer
@@ -34,18 +34,18 @@ def _spec(name: str, source: Path, **kw: object) -> streams.DatasetSpec:
 
 
 async def test_same_source_and_seed_give_identical_partitions(
-    redis_server: RedisServer, tmp_path: Path
+    any_redis: RedisServer, tmp_path: Path
 ) -> None:
     """Two datasets of the same source and seed hold the same IDs and bytes in every
     partition; another seed holds the same multiset of records in another order."""
     write_jsonl(tmp_path, 3000, files=3)
-    client = Redis.from_url(redis_server.url)
+    client = ingest_redis.client(any_redis.url)
     a, b = _spec("a", tmp_path, epochs=2), _spec("b", tmp_path, epochs=2)
     c = _spec("c", tmp_path, epochs=2, seed=8)
     for spec in (a, b, c):
         await Producer(client, spec).run()
     await client.aclose()
-    pa, pb, pc = (read_partitions(redis_server.url, s) for s in (a, b, c))
+    pa, pb, pc = (read_partitions(any_redis.url, s) for s in (a, b, c))
     assert pa == pb
     assert sum(len(x) for x in pa) == 6000
     flat = lambda parts: [json.dumps(v, sort_keys=True) for p in parts for v in values(p)]  # noqa: E731
@@ -66,7 +66,7 @@ async def test_rerun_of_a_finished_dataset_appends_nothing(
     ``end:<p>`` fields name each partition's last ID."""
     write_jsonl(tmp_path, 500)
     spec = _spec("d", tmp_path)
-    client = Redis.from_url(redis_server.url)
+    client = ingest_redis.client(redis_server.url)
     await Producer(client, spec).run()
     again = Producer(client, spec)
     await again.run()
