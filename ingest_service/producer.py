@@ -66,8 +66,10 @@ log = logging.getLogger(__name__)
 _NEVER = 1 << 62
 
 
-_RETRYABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, StreamLost,
-              *redis_client.FAILOVER_ERRORS)
+_RETRYABLE: tuple[type[Exception], ...] = (
+    redis_errors.ConnectionError, redis_errors.TimeoutError, StreamLost,
+    *redis_client.FAILOVER_ERRORS,
+)
 
 SYNC_POLICY = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=0.1, wait_max_s=2.0,
                           wait_jitter_s=0.05)
