@@ -20,6 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ingest_service import redis_client
+from ingest_service.errors import NotReplicatedError
 from trainguard.core import streams
 
 try:
@@ -47,22 +48,32 @@ def evalsha_parts(sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]) -> l
 
 
 async def call_packed_script(
-    redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]
+    redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], args: Sequence[bytes],
+    *, replicas: int | None = 0, wait_ms: int = 1000,
 ) -> object:
-    """Run a script by SHA on one pooled connection; loads it once if Redis lost it
-    (NOSCRIPT after a restart). Connection errors propagate (the caller syncs again)."""
+    """Run a script by SHA on one pooled connection (to the master of ``keys[0]``);
+    loads it once if Redis lost it (NOSCRIPT after a restart). Connection errors
+    propagate (the caller syncs again).
+
+    ``replicas``: return only once ``WAIT`` saw that many replicas take the write (None:
+    one when the master has a replica, else none), else raise
+    :class:`NotReplicatedError`. Replication is asynchronous: a write only the master
+    holds is lost when its replica is promoted, so a push is acknowledged only once a
+    replica has it."""
     pool = await redis_client.pool_for(redis, keys[0].decode())
     conn = await pool.get_connection()
     try:
         await conn.send_packed_command(evalsha_parts(sha, keys, args), check_health=False)
         try:
-            return await conn.read_response()
+            reply = await conn.read_response()
         except NoScriptError:
-            pass
-        await conn.send_command("SCRIPT", "LOAD", script)
-        await conn.read_response()
-        await conn.send_packed_command(evalsha_parts(sha, keys, args), check_health=False)
-        return await conn.read_response()
+            await conn.send_command("SCRIPT", "LOAD", script)
+            await conn.read_response()
+            await conn.send_packed_command(evalsha_parts(sha, keys, args), check_health=False)
+            reply = await conn.read_response()
+        if replicas != 0:
+            await _wait_replicas(conn, replicas, wait_ms)
+        return reply
     except BaseException:
         # A reply may still be on its way (cancelled, or a broken link): this
         # connection must not be reused.
@@ -70,6 +81,23 @@ async def call_packed_script(
         raise
     finally:
         await pool.release(conn)
+
+
+async def _wait_replicas(conn: Any, replicas: int | None, wait_ms: int) -> None:
+    if replicas is None:
+        await conn.send_command("ROLE")
+        role = await conn.read_response()
+        replicas = min(1, len(role[2])) if role[0] in (b"master", "master") else 0
+        if not replicas:
+            return
+    await conn.send_command("WAIT", replicas, wait_ms)
+    acked = int(await conn.read_response())
+    if acked < replicas:
+        raise NotReplicatedError(
+            f"the batch is on the master but {acked} of the {replicas} replica(s) asked for "
+            f"confirmed it within {wait_ms} ms: a failover now could lose it. Retry with the "
+            "same seq (a batch already appended is not appended twice)"
+        )
 
 
 _NOMKSTREAM = b"$10\r\nNOMKSTREAM\r\n"

@@ -35,6 +35,7 @@ from ingest_service.datasets import describe_dataset
 from ingest_service.errors import (
     BacklogFullError,
     DatasetNotFoundError,
+    NotReplicatedError,
     PushRejectedError,
     PushTooLargeError,
     WrongDatasetKindError,
@@ -57,6 +58,12 @@ _STOPPING = web.AppKey("trainguard_ingest_stopping", asyncio.Event)
 
 _ERROR_CODES = {400: "bad_request", 404: "not_found", 409: "conflict", 413: "too_large",
                 429: "backlog_full", 503: "unavailable"}
+
+
+_NOT_ACKNOWLEDGED: tuple[type[Exception], ...] = (
+    NotReplicatedError, redis_errors.ConnectionError, redis_errors.TimeoutError,
+    *redis_client.FAILOVER_ERRORS,
+)
 
 
 def _error(status: int, reason: str, **headers: str) -> web.Response:
@@ -124,6 +131,11 @@ async def _push(request: web.Request, name: str) -> web.Response:
         return _error(409, str(exc))
     except BacklogFullError as exc:
         return _error(429, str(exc), **{"Retry-After": str(exc.retry_after_s)})
+    except _NOT_ACKNOWLEDGED as exc:
+        # Redis is failing over (or was not replicated in time): nothing acknowledged;
+        # the producer retries with the same seq, which is never appended twice.
+        return _error(503, f"not acknowledged: {exc}; retry with the same seq",
+                      **{"Retry-After": str(config.push_retry_after_s)})
     if result.appended:
         app[METRICS_KEY].records.labels(dataset=name).inc(len(records))
         app[METRICS_KEY].bytes.labels(dataset=name).inc(sum(streams.record_size(f) for f in records))
@@ -143,7 +155,10 @@ def create_app(config: IngestConfig) -> web.Application:
     app[CONFIG_KEY] = config
     app[REDIS_KEY] = client
     app[METRICS_KEY] = metrics_
-    app[PUSH_KEY] = PushIngest(client, config.limits, retry_after_s=config.push_retry_after_s)
+    app[PUSH_KEY] = PushIngest(
+        client, config.limits, retry_after_s=config.push_retry_after_s,
+        wait_replicas=config.push_wait_replicas, wait_ms=config.push_wait_ms,
+    )
     app[SUPERVISOR_KEY] = Supervisor(client, config, metrics_)
     app[_STOPPING] = asyncio.Event()
     app.router.add_get("/healthz", healthz)

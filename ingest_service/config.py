@@ -41,6 +41,11 @@ class IngestConfig:
     limits: BacklogLimits = field(default_factory=BacklogLimits)
     max_push_body_bytes: int = 64 * 1024 * 1024
     push_retry_after_s: int = 1
+    push_wait_replicas: int | None = None
+    """A push is acknowledged once this many replicas have it (``WAIT``); None: one when
+    the partition's master has a replica (a cluster, a replicated Redis), else none."""
+    push_wait_ms: int = 1000
+    """How long a push waits for its replicas before it answers 503 (retry)."""
     maintenance_interval_s: float = 1.0
     shutdown_timeout_s: float = 30.0
     """On SIGTERM: how long in-flight push requests may take to finish."""

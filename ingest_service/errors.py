@@ -17,6 +17,7 @@ __all__ = [
     "MalformedPushError",
     "PushTooLargeError",
     "BacklogFullError",
+    "NotReplicatedError",
     "WrongDatasetKindError",
     "AdminError",
     "BadRequest",
@@ -70,6 +71,11 @@ class BacklogFullError(IngestError, BlockingIOError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class NotReplicatedError(IngestError, TimeoutError):
+    """A pushed batch reached the master, but not the replicas asked for in time: it is
+    not acknowledged (503); the producer retries with the same seq."""
 
 
 class WrongDatasetKindError(IngestError, TypeError):

@@ -16,11 +16,13 @@ import json
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 from redis.asyncio import Redis
 
 from ingest_service import _lua
+from ingest_service._resp import call_packed_script
 from ingest_service.backlog import Backlog, BacklogLimits, min_committed, read_offsets
 from ingest_service.errors import (
     BacklogFullError,
@@ -28,7 +30,7 @@ from ingest_service.errors import (
     PushTooLargeError,
     WrongDatasetKindError,
 )
-from trainguard.core import streams
+from trainguard.core import groups, streams
 
 __all__ = ["MSGPACK_TYPES", "PushResult", "PushIngest", "parse_records", "parse_params", "choose_partition"]
 
@@ -119,11 +121,16 @@ class PushIngest:
     up to date with its own appends and the consumers' commits).
     """
 
-    def __init__(self, redis: Redis, limits: BacklogLimits, *, retry_after_s: int = 1) -> None:
+    def __init__(
+        self, redis: Redis, limits: BacklogLimits, *, retry_after_s: int = 1,
+        wait_replicas: int | None = None, wait_ms: int = 1000,
+    ) -> None:
         self.redis = redis
         self.limits = limits
         self.retry_after_s = retry_after_s
-        self._push = redis.register_script(_lua.PUSH)
+        self.wait_replicas = wait_replicas
+        self.wait_ms = wait_ms
+        self._sha = groups.script_sha(_lua.PUSH).encode()
         self._backlogs: dict[tuple[str, int], Backlog] = {}
 
     async def _backlog(self, dataset: str, partition: int) -> Backlog:
@@ -159,13 +166,17 @@ class PushIngest:
                     f"{self.limits.max_entries} entries / {self.limits.max_bytes} bytes; retry later",
                     self.retry_after_s,
                 )
-        args: list[bytes | str | int] = [producer_id, seq, len(records)]
+        args: list[bytes] = [producer_id.encode(), b"%d" % seq, b"%d" % len(records)]
         for fields in records:
-            args.append(len(fields))
+            args.append(b"%d" % len(fields))
             for k, v in fields.items():
                 args += [k, v]
-        keys = [streams.partition_key(spec.name, p), streams.seq_key(spec.name, p)]
-        result = await self._push(keys=keys, args=args)
+        keys = [streams.partition_key(spec.name, p).encode(), streams.seq_key(spec.name, p).encode()]
+        # Acknowledged only once a replica has it (when there is one): see NotReplicatedError.
+        result: Any = await call_packed_script(
+            self.redis, _lua.PUSH, self._sha, keys, args,
+            replicas=self.wait_replicas, wait_ms=self.wait_ms,
+        )
         if result[0] == 0:
             return PushResult(p, seq, False, [], int(result[1]))
         ids = [i.decode() if isinstance(i, bytes) else str(i) for i in result[1:]]

@@ -183,7 +183,7 @@ async def _move(r: aioredis.Redis, dataset: str, group: str, targets: Mapping[in
             pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
         replies = await pipe.execute(raise_on_error=False)
         if attempt == 0 and any(isinstance(x, NoScriptError) for x in replies):
-            await r.execute_command("SCRIPT", "LOAD", groups.SEEK_LUA)
+            await r.script_load(groups.SEEK_LUA)  # on every master of a cluster
             continue
         break
     for (p, target), reply in zip(targets.items(), replies, strict=True):

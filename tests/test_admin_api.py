@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
-
+from ingest_service import redis_client as ingest_redis
 from ingest_service.admin import AdminConfig
 from tests.admin_helpers import AUTH, admin_client, make_dataset, make_group
 from trainguard.core import streams
@@ -19,13 +18,13 @@ def _is_error(body: object, code: str) -> bool:
     )
 
 
-async def test_list_and_show_dataset(redis_server):
+async def test_list_and_show_dataset(any_redis):
     """List and show report exactly what Redis holds: per-partition length, first and
     last ID, producer position from the last ID, paused flag, dead-letter count."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(any_redis.url)
     await make_dataset(r, partitions=2, per_partition=5)
     await r.sadd(streams.paused_key("toy"), "1")
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(any_redis.url) as client:
         resp = await client.get("/admin/datasets")
         assert resp.status == 200
         (listed,) = (await resp.json())["datasets"]
@@ -45,15 +44,15 @@ async def test_list_and_show_dataset(redis_server):
     await r.aclose()
 
 
-async def test_groups_report_delivered_committed_lag_pending(redis_server):
+async def test_groups_report_delivered_committed_lag_pending(any_redis):
     """Per group and partition: last delivered ID, committed offset, lag, pending and
     the consumer that holds the pending entries."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(any_redis.url)
     await make_dataset(r, partitions=2, per_partition=5)
     await make_group(r, "toy", "run1", 2)
     await r.xreadgroup("run1", "rank0", {streams.partition_key("toy", 0): ">"}, count=3)
     await r.hset(streams.committed_key("toy", "run1"), mapping={"0": "1-1"})
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(any_redis.url) as client:
         resp = await client.get("/admin/datasets/toy/groups")
         assert resp.status == 200
         (group,) = (await resp.json())["groups"]
@@ -68,10 +67,10 @@ async def test_groups_report_delivered_committed_lag_pending(redis_server):
     await r.aclose()
 
 
-async def test_seek_earliest_latest_and_ids(redis_server):
+async def test_seek_earliest_latest_and_ids(any_redis):
     """Seek moves the group's last-delivered ID: latest -> last entry, ids -> exactly
     those, earliest -> the group's retention floor (the lowest safe position)."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(any_redis.url)
     await make_dataset(r, partitions=2, per_partition=5)
     await make_group(r, "toy", "run1", 2, floor={0: "1-1", 1: "1-0"})
     key0, key1 = streams.partition_key("toy", 0), streams.partition_key("toy", 1)
@@ -81,7 +80,7 @@ async def test_seek_earliest_latest_and_ids(redis_server):
         g1 = (await r.xinfo_groups(key1))[0]["last-delivered-id"].decode()
         return g0, g1
 
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(any_redis.url) as client:
         url = "/admin/datasets/toy/groups/run1/seek"
         resp = await client.post(url, json={"to": "latest"}, headers=AUTH)
         assert resp.status == 200
@@ -101,7 +100,7 @@ async def test_seek_earliest_latest_and_ids(redis_server):
 async def test_seek_below_floor_is_refused_and_changes_nothing(redis_server):
     """A seek below the group's retention floor, or below entries Redis already
     deleted, is 409 and moves no partition (all targets are checked first)."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await make_dataset(r, partitions=2, per_partition=5)
     await make_group(r, "toy", "run1", 2, floor={0: "1-3"})
     key0, key1 = streams.partition_key("toy", 0), streams.partition_key("toy", 1)
@@ -126,7 +125,7 @@ async def test_seek_below_floor_is_refused_and_changes_nothing(redis_server):
 async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
     """Unknown dataset/group, bad names, bad IDs, bad partitions, malformed or wrong
     JSON bodies and unknown routes all answer 4xx with {"error": {code, message}}."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await make_dataset(r, partitions=2, per_partition=3)
     await make_group(r, "toy", "run1", 2)
     seek = "/admin/datasets/toy/groups/run1/seek"
@@ -168,7 +167,7 @@ async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
 async def test_mutations_need_the_bearer_token(redis_server):
     """Mutating routes: no header -> 401 (with WWW-Authenticate), wrong token or wrong
     scheme -> 403, and nothing moves; read routes need no token."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await make_dataset(r, partitions=1, per_partition=3)
     await make_group(r, "toy", "run1", 1)
     seek = "/admin/datasets/toy/groups/run1/seek"
@@ -195,7 +194,7 @@ async def test_mutations_need_the_bearer_token(redis_server):
 async def test_without_configured_token_mutations_are_refused(redis_server):
     """No TRAINGUARD_ADMIN_TOKEN: every mutation is 403 mutations_disabled, whatever
     token is sent (refused, not open)."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await make_dataset(r, partitions=1, per_partition=3)
     await make_group(r, "toy", "run1", 1)
     async with admin_client(redis_server.url, token=None) as client:
@@ -233,7 +232,7 @@ async def test_seek_earliest_after_trim_reads_exactly_what_is_left(redis_server)
     """After trimming, 'earliest' is the ID just below the first entry left, so the
     group's next read starts at exactly that entry: within an epoch (1-2 -> 1-1) and
     across an epoch boundary (2-0 -> 1-<max>)."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await make_dataset(r, partitions=2, per_partition=4)
     key0, key1 = streams.partition_key("toy", 0), streams.partition_key("toy", 1)
     await r.xadd(key1, streams.encode_record({"epoch": 1}), id=streams.make_id(1, 0))
@@ -254,7 +253,7 @@ async def test_seek_refuses_a_group_with_an_active_consumer_unless_forced(redis_
     """A consumer that just read (a running trainer) makes a seek 409 group_active
     and nothing moves; with "force": true the seek goes through; a non-boolean force
     is 400."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await make_dataset(r, partitions=2, per_partition=4)
     await make_group(r, "toy", "run1", 2)
     key1 = streams.partition_key("toy", 1)

@@ -67,18 +67,18 @@ def _lines(*values: object) -> bytes:
 
 
 async def test_health_ready_and_background_producer_metrics(
-    redis_server: RedisServer, tmp_path: Path
+    any_redis: RedisServer, tmp_path: Path
 ) -> None:
     """/healthz and /readyz answer 200; a file dataset registered while the app runs is
     produced in the background, and /metrics counts exactly its records; deleted and
     registered again under the same name (after its producer finished), it is
     produced again, exactly."""
     write_jsonl(tmp_path, 700)
-    async with serving(_config(redis_server)) as client:
+    async with serving(_config(any_redis)) as client:
         assert (await client.get("/healthz")).status == 200
         ready = await client.get("/readyz")
         assert ready.status == 200 and (await ready.json())["ready"] is True
-        r = ingest_redis.client(redis_server.url)
+        r = ingest_redis.client(any_redis.url)
         spec = streams.DatasetSpec(name="bg", partitions=3, source=str(tmp_path / "*.jsonl"))
         await create_dataset(r, spec)
 
@@ -127,14 +127,14 @@ async def test_readyz_is_503_without_redis(redis_server: RedisServer) -> None:
 
 
 async def test_push_retry_is_appended_once_and_producers_keep_their_sequences(
-    redis_server: RedisServer,
+    any_redis: RedisServer,
 ) -> None:
     """The same batch sent 3 times is appended once (the retries answer appended=false);
     two producers pushing concurrently each keep their own marks; the partition holds
     every record once, each producer's in its seq order."""
-    r = ingest_redis.client(redis_server.url)
+    r = ingest_redis.client(any_redis.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
-    async with serving(_config(redis_server)) as client:
+    async with serving(_config(any_redis)) as client:
         answers = []
         for _ in range(3):
             resp = await _push(client, "rl", "a", 0, _lines({"p": "a", "n": 0}, {"p": "a", "n": 1}))
