@@ -61,7 +61,11 @@ async def call_packed_script(
     holds is lost when its replica is promoted, so a push is acknowledged only once a
     replica has it."""
     pool = await redis_client.pool_for(redis, keys[0].decode())
-    conn = await pool.get_connection()
+    try:
+        conn = await pool.get_connection()
+    except redis_client.TRANSIENT:
+        await redis_client.refresh(redis)  # the master may have changed: look again
+        raise
     try:
         await conn.send_packed_command(evalsha_parts(sha, keys, args), check_health=False)
         try:
@@ -74,10 +78,12 @@ async def call_packed_script(
         if replicas != 0:
             await _wait_replicas(conn, replicas, wait_ms)
         return reply
-    except BaseException:
+    except BaseException as exc:
         # A reply may still be on its way (cancelled, or a broken link): this
         # connection must not be reused.
         await conn.disconnect()
+        if isinstance(exc, redis_client.TRANSIENT):
+            await redis_client.refresh(redis)
         raise
     finally:
         await pool.release(conn)

@@ -60,10 +60,7 @@ _ERROR_CODES = {400: "bad_request", 404: "not_found", 409: "conflict", 413: "too
                 429: "backlog_full", 503: "unavailable"}
 
 
-_NOT_ACKNOWLEDGED: tuple[type[Exception], ...] = (
-    NotReplicatedError, redis_errors.ConnectionError, redis_errors.TimeoutError,
-    *redis_client.FAILOVER_ERRORS,
-)
+_NOT_ACKNOWLEDGED: tuple[type[Exception], ...] = (NotReplicatedError, *redis_client.TRANSIENT)
 
 
 def _error(status: int, reason: str, **headers: str) -> web.Response:

@@ -38,7 +38,6 @@ from typing import Any
 
 import fsspec.utils
 import redis as redis_package
-import redis.exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.driver_info import DriverInfo
 
@@ -66,10 +65,7 @@ log = logging.getLogger(__name__)
 _NEVER = 1 << 62
 
 
-_RETRYABLE: tuple[type[Exception], ...] = (
-    redis_errors.ConnectionError, redis_errors.TimeoutError, StreamLost,
-    *redis_client.FAILOVER_ERRORS,
-)
+_RETRYABLE: tuple[type[Exception], ...] = (StreamLost, *redis_client.TRANSIENT)
 
 SYNC_POLICY = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=0.1, wait_max_s=2.0,
                           wait_jitter_s=0.05)

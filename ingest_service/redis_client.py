@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, cast
 
 from redis import exceptions as redis_errors
@@ -12,7 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from trainguard.core import redis_url
 
-__all__ = ["FAILOVER_ERRORS", "client", "is_cluster", "node_name", "pool_for"]
+__all__ = ["FAILOVER_ERRORS", "TRANSIENT", "client", "is_cluster", "node_name", "pool_for", "refresh"]
 
 
 FAILOVER_ERRORS: tuple[type[Exception], ...] = (
@@ -22,6 +23,12 @@ FAILOVER_ERRORS: tuple[type[Exception], ...] = (
 """What a Redis Cluster answers during a failover (no master for a slot yet, a write
 to a demoted master, a slot moved under one of our own connections, redis-py's own
 retries used up): transient, like a connection error."""
+
+
+TRANSIENT: tuple[type[Exception], ...] = (
+    redis_errors.ConnectionError, redis_errors.TimeoutError, *FAILOVER_ERRORS,
+)
+"""Errors after which the same call may succeed: a lost connection, a failover."""
 
 
 def client(url: str, **kwargs: Any) -> Redis:
@@ -76,6 +83,15 @@ async def pool_for(c: Redis, key: str) -> Any:
     if node is None:
         raise RedisConnectionError(f"no master serves the slot of {key!r} now (a failover?)")
     return _NodePool(node)
+
+
+async def refresh(c: Redis) -> None:
+    """After a failover error on a connection of our own (``pool_for``): make a
+    cluster client read the slots again, so the next ``pool_for`` finds the new
+    master. redis-py does this itself only for the commands it sends."""
+    if is_cluster(c):
+        with contextlib.suppress(*TRANSIENT, redis_errors.RedisClusterException):
+            await cast(Any, c).nodes_manager.initialize()
 
 
 def node_name(c: Redis, key: str) -> str:
