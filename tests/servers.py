@@ -270,6 +270,33 @@ class RedisCluster:
             finally:
                 client.close()
 
+    def wait_replicated(self, timeout_s: float = 30.0) -> None:
+        """Until every live replica has every write its master has (a test's fixture
+        data must not be what a failover loses)."""
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            behind = False
+            for node in self.nodes:
+                if not node.is_running():
+                    continue
+                client = redis.Redis(port=node.port, socket_timeout=5)
+                try:
+                    info = client.info("replication")
+                finally:
+                    client.close()
+                if info.get("role") != "master":
+                    continue
+                for k, v in info.items():
+                    if k.startswith("slave") and isinstance(v, dict):
+                        behind |= int(v["offset"]) < int(info["master_repl_offset"])
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas of {self.data_dir} did not catch up in {timeout_s} s")
+            time.sleep(0.05)
+
     def master_of(self, key: str) -> RedisServer:
         """The node that serves ``key``'s slot now."""
         import redis

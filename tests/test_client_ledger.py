@@ -18,6 +18,8 @@ import torch
 
 from tests import _client_fill as cf
 from tests import _client_ledger as ledger
+from tests.servers import RedisCluster
+from trainer_client import redis_client
 from trainguard.core import streams
 
 N = 3000
@@ -36,7 +38,7 @@ def _check(url: str, store: str) -> None:
     assert (lost, dup) == (0, 0), f"{lost} records lost, {dup} trained more than once"
     assert torch.equal(counts, torch.ones(N))
     # the final manifest's offsets are each partition's last ID, and Redis agrees
-    client = redis.Redis.from_url(url)
+    client = redis_client.client(url)
     progress = client.hgetall(streams.progress_key("tok"))
     ends = {p: progress[streams.progress_end_field(p)].decode() for p in range(P)}
     assert streams.offsets_from_wire(extra["trainguard"]["offsets"]) == ends
@@ -103,6 +105,45 @@ def test_ledger_redis_killed_with_aof_everysec(redis_factory, tmp_path: Path) ->
     )
     assert kills == 8
     _check(server.url, store)
+
+
+def _cluster_ledger(cluster: RedisCluster, tmp_path: Path, *, kills: int, seed: int,
+                    workers: int) -> None:
+    """Trainer kills on a Redis Cluster, and in the second attempt a kill -9 of the
+    master of partition 0 (its replica promoted; replication is asynchronous, so
+    the acks, group moves and fences it had not passed on are lost)."""
+    spec = cf.create(cluster.url, "tok", partitions=P)
+    cf.fill(cluster.url, spec, N)
+    cluster.wait_replicated()  # the dataset itself is on the replicas
+    store = f"file://{tmp_path}/ckpt"
+    rng = random.Random(seed)
+    killed: list[int] = []
+
+    def during(attempt: int, job: ledger.Job) -> None:
+        if attempt == 1:
+            job.sleep(rng.uniform(0.0, 0.5))
+            killed.append(cluster.kill_master(streams.partition_key("tok", 0)).port)
+
+    got = ledger.run_until_done(_args(cluster.url, store, "--workers", str(workers)), kills=kills,
+                                seed=seed, log=tmp_path / "job.log", during=during)
+    assert got == kills
+    assert len(killed) == 1
+    _check(cluster.url, store)
+
+
+def test_ledger_cluster_master_killed(redis_cluster_factory, tmp_path: Path) -> None:
+    """On a Redis Cluster, DataLoader workers (2), 4 trainer SIGKILLs and one master
+    SIGKILL mid-run: every record counted once."""
+    _cluster_ledger(redis_cluster_factory(), tmp_path, kills=4, seed=11, workers=2)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("seed", range(20))
+def test_ledger_cluster_master_killed_20_seeds(redis_cluster_factory, tmp_path: Path,
+                                               seed: int) -> None:
+    """The same, 20 times, with random kill points and 0 or 2 workers."""
+    _cluster_ledger(redis_cluster_factory(), tmp_path, kills=6, seed=100 + seed,
+                    workers=2 * (seed % 2))
 
 
 def test_ledger_producer_killed_too(redis_server, tmp_path: Path) -> None:
