@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, cast
 
 import redis
@@ -10,7 +11,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from trainguard.core import redis_url
 
-__all__ = ["client", "is_cluster"]
+__all__ = ["REPLICA_WAIT_MS", "client", "eval_per_node", "is_cluster"]
 
 
 def client(url: str, **kwargs: Any) -> redis.Redis:
@@ -30,3 +31,44 @@ def client(url: str, **kwargs: Any) -> redis.Redis:
 
 def is_cluster(c: object) -> bool:
     return isinstance(c, RedisCluster)
+
+
+REPLICA_WAIT_MS = 1000
+
+
+def eval_per_node(
+    client: redis.Redis, sha: str, calls: list[tuple[list[str], list[Any]]], *, replicated: bool
+) -> list[Any]:
+    """EVALSHA of ``calls`` on a cluster: one pipeline per master on one of its
+    connections (each call in its keys' slot), with ``WAIT 1`` at its end when
+    ``replicated`` and the master has a replica (best effort: a replica that does not
+    answer within ``REPLICA_WAIT_MS`` is not waited for longer). Results in the
+    order of ``calls``; a failover error makes the client read the slots again and
+    propagates (the caller's retrier tries again)."""
+    cluster: Any = client
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i, (keys, _) in enumerate(calls):
+        node = cluster.get_node_from_key(keys[0])
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    out: list[Any] = [None] * len(calls)
+    try:
+        for node, indices in by_node.values():
+            pipe = node.redis_connection.pipeline(transaction=False)
+            for i in indices:
+                keys, args = calls[i]
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            slot = cluster.keyslot(calls[indices[0]][0][0])
+            wait = replicated and len(cluster.nodes_manager.slots_cache.get(slot, ())) > 1
+            if wait:
+                pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
+            results = pipe.execute(raise_on_error=False)
+            for i, r in zip(indices, results):
+                if isinstance(r, redis.exceptions.ConnectionError | redis.exceptions.MovedError):
+                    raise r
+                out[i] = r
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+            redis.exceptions.MovedError, redis.exceptions.AskError):
+        with contextlib.suppress(redis.exceptions.RedisError):
+            cluster.nodes_manager.initialize()
+        raise
+    return out
