@@ -198,6 +198,7 @@ class Producer:
             await create_dataset(self.redis, self.spec)
         self._run_id = run_id
 
+        losses = self.progress.redis_losses
         async with self.redis.pipeline(transaction=False) as pipe:
             for key in self._keys:
                 # EVAL, not the registered script: a cluster pipeline refuses EVALSHA
@@ -227,9 +228,15 @@ class Producer:
         if progress.get(streams.PROGRESS_FINISHED) == b"1" and self.spec.finite:
             return None
         hint = progress.get(streams.PROGRESS_EPOCHS_DONE)
-        if hint is not None:
-            return int(hint)
-        return min((pos[0] - 1 if pos else 0) for pos in self._position)
+        earliest = min((pos[0] - 1 if pos else 0) for pos in self._position)
+        if hint is None:
+            return earliest
+        if self.progress.redis_losses > losses:
+            # A partition lost records of an epoch the progress hash calls done: on a
+            # cluster that hash lives on another master, which kept it. Go back to the
+            # earliest epoch a partition stands in (the others skip what they hold).
+            return min(int(hint), earliest)
+        return int(hint)
 
     def _lost(self, partition: int, what: str) -> None:
         log.warning("dataset %s partition %d: Redis lost records (%s)", self.spec.name, partition, what)

@@ -226,9 +226,9 @@ class RedisCluster:
         finally:
             client.close()
 
-    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+    def wait_healthy(self, timeout_s: float = 60.0, *, replicas_synced: bool = True) -> None:
         """Until every live node says ``cluster_state:ok`` and ``masters`` masters are
-        up and every live replica has finished its first sync."""
+        up and (``replicas_synced``) every live replica has finished its first sync."""
         import redis
 
         deadline = time.monotonic() + timeout_s
@@ -238,7 +238,8 @@ class RedisCluster:
                 seen = [self._info(n) for n in live]
                 healthy = (all(s == "ok" for s, _ in seen)
                            and sum(r == "master" for _, r in seen) == self.masters)
-                if healthy and all(self._synced(n) for n, (_, r) in zip(live, seen) if r == "slave"):
+                if healthy and (not replicas_synced or all(
+                        self._synced(n) for n, (_, r) in zip(live, seen) if r == "slave")):
                     return
             except (redis.exceptions.RedisError, OSError):
                 pass
@@ -317,13 +318,37 @@ class RedisCluster:
                 client.close()
         raise RuntimeError(f"no live node of {self.data_dir} knows the owner of {key!r}")
 
-    def kill_master(self, key: str) -> RedisServer:
+    def kill_master(self, key: str, *, lose_s: float = 0.0) -> RedisServer:
         """kill -9 the master serving ``key`` and wait until its replica took over (the
         cluster says ok again). Returns the killed node (``restart()`` brings it back as
-        a replica)."""
+        a replica).
+
+        ``lose_s``: first cut the replication link for that long while the master goes
+        on taking writes (the replicas authenticate as a user that does not exist, and
+        the master drops them), so the promoted replica surely lacks the master's last
+        writes: what asynchronous replication can lose, made certain."""
+        import redis
+
         victim = self.master_of(key)
+        replicas: list[redis.Redis] = []
+        if lose_s:
+            master = redis.Redis(port=victim.port, socket_timeout=2)
+            try:
+                ports = {int(r[1]) for r in master.execute_command("ROLE")[2]}
+                replicas = [redis.Redis(port=p, socket_timeout=2) for p in ports]
+                for r in replicas:
+                    r.config_set("masteruser", "tg-no-such-user")
+                    r.config_set("masterauth", "tg-no-such-password")
+                master.execute_command("CLIENT", "KILL", "TYPE", "replica")
+            finally:
+                master.close()
+            time.sleep(lose_s)
         victim.kill()
-        self.wait_healthy()
+        self.wait_healthy(replicas_synced=False)
+        for r in replicas:
+            r.config_set("masteruser", "")
+            r.config_set("masterauth", "")
+            r.close()
         return victim
 
     def stop(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -18,6 +19,8 @@ from ingest_service import redis_client as ingest_redis
 from ingest_service.app import create_app
 from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset
+from ingest_service.producer import Producer
+from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
 from tests.servers import RedisCluster
 from trainguard.core import redis_url, streams
 
@@ -106,3 +109,31 @@ async def test_acknowledged_pushes_survive_a_master_kill(
     assert seen == Counter({(k, s, i): 1 for k in range(producers) for s in range(batches)
                             for i in range(3)})
     assert statuses[200] == producers * batches
+
+
+async def test_file_producer_replays_what_a_failover_lost(
+    redis_cluster_factory: Callable[[], RedisCluster], tmp_path: Path,
+) -> None:
+    """A file dataset is produced onto the cluster while the master of partition 0 is
+    killed with SIGKILL, its replica promoted without the master's last half second of
+    appends (the replication link was cut meanwhile), while the progress hash, on
+    another master, already counts the first epoch done. The
+    producer's links break, it syncs again, finds partitions that end before what it
+    wrote and appends the rest under the same deterministic IDs: at the end every
+    partition holds exactly what the planner says, once, in order."""
+    cluster = redis_cluster_factory()
+    write_jsonl(tmp_path / "src", 12_000, files=3)
+    spec = streams.DatasetSpec(name="fx", partitions=6, source=str(tmp_path / "src" / "*.jsonl"),
+                               epochs=2)
+    client = ingest_redis.client(cluster.url)
+    producer = Producer(client, spec, batch_records=64)
+    run = asyncio.create_task(producer.run())
+    while producer.progress.records < 4_000:
+        assert not run.done(), "the producer finished before the kill"
+        await asyncio.sleep(0.01)
+    await asyncio.to_thread(cluster.kill_master, streams.partition_key("fx", 0), lose_s=0.5)
+    await run
+    await client.aclose()
+    assert producer.progress.finished
+    assert producer.progress.redis_losses >= 1  # it did see a partition end early
+    assert read_partitions(cluster.url, spec) == expected_partitions(spec)
