@@ -194,6 +194,7 @@ class RedisCluster:
         ]
         self.masters = masters
         self.replicas = replicas
+        self._cut: set[int] = set()  # ports of replicas cut_replication cut off
 
     @property
     def url(self) -> str:
@@ -318,37 +319,44 @@ class RedisCluster:
                 client.close()
         raise RuntimeError(f"no live node of {self.data_dir} knows the owner of {key!r}")
 
-    def kill_master(self, key: str, *, lose_s: float = 0.0) -> RedisServer:
+    def cut_replication(self, key: str) -> None:
+        """From now on, the replicas of ``key``'s master get none of its writes (they
+        authenticate as a user that does not exist, and the master drops them): a
+        ``kill_master`` then surely loses those writes, which asynchronous replication
+        only may."""
+        import redis
+
+        master = redis.Redis(port=self.master_of(key).port, socket_timeout=2)
+        try:
+            for role in master.execute_command("ROLE")[2]:
+                replica = redis.Redis(port=int(role[1]), socket_timeout=2)
+                try:
+                    replica.config_set("masteruser", "tg-no-such-user")
+                    replica.config_set("masterauth", "tg-no-such-password")
+                finally:
+                    replica.close()
+                self._cut.add(int(role[1]))
+            master.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        finally:
+            master.close()
+
+    def kill_master(self, key: str) -> RedisServer:
         """kill -9 the master serving ``key`` and wait until its replica took over (the
         cluster says ok again). Returns the killed node (``restart()`` brings it back as
-        a replica).
-
-        ``lose_s``: first cut the replication link for that long while the master goes
-        on taking writes (the replicas authenticate as a user that does not exist, and
-        the master drops them), so the promoted replica surely lacks the master's last
-        writes: what asynchronous replication can lose, made certain."""
+        a replica)."""
         import redis
 
         victim = self.master_of(key)
-        replicas: list[redis.Redis] = []
-        if lose_s:
-            master = redis.Redis(port=victim.port, socket_timeout=2)
-            try:
-                ports = {int(r[1]) for r in master.execute_command("ROLE")[2]}
-                replicas = [redis.Redis(port=p, socket_timeout=2) for p in ports]
-                for r in replicas:
-                    r.config_set("masteruser", "tg-no-such-user")
-                    r.config_set("masterauth", "tg-no-such-password")
-                master.execute_command("CLIENT", "KILL", "TYPE", "replica")
-            finally:
-                master.close()
-            time.sleep(lose_s)
         victim.kill()
-        self.wait_healthy(replicas_synced=False)
-        for r in replicas:
-            r.config_set("masteruser", "")
-            r.config_set("masterauth", "")
-            r.close()
+        self.wait_healthy(replicas_synced=not self._cut)
+        for port in self._cut:
+            replica = redis.Redis(port=port, socket_timeout=2)
+            try:
+                replica.config_set("masteruser", "")
+                replica.config_set("masterauth", "")
+            finally:
+                replica.close()
+        self._cut.clear()
         return victim
 
     def stop(self) -> None:

@@ -122,16 +122,25 @@ async def test_file_producer_replays_what_a_failover_lost(
     wrote and appends the rest under the same deterministic IDs: at the end every
     partition holds exactly what the planner says, once, in order."""
     cluster = redis_cluster_factory()
-    write_jsonl(tmp_path / "src", 12_000, files=3)
-    spec = streams.DatasetSpec(name="fx", partitions=6, source=str(tmp_path / "src" / "*.jsonl"),
+    write_jsonl(tmp_path / "src", 8_000, files=3)
+    # One partition: every append goes to the master that is killed, up to the end.
+    spec = streams.DatasetSpec(name="fx", partitions=1, source=str(tmp_path / "src" / "*.jsonl"),
                                epochs=2)
     client = ingest_redis.client(cluster.url)
-    producer = Producer(client, spec, batch_records=64)
+    # Small batches: slow enough that the kill lands mid-run.
+    producer = Producer(client, spec, batch_records=16)
     run = asyncio.create_task(producer.run())
-    while producer.progress.records < 4_000:
-        assert not run.done(), "the producer finished before the kill"
-        await asyncio.sleep(0.01)
-    await asyncio.to_thread(cluster.kill_master, streams.partition_key("fx", 0), lose_s=0.5)
+    key = streams.partition_key("fx", 0)
+
+    async def until_records(n: int) -> None:
+        while producer.progress.records < n:
+            assert not run.done(), "the producer finished before the kill"
+            await asyncio.sleep(0.005)
+
+    await until_records(9_000)  # in the second epoch
+    await asyncio.to_thread(cluster.cut_replication, key)
+    await until_records(9_500)  # appends only the master holds
+    await asyncio.to_thread(cluster.kill_master, key)
     await run
     await client.aclose()
     assert producer.progress.finished
