@@ -123,7 +123,6 @@ class Producer:
         self.maintenance_interval_s = maintenance_interval_s
         self.progress = ProducerProgress()
         self._stop = asyncio.Event()
-        self._last_id = redis.register_script(_lua.LAST_ID)
         p = spec.partitions
         self._keys = [streams.partition_key(spec.name, i) for i in range(p)]
         self._key_bulk = [bulk(k.encode()) for k in self._keys]
