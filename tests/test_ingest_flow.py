@@ -147,7 +147,7 @@ async def test_retention_trims_only_below_the_smallest_floor_of_all_groups(
 
 
 async def test_deleting_a_dataset_stops_its_producer_without_recreating_it(
-    redis_server: RedisServer, tmp_path: Path
+    any_redis: RedisServer, tmp_path: Path
 ) -> None:
     """A producer paused by backpressure notices its dataset was deleted, returns with
     progress.deleted, and never re-creates the deleted partitions (NOMKSTREAM)."""
@@ -155,7 +155,7 @@ async def test_deleting_a_dataset_stops_its_producer_without_recreating_it(
 
     write_jsonl(tmp_path, 2000)
     spec = streams.DatasetSpec(name="gone", partitions=2, source=str(tmp_path / "*.jsonl"))
-    client = ingest_redis.client(redis_server.url)
+    client = ingest_redis.client(any_redis.url)
     await client.sadd(streams.groups_key("gone"), "run1")
     producer = Producer(client, spec, limits=BacklogLimits(max_entries=40, poll_interval_s=0.01),
                         batch_records=20)
