@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -108,7 +109,7 @@ def test_ledger_redis_killed_with_aof_everysec(redis_factory, tmp_path: Path) ->
 
 
 def _cluster_ledger(cluster: RedisCluster, tmp_path: Path, *, kills: int, seed: int,
-                    workers: int) -> None:
+                    workers: int, world_for: Callable[[int], int] = lambda attempt: 1) -> None:
     """Trainer kills on a Redis Cluster, and in the second attempt a kill -9 of the
     master of partition 0 (its replica promoted; replication is asynchronous, so
     the acks, group moves and fences it had not passed on are lost)."""
@@ -125,7 +126,8 @@ def _cluster_ledger(cluster: RedisCluster, tmp_path: Path, *, kills: int, seed: 
             killed.append(cluster.kill_master(streams.partition_key("tok", 0)).port)
 
     got = ledger.run_until_done(_args(cluster.url, store, "--workers", str(workers)), kills=kills,
-                                seed=seed, log=tmp_path / "job.log", during=during)
+                                seed=seed, log=tmp_path / "job.log", during=during,
+                                world_for=world_for)
     assert got == kills
     assert len(killed) == 1
     _check(cluster.url, store)
@@ -144,6 +146,14 @@ def test_ledger_cluster_master_killed_20_seeds(redis_cluster_factory, tmp_path: 
     """The same, 20 times, with random kill points and 0 or 2 workers."""
     _cluster_ledger(redis_cluster_factory(), tmp_path, kills=6, seed=100 + seed,
                     workers=2 * (seed % 2))
+
+
+@pytest.mark.chaos
+def test_ledger_cluster_world_size_2_then_1(redis_cluster_factory, tmp_path: Path) -> None:
+    """Elastic on a cluster: two ranks (gloo) through the master kill, then one rank;
+    every record counted once."""
+    _cluster_ledger(redis_cluster_factory(), tmp_path, kills=4, seed=21, workers=0,
+                    world_for=lambda attempt: 2 if attempt < 3 else 1)
 
 
 def test_ledger_producer_killed_too(redis_server, tmp_path: Path) -> None:
