@@ -207,6 +207,10 @@ class Producer:
         committed = await self._pressure.committed(force=True)
         for p, raw in enumerate(lasts):
             known = self._position[p]
+            # An empty stream a trainer's consumer group created (MKSTREAM) before the
+            # first record reports "0-0": nothing was written, as for no stream.
+            if raw is not None and streams.parse_id(raw) == (0, 0):
+                raw = None
             if raw is None:
                 floor = self._floors.get(p)
                 if known is not None and (floor is None or known > floor):
