@@ -111,3 +111,31 @@ def test_kill_9_producer_fifty_times_over_two_epochs(
     _check_exactly_once(redis_server.url, spec, total)
 
 
+
+async def test_first_sync_ignores_floors_published_before_it(
+    any_redis: RedisServer, tmp_path: Path
+) -> None:
+    """A retention floor is a refill point only for a stream this producer saw. A
+    2-partition dataset whose producer stopped, then partition 1's stream was lost
+    (on a cluster the floor hash lives on another master than the stream, and
+    survives its failover), while a group's floor (1-99 on both) is published. A fresh
+    producer's maintenance pass reads that floor while the first sync still pages
+    through partition 0: it must not make partition 1 begin after the floor. The
+    producer appends partition 1's whole plan (what it appends does not depend on
+    which task ran first) and retention then trims below the floor, keeping the floor
+    entry itself, as it promises."""
+    write_jsonl(tmp_path, 6000)
+    spec = _spec("fl", tmp_path, partitions=2, shuffle_buffer=0)
+    client = ingest_redis.client(any_redis.url)
+    await Producer(client, spec).run()
+    await client.delete(streams.partition_key("fl", 1), streams.progress_key("fl"))
+    await client.sadd(streams.groups_key("fl"), "g")
+    await client.hset(streams.floor_key("fl", "g"), mapping={"0": "1-99", "1": "1-99"})
+    await client.hset(streams.committed_key("fl", "g"), mapping={"0": "1-99", "1": "1-99"})
+    producer = Producer(client, spec, maintenance_interval_s=0.001)
+    await producer.run()
+    info = await client.xinfo_stream(streams.partition_key("fl", 1))
+    await client.aclose()
+    planned = expected_partitions(spec)
+    assert producer.progress.records == len(planned[1]) == info["entries-added"] == 3000
+    assert read_partitions(any_redis.url, spec) == [planned[0][99:], planned[1][99:]]
