@@ -22,7 +22,7 @@ replicas, started here): raw is then one ``redis-cli --pipe`` per master, fed th
 master's partitions, all at once; the headlines add the producer on the cluster
 against raw on the cluster, and against the producer on single Redis, round by round.
 Usage: python bench/ingest.py [--mb 256] [--mb-small 32] [--partitions 16] [--rounds 6]
-                              [--cluster]
+                              [--sizes 100,8192,131072] [--cluster]
 """
 
 from __future__ import annotations
@@ -185,6 +185,8 @@ def main() -> None:
     parser.add_argument("--mb-small", type=int, default=32, help="payload MB of 100 B records")
     parser.add_argument("--partitions", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                        help="record sizes in bytes, comma-separated")
     parser.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
     parser.add_argument("--cluster", action="store_true",
                         help="also on a Redis Cluster (3 masters + 3 replicas)")
@@ -206,7 +208,7 @@ def main() -> None:
         print(f"{'redis':>7} {'size':>8} {'records':>9} | {'raw rec/s':>11} {'raw MB/s':>9} | "
               f"{'tg rec/s':>11} {'tg MB/s':>9} | {'client CPU s/GiB raw, tg':>24} | "
               f"{'redis CPU s/GiB raw, tg':>23}")
-        for size in SIZES:
+        for size in (int(s) for s in args.sizes.split(",")):
             r, size_ratios, count = measure_size(
                 targets, tmp, size, args.mb_small if size < 1024 else args.mb, args)
             ratios += size_ratios

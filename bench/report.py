@@ -76,6 +76,12 @@ def _headlines(section: dict[str, Any]) -> list[str]:
     return out
 
 
+def _at(section: dict[str, Any], doc: dict[str, Any]) -> str:
+    """", at commit X" when a bench was run on other code than the file's first one."""
+    c = section.get("commit")
+    return f", at commit {c}" if c and c != doc.get("commit") else ""
+
+
 def render(doc: dict[str, Any], source: str) -> str:
     m = doc.get("machine", {})
     dd = m.get("dd", {})
@@ -99,7 +105,7 @@ def render(doc: dict[str, Any], source: str) -> str:
         rss = ck["peak_rss_growth_mib"]
         lines += ["", f"**Checkpoints** (`bench/checkpoint.py`: {ck['state_mib']:.0f} MiB in "
                   f"{a['tensors']} float32 tensors, every write fsync'd, {a['rounds']} rounds "
-                  f"per group; cold reads after {ck['cold_cache_method']}):", ""]
+                  f"per group; cold reads after {ck['cold_cache_method']}{_at(ck, doc)}):", ""]
         lines += _rows(ck, list(ck["rows"]))
         lines += ["", *_headlines(ck), "",
                   f"Peak RSS growth of a hot load: trainguard {rss['trainguard_load']:.0f} MiB, "
@@ -109,7 +115,7 @@ def render(doc: dict[str, Any], source: str) -> str:
     if ing:
         lines += ["", f"**Ingest** (`bench/ingest.py`: {ing['args']['partitions']} partitions, "
                   f"{ing['args']['rounds']} rounds per size; raw = `redis-cli --pipe` of "
-                  "pre-encoded XADDs of the same payloads):", "",
+                  f"pre-encoded XADDs of the same payloads{_at(ing, doc)}):", "",
                   "| record | records | raw MB/s | trainguard MB/s | client CPU s/GiB, raw / "
                   "trainguard | redis-server CPU s/GiB, raw / trainguard |",
                   "| --- | --- | --- | --- | --- | --- |"]
@@ -124,7 +130,7 @@ def render(doc: dict[str, Any], source: str) -> str:
         lines += ["", f"**Consume** (`bench/consume.py`: {co['args']['mb']} MiB per record "
                   f"size, {co['args']['partitions']} partitions, ~1 MiB batches, "
                   f"{co['args']['rounds']} rounds; the in-memory `IterableDataset` through the "
-                  "same `DataLoader` is torch's own limit for the worker path):", ""]
+                  f"same `DataLoader` is torch's own limit for the worker path{_at(co, doc)}):", ""]
         for kib, s in sorted(co["sizes"].items(), key=lambda kv: int(kv[0])):
             lines += [f"{kib} KiB records ({s['records']:,}):", ""]
             lines += _rows(s, list(s["rows"]))

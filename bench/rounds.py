@@ -322,7 +322,9 @@ def write_section(path: Path, bench: str, section: dict[str, Any],
     doc: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     doc.setdefault("format", "trainguard.bench/1")
     doc.setdefault("commit", _commit())
-    doc.setdefault("benches", {})[bench] = section
+    # Each section says which code it measured: a results file may merge benches of
+    # different runs (one bench rerun after a change).
+    doc.setdefault("benches", {})[bench] = {**section, "commit": _commit()}
     if machine_doc is not None:
         known = doc.setdefault("machine", {})
         known.update({k: v for k, v in machine_doc.items() if k not in known or k == "dd"})

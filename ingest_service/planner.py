@@ -17,15 +17,21 @@ The planner hands out :class:`PlanChunk` s, runs of consecutive records, so that
 producer splits them over partitions with one slice each instead of a step per record.
 
 Memory: the shuffle buffer (``spec.shuffle_buffer`` records, at most
-``shuffle_buffer_bytes`` of payload) and one chunk.
+``shuffle_buffer_bytes`` of payload), one chunk and one block of source records
+(about a chunk's bytes).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 import random
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+import numpy as np
 
 from ingest_service.sources import BadRecord, GoodRecord, SourceItem
 from ingest_service.tokens import dataset_items
@@ -50,6 +56,7 @@ the order depends on it)."""
 
 CHUNK_RECORDS = 1024
 CHUNK_BYTES = 1024 * 1024
+_DATA = operator.attrgetter("data")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +113,38 @@ def _below(getrandbits: Any, n: int) -> int:
     return r
 
 
+_STEADY_BITS = 32
+"""The bulk draws below read the generator's 32-bit words directly: only for a
+buffer of fewer than 2**32 records (every real one)."""
+
+
+def _bulk_draws(rng: random.Random, n: int, k: int) -> list[int]:
+    """The next ``k`` values of ``_below(rng.getrandbits, n)``, and the generator left
+    exactly where ``k`` such calls leave it, from a few C-level draws.
+
+    ``getrandbits(b)`` for ``b <= 32`` is the top ``b`` bits of one 32-bit word of the
+    Mersenne Twister, and ``getrandbits(32 * w)`` is the next ``w`` words, the first
+    one least significant; so a bulk draw, cut into words, is the stream of single
+    draws. The bulk draw takes a guess at how many words the rejections need; the
+    state is then reset and advanced by exactly the words used."""
+    bits = n.bit_length()
+    state = rng.getstate()
+    words = k * (1 << bits) // n + 64
+    while True:
+        raw = rng.getrandbits(32 * words).to_bytes(4 * words, "little")
+        vals = np.frombuffer(raw, dtype="<u4") >> np.uint32(32 - bits)
+        hits = np.flatnonzero(vals < n)
+        if len(hits) >= k:
+            break
+        rng.setstate(state)
+        words *= 2
+    used = int(hits[k - 1]) + 1 if k else 0
+    rng.setstate(state)
+    if used:
+        rng.getrandbits(32 * used)
+    return vals[hits[:k]].tolist()  # type: ignore[no-any-return]
+
+
 def plan_chunks(
     items: Iterable[SourceItem], *, seed: int, epoch: int, shuffle_buffer: int,
     shuffle_buffer_bytes: int = DEFAULT_SHUFFLE_BUFFER_BYTES,
@@ -119,9 +158,17 @@ def plan_chunks(
     record over the byte bound still passes alone), a uniformly drawn one comes out
     (swapped with the last, then popped). At the end the rest is shuffled (Fisher-Yates
     from the back) and comes out in that order.
+
+    Records are taken from ``items`` in blocks of about one chunk's bytes. A block of
+    good records that arrives at a full buffer and cannot reach the byte bound (the
+    steady state) takes one draw per record, all drawn at once (:func:`_bulk_draws`),
+    and is cut into chunks by C-level searches; any other block goes record by record.
+    Both give the same order and the same chunks.
     """
-    getrandbits = shuffle_rng(seed, epoch).getrandbits
+    rng = shuffle_rng(seed, epoch)
+    getrandbits = rng.getrandbits
     shuffle = shuffle_buffer > 1
+    steady = shuffle and (shuffle_buffer + 1).bit_length() <= _STEADY_BITS
     buf: list[GoodRecord] = []
     held = 0
     out: list[GoodRecord] = []
@@ -129,37 +176,82 @@ def plan_chunks(
     dead: list[PlannedDeadLetter] = []
     bad = 0
     first = 0
-    # This loop is the producer's inner loop: fast locals, no Python-level call per record
-    # (hence the chunk cut written out twice rather than a closure).
-    for item in items:
-        if item.__class__ is BadRecord:
-            dead.append(PlannedDeadLetter(bad, item))  # type: ignore[arg-type]
-            bad += 1
-        elif not shuffle:
-            out.append(item)  # type: ignore[arg-type]
-            out_bytes += len(item.data)  # type: ignore[union-attr]
-        else:
-            buf.append(item)  # type: ignore[arg-type]
-            held += len(item.data)  # type: ignore[union-attr]
-            n = len(buf)
-            while n > shuffle_buffer or (held > shuffle_buffer_bytes and n > 1):
-                bits = n.bit_length()  # _below, inlined
-                j = getrandbits(bits)
-                while j >= n:
+    source = iter(items)
+    block_len = 1
+    while block := list(itertools.islice(source, block_len)):
+        if not any(map(isinstance, block, itertools.repeat(BadRecord))):
+            good = cast(list[GoodRecord], block)
+            sizes = list(map(len, map(_DATA, good)))
+            block_len = max(1, min(CHUNK_RECORDS, chunk_bytes * len(block) // max(1, sum(sizes))))
+            if not shuffle or (steady and len(buf) == shuffle_buffer
+                               and held + sum(sizes) <= shuffle_buffer_bytes):
+                if shuffle:
+                    emitted: list[GoodRecord] = []
+                    emit = emitted.append
+                    last = shuffle_buffer
+                    # buf.append(item), then buf[j] out, swapped with the last: in place.
+                    for rec, j in zip(good, _bulk_draws(rng, shuffle_buffer + 1, len(good))):
+                        if j == last:
+                            emit(rec)
+                        else:
+                            emit(buf[j])
+                            buf[j] = rec
+                    out_sizes = list(map(len, map(_DATA, emitted)))
+                    held += sum(sizes) - sum(out_sizes)
+                else:
+                    emitted, out_sizes = good, sizes
+                # Cut where the per-record loop would: after the record that brings the
+                # chunk to chunk_records records or chunk_bytes bytes.
+                cum = list(itertools.accumulate(out_sizes))
+                lo = 0
+                while lo < len(emitted):
+                    before = cum[lo - 1] if lo else 0
+                    by_bytes = bisect.bisect_left(cum, chunk_bytes - out_bytes + before, lo)
+                    cut = min(lo + chunk_records - len(out) - 1, by_bytes)
+                    if cut >= len(emitted):
+                        out += emitted[lo:]
+                        out_bytes += cum[-1] - before
+                        break
+                    out += emitted[lo : cut + 1]
+                    yield PlanChunk(first, out, dead)
+                    first += len(out)
+                    out, out_bytes, dead = [], 0, []
+                    lo = cut + 1
+                continue
+        # This loop is the producer's inner loop outside the steady state: fast locals,
+        # no Python-level call per record (hence the chunk cut written out twice rather
+        # than a closure).
+        for item in block:
+            if item.__class__ is BadRecord:
+                dead.append(PlannedDeadLetter(bad, item))  # type: ignore[arg-type]
+                bad += 1
+            elif not shuffle:
+                out.append(item)  # type: ignore[arg-type]
+                out_bytes += len(item.data)  # type: ignore[union-attr]
+            else:
+                buf.append(item)  # type: ignore[arg-type]
+                held += len(item.data)  # type: ignore[union-attr]
+                n = len(buf)
+                while n > shuffle_buffer or (held > shuffle_buffer_bytes and n > 1):
+                    bits = n.bit_length()  # _below, inlined
                     j = getrandbits(bits)
-                rec = buf[j]
-                buf[j] = buf[-1]
-                buf.pop()
-                n -= 1
-                size = len(rec.data)
-                held -= size
-                out.append(rec)
-                out_bytes += size
-        # A run of bad records makes a chunk too: dead letters are bounded as well.
-        if len(out) >= chunk_records or out_bytes >= chunk_bytes or len(dead) >= chunk_records:
-            yield PlanChunk(first, out, dead)
-            first += len(out)
-            out, out_bytes, dead = [], 0, []
+                    while j >= n:
+                        j = getrandbits(bits)
+                    rec = buf[j]
+                    buf[j] = buf[-1]
+                    buf.pop()
+                    n -= 1
+                    size = len(rec.data)
+                    held -= size
+                    out.append(rec)
+                    out_bytes += size
+            # A run of bad records makes a chunk too: dead letters are bounded as well.
+            if len(out) >= chunk_records or out_bytes >= chunk_bytes or len(dead) >= chunk_records:
+                yield PlanChunk(first, out, dead)
+                first += len(out)
+                out, out_bytes, dead = [], 0, []
+        nbytes = sum(len(i.payload) if isinstance(i, BadRecord) else len(i.data) for i in block)
+        block_len = max(1, min(CHUNK_RECORDS, chunk_bytes * len(block) // max(1, nbytes)))
     for i in range(len(buf) - 1, 0, -1):
         j = _below(getrandbits, i + 1)
         buf[i], buf[j] = buf[j], buf[i]

@@ -1,12 +1,13 @@
 """Batch tensors from Redis replies: exact bytes, and in a DataLoader worker built in
-shared memory from the start (torch then sends them to the main process without
-copying them into shared memory itself)."""
+shared memory from the start (a slot of the worker's ring, else a shared tensor: either
+way torch sends it to the main process without copying it into shared memory)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from trainer_client import _batch_ring
 from trainer_client._stacking import shared_empty, stack_arrays
 from trainguard.core import streams
 
@@ -17,7 +18,7 @@ def _flats(arrays: list[np.ndarray]) -> list[list[bytes]]:
 
 
 def test_worker_batch_lives_in_shared_memory_with_the_exact_bytes():
-    """In a worker the batch tensor's storage is shared memory from the start, and it
+    """In a worker the batch tensor is a slot of the worker's shared ring, and it
     holds every record's bytes in order; in the main process it is ordinary memory."""
     rng = np.random.default_rng(3)
     arrays = [rng.integers(0, 2**31, (4, 3), dtype=np.int32) for _ in range(5)]
@@ -25,7 +26,8 @@ def test_worker_batch_lives_in_shared_memory_with_the_exact_bytes():
     main = stack_arrays(_flats(arrays), in_worker=False)
     want = torch.from_numpy(np.stack(arrays))
     assert worker is not None and main is not None
-    assert worker.is_shared() and not main.is_shared()
+    assert _batch_ring.is_ring_tensor(worker) and not main.is_shared()
+    assert not _batch_ring.is_ring_tensor(main)
     assert worker.dtype == torch.int32 and tuple(worker.shape) == (5, 4, 3)
     assert torch.equal(worker, want) and torch.equal(main, want)
 

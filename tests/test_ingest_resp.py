@@ -130,3 +130,22 @@ async def test_a_batch_waiting_on_a_frozen_redis_times_out_and_breaks_the_link(
         await link.call("PING")
     await link.close(broken=True)
     await client.aclose()
+
+
+def test_small_records_encode_to_the_same_bytes_as_chunked_ones() -> None:
+    """The template encoding of a batch of small records of one layout is byte for
+    byte the per-record chunked one, across ID-length boundaries (9 -> 10, 99 -> 100),
+    with ``%`` in the key, the fields and the positions, and with empty payloads."""
+    from ingest_service._resp import _INLINE_MAX, _xadd_chunks
+
+    meta = ((streams.F_KIND, streams.KIND_NDARRAY), (streams.F_DTYPE, b"%|u1"))
+    for first in (0, 7, 95, 9990, 123456):
+        for size in (0, 1, 100, _INLINE_MAX):
+            records = [GoodRecord(bytes([i % 251]) * size, b"f%%:%d" % i, meta) for i in range(13)]
+            for nomkstream in (False, True):
+                inline: list[bytes] = []
+                chunks: list[bytes] = []
+                xadd_records(inline, bulk(b"k%ey"), 3, first, records, nomkstream=nomkstream)
+                _xadd_chunks(chunks, bulk(b"k%ey"), 3, first, records, nomkstream=nomkstream)
+                assert len(inline) < len(chunks)  # the template path was taken
+                assert b"".join(inline) == b"".join(chunks)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer_client import _batch_ring
 from trainguard.core import streams
 
 __all__ = ["Segment", "decode_records", "positions", "shared_empty", "stack_arrays", "take"]
@@ -104,8 +105,9 @@ def stack_arrays(flats: list[list[bytes]], in_worker: bool) -> torch.Tensor | No
     Works on the flat field lists straight from the reply (no dict per entry): one
     C-level pass checks that every entry has the first one's field names, kind, dtype
     and shape; the payloads are then copied once, by one join, into the tensor's
-    memory. A DataLoader worker copies them into shared memory instead, so the trip
-    to the main process copies nothing more."""
+    memory. A DataLoader worker copies them into a slot of its shared-memory ring
+    (:mod:`trainer_client._batch_ring`; a fresh shared tensor when no slot is free),
+    so the trip to the main process copies nothing more."""
     first = flats[0]
     layout = _nd_layout(first)
     if layout is None:
@@ -134,7 +136,9 @@ def stack_arrays(flats: list[list[bytes]], in_worker: bool) -> torch.Tensor | No
     if step == 0:  # zero-sized records: nothing to copy (and no byte view exists)
         return torch.empty((n, *shape), dtype=tdtype)
     if in_worker:
-        out = shared_empty((n, *shape), tdtype)
+        out = _batch_ring.claim((n, *shape), tdtype)
+        if out is None:
+            out = shared_empty((n, *shape), tdtype)
         view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
         for i, data in enumerate(payloads):
             view[i * step : (i + 1) * step] = data

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import redis
 from redis.driver_info import DriverInfo
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from trainer_client import _rng, redis_client
+from trainer_client import _batch_ring, _rng, redis_client
 from trainer_client._reader import LIB_VERSION, Reader
 from trainer_client._stacking import Segment, decode_records, positions, stack_arrays, take
 from trainer_client.errors import DatasetNotFoundError, SessionBypassedError
@@ -74,6 +76,28 @@ class Batch:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.ids.values())
+
+    def pin_memory(self, device: Any = None) -> Batch:
+        """This batch with its data in pinned memory (what ``DataLoader(pin_memory=True)``
+        calls in its pin-memory thread; without it torch would pass a Batch through
+        unpinned). A ring slot is released as soon as its pinned copy is made."""
+        return replace(self, data=_pin_memory(self.data, device))  # type: ignore[no-untyped-call]
+
+
+def _rebuild_batch(state: dict[str, Any]) -> Batch:
+    batch = Batch.__new__(Batch)
+    batch.__dict__.update(state)
+    return batch
+
+
+def _reduce_batch(batch: Batch) -> tuple[Any, ...]:
+    """How a Batch crosses between processes (DataLoader queues): a worker's batch
+    tensor in its ring goes as a slot handle (see trainer_client._batch_ring). Only
+    multiprocessing's pickler does this; ``pickle`` and ``copy`` see a plain Batch."""
+    return (_rebuild_batch, ({**batch.__dict__, "data": _batch_ring.reduce_data(batch.data)},))
+
+
+ForkingPickler.register(Batch, _reduce_batch)
 
 
 def load_spec(client: redis.Redis, dataset: str) -> streams.DatasetSpec:
