@@ -19,8 +19,15 @@ Prints a table (median seconds, GiB/s, client CPU s/GiB) and the headline ratios
 committing offsets, with a ``TrainingSession`` on a local checkpoint store. Merges a
 ``consume`` section into the JSON results file.
 
+With ``--cluster`` the same contestants also run on a Redis Cluster (3 masters, 3
+replicas, started here) in the same rounds, raw meaning pipelined XRANGE to each
+partition's master (every master's commands written before any reply is read); the
+headlines add the cluster against its raw figure and against single Redis, and the
+offset commit is timed on both.
+
     .venv/bin/python bench/consume.py                   # 256 MiB per size, 6 rounds
     .venv/bin/python bench/consume.py --mb 512 --rounds 6
+    .venv/bin/python bench/consume.py --mb 64 --cluster
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import itertools
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +51,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import rounds as rd  # noqa: E402
 
-from tests.servers import RedisServer  # noqa: E402
-from trainer_client import StreamingDataset, TrainingSession  # noqa: E402
+from tests.servers import RedisCluster, RedisServer  # noqa: E402
+from trainer_client import (  # noqa: E402
+    StreamingDataset,
+    TrainingSession,
+    redis_client,
+)
 from trainguard.core import streams  # noqa: E402
 
 WORKERS = 2
@@ -54,7 +65,7 @@ WORKERS = 2
 def fill(url: str, name: str, partitions: int, size: int, count: int) -> None:
     spec = streams.DatasetSpec(name=name, partitions=partitions, source="bench://", format="npy",
                                sample_len=size)
-    client = redis.Redis.from_url(url)
+    client = redis_client.client(url)
     client.hset(streams.meta_key(name), mapping=spec.to_redis())
     client.sadd(streams.datasets_key(), name)
     payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
@@ -76,27 +87,49 @@ def fill(url: str, name: str, partitions: int, size: int, count: int) -> None:
     client.close()
 
 
-def raw_read(port: int, name: str, partitions: int, chunk: int) -> int:
-    """Bytes of record payload read with pipelined XRANGE, replies parsed by hiredis
-    but not turned into Python dicts (redis-py's response callbacks are bypassed)."""
-    conn = redis.Connection(host="127.0.0.1", port=port)
-    conn.connect()
-    starts = {p: "-" for p in range(partitions)}
+def masters(url: str, name: str, partitions: int) -> dict[int, tuple[str, int]]:
+    """Where each partition is served: the one server, or its slot's master."""
+    client = redis_client.client(url)
+    try:
+        if not redis_client.is_cluster(client):
+            kw = client.connection_pool.connection_kwargs
+            return {p: (kw["host"], kw["port"]) for p in range(partitions)}
+        nodes = {p: client.get_node_from_key(streams.partition_key(name, p))  # type: ignore[attr-defined]
+                 for p in range(partitions)}
+        return {p: (n.host, n.port) for p, n in nodes.items()}
+    finally:
+        client.close()
+
+
+def raw_read(where: dict[int, tuple[str, int]], name: str, chunk: int) -> int:
+    """Bytes of record payload read with pipelined XRANGE (one pipeline per server,
+    every server's commands written before any reply is read), replies parsed by
+    hiredis but not turned into Python dicts (redis-py's response callbacks are
+    bypassed)."""
+    conns = {}
+    for addr in set(where.values()):
+        conns[addr] = redis.Connection(host=addr[0], port=addr[1])
+        conns[addr].connect()
+    starts = {p: "-" for p in where}
     total = 0
     while starts:
         order = list(starts)
-        cmds = [("XRANGE", streams.partition_key(name, p), starts[p], "+", "COUNT", chunk)
-                for p in order]
-        conn.send_packed_command(conn.pack_commands(cmds))
-        for p in order:
-            entries = conn.read_response()
-            for _eid, flat in entries:
-                total += len(flat[3])  # k, kind, d, <payload>, ...
-            if len(entries) < chunk:
-                del starts[p]
-            else:
-                starts[p] = "(" + entries[-1][0].decode()
-    conn.disconnect()
+        for addr, conn in conns.items():
+            cmds = [("XRANGE", streams.partition_key(name, p), starts[p], "+", "COUNT", chunk)
+                    for p in order if where[p] == addr]
+            if cmds:
+                conn.send_packed_command(conn.pack_commands(cmds))
+        for addr, conn in conns.items():
+            for p in (p for p in order if where[p] == addr):
+                entries = conn.read_response()
+                for _eid, flat in entries:
+                    total += len(flat[3])  # k, kind, d, <payload>, ...
+                if len(entries) < chunk:
+                    del starts[p]
+                else:
+                    starts[p] = "(" + entries[-1][0].decode()
+    for conn in conns.values():
+        conn.disconnect()
     return total
 
 
@@ -117,8 +150,9 @@ class InMemory(IterableDataset[torch.Tensor]):
 
 
 class Consume:
-    def __init__(self, url: str, port: int, name: str, partitions: int, size: int, count: int):
-        self.url, self.port, self.name = url, port, name
+    def __init__(self, url: str, name: str, partitions: int, size: int, count: int):
+        self.url, self.name = url, name
+        self.where = masters(url, name, partitions)
         self.partitions, self.size, self.count = partitions, size, count
         self.batch = max(1, (1024 * 1024) // size)  # ~1 MiB batches
         self.groups = itertools.count()
@@ -129,7 +163,7 @@ class Consume:
         return f"grp-{next(self.groups)}"
 
     def raw(self) -> int:
-        return raw_read(self.port, self.name, self.partitions, self.batch)
+        return raw_read(self.where, self.name, self.batch)
 
     def streaming(self, workers: int | None) -> int:
         ds = StreamingDataset(self.url, self.name, self._group(), batch_size=self.batch)
@@ -149,7 +183,7 @@ class Consume:
         return total
 
     def drop_groups(self, _: str) -> None:
-        client = redis.Redis.from_url(self.url)
+        client = redis_client.client(self.url)
         for p in range(self.partitions):
             key = streams.partition_key(self.name, p)
             for g in client.xinfo_groups(key):
@@ -180,22 +214,40 @@ RAW, ONE, BASE, DL = ("raw XRANGE", "StreamingDataset, 1 process",
                       f"StreamingDataset, DataLoader({WORKERS} workers)")
 
 
-def measure_size(url: str, port: int, pid: int, args: argparse.Namespace, kib: int
+def on(label: str, target: str) -> str:
+    return label if target == "single" else f"{label} [{target}]"
+
+
+def measure_size(targets: dict[str, tuple[str, list[int]]], args: argparse.Namespace, kib: int
                  ) -> tuple[rd.Rounds, list[rd.Ratio], int]:
+    """``targets``: name -> (Redis URL, server pids). Every contestant on every target,
+    in the same rounds; the in-memory baseline once."""
     size = kib * 1024
     count = max(args.partitions, args.mb * 1024 * 1024 // size)
     name = f"bench{kib}"
-    fill(url, name, args.partitions, size, count)
-    c = Consume(url, port, name, args.partitions, size, count)
-    contestants = {RAW: c.raw, ONE: lambda: c.streaming(None), BASE: c.in_memory,
-                   DL: lambda: c.streaming(WORKERS)}
-    r = rd.run_rounds(contestants, rounds=args.rounds, after=c.drop_groups, server_pid=pid)
+    contestants: dict[str, Callable[[], int]] = {}
+    pids: dict[str, list[int]] = {}
+    cleanup: dict[str, Callable[[str], None]] = {}
+    for target, (url, servers) in targets.items():
+        fill(url, name, args.partitions, size, count)
+        c = Consume(url, name, args.partitions, size, count)
+        runs: dict[str, Callable[[], int]] = {
+            RAW: c.raw, ONE: lambda c=c: c.streaming(None), DL: lambda c=c: c.streaming(WORKERS)}
+        if target == "single":
+            runs[BASE] = c.in_memory
+        for label, fn in runs.items():
+            contestants[on(label, target)] = fn
+            pids[on(label, target)] = servers
+            cleanup[on(label, target)] = c.drop_groups
+    r = rd.run_rounds(contestants, rounds=args.rounds, after=lambda n: cleanup[n](n),
+                      server_pids=pids)
     moved = {n: {s.nbytes for s in r.samples[n]} for n in contestants}
     assert all(v == {count * size} for v in moved.values()), (moved, count * size)
-    client = redis.Redis.from_url(url)
-    for p in range(args.partitions):
-        client.delete(streams.partition_key(name, p))
-    client.close()
+    for url, _ in targets.values():
+        client = redis_client.client(url)
+        for p in range(args.partitions):
+            client.delete(streams.partition_key(name, p))
+        client.close()
     ratios = [
         rd.speed_ratio(r, DL, BASE, name=f"{kib} KiB: workers StreamingDataset / in-memory",
                        target=">= 0.8x"),
@@ -203,6 +255,16 @@ def measure_size(url: str, port: int, pid: int, args: argparse.Namespace, kib: i
                        target=">= 0.8x" if kib == 128 else ""),
         rd.speed_ratio(r, DL, RAW, name=f"{kib} KiB: workers StreamingDataset / raw XRANGE"),
     ]
+    if "cluster" in targets:
+        cl = "cluster"
+        ratios += [
+            rd.speed_ratio(r, on(ONE, cl), on(RAW, cl), target=">= 0.8x",
+                           name=f"{kib} KiB cluster: 1-process StreamingDataset / raw XRANGE"),
+            rd.speed_ratio(r, on(DL, cl), on(RAW, cl),
+                           name=f"{kib} KiB cluster: workers StreamingDataset / raw XRANGE"),
+            rd.speed_ratio(r, on(ONE, cl), ONE,
+                           name=f"{kib} KiB: 1-process StreamingDataset, cluster / single"),
+        ]
     return r, ratios, count
 
 
@@ -214,34 +276,47 @@ def main() -> None:
     ap.add_argument("--sizes-kib", default="8,128")
     ap.add_argument("--rounds", type=int, default=6, help="measured rounds per size")
     ap.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="also on a Redis Cluster (3 masters + 3 replicas), in the same rounds")
     args = ap.parse_args()
     out = rd.results_path() if args.json is None else Path(args.json)
     section: dict[str, object] = {"args": vars(args) | {"workers": WORKERS}, "sizes": {}}
     headlines: list[rd.Ratio] = []
+    commits: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(Path(tmp) / "redis").start()
+        cluster = RedisCluster(Path(tmp) / "cluster").start() if args.cluster else None
         try:
-            url = server.url
-            print(f"redis-server :{server.port}, {args.partitions} partitions, {args.mb} MiB per "
+            targets = {"single": (server.url, [p for p in [server.pid] if p is not None])}
+            if cluster is not None:
+                targets["cluster"] = (cluster.url, [n.pid for n in cluster.nodes
+                                                    if n.pid is not None])
+            print(f"{', '.join(targets)}: {args.partitions} partitions, {args.mb} MiB per "
                   f"size, ~1 MiB batches, {args.rounds} rounds + 1 warm-up", flush=True)
             for kib in (int(s) for s in args.sizes_kib.split(",")):
-                assert server.proc is not None
-                r, ratios, count = measure_size(url, server.port, server.proc.pid, args, kib)
+                r, ratios, count = measure_size(targets, args, kib)
                 print(f"\n[{kib} KiB x {count} records]")
                 print(rd.table(r))
                 headlines += ratios
                 section["sizes"][str(kib)] = {"records": count, "rows": rd.rows_doc(r)}  # type: ignore[index]
-            fill(url, "commits", args.partitions, 1024, 20000)
-            costs = commit_cost(url, "commits", str(Path(tmp) / "ckpt"), 64, 20)
+            for target, (url, _) in targets.items():
+                fill(url, "commits", args.partitions, 1024, 20000)
+                costs = commit_cost(url, "commits", str(Path(tmp) / f"ckpt-{target}"), 64, 20)
+                commits[target] = {"median_ms": round(statistics.median(costs) * 1e3, 3),
+                                   "max_ms": round(max(costs) * 1e3, 3)}
         finally:
             server.kill()
-    commit = {"median_ms": round(statistics.median(costs) * 1e3, 3),
-              "max_ms": round(max(costs) * 1e3, 3)}
-    print(f"\ncommitting offsets after a checkpoint ({args.partitions} partitions, 256 entries "
-          f"acknowledged each): median {commit['median_ms']:.2f} ms, max {commit['max_ms']:.2f} ms")
+            if cluster is not None:
+                cluster.stop()
+    for target, commit in commits.items():
+        print(f"\ncommitting offsets after a checkpoint on {target} ({args.partitions} "
+              f"partitions, 256 entries acknowledged each): median {commit['median_ms']:.2f} ms, "
+              f"max {commit['max_ms']:.2f} ms")
     print()
     rd.print_headlines(headlines)
-    section["commit_offsets"] = commit
+    section["commit_offsets"] = commits["single"]
+    if "cluster" in commits:
+        section["cluster_commit_offsets"] = commits["cluster"]
     section["headlines"] = {h.name: h.doc() for h in headlines}
     rd.write_section(out, "consume", section, rd.machine())
     print(f"results: {out}")

@@ -16,8 +16,13 @@ for trainguard), and the headline ratio: the median of the per-round ratios, wit
 their range. 100 B records use ``--mb-small`` MB (a record costs the same whatever
 its size, so fewer bytes give as many records per second). Merges an ``ingest``
 section into the JSON results file.
+
+With ``--cluster`` each round also runs both on a Redis Cluster (3 masters, 3
+replicas, started here): raw is then one ``redis-cli --pipe`` per master, fed that
+master's partitions, all at once; the headlines add the producer on the cluster
+against raw on the cluster, and against the producer on single Redis, round by round.
 Usage: python bench/ingest.py [--mb 256] [--mb-small 32] [--partitions 16] [--rounds 6]
-                              [--sizes 100,8192,131072]
+                              [--sizes 100,8192,131072] [--cluster]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +45,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import rounds as rd  # noqa: E402
-from redis.asyncio import Redis  # noqa: E402
 
+from ingest_service import redis_client  # noqa: E402
 from ingest_service.producer import Producer  # noqa: E402
-from tests.servers import RedisServer  # noqa: E402
+from tests.servers import RedisCluster, RedisServer  # noqa: E402
 from trainguard.core import streams  # noqa: E402
 
 SIZES = (100, 8 * 1024, 128 * 1024)
@@ -52,26 +58,55 @@ def _bulk(b: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(b), b)
 
 
-def write_raw_commands(path: Path, count: int, size: int, partitions: int) -> None:
+def masters(target: RedisServer | RedisCluster, partitions: int) -> dict[int, int]:
+    """The port of the server that holds each raw partition."""
+    if isinstance(target, RedisServer):
+        return dict.fromkeys(range(partitions), target.port)
+    return {p: target.master_of(streams.partition_key("raw", p)).port for p in range(partitions)}
+
+
+def write_raw_commands(folder: Path, count: int, size: int, where: dict[int, int]) -> dict[int, Path]:
+    """One command file per server (port), each with the XADDs of its partitions."""
     payload = b"x" * size
-    with open(path, "wb") as out:
+    paths = {port: folder / f"raw-{size}-{port}.resp" for port in set(where.values())}
+    outs = {port: open(path, "wb") for port, path in paths.items()}  # noqa: SIM115
+    try:
         for i in range(count):
-            key = streams.partition_key("raw", i % partitions).encode()
-            rid = streams.make_id(0, i // partitions).encode()
-            out.write(b"*5\r\n" + _bulk(b"XADD") + _bulk(key) + _bulk(rid) + _bulk(b"d")
-                      + _bulk(payload))
+            p = i % len(where)
+            key = streams.partition_key("raw", p).encode()
+            rid = streams.make_id(0, i // len(where)).encode()
+            outs[where[p]].write(b"*5\r\n" + _bulk(b"XADD") + _bulk(key) + _bulk(rid)
+                                 + _bulk(b"d") + _bulk(payload))
+    finally:
+        for out in outs.values():
+            out.close()
+    return paths
 
 
-def run_raw(port: int, path: Path) -> None:
-    with open(path, "rb") as f:
-        done = subprocess.run(["redis-cli", "-p", str(port), "--pipe"], stdin=f,
-                              capture_output=True, text=True, check=True)
-    if "errors: 0" not in done.stdout:
-        raise RuntimeError(f"redis-cli --pipe reported errors: {done.stdout}")
+def run_raw(files: dict[int, Path]) -> None:
+    """Every server's ``redis-cli --pipe`` at once, until the last is done."""
+    procs = []
+    for port, path in files.items():
+        with open(path, "rb") as f:
+            procs.append(subprocess.Popen(["redis-cli", "-p", str(port), "--pipe"], stdin=f,
+                                          stdout=subprocess.PIPE, text=True))
+    for proc in procs:
+        out = proc.communicate()[0]
+        if proc.returncode != 0 or "errors: 0" not in out:
+            raise RuntimeError(f"redis-cli --pipe reported errors: {out}")
+
+
+def flushall(target: RedisServer | RedisCluster) -> None:
+    if isinstance(target, RedisCluster):
+        target.flushall()
+        return
+    client = redis.Redis(port=target.port)
+    client.flushall()
+    client.close()
 
 
 async def run_trainguard(url: str, source: Path, size: int, partitions: int) -> int:
-    client = Redis.from_url(url)
+    client = redis_client.client(url)
     spec = streams.DatasetSpec(name=f"tg{size}", partitions=partitions, source=str(source),
                                format="npy", sample_len=size, shuffle_buffer=1024)
     producer = Producer(client, spec)
@@ -82,36 +117,66 @@ async def run_trainguard(url: str, source: Path, size: int, partitions: int) -> 
     return producer.progress.records
 
 
-def measure_size(server: RedisServer, tmp: Path, size: int, mb: int, args: argparse.Namespace,
-                 flush: redis.Redis) -> tuple[rd.Rounds, rd.Ratio, int]:
+def measure_size(targets: list[tuple[str, RedisServer | RedisCluster]], tmp: Path, size: int,
+                 mb: int, args: argparse.Namespace) -> tuple[rd.Rounds, list[rd.Ratio], int]:
     count = max(1000, mb * 1_000_000 // size)
-    cmds = tmp / f"raw-{size}.resp"
-    write_raw_commands(cmds, count, size, args.partitions)
     source = tmp / f"tokens-{size}.npy"
     np.save(source, np.full(count * size, ord("x"), dtype=np.uint8))
+    contestants: dict[str, Callable[[], int]] = {}
+    pids: dict[str, list[int]] = {}
+    flushes: dict[str, Callable[[], None]] = {}
+    files: list[Path] = []
 
-    def raw() -> int:
-        run_raw(server.port, cmds)
-        return count * size
+    def add(name: str, target: RedisServer | RedisCluster) -> None:
+        cmds = write_raw_commands(tmp / name, count, size, masters(target, args.partitions))
+        files.extend(cmds.values())
 
-    def tg() -> int:
-        records = asyncio.run(run_trainguard(server.url, source, size, args.partitions))
-        if records != count:
-            raise RuntimeError(f"producer appended {records} records, expected {count}")
-        return count * size
+        def raw() -> int:
+            run_raw(cmds)
+            return count * size
 
+        def tg() -> int:
+            records = asyncio.run(run_trainguard(target.url, source, size, args.partitions))
+            if records != count:
+                raise RuntimeError(f"producer appended {records} records, expected {count}")
+            return count * size
+
+        servers = target.nodes if isinstance(target, RedisCluster) else [target]
+        for label, fn in ((raw_name(name), raw), (tg_name(name), tg)):
+            contestants[label] = fn
+            pids[label] = [s.pid for s in servers if s.pid is not None]
+            flushes[label] = lambda: flushall(target)
+
+    for name, target in targets:
+        (tmp / name).mkdir(exist_ok=True)
+        add(name, target)
     try:
-        assert server.proc is not None
-        r = rd.run_rounds({"raw redis-cli --pipe": raw, "trainguard producer": tg},
-                          rounds=args.rounds, after=lambda _: flush.flushall(),
-                          server_pid=server.proc.pid)
+        r = rd.run_rounds(contestants, rounds=args.rounds, after=lambda n: flushes[n](),
+                          server_pids=pids)
     finally:
-        cmds.unlink()
+        for path in files:
+            path.unlink()
         source.unlink()
-    ratio = rd.speed_ratio(r, "trainguard producer", "raw redis-cli --pipe",
-                           name=f"{size} B: producer / raw redis-cli --pipe",
-                           target={100: ">= 0.5x", 8192: ">= 0.8x"}.get(size, ""))
-    return r, ratio, count
+    target_of = {100: ">= 0.5x", 8192: ">= 0.8x"}.get(size, "")
+    ratios = [rd.speed_ratio(r, tg_name("single"), raw_name("single"),
+                             name=f"{size} B: producer / raw redis-cli --pipe", target=target_of)]
+    if len(targets) > 1:
+        ratios += [
+            rd.speed_ratio(r, tg_name("cluster"), raw_name("cluster"),
+                           name=f"{size} B cluster: producer / raw --pipe per master",
+                           target=">= 0.8x"),
+            rd.speed_ratio(r, tg_name("cluster"), tg_name("single"),
+                           name=f"{size} B: producer on cluster / on single Redis"),
+        ]
+    return r, ratios, count
+
+
+def raw_name(target: str) -> str:
+    return "raw redis-cli --pipe" + ("" if target == "single" else f" ({target})")
+
+
+def tg_name(target: str) -> str:
+    return "trainguard producer" + ("" if target == "single" else f" ({target})")
 
 
 def main() -> None:
@@ -123,45 +188,57 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="record sizes in bytes, comma-separated")
     parser.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="also on a Redis Cluster (3 masters + 3 replicas)")
     args = parser.parse_args()
     if shutil.which("redis-cli") is None:
         raise SystemExit("redis-cli is not on PATH: install redis-tools / redis-server")
     out = rd.results_path() if args.json is None else Path(args.json)
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-ingest-"))
-    server = RedisServer(tmp / "redis").start()
-    flush = redis.Redis(port=server.port)
+    targets: list[tuple[str, RedisServer | RedisCluster]] = [
+        ("single", RedisServer(tmp / "redis").start())]
+    if args.cluster:
+        targets.append(("cluster", RedisCluster(tmp / "cluster").start()))
     section: dict[str, Any] = {"args": vars(args), "sizes": {}}
     ratios: list[rd.Ratio] = []
     try:
-        print(f"redis-server :{server.port}, {args.partitions} partitions, {args.mb} MB of "
-              f"payload per size ({args.mb_small} MB at 100 B), {args.rounds} rounds + 1 "
+        print(f"{', '.join(n for n, _ in targets)}: {args.partitions} partitions, {args.mb} MB "
+              f"of payload per size ({args.mb_small} MB at 100 B), {args.rounds} rounds + 1 "
               "warm-up", flush=True)
-        print(f"{'size':>8} {'records':>9} | {'raw rec/s':>11} {'raw MB/s':>9} | "
+        print(f"{'redis':>7} {'size':>8} {'records':>9} | {'raw rec/s':>11} {'raw MB/s':>9} | "
               f"{'tg rec/s':>11} {'tg MB/s':>9} | {'client CPU s/GiB raw, tg':>24} | "
               f"{'redis CPU s/GiB raw, tg':>23}")
         for size in (int(s) for s in args.sizes.split(",")):
-            r, ratio, count = measure_size(server, tmp, size,
-                                           args.mb_small if size < 1024 else args.mb, args, flush)
-            ratios.append(ratio)
-            raw_s, tg_s = r.median_wall("raw redis-cli --pipe"), r.median_wall("trainguard producer")
+            r, size_ratios, count = measure_size(
+                targets, tmp, size, args.mb_small if size < 1024 else args.mb, args)
+            ratios += size_ratios
             mb = count * size / 1e6
-            raw_cpu = r.cpu_per_gib("raw redis-cli --pipe") or 0.0
-            tg_cpu = r.cpu_per_gib("trainguard producer") or 0.0
-            raw_srv = r.server_cpu_per_gib("raw redis-cli --pipe") or 0.0
-            tg_srv = r.server_cpu_per_gib("trainguard producer") or 0.0
-            print(f"{size:>8} {count:>9} | {count / raw_s:>11,.0f} {mb / raw_s:>9,.1f} | "
-                  f"{count / tg_s:>11,.0f} {mb / tg_s:>9,.1f} | {raw_cpu:>11.2f} {tg_cpu:>12.2f} | "
-                  f"{raw_srv:>11.2f} {tg_srv:>11.2f}", flush=True)
-            section["sizes"][str(size)] = {
-                "records": count, "raw_mb_s": round(mb / raw_s, 1), "tg_mb_s": round(mb / tg_s, 1),
-                "raw_cpu_s_per_gib": round(raw_cpu, 3), "tg_cpu_s_per_gib": round(tg_cpu, 3),
-                "raw_redis_cpu_s_per_gib": round(raw_srv, 3),
-                "tg_redis_cpu_s_per_gib": round(tg_srv, 3),
-                "rows": rd.rows_doc(r),
-            }
+            doc: dict[str, Any] = {"records": count, "rows": rd.rows_doc(r)}
+            for name, _ in targets:
+                raw, tg = raw_name(name), tg_name(name)
+                raw_s, tg_s = r.median_wall(raw), r.median_wall(tg)
+                raw_cpu, tg_cpu = r.cpu_per_gib(raw) or 0.0, r.cpu_per_gib(tg) or 0.0
+                raw_srv = r.server_cpu_per_gib(raw) or 0.0
+                tg_srv = r.server_cpu_per_gib(tg) or 0.0
+                print(f"{name:>7} {size:>8} {count:>9} | {count / raw_s:>11,.0f} "
+                      f"{mb / raw_s:>9,.1f} | {count / tg_s:>11,.0f} {mb / tg_s:>9,.1f} | "
+                      f"{raw_cpu:>11.2f} {tg_cpu:>12.2f} | {raw_srv:>11.2f} {tg_srv:>11.2f}",
+                      flush=True)
+                prefix = "" if name == "single" else f"{name}_"
+                doc |= {
+                    f"{prefix}raw_mb_s": round(mb / raw_s, 1), f"{prefix}tg_mb_s": round(mb / tg_s, 1),
+                    f"{prefix}raw_cpu_s_per_gib": round(raw_cpu, 3),
+                    f"{prefix}tg_cpu_s_per_gib": round(tg_cpu, 3),
+                    f"{prefix}raw_redis_cpu_s_per_gib": round(raw_srv, 3),
+                    f"{prefix}tg_redis_cpu_s_per_gib": round(tg_srv, 3),
+                }
+            section["sizes"][str(size)] = doc
     finally:
-        flush.close()
-        server.kill()
+        for _, target in targets:
+            if isinstance(target, RedisCluster):
+                target.stop()
+            else:
+                target.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     print()
     rd.print_headlines(ratios)

@@ -83,7 +83,12 @@ local start, total, count = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[
 local mark = redis.call('HGET', KEYS[2], producer)
 if mark then
   local m = tonumber(mark)
-  if seq <= m then return {0, mark} end
+  if seq <= m then
+    -- Rewritten as it is: a write, so the WAIT after this call also covers the
+    -- batch's own earlier writes (a retry of a push that was not yet replicated).
+    redis.call('HSET', KEYS[2], producer, mark)
+    return {0, mark}
+  end
   if seq ~= m + 1 then return {-1, mark} end
 elseif seq ~= 0 then
   return {-1, ''}
@@ -140,3 +145,14 @@ Returns {1, first_id, last_id, appended} (IDs '' when the slice appended nothing
 seq is not mark+1 (0 for a producer without a mark); {-2, reached} when the slice
 starts past what is in (a slice skipped: resend the batch from its start).
 """
+
+PUSH_CONFIRM = """
+local mark = redis.call('HGET', KEYS[1], ARGV[1])
+if mark then redis.call('HSET', KEYS[1], ARGV[1], mark) end
+return mark
+"""
+"""KEYS[1] a partition's seq hash, ARGV[1] a producer_id: rewrites the producer's mark
+as it stands, atomically (never lowering one a concurrent batch raised). The write
+makes a following ``WAIT`` cover every earlier write of that master, so a batch found
+already in is acknowledged only once a replica has it."""
+

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import math
 import operator
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ingest_service import redis_client
+from ingest_service.errors import NotReplicatedError
 from trainguard.core import streams
 
 try:
@@ -56,24 +59,38 @@ def evalsha_parts(sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]) -> l
 
 
 async def call_packed_script(
-    redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]
+    redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], args: Sequence[bytes],
+    *, replicas: int | None = 0, wait_ms: int = 1000,
 ) -> object:
-    """Run a script by SHA on one pooled connection; loads it once if Redis lost it
-    (NOSCRIPT after a restart). Connection errors propagate (the caller syncs again)."""
-    return (await call_packed_scripts(redis, script, sha, keys, [evalsha_parts(sha, keys, args)]))[0]
+    """One script call: :func:`call_packed_scripts` with one argument list."""
+    (reply,) = await call_packed_scripts(redis, script, sha, keys, [evalsha_parts(sha, keys, args)],
+                                         replicas=replicas, wait_ms=wait_ms)
+    return reply
 
 
 async def call_packed_scripts(
-    redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], calls: Sequence[list[bytes]]
+    redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], calls: Sequence[list[bytes]],
+    *, replicas: int | None = 0, wait_ms: int = 1000,
 ) -> list[object]:
-    """Run ``calls`` (each ``evalsha_parts(sha, keys, ...)``) pipelined on one pooled
-    connection, in order; their replies. When Redis lost the script (NOSCRIPT after a
-    restart), loads it and sends again from the first call that found it missing (the
-    calls before it ran; a call after it that ran anyway appended nothing, as the
-    scripts that pipeline are idempotent in order). Another error reply is raised
-    after all replies are read; connection errors propagate."""
-    pool = redis.connection_pool
-    conn = await pool.get_connection()
+    """Run ``calls`` (each ``evalsha_parts(sha, keys, ...)``, all on the same ``keys``)
+    pipelined on one pooled connection to the master of ``keys[0]``'s slot, in order;
+    their replies. When Redis lost the script (NOSCRIPT after a restart or failover),
+    loads it and sends again from the first call that found it missing (the calls before
+    it ran; a call after it that ran anyway appended nothing, as the scripts that
+    pipeline are idempotent in order). Another error reply is raised after all replies
+    are read; connection errors propagate (the caller syncs again).
+
+    ``replicas``: return only once ``WAIT`` saw that many replicas take the writes (None:
+    one when the master has a replica, else none), else raise
+    :class:`NotReplicatedError`. Replication is asynchronous: a write only the master
+    holds is lost when its replica is promoted, so a push is acknowledged only once a
+    replica has it. The calls must write (WAIT counts this connection's writes)."""
+    pool = await redis_client.pool_for(redis, keys[0].decode())
+    try:
+        conn = await pool.get_connection()
+    except redis_client.TRANSIENT:
+        await redis_client.refresh(redis)  # the master may have changed: look again
+        raise
     try:
         replies: list[object] = []
         pending = list(calls)
@@ -85,7 +102,7 @@ async def call_packed_scripts(
             for _ in pending:
                 try:
                     got.append(await conn.read_response())
-                except ResponseError as exc:
+                except ResponseError as exc:  # read whole: the connection stays in step
                     got.append(exc)
             missing = next((i for i, r in enumerate(got) if isinstance(r, NoScriptError)), None)
             if missing is None or loaded:
@@ -96,10 +113,14 @@ async def call_packed_scripts(
             await conn.send_command("SCRIPT", "LOAD", script)
             await conn.read_response()
             loaded = True
-    except BaseException:
+        if replicas != 0 and not any(isinstance(r, ResponseError) for r in replies):
+            await _wait_replicas(conn, replicas, wait_ms)
+    except BaseException as exc:
         # A reply may still be on its way (cancelled, or a broken link): this
         # connection must not be reused.
         await conn.disconnect()
+        if isinstance(exc, redis_client.TRANSIENT):
+            await redis_client.refresh(redis)
         raise
     finally:
         await pool.release(conn)
@@ -107,6 +128,42 @@ async def call_packed_scripts(
         if isinstance(reply, ResponseError):
             raise reply
     return replies
+
+
+_ROLE_TTL_S = 10.0
+_replica_counts: dict[tuple[str, str], tuple[float, int]] = {}
+
+
+async def _wait_replicas(conn: Any, replicas: int | None, wait_ms: int) -> None:
+    if replicas is None:
+        replicas = await _has_replica(conn)
+        if not replicas:
+            return
+    await conn.send_command("WAIT", replicas, wait_ms)
+    acked = int(await conn.read_response())
+    if acked < replicas:
+        raise NotReplicatedError(
+            f"the batch is on the master but {acked} of the {replicas} replica(s) asked for "
+            f"confirmed it within {wait_ms} ms: a failover now could lose it. Retry with the "
+            "same seq (a batch already appended is not appended twice)"
+        )
+
+
+async def _has_replica(conn: Any) -> int:
+    """1 when the server of ``conn`` is a master with a replica, else 0. Asked with ROLE
+    at most every ``_ROLE_TTL_S`` per server (a push to one Redis without replicas
+    should not pay a round trip for it); a master that gains or loses a replica is seen
+    within that time."""
+    server = (str(getattr(conn, "host", "")), str(getattr(conn, "port", getattr(conn, "path", ""))))
+    now = time.monotonic()
+    cached = _replica_counts.get(server)
+    if cached is not None and now - cached[0] < _ROLE_TTL_S:
+        return cached[1]
+    await conn.send_command("ROLE")
+    role = await conn.read_response()
+    count = min(1, len(role[2])) if role[0] in (b"master", "master") else 0
+    _replica_counts[server] = (now, count)
+    return count
 
 
 _NOMKSTREAM = b"$10\r\nNOMKSTREAM\r\n"
@@ -226,12 +283,20 @@ class Link:
     new links.
     """
 
-    def __init__(self, redis: Redis) -> None:
-        self._pool = redis.connection_pool
+    def __init__(self, redis: Redis, key: str | None = None) -> None:
+        self._redis = redis
+        self._key = key
+        self._pool: Any = None
         self._conn: Any = None
         self._drain = _drain_each
 
     async def open(self) -> None:
+        """Take a connection to the server of ``key`` (any key of the Redis when None:
+        on a cluster, a link serves the partitions of one master)."""
+        if self._key is None:
+            self._pool = self._redis.connection_pool
+        else:
+            self._pool = await redis_client.pool_for(self._redis, self._key)
         self._conn = await self._pool.get_connection()
         # Decided once: a Link's connection (and so its parser) never changes.
         self._drain = _drain_hiredis if _hiredis_reader(self._conn) is not None else _drain_each

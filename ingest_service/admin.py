@@ -41,7 +41,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from ingest_service import inspection, seek
+from ingest_service import inspection, redis_client, seek
 from ingest_service.admin_checkpoints import StoreRoot, StoreSet, parse_store_roots
 from ingest_service.auth import bearer_token, check_secret, tokens_equal
 from ingest_service.errors import BadRequest, Forbidden, Unauthorized
@@ -315,7 +315,7 @@ def setup_admin(app: web.Application, config: AdminConfig | None = None, *,
         app.router.add_route(method, path, handler)
 
     async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
-        client = aioredis.Redis.from_url(config.redis_url, socket_timeout=10)
+        client = redis_client.client(config.redis_url, socket_timeout=10)
         app[_REDIS] = client
         try:
             yield

@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator
 import redis.exceptions as redis_errors
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.asyncio import Redis
 
+from ingest_service import redis_client
 from ingest_service.admin import AdminConfig, setup_admin
 from ingest_service.auth import host_check_middleware
 from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY, IngestConfig
@@ -76,13 +76,16 @@ def create_app(config: IngestConfig) -> web.Application:
                           middlewares=[json_errors, host_check_middleware(config.allowed_hosts)])
     # Each producer holds its writer links (16 by default) for a whole epoch, so the
     # pool must allow more than redis-py's default of 100 connections.
-    client = Redis.from_url(config.redis_url, socket_timeout=30, socket_connect_timeout=5,
-                            max_connections=4096)
+    client = redis_client.client(config.redis_url, socket_timeout=30, socket_connect_timeout=5,
+                                 max_connections=4096)
     metrics_ = IngestMetrics()
     app[CONFIG_KEY] = config
     app[REDIS_KEY] = client
     app[METRICS_KEY] = metrics_
-    app[PUSH_KEY] = PushIngest(client, config.limits, retry_after_s=config.push_retry_after_s)
+    app[PUSH_KEY] = PushIngest(
+        client, config.limits, retry_after_s=config.push_retry_after_s,
+        wait_replicas=config.push_wait_replicas, wait_ms=config.push_wait_ms,
+    )
     app[SUPERVISOR_KEY] = Supervisor(client, config, metrics_)
     app[_STOPPING] = asyncio.Event()
     app.router.add_get("/healthz", healthz)

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from ingest_service.auth import DEFAULT_ALLOWED_HOSTS, PushTokens
 from ingest_service.backlog import BacklogLimits
+from ingest_service.leases import LEASE_MS
 from ingest_service.metrics import IngestMetrics
 from ingest_service.push_body import BodyLimits
 from trainguard.core import settings
@@ -57,7 +58,14 @@ class IngestConfig:
     verify_threads: int = 2
     """Checkpoint verifications at once (``/verify``), in their own threads."""
     push_retry_after_s: int = 1
+    push_wait_replicas: int | None = None
+    """A push is acknowledged once this many replicas have it (``WAIT``); None: one when
+    the partition's master has a replica (a cluster, a replicated Redis), else none."""
+    push_wait_ms: int = 1000
+    """How long a push waits for its replicas before it answers 503 (retry)."""
     maintenance_interval_s: float = 1.0
+    lease_ms: int = LEASE_MS
+    """Partition leases of the file producers (several services share a dataset)."""
     shutdown_timeout_s: float = 30.0
     """On SIGTERM: how long in-flight push requests may take to finish."""
 

@@ -21,11 +21,13 @@ __all__ = [
     "UnsupportedMediaError",
     "PushOutOfOrderError",
     "BacklogFullError",
+    "NotReplicatedError",
     "WrongDatasetKindError",
     "AdminError",
     "BadRequest",
     "NotFound",
     "Refused",
+    "Unavailable",
     "Unauthorized",
     "Forbidden",
     "Misdirected",
@@ -109,6 +111,11 @@ class BacklogFullError(IngestError, BlockingIOError):
         self.retry_after_s = retry_after_s
 
 
+class NotReplicatedError(IngestError, TimeoutError):
+    """A pushed batch reached the master, but not the replicas asked for in time: it is
+    not acknowledged (503); the producer retries with the same seq."""
+
+
 class WrongDatasetKindError(IngestError, TypeError):
     """The operation does not fit the dataset's format (e.g. a push to a file dataset)."""
 
@@ -167,3 +174,9 @@ class Misdirected(AdminError, PermissionError):
     """The request's Host is not a name this service answers to."""
 
     status = 421
+
+
+class Unavailable(AdminError, ConnectionError):
+    """A backend stayed out of reach past the operation's retries (503, retry later)."""
+
+    status = 503

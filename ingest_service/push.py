@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from ingest_service import _lua
-from ingest_service._resp import bulk, call_packed_scripts, evalsha_head
+from ingest_service._resp import bulk, call_packed_script, call_packed_scripts, evalsha_head
 from ingest_service.backlog import Backlog, BacklogLimits, min_committed
 from ingest_service.datasets import spec_from_hash
 from ingest_service.errors import (
@@ -46,7 +46,7 @@ from ingest_service.errors import (
     PushOutOfOrderError,
     WrongDatasetKindError,
 )
-from trainguard.core import streams
+from trainguard.core import groups, streams
 
 __all__ = [
     "MAX_SEQ",
@@ -133,10 +133,16 @@ class PushIngest:
     appends and the consumers' commits). Its memory is a few numbers per slice.
     """
 
-    def __init__(self, redis: Redis, limits: BacklogLimits, *, retry_after_s: int = 1) -> None:
+    def __init__(
+        self, redis: Redis, limits: BacklogLimits, *, retry_after_s: int = 1,
+        wait_replicas: int | None = None, wait_ms: int = 1000,
+    ) -> None:
         self.redis = redis
         self.limits = limits
         self.retry_after_s = retry_after_s
+        self.wait_replicas = wait_replicas
+        self.wait_ms = wait_ms
+        self._confirm_sha = groups.script_sha(_lua.PUSH_CONFIRM).encode()
         self._backlogs: dict[tuple[str, int], Backlog] = {}
         # The spec of each existing dataset last seen, beside the hash it was read from.
         self._specs: dict[str, tuple[dict[bytes, bytes], streams.DatasetSpec]] = {}
@@ -206,6 +212,15 @@ class PushIngest:
             raw_mark = [await self.redis.hget(streams.seq_key(name, p), producer_id)]
         mark = None if raw_mark[0] is None else int(raw_mark[0])
         if mark is not None and seq <= mark:
+            if self.wait_replicas != 0:
+                # The batch is in, but it is acknowledged only once a replica has it (as
+                # a batch appended now is): the retry of a push answered 503 for want of
+                # a replica finds its batch in on the master. Rewriting the mark as it
+                # stands is a write, so WAIT covers everything this master did before it.
+                await call_packed_script(self.redis, _lua.PUSH_CONFIRM, self._confirm_sha,
+                                         [streams.seq_key(name, p).encode()],
+                                         [producer_id.encode()],
+                                         replicas=self.wait_replicas, wait_ms=self.wait_ms)
             return spec, mark
         if seq != (0 if mark is None else mark + 1):
             raise _out_of_order(seq, mark)
@@ -270,7 +285,10 @@ class PushIngest:
         for start, end in slices:
             head[2], head[4] = b"%d" % start, b"%d" % (end - start)
             calls.append(_pack_slice(keys, head, records[start:end]))
-        replies = await call_packed_scripts(self.redis, _lua.PUSH_SLICE, _SLICE_SHA, keys, calls)
+        # All slices pipelined on one connection to the partition's master; acknowledged
+        # only once a replica has them (when there is one): see NotReplicatedError.
+        replies = await call_packed_scripts(self.redis, _lua.PUSH_SLICE, _SLICE_SHA, keys, calls,
+                                            replicas=self.wait_replicas, wait_ms=self.wait_ms)
         return self._outcome(spec, p, seq, records, slices, replies)  # type: ignore[arg-type]
 
     def _outcome(self, spec: streams.DatasetSpec, p: int, seq: int,

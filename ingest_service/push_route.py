@@ -15,7 +15,8 @@
    (bodies over 1 MiB one at a time, at a quarter of the loop at most)
    (400, 413), checked against the backlog again with its real size, and appended in
    slices (409 with the mark when ``seq`` is out of order; 503 with ``Retry-After``
-   when Redis is out of reach).
+   when Redis is out of reach or failing over, or when no replica took the batch in
+   time: acknowledged only once a replica has it, see ``PushIngest``).
 
 The answer is small whatever the batch: ``{"appended", "partition", "seq", "mark",
 "count", "first_id", "last_id"}``.
@@ -37,6 +38,7 @@ from ingest_service.errors import (
     DatasetNotFoundError,
     Forbidden,
     MalformedPushError,
+    NotReplicatedError,
     PushOutOfOrderError,
     PushRejectedError,
     PushTooLargeError,
@@ -114,7 +116,14 @@ async def push_records(request: web.Request) -> web.StreamResponse:
         response = error_response(404, "not_found", str(exc))
     except WrongDatasetKindError as exc:
         response = error_response(409, "not_a_push_dataset", str(exc))
+    except NotReplicatedError as exc:
+        # On the master, not yet on a replica: not acknowledged; the retry with the same
+        # seq appends nothing twice and is answered once a replica has the batch.
+        response = error_response(503, "not_replicated", str(exc),
+                                  {"Retry-After": str(RETRY_AFTER_S)})
     except (RedisError, OSError) as exc:
+        # Redis out of reach, or failing over (a cluster's MOVED/CLUSTERDOWN/TRYAGAIN):
+        # nothing acknowledged, the producer resends the same seq.
         response = unavailable(exc)
     if response.status >= 400 and response.status != 429:
         response.force_close()  # the rest of a refused body is not worth reading

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import redis
 
+from trainer_client import redis_client
 from trainguard.core import streams
 
 
@@ -22,7 +23,7 @@ def create(url: str, name: str, *, partitions: int = 4, epochs: int | None = 1,
         name=name, partitions=partitions, source="file:///nowhere", format="npy",
         sample_len=sample_len, epochs=epochs,
     )
-    client = redis.Redis.from_url(url)
+    client = redis_client.client(url)
     try:
         client.hset(streams.meta_key(name), mapping=spec.to_redis())
         client.sadd(streams.datasets_key(), name)
@@ -47,7 +48,7 @@ def fill(
 ) -> None:
     """Append records ``start .. n-1``; with ``finish``, publish the end marks."""
     P = spec.partitions
-    client = redis.Redis.from_url(url)
+    client = redis_client.client(url)
     try:
         for lo in range(start, n, chunk):
             pipe = client.pipeline(transaction=False)

@@ -16,6 +16,7 @@ from typing import Any
 import redis
 
 from ingest_service.planner import Planned, plan_spec_epoch
+from trainer_client import redis_client as trainer_redis
 from trainguard.core import streams
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
@@ -58,7 +59,7 @@ def expected_partitions(spec: streams.DatasetSpec, storage_options: Any = None) 
 
 
 def read_partitions(url: str, spec: streams.DatasetSpec) -> list[Entries]:
-    client = redis.Redis.from_url(url)
+    client = trainer_redis.client(url)
     try:
         return [
             [(i, dict(f)) for i, f in client.xrange(streams.partition_key(spec.name, p))]
@@ -104,7 +105,7 @@ def kill_at_random_points(url: str, spec: streams.DatasetSpec, total: int, kills
     the end. Returns how many kills hit a running producer."""
     rng = random.Random(seed)
     targets = sorted(rng.sample(range(total // 50, total - total // 50), kills))
-    client = redis.Redis.from_url(url)
+    client = trainer_redis.client(url)
     landed = 0
     try:
         for target in targets:

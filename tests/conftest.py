@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import MotoServer, RedisServer
+from tests.servers import MotoServer, RedisCluster, RedisServer
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -57,3 +57,56 @@ _buckets = itertools.count()
 def s3_bucket(moto_server: MotoServer) -> str:
     """A fresh, empty bucket on the moto server; returns its name."""
     return moto_server.create_bucket(f"tg-test-{os.getpid()}-{next(_buckets)}")
+
+
+@pytest.fixture(scope="session")
+def _shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(_shared_cluster: RedisCluster) -> RedisCluster:
+    """A Redis Cluster (3 masters, 3 replicas), emptied for this test. Shared by the
+    tests of a session, because starting one costs seconds: a test that kills nodes
+    uses ``redis_cluster_factory`` instead."""
+    _shared_cluster.wait_healthy()
+    _shared_cluster.flushall()
+    return _shared_cluster
+
+
+@pytest.fixture
+def redis_cluster_factory(tmp_path: Path) -> Iterator[Callable[[], RedisCluster]]:
+    """Starts a Redis Cluster of this test's own, killed when the test ends."""
+    started: list[RedisCluster] = []
+
+    def start() -> RedisCluster:
+        cluster = RedisCluster(tmp_path / f"cluster-{len(started)}")
+        started.append(cluster)
+        return cluster.start()
+
+    yield start
+    for cluster in started:
+        cluster.stop()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def any_redis(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
+    """The test runs twice: on one redis-server, and on a Redis Cluster. Both have
+    ``url``, which is all the parts are given."""
+    if request.param == "single":
+        return request.getfixturevalue("redis_server")  # type: ignore[no-any-return]
+    return request.getfixturevalue("redis_cluster")  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=["single", pytest.param("cluster", marks=pytest.mark.chaos)])
+def redis_target(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
+    """Like ``any_redis``, but the cluster leg runs only under ``-m chaos``: the rest of
+    the integration tests, beyond the representative subset that runs on both by
+    default (``any_redis``), which the 2-core CI budget does not take twice."""
+    if request.param == "single":
+        return request.getfixturevalue("redis_server")  # type: ignore[no-any-return]
+    return request.getfixturevalue("redis_cluster")  # type: ignore[no-any-return]

@@ -175,3 +175,208 @@ class MotoServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class RedisCluster:
+    """A real Redis Cluster: ``masters`` masters with ``replicas`` replicas each, every
+    node a :class:`RedisServer` started with ``--cluster-enabled yes`` and joined by
+    ``redis-cli --cluster create``. ``cluster-node-timeout`` is short, so a master
+    killed with ``kill_master`` is replaced by its replica within about a second.
+    ``url`` is the ``redis+cluster://`` URL trainguard reads (every node listed)."""
+
+    NODE_TIMEOUT_MS = 500
+
+    def __init__(self, data_dir: Path, *, masters: int = 3, replicas: int = 1):
+        self.data_dir = data_dir
+        self.nodes = [
+            _ClusterNode(data_dir / f"node-{i}", node_timeout_ms=self.NODE_TIMEOUT_MS)
+            for i in range(masters * (1 + replicas))
+        ]
+        self.masters = masters
+        self.replicas = replicas
+        self._cut: set[int] = set()  # ports of replicas cut_replication cut off
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self) -> RedisCluster:
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is not on PATH: run `make test`, which installs it")
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60,
+        )
+        self.wait_healthy()
+        return self
+
+    def _info(self, node: RedisServer) -> tuple[str, str]:
+        """(``cluster_state``, role) as ``node`` sees them."""
+        import redis
+
+        client = redis.Redis(port=node.port, socket_timeout=2)
+        try:
+            state = client.execute_command("CLUSTER INFO")
+            info = state if isinstance(state, dict) else {}
+            role = client.execute_command("ROLE")[0]
+            return str(info.get("cluster_state", "")), role.decode() if isinstance(role, bytes) else role
+        finally:
+            client.close()
+
+    def wait_healthy(self, timeout_s: float = 60.0, *, replicas_synced: bool = True) -> None:
+        """Until every live node says ``cluster_state:ok`` and ``masters`` masters are
+        up and (``replicas_synced``) every live replica has finished its first sync."""
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                live = [n for n in self.nodes if n.is_running()]
+                seen = [self._info(n) for n in live]
+                healthy = (all(s == "ok" for s, _ in seen)
+                           and sum(r == "master" for _, r in seen) == self.masters)
+                if healthy and (not replicas_synced or all(
+                        self._synced(n) for n, (_, r) in zip(live, seen) if r == "slave")):
+                    return
+            except (redis.exceptions.RedisError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Redis Cluster in {self.data_dir} not healthy within {timeout_s} s")
+            time.sleep(0.05)
+
+    def _synced(self, node: RedisServer) -> bool:
+        import redis
+
+        client = redis.Redis(port=node.port, socket_timeout=2)
+        try:
+            return client.info("replication").get("master_link_status") == "up"
+        finally:
+            client.close()
+
+    def flushall(self) -> None:
+        """Empty every master (replicas follow) and forget loaded scripts."""
+        import redis
+
+        for node in self.nodes:
+            if not node.is_running():
+                continue
+            client = redis.Redis(port=node.port, socket_timeout=5)
+            try:
+                if client.execute_command("ROLE")[0] in (b"master", "master"):
+                    client.flushall()
+                    client.script_flush()
+            finally:
+                client.close()
+
+    def wait_replicated(self, timeout_s: float = 30.0) -> None:
+        """Until every live replica has every write its master has (a test's fixture
+        data must not be what a failover loses)."""
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            behind = False
+            for node in self.nodes:
+                if not node.is_running():
+                    continue
+                client = redis.Redis(port=node.port, socket_timeout=5)
+                try:
+                    info = client.info("replication")
+                finally:
+                    client.close()
+                if info.get("role") != "master":
+                    continue
+                for k, v in info.items():
+                    if k.startswith("slave") and isinstance(v, dict):
+                        behind |= int(v["offset"]) < int(info["master_repl_offset"])
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas of {self.data_dir} did not catch up in {timeout_s} s")
+            time.sleep(0.05)
+
+    def master_of(self, key: str) -> RedisServer:
+        """The node that serves ``key``'s slot now."""
+        import redis
+
+        for node in self.nodes:
+            if not node.is_running():
+                continue
+            client = redis.Redis(port=node.port, socket_timeout=2)
+            try:
+                slot = client.execute_command("CLUSTER KEYSLOT", key)
+                for start, end, master, *_ in client.execute_command("CLUSTER SLOTS"):
+                    if start <= slot <= end:
+                        port = int(master[1])
+                        return next(n for n in self.nodes if n.port == port)
+            except redis.exceptions.RedisError:
+                continue
+            finally:
+                client.close()
+        raise RuntimeError(f"no live node of {self.data_dir} knows the owner of {key!r}")
+
+    def cut_replication(self, key: str) -> None:
+        """From now on, the replicas of ``key``'s master get none of its writes (they
+        authenticate as a user that does not exist, and the master drops them): a
+        ``kill_master`` then surely loses those writes, which asynchronous replication
+        only may."""
+        import redis
+
+        master = redis.Redis(port=self.master_of(key).port, socket_timeout=2)
+        try:
+            for role in master.execute_command("ROLE")[2]:
+                replica = redis.Redis(port=int(role[1]), socket_timeout=2)
+                try:
+                    replica.config_set("masteruser", "tg-no-such-user")
+                    replica.config_set("masterauth", "tg-no-such-password")
+                finally:
+                    replica.close()
+                self._cut.add(int(role[1]))
+            master.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        finally:
+            master.close()
+
+    def kill_master(self, key: str) -> RedisServer:
+        """kill -9 the master serving ``key`` and wait until its replica took over (the
+        cluster says ok again). Returns the killed node (``restart()`` brings it back as
+        a replica)."""
+        import redis
+
+        victim = self.master_of(key)
+        victim.kill()
+        self.wait_healthy(replicas_synced=not self._cut)
+        for port in self._cut:
+            replica = redis.Redis(port=port, socket_timeout=2)
+            try:
+                replica.config_set("masteruser", "")
+                replica.config_set("masterauth", "")
+            finally:
+                replica.close()
+        self._cut.clear()
+        return victim
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+
+class _ClusterNode(RedisServer):
+    def __init__(self, data_dir: Path, *, node_timeout_ms: int):
+        super().__init__(data_dir)
+        self.node_timeout_ms = node_timeout_ms
+        # The bus port defaults to port + 10000, which a free port may exceed.
+        self.bus_port = free_port()
+
+    def _args(self) -> list[str]:
+        return [
+            *super()._args(), "--cluster-enabled", "yes",
+            "--cluster-config-file", str(self.data_dir / "nodes.conf"),
+            "--cluster-node-timeout", str(self.node_timeout_ms),
+            "--cluster-port", str(self.bus_port),
+            # A replica of a killed master must promote itself however stale it is.
+            "--cluster-replica-validity-factor", "0",
+        ]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import redis.asyncio as aioredis
 
+from ingest_service import redis_client as ingest_redis
 from ingest_service.admin import AdminConfig
 from tests.admin_helpers import AUTH, admin_client, make_dataset, make_group
 from trainguard.core import streams
@@ -20,13 +20,13 @@ def _is_error(body: object, code: str) -> bool:
     )
 
 
-async def test_list_and_show_dataset(redis_server):
+async def test_list_and_show_dataset(any_redis):
     """List and show report exactly what Redis holds: per-partition length, first and
     last ID, producer position from the last ID, paused flag, dead-letter count."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(any_redis.url)
     await make_dataset(r, partitions=2, per_partition=5)
     await r.sadd(streams.paused_key("toy"), "1")
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(any_redis.url) as client:
         resp = await client.get("/admin/datasets")
         assert resp.status == 200
         (listed,) = (await resp.json())["datasets"]
@@ -46,15 +46,15 @@ async def test_list_and_show_dataset(redis_server):
     await r.aclose()
 
 
-async def test_groups_report_delivered_committed_lag_pending(redis_server):
+async def test_groups_report_delivered_committed_lag_pending(any_redis):
     """Per group and partition: last delivered ID, committed offset, lag, pending and
     the consumer that holds the pending entries."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(any_redis.url)
     await make_dataset(r, partitions=2, per_partition=5)
     await make_group(r, "toy", "run1", 2)
     await r.xreadgroup("run1", "rank0", {streams.partition_key("toy", 0): ">"}, count=3)
     await r.hset(streams.committed_key("toy", "run1"), mapping={"0": "1-1"})
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(any_redis.url) as client:
         resp = await client.get("/admin/datasets/toy/groups")
         assert resp.status == 200
         (group,) = (await resp.json())["groups"]
@@ -69,10 +69,10 @@ async def test_groups_report_delivered_committed_lag_pending(redis_server):
     await r.aclose()
 
 
-async def test_seek_earliest_latest_and_ids(redis_server):
+async def test_seek_earliest_latest_and_ids(any_redis):
     """Seek moves the group's last-delivered ID: latest -> last entry, ids -> exactly
     those, earliest -> the group's retention floor (the lowest safe position)."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(any_redis.url)
     await make_dataset(r, partitions=2, per_partition=5)
     await make_group(r, "toy", "run1", 2, floor={0: "1-1", 1: "1-0"})
     key0, key1 = streams.partition_key("toy", 0), streams.partition_key("toy", 1)
@@ -82,7 +82,7 @@ async def test_seek_earliest_latest_and_ids(redis_server):
         g1 = (await r.xinfo_groups(key1))[0]["last-delivered-id"].decode()
         return g0, g1
 
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(any_redis.url) as client:
         url = "/admin/datasets/toy/groups/run1/seek"
         resp = await client.post(url, json={"to": "latest"}, headers=AUTH)
         assert resp.status == 200
@@ -99,10 +99,12 @@ async def test_seek_earliest_latest_and_ids(redis_server):
     await r.aclose()
 
 
-async def test_seek_below_floor_is_refused_and_changes_nothing(redis_server):
+async def test_seek_below_floor_is_refused_and_changes_nothing(any_redis):
     """A seek below the group's retention floor, or below entries Redis already
-    deleted, is 409 and moves no partition (all targets are checked first)."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    deleted, is 409 and moves no partition (all targets are checked first, on a
+    cluster too, where the move itself goes partition by partition)."""
+    redis_server = any_redis
+    r = ingest_redis.client(redis_server.url)
     await make_dataset(r, partitions=2, per_partition=5)
     await make_group(r, "toy", "run1", 2, floor={0: "1-3"})
     key0, key1 = streams.partition_key("toy", 0), streams.partition_key("toy", 1)
@@ -124,10 +126,10 @@ async def test_seek_below_floor_is_refused_and_changes_nothing(redis_server):
     await r.aclose()
 
 
-async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
+async def test_bad_input_is_4xx_with_the_error_shape(redis_target):
     """Unknown dataset/group, bad names, bad IDs, bad partitions, malformed or wrong
     JSON bodies and unknown routes all answer 4xx with {"error": {code, message}}."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=2, per_partition=3)
     await make_group(r, "toy", "run1", 2)
     seek = "/admin/datasets/toy/groups/run1/seek"
@@ -154,7 +156,7 @@ async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
         ("GET", "/admin/nothing-here", None, 404, "not_found"),
         ("PUT", "/admin/datasets", None, 405, "method_not_allowed"),
     ]
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(redis_target.url) as client:
         for method, path, body, status, code in cases:
             resp = await client.request(method, path, json=body, headers=AUTH)
             got = await resp.json()
@@ -166,14 +168,14 @@ async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
     await r.aclose()
 
 
-async def test_mutations_need_the_bearer_token(redis_server):
+async def test_mutations_need_the_bearer_token(redis_target):
     """Mutating routes: no header -> 401 (with WWW-Authenticate), wrong token or wrong
     scheme -> 403, and nothing moves; read routes need no token."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=1, per_partition=3)
     await make_group(r, "toy", "run1", 1)
     seek = "/admin/datasets/toy/groups/run1/seek"
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(redis_target.url) as client:
         resp = await client.post(seek, json={"to": "latest"})
         assert resp.status == 401 and _is_error(await resp.json(), "unauthorized")
         assert resp.headers["WWW-Authenticate"] == "Bearer"
@@ -193,13 +195,13 @@ async def test_mutations_need_the_bearer_token(redis_server):
     await r.aclose()
 
 
-async def test_without_configured_token_mutations_are_refused(redis_server):
+async def test_without_configured_token_mutations_are_refused(redis_target):
     """No TRAINGUARD_ADMIN_TOKEN: every mutation is 403 mutations_disabled, whatever
     token is sent (refused, not open)."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=1, per_partition=3)
     await make_group(r, "toy", "run1", 1)
-    async with admin_client(redis_server.url, token=None) as client:
+    async with admin_client(redis_target.url, token=None) as client:
         for headers in ({}, AUTH, {"Authorization": "Bearer "}):
             resp = await client.post("/admin/datasets/toy/groups/run1/seek",
                                      json={"to": "latest"}, headers=headers)
@@ -241,38 +243,38 @@ def test_service_binds_loopback_unless_told_otherwise():
     assert parser.parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
 
 
-async def test_seek_earliest_after_trim_reads_exactly_what_is_left(redis_server):
+async def test_seek_earliest_after_trim_reads_exactly_what_is_left(redis_target):
     """After trimming, 'earliest' is the ID just below the first entry left, so the
     group's next read starts at exactly that entry: within an epoch (1-2 -> 1-1) and
     across an epoch boundary (2-0 -> 1-<max>)."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=2, per_partition=4)
     key0, key1 = streams.partition_key("toy", 0), streams.partition_key("toy", 1)
     await r.xadd(key1, streams.encode_record({"epoch": 1}), id=streams.make_id(1, 0))
     await make_group(r, "toy", "run1", 2)
     await r.xtrim(key0, minid="1-2", approximate=False)
     await r.xtrim(key1, minid="2-0", approximate=False)
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(redis_target.url) as client:
         resp = await client.post("/admin/datasets/toy/groups/run1/seek",
                                  json={"to": "earliest"}, headers=AUTH)
         assert resp.status == 200
         assert (await resp.json())["offsets"] == {"0": "1-1", "1": f"1-{2**64 - 1}"}
-    got = await r.xreadgroup("run1", "c", {key0: ">", key1: ">"}, count=1)
-    assert {k.decode(): entries[0][0] for k, entries in got} == {key0: b"1-2", key1: b"2-0"}
+    got = [await r.xreadgroup("run1", "c", {key: ">"}, count=1) for key in (key0, key1)]
+    assert {k.decode(): entries[0][0] for ((k, entries),) in got} == {key0: b"1-2", key1: b"2-0"}
     await r.aclose()
 
 
-async def test_seek_refuses_a_group_with_an_active_consumer_unless_forced(redis_server):
+async def test_seek_refuses_a_group_with_an_active_consumer_unless_forced(redis_target):
     """A consumer that just read (a running trainer) makes a seek 409 group_active
     and nothing moves; with "force": true the seek goes through; a non-boolean force
     is 400."""
-    r = aioredis.Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=2, per_partition=4)
     await make_group(r, "toy", "run1", 2)
     key1 = streams.partition_key("toy", 1)
     await r.xreadgroup("run1", "rank0", {key1: ">"}, count=1)
     url = "/admin/datasets/toy/groups/run1/seek"
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(redis_target.url) as client:
         resp = await client.post(url, json={"to": "latest"}, headers=AUTH)
         body = await resp.json()
         assert resp.status == 409 and body["error"]["code"] == "group_active"

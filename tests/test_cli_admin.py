@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
-import redis
-import redis.asyncio as aioredis
 import torch
 from safetensors.torch import load_file
 
 from checkpoint_store import CheckpointStore
+from ingest_service import redis_client as ingest_redis
 from tests.admin_helpers import make_dataset, make_group, save_checkpoints
+from trainer_client import redis_client as trainer_redis
 from trainguard.core import streams
 from trainguard.ops.cli import build_parser, main
 
@@ -31,7 +31,7 @@ def run(capsys, *argv: str) -> tuple[int, object]:
 
 def _seed(url: str, *, group_floor: dict[int, str] | None = None) -> None:
     async def go() -> None:
-        r = aioredis.Redis.from_url(url)
+        r = ingest_redis.client(url)
         await make_dataset(r, partitions=2, per_partition=4)
         await make_group(r, "toy", "run1", 2, floor=group_floor)
         await r.aclose()
@@ -39,10 +39,10 @@ def _seed(url: str, *, group_floor: dict[int, str] | None = None) -> None:
     asyncio.run(go())
 
 
-def test_datasets_commands(redis_server, capsys):
+def test_datasets_commands(any_redis, capsys):
     """create -> ls/show report it; creating it again with other settings is refused
     (exit 4); show of an unknown one is exit 3; delete needs --yes, then removes it."""
-    url = redis_server.url
+    url = any_redis.url
     code, out = run(capsys, "datasets", "create", "tok", "--source", "memory://t.jsonl",
                     "--partitions", "3", "--redis-url", url, "--json")
     assert (code, out) == (0, {"created": "tok", "partitions": 3})
@@ -65,13 +65,13 @@ def test_datasets_commands(redis_server, capsys):
     assert code == 2
     code, _ = run(capsys, "datasets", "delete", "tok", "--yes", "--redis-url", url)
     assert code == 0
-    assert not redis.Redis.from_url(url).exists(streams.meta_key("tok"))
+    assert not trainer_redis.client(url).exists(streams.meta_key("tok"))
 
 
-def test_offsets_show_and_seek(redis_server, capsys):
+def test_offsets_show_and_seek(any_redis, capsys):
     """offsets show reports delivered/lag per partition; seek --to/--ids moves the
     group; a seek below the floor is exit 4 and changes nothing."""
-    url = redis_server.url
+    url = any_redis.url
     _seed(url, group_floor={0: "1-1"})
     code, out = run(capsys, "offsets", "show", "toy", "--redis-url", url, "--json")
     assert code == 0
@@ -92,13 +92,13 @@ def test_offsets_show_and_seek(redis_server, capsys):
     assert code == 2
     code, out = run(capsys, "offsets", "show", "toy", "--group", "run1", "--redis-url", url)
     assert code == 0 and "1-3" in out and "1-1" in out
-    r = redis.Redis.from_url(url)
+    r = trainer_redis.client(url)
     assert r.xinfo_groups(streams.partition_key("toy", 0))[0]["last-delivered-id"] == b"1-3"
 
 
-def test_offsets_seek_to_checkpoint(redis_server, capsys, tmp_path):
+def test_offsets_seek_to_checkpoint(redis_target, capsys, tmp_path):
     """seek --checkpoint URL --step N moves the group to that manifest's offsets."""
-    url = redis_server.url
+    url = redis_target.url
     _seed(url)
     save_checkpoints(str(tmp_path / "ck"), [7], {0: "1-2", 1: "1-0"})
     code, out = run(capsys, "offsets", "seek", "toy", "run1", "--checkpoint",

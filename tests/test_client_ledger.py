@@ -9,15 +9,17 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 import torch
 
 from tests import _client_fill as cf
 from tests import _client_ledger as ledger
+from tests.servers import RedisCluster
+from trainer_client import redis_client
 from trainguard.core import streams
 
 N = 3000
@@ -36,7 +38,7 @@ def _check(url: str, store: str) -> None:
     assert (lost, dup) == (0, 0), f"{lost} records lost, {dup} trained more than once"
     assert torch.equal(counts, torch.ones(N))
     # the final manifest's offsets are each partition's last ID, and Redis agrees
-    client = redis.Redis.from_url(url)
+    client = redis_client.client(url)
     progress = client.hgetall(streams.progress_key("tok"))
     ends = {p: progress[streams.progress_end_field(p)].decode() for p in range(P)}
     assert streams.offsets_from_wire(extra["trainguard"]["offsets"]) == ends
@@ -105,53 +107,136 @@ def test_ledger_redis_killed_with_aof_everysec(redis_factory, tmp_path: Path) ->
     _check(server.url, store)
 
 
-def test_ledger_producer_killed_too(redis_server, tmp_path: Path) -> None:
+def _cluster_ledger(cluster: RedisCluster, tmp_path: Path, *, kills: int, seed: int,
+                    workers: int, world_for: Callable[[int], int] = lambda attempt: 1) -> None:
+    """Trainer kills on a Redis Cluster, and in the second attempt a kill -9 of the
+    master of partition 0 (its replica promoted; replication is asynchronous, so
+    the acks, group moves and fences it had not passed on are lost)."""
+    spec = cf.create(cluster.url, "tok", partitions=P)
+    cf.fill(cluster.url, spec, N)
+    cluster.wait_replicated()  # the dataset itself is on the replicas
+    store = f"file://{tmp_path}/ckpt"
+    rng = random.Random(seed)
+    killed: list[int] = []
+
+    def during(attempt: int, job: ledger.Job) -> None:
+        if attempt == 1:
+            job.sleep(rng.uniform(0.0, 0.5))
+            killed.append(cluster.kill_master(streams.partition_key("tok", 0)).port)
+
+    got = ledger.run_until_done(_args(cluster.url, store, "--workers", str(workers)), kills=kills,
+                                seed=seed, log=tmp_path / "job.log", during=during,
+                                world_for=world_for)
+    assert got == kills
+    assert len(killed) == 1
+    _check(cluster.url, store)
+
+
+def test_ledger_cluster_master_killed(redis_cluster_factory, tmp_path: Path) -> None:
+    """On a Redis Cluster, DataLoader workers (2), 4 trainer SIGKILLs and one master
+    SIGKILL mid-run: every record counted once."""
+    _cluster_ledger(redis_cluster_factory(), tmp_path, kills=4, seed=11, workers=2)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("seed", range(20))
+def test_ledger_cluster_master_killed_20_seeds(redis_cluster_factory, tmp_path: Path,
+                                               seed: int) -> None:
+    """The same, 20 times, with random kill points and 0 or 2 workers."""
+    _cluster_ledger(redis_cluster_factory(), tmp_path, kills=6, seed=100 + seed,
+                    workers=2 * (seed % 2))
+
+
+@pytest.mark.chaos
+def test_ledger_cluster_world_size_2_then_1(redis_cluster_factory, tmp_path: Path) -> None:
+    """Elastic on a cluster: two ranks (gloo) through the master kill, then one rank;
+    every record counted once."""
+    _cluster_ledger(redis_cluster_factory(), tmp_path, kills=4, seed=21, workers=0,
+                    world_for=lambda attempt: 2 if attempt < 3 else 1)
+
+
+def _producer_ledger(url: str, tmp_path: Path, *, seed: int, kills: int,
+                     take_over: bool) -> None:
     """The real ingest producer (backlog bound 150 entries per partition, so it keeps
-    pausing for the trainer's commits) is SIGKILLed and restarted while trainers are
-    killed: the producer resumes from the partitions' last IDs, the trainer from its
-    checkpoint, and every record is counted once."""
+    pausing for the trainer's commits) is SIGKILLed while trainers are killed too.
+    Without ``take_over`` it is restarted each time; with it, two producers share the
+    partitions (leases of 600 ms) and the first is killed once, for good: the second
+    takes its partitions over. Every record is counted once."""
     source = tmp_path / "tokens.npy"
     np.save(source, np.repeat(np.arange(N, dtype=np.int64), 8))
-    cmd = [sys.executable, str(ledger.ROOT / "tests" / "_client_produce.py"), redis_server.url,
-           "tok", str(source), str(P), "150"]
+    cmd = [sys.executable, str(ledger.ROOT / "tests" / "_client_produce.py"), url,
+           "tok", str(source), str(P), "150", "600"]
     env = {**os.environ, "PYTHONPATH": str(ledger.ROOT)}
     procs: list[subprocess.Popen[bytes]] = []
 
-    def producer_alive() -> bool:
-        return bool(procs) and procs[-1].poll() is None
-
     def start_producer() -> None:
-        with open(tmp_path / "producer.log", "ab") as log:
+        with open(tmp_path / f"producer-{len(procs)}.log", "ab") as log:
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
 
-    rng = random.Random(8)
+    rng = random.Random(seed)
 
     def during(attempt: int, job: ledger.Job) -> None:
-        if attempt % 2 == 0 and producer_alive():
+        if take_over:
+            if attempt == 0:
+                job.sleep(rng.uniform(0.0, 0.5))
+                procs[0].kill()
+                procs[0].wait()
+        elif attempt % 2 == 0 and procs[-1].poll() is None:
             job.sleep(rng.uniform(0.0, 0.3))
             procs[-1].kill()
             procs[-1].wait()
             start_producer()
 
-    client = redis.Redis.from_url(redis_server.url)
-    start_producer()
+    client = redis_client.client(url)
+    for _ in range(2 if take_over else 1):
+        start_producer()
     try:
         deadline = time.monotonic() + 60
         while not client.exists(streams.meta_key("tok")):
-            assert time.monotonic() < deadline and producer_alive(), "producer did not create the dataset"
+            assert time.monotonic() < deadline and procs[-1].poll() is None, \
+                "producer did not create the dataset"
             time.sleep(0.05)
         store = f"file://{tmp_path}/ckpt"
-        kills = ledger.run_until_done(_args(redis_server.url, store), kills=8, seed=9,
-                                      log=tmp_path / "job.log", during=during)
-        assert kills == 8
+        got = ledger.run_until_done(_args(url, store), kills=kills, seed=seed,
+                                    log=tmp_path / "job.log", during=during)
+        assert got == kills
         assert procs[-1].wait(60) == 0
-        assert len(procs) > 1  # it really was killed and restarted
-        _check(redis_server.url, store)
+        if take_over:
+            assert procs[0].returncode == -9
+            first = (tmp_path / "producer-0.log").read_text()
+            second = (tmp_path / "producer-1.log").read_text()
+            assert "writes partitions [" in first  # it held a share when it was killed
+            assert f"writes partitions {list(range(P))}" in second  # and the rest took it
+        else:
+            assert len(procs) > 1  # it really was killed and restarted
+        _check(url, store)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_ledger_producer_killed_too(redis_server, tmp_path: Path) -> None:
+    """One producer, SIGKILLed and restarted while trainers are killed: it resumes
+    from the partitions' last IDs, the trainer from its checkpoint; each record once."""
+    _producer_ledger(redis_server.url, tmp_path, seed=8, kills=8, take_over=False)
+
+
+def test_ledger_cluster_producer_taken_over(redis_cluster, tmp_path: Path) -> None:
+    """On a Redis Cluster, two ingest producers share the partitions; one is SIGKILLed
+    for good while trainers are killed: the other takes its partitions over when their
+    leases expire and continues them under the same deterministic IDs. Every record is
+    counted once, from the final checkpoint."""
+    _producer_ledger(redis_cluster.url, tmp_path, seed=31, kills=4, take_over=True)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("seed", range(20))
+def test_ledger_cluster_producer_taken_over_20_seeds(redis_cluster, tmp_path: Path,
+                                                     seed: int) -> None:
+    """The same, 20 times, with random kill points."""
+    _producer_ledger(redis_cluster.url, tmp_path, seed=200 + seed, kills=4, take_over=True)
 
 
 @pytest.mark.chaos

@@ -167,6 +167,38 @@ def test_dockerfile_copies_what_exists_and_dockerignore_keeps_it():
                 assert src not in ignored, src
 
 
+def test_cluster_profile_is_three_masters_three_replicas(compose):
+    """The cluster profile: six cluster-enabled AOF nodes on their own volumes, each
+    announcing its service name; one init job joins all six with one replica per
+    master once they are healthy; the second service starts after it, on a
+    redis+cluster:// URL naming nodes of this profile (which trainguard parses)."""
+    from trainguard.core import redis_url
+
+    services = compose["services"]
+    nodes = sorted(n for n, s in services.items() if s.get("profiles") == ["cluster"]
+                   and n.startswith("redis-c") and n != "redis-cluster-init")
+    assert nodes == [f"redis-c{i}" for i in range(1, 7)]
+    for name in nodes:
+        svc = services[name]
+        cmd = " ".join(_command(svc))
+        assert "--cluster-enabled yes" in cmd and "--appendonly yes" in cmd
+        assert "--cluster-announce-hostname $(hostname)" in cmd.replace("$$", "$")
+        assert svc["hostname"] == name and "healthcheck" in svc
+        (volume,) = svc["volumes"]
+        assert volume == f"{name}-data:/data" and f"{name}-data" in compose["volumes"]
+    init = services["redis-cluster-init"]
+    assert set(init["depends_on"]) == set(nodes)
+    script = " ".join(_command(init))
+    assert "--cluster-replicas 1" in script and "for n in 1 2 3 4 5 6" in script
+    svc = services["trainguard-cluster"]
+    assert svc["depends_on"] == {"redis-cluster-init": {"condition": "service_completed_successfully"}}
+    url = _flag(_command(svc), "--redis-url")
+    assert url == svc["environment"]["TRAINGUARD_REDIS_URL"]
+    target = redis_url.parse(url)
+    assert target.cluster and {h for h, _ in target.nodes} <= set(nodes)
+    assert build_parser().parse_args(_command(svc)[1:]).handler is not None
+
+
 def test_urls_name_services_and_store_roots_parse(compose):
     """Every redis:// or http:// host in commands and environment is a compose
     service, and the admin's checkpoint store setting parses."""

@@ -18,8 +18,8 @@ from pathlib import Path
 import msgpack
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from redis.asyncio import Redis
 
+from ingest_service import redis_client as ingest_redis
 from ingest_service.app import create_app
 from ingest_service.auth import PushTokens
 from ingest_service.backlog import BacklogLimits
@@ -73,18 +73,18 @@ def _lines(*values: object) -> bytes:
 
 
 async def test_health_ready_and_background_producer_metrics(
-    redis_server: RedisServer, tmp_path: Path
+    any_redis: RedisServer, tmp_path: Path
 ) -> None:
     """/healthz and /readyz answer 200; a file dataset registered while the app runs is
     produced in the background, and /metrics counts exactly its records; deleted and
     registered again under the same name (after its producer finished), it is
     produced again, exactly."""
     write_jsonl(tmp_path, 700)
-    async with serving(_config(redis_server)) as client:
+    async with serving(_config(any_redis)) as client:
         assert (await client.get("/healthz")).status == 200
         ready = await client.get("/readyz")
         assert ready.status == 200 and (await ready.json())["ready"] is True
-        r = Redis.from_url(redis_server.url)
+        r = ingest_redis.client(any_redis.url)
         spec = streams.DatasetSpec(name="bg", partitions=3, source=str(tmp_path / "*.jsonl"))
         await create_dataset(r, spec)
 
@@ -108,7 +108,7 @@ async def test_background_failure_of_any_kind_is_logged(
     """A producer that fails with a Redis error reply (a partition key of the wrong
     type) is logged with its dataset, not retried in silence."""
     write_jsonl(tmp_path, 10)
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await r.set(streams.partition_key("bad", 0), b"not a stream")
     async with serving(_config(redis_server)):
         await create_dataset(r, streams.DatasetSpec(
@@ -133,15 +133,15 @@ async def test_readyz_is_503_without_redis(redis_server: RedisServer) -> None:
 
 
 async def test_push_retry_is_appended_once_and_producers_keep_their_sequences(
-    redis_server: RedisServer,
+    any_redis: RedisServer,
 ) -> None:
     """The same batch sent 3 times is appended once (the retries answer appended=false);
     a seq that skips ahead is 409 with the mark; two producers pushing concurrently
     each keep their own marks; the partition holds every record once, each producer's
     in its seq order."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(any_redis.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
-    async with serving(_config(redis_server)) as client:
+    async with serving(_config(any_redis)) as client:
         answers = []
         for _ in range(3):
             resp = await _push(client, "rl", "a", 0, _lines({"p": "a", "n": 0}, {"p": "a", "n": 1}))
@@ -178,7 +178,7 @@ async def test_a_batch_of_several_slices_is_appended_once_after_redis_lost_its_s
     Redis restarted without its scripts) the first slice finds the script missing, it is
     loaded, and the batch is appended whole, once, in order, with the mark at its seq;
     the next batch goes in normally."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
     async with serving(_config(redis_server, produce=False)) as client:
         resp = await _push(client, "rl", "a", 0, msgpack.packb([b"warm"]), "application/msgpack")
@@ -204,7 +204,7 @@ async def test_push_follows_a_dataset_recreated_with_other_partitions(
     guessing the partition from the spec it saw last: after the dataset is deleted and
     created again with another partition count, a producer's batches go to (and its mark
     is read from) the partition the new spec gives, never the old one."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
     producer = next(f"actor-{i}" for i in range(100) if choose_partition(f"actor-{i}", 4) != 0)
     async with serving(_config(redis_server, produce=False)) as client:
@@ -233,7 +233,7 @@ async def test_push_rejects_malformed_and_oversized_bodies(redis_server: RedisSe
     """400 with the reason for bad JSON, bad msgpack, a missing seq or an empty body;
     413 for a body over the limit and for a record over max_record_bytes; 404 for an
     unknown dataset; 409 for a file dataset. Nothing is appended by any of them."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=2, format="push",
                                                 max_record_bytes=200))
     await create_dataset(r, streams.DatasetSpec(name="files", source="memory://x.jsonl"))
@@ -264,7 +264,7 @@ async def test_push_rejects_malformed_and_oversized_bodies(redis_server: RedisSe
 async def test_push_backlog_full_is_429_until_consumers_commit(redis_server: RedisServer) -> None:
     """At the backlog bound a new batch gets 429 with Retry-After (a retry of an appended
     batch is still acknowledged); once the consumer group commits, pushes go through."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
     await r.sadd(streams.groups_key("rl"), "run1")
     config = _config(redis_server, produce=False, limits=BacklogLimits(max_entries=4))
@@ -294,10 +294,10 @@ def _get(url: str) -> int:
         return 0
 
 
-def test_sigterm_stops_the_service_with_exit_0(redis_server: RedisServer) -> None:
+def test_sigterm_stops_the_service_with_exit_0(redis_target: RedisServer) -> None:
     """``python -m trainguard serve`` serves /healthz, and exits 0 on SIGTERM."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": redis_server.url}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": redis_target.url}
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainguard", "serve", "--port", str(port)], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -319,7 +319,7 @@ def test_sigterm_stops_the_service_with_exit_0(redis_server: RedisServer) -> Non
 async def test_service_trims_push_datasets_below_the_floor(redis_server: RedisServer) -> None:
     """A push dataset has no producer; the service still applies retention to it: with
     a group's floor at the 3rd of 6 pushed entries, the 2 entries below it go."""
-    r = Redis.from_url(redis_server.url)
+    r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
     async with serving(_config(redis_server)) as client:
         assert (await _push(client, "rl", "a", 0, _lines(*range(6)))).status == 200

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
+from ingest_service import redis_client as ingest_redis
 from ingest_service.backlog import BacklogLimits
 from ingest_service.metrics import IngestMetrics
 from ingest_service.producer import Producer
@@ -22,7 +23,7 @@ def _metric(metrics: IngestMetrics, name: str, **labels: str) -> float:
 
 
 async def test_bad_records_go_to_dead_letters_and_the_run_goes_on(
-    redis_server: RedisServer, tmp_path: Path
+    any_redis: RedisServer, tmp_path: Path
 ) -> None:
     """Broken JSON, a line over max_record_bytes and records missing a required field
     end up in the dead-letter stream with their reason and file:line; every good record
@@ -42,7 +43,7 @@ async def test_bad_records_go_to_dead_letters_and_the_run_goes_on(
         name="dl", partitions=3, source=str(tmp_path / "src.jsonl"), max_record_bytes=300,
         options={"required_fields": ["i", "text"]},
     )
-    client = Redis.from_url(redis_server.url)
+    client = ingest_redis.client(any_redis.url)
     metrics = IngestMetrics()
     producer = Producer(client, spec, metrics=metrics)
     await producer.run()
@@ -60,7 +61,7 @@ async def test_bad_records_go_to_dead_letters_and_the_run_goes_on(
     assert first[streams.DL_PAYLOAD] == b'{"i": "broken'
     oversized = next(f for _, f in dead if f[streams.DL_REASON].startswith(b"oversized"))
     assert len(oversized[streams.DL_PAYLOAD]) == int(oversized[streams.DL_SIZE]) > 300
-    good = sorted(v["i"] for p in read_partitions(redis_server.url, spec) for v in values(p))
+    good = sorted(v["i"] for p in read_partitions(any_redis.url, spec) for v in values(p))
     assert good == list(range(300))
 
     await client.delete(streams.progress_key("dl"))
@@ -75,7 +76,7 @@ async def _uncommitted(client: Redis, spec: streams.DatasetSpec, p: int, committ
 
 
 async def test_backpressure_pauses_at_the_bound_and_resumes_on_commit(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """With a bound of 50 entries per partition and a consumer group that commits
     slowly, the producer pauses each partition at the bound (recorded in the paused set
@@ -83,7 +84,7 @@ async def test_backpressure_pauses_at_the_bound_and_resumes_on_commit(
     resumes after every commit, and completes with exactly the planned entries."""
     write_jsonl(tmp_path, 1000)
     spec = streams.DatasetSpec(name="bp", partitions=2, source=str(tmp_path / "*.jsonl"))
-    client = Redis.from_url(redis_server.url)
+    client = ingest_redis.client(redis_target.url)
     await client.sadd(streams.groups_key("bp"), "run1")
     metrics = IngestMetrics()
     limits = BacklogLimits(max_entries=50, poll_interval_s=0.01)
@@ -114,39 +115,39 @@ async def test_backpressure_pauses_at_the_bound_and_resumes_on_commit(
     assert _metric(metrics, "trainguard_ingest_pauses_total", dataset="bp") >= 2
     assert await client.smembers(streams.paused_key("bp")) == set()
     await client.aclose()
-    assert read_partitions(redis_server.url, spec) == expected_partitions(spec)
+    assert read_partitions(redis_target.url, spec) == expected_partitions(spec)
 
 
 async def test_retention_trims_only_below_the_smallest_floor_of_all_groups(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """Partition 0: two groups publish floors 1-40 and 1-90: trimmed to start at 1-40.
     Partition 1: only one group published a floor: not trimmed. A dataset without
     groups is not trimmed, unless max_len is set (then exactly max_len entries stay)."""
     write_jsonl(tmp_path, 400)
     spec = streams.DatasetSpec(name="ret", partitions=2, source=str(tmp_path / "*.jsonl"))
-    client = Redis.from_url(redis_server.url)
+    client = ingest_redis.client(redis_target.url)
     await client.sadd(streams.groups_key("ret"), "old", "new")
     await client.hset(streams.floor_key("ret", "old"), mapping={"0": "1-40"})
     await client.hset(streams.floor_key("ret", "new"), mapping={"0": "1-90", "1": "1-150"})
     await Producer(client, spec, maintenance_interval_s=0.01).run()
     expected = expected_partitions(spec)
-    parts = read_partitions(redis_server.url, spec)
+    parts = read_partitions(redis_target.url, spec)
     assert parts[0] == [e for e in expected[0] if streams.parse_id(e[0]) >= (1, 40)]
     assert parts[1] == expected[1]
 
     plain = streams.DatasetSpec(name="plain", partitions=2, source=str(tmp_path / "*.jsonl"))
     await Producer(client, plain, maintenance_interval_s=0.01).run()
-    assert read_partitions(redis_server.url, plain) == expected_partitions(plain)
+    assert read_partitions(redis_target.url, plain) == expected_partitions(plain)
     capped = streams.DatasetSpec(name="capped", partitions=2, source=str(tmp_path / "*.jsonl"))
     await Producer(client, capped, limits=BacklogLimits(max_len=30)).run()
-    for p, entries in enumerate(read_partitions(redis_server.url, capped)):
+    for p, entries in enumerate(read_partitions(redis_target.url, capped)):
         assert entries == expected_partitions(capped)[p][-30:]
     await client.aclose()
 
 
 async def test_deleting_a_dataset_stops_its_producer_without_recreating_it(
-    redis_server: RedisServer, tmp_path: Path
+    any_redis: RedisServer, tmp_path: Path
 ) -> None:
     """A producer paused by backpressure notices its dataset was deleted, returns with
     progress.deleted, and never re-creates the deleted partitions (NOMKSTREAM)."""
@@ -154,7 +155,7 @@ async def test_deleting_a_dataset_stops_its_producer_without_recreating_it(
 
     write_jsonl(tmp_path, 2000)
     spec = streams.DatasetSpec(name="gone", partitions=2, source=str(tmp_path / "*.jsonl"))
-    client = Redis.from_url(redis_server.url)
+    client = ingest_redis.client(any_redis.url)
     await client.sadd(streams.groups_key("gone"), "run1")
     producer = Producer(client, spec, limits=BacklogLimits(max_entries=40, poll_interval_s=0.01),
                         batch_records=20)
@@ -174,7 +175,7 @@ async def test_deleting_a_dataset_stops_its_producer_without_recreating_it(
 
 
 async def test_memory_stays_bounded_with_many_partitions(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """24 MiB of 8 KiB records over 256 partitions (few records each, so no partition
     fills a batch) with max_inflight_bytes=2 MiB: the producer's traced memory peak
@@ -186,7 +187,7 @@ async def test_memory_stays_bounded_with_many_partitions(
     np.save(tmp_path / "tok.npy", np.arange(3072 * 8192, dtype=np.uint8))
     spec = streams.DatasetSpec(name="mem", partitions=256, source=str(tmp_path / "tok.npy"),
                                format="npy", sample_len=8192, shuffle_buffer=16)
-    client = Redis.from_url(redis_server.url)
+    client = ingest_redis.client(redis_target.url)
     producer = Producer(client, spec, batch_bytes=256 * 1024, max_inflight_bytes=2 * 1024 * 1024)
     tracemalloc.start()
     try:

@@ -22,8 +22,9 @@ import redis
 from redis.driver_info import DriverInfo
 
 from trainer_client import offsets as ofs
+from trainer_client import redis_client
 from trainer_client.redis_retry import REDIS_RETRY_ON, trainer_redis_breaker, trainer_redis_retrier
-from trainguard.core import streams
+from trainguard.core import redis_url, streams
 
 if TYPE_CHECKING:
     from trainer_client.dataset import StreamingDataset
@@ -64,18 +65,22 @@ class Reader:
         self.consumer = consumer
         self.client: redis.Redis | None = None
         self.conn: redis.Connection | None = None
+        # On a cluster: one connection per partition, to the master of its slot (see
+        # _fenced_read_slots).
+        self.slot_conns: dict[int, redis.Connection] = {}
         self.positions: dict[int, str] = {}
         self.parsed: dict[int, streams.StreamId] = {}
         self.batches: dict[int, int] = {}
         self.ends: dict[int, str | None] | None = None
         self._commands: dict[tuple[tuple[int, int], ...], tuple[list[bytes], list[bytes]]] = {}
         # Made here, in the process that reads (a DataLoader worker): one per reader.
+        self.cluster = redis_url.parse(ds.redis_url).cluster
         self.breaker = trainer_redis_breaker(f"redis:{ds.group}:{consumer}")
         self.retrier = trainer_redis_retrier(self.breaker, ds.reconnect_timeout_s)
 
     def _connect(self) -> redis.Redis:
         if self.client is None:
-            self.client = redis.Redis.from_url(
+            self.client = redis_client.client(
                 self.ds.redis_url,
                 socket_timeout=self.ds.block_ms / 1000 + 10.0,
                 socket_connect_timeout=5.0,
@@ -92,6 +97,9 @@ class Reader:
         if self.conn is not None:
             self.conn.disconnect()
             self.conn = None
+        for conn in self.slot_conns.values():
+            conn.disconnect()
+        self.slot_conns.clear()
 
     def close(self) -> None:
         self._drop()
@@ -180,6 +188,75 @@ class Reader:
             self._commands[key] = got
         return got
 
+    def _slot_conn(self, p: int) -> redis.Connection:
+        conn = self.slot_conns.get(p)
+        if conn is None:
+            cluster: Any = self._connect()
+            node = cluster.get_node_from_key(streams.partition_key(self.ds.dataset, p))
+            conn = redis.Connection(
+                host=node.host, port=node.port, username=cluster.get_connection_kwargs().get("username"),
+                password=cluster.get_connection_kwargs().get("password"), protocol=2,
+                socket_timeout=30.0, socket_connect_timeout=5.0, socket_read_size=_READ_SIZE,
+                driver_info=DriverInfo(lib_version=LIB_VERSION),
+            )
+            conn.connect()
+            self.slot_conns[p] = conn
+        return conn
+
+    def _fenced_read_slots(self, counts: dict[int, int]) -> dict[int, list[Any]]:
+        """The cluster's fenced read: a transaction may only touch one slot, so each
+        partition gets its own WATCH of its fence and its own MULTI/XREADGROUP/EXEC, on
+        its own connection to its slot's master. All partitions' commands are written
+        before any reply is read, so a read still costs two round trips, not two per
+        partition. A MOVED/ASK (the slot moved, a failover) is transient: the reader
+        drops every connection and looks the slots up again."""
+        ds = self.ds
+        out: dict[int, list[Any]] = {}
+        pending = list(counts)
+        while pending:
+            conns = {p: self._slot_conn(p) for p in pending}
+            for p, conn in conns.items():
+                fence = streams.fence_key(ds.dataset, p, ds.group)
+                conn.send_packed_command(conn.pack_commands([("WATCH", fence), ("GET", fence)]))
+            gens = {}
+            for p, conn in conns.items():
+                conn.read_response()
+                gens[p] = int(conn.read_response() or 0)
+            if any(g != ds.generation for g in gens.values()):
+                for conn in conns.values():
+                    conn.send_command("UNWATCH")
+                for conn in conns.values():
+                    conn.read_response()
+                ofs.assert_generation(self._connect(), ds.dataset, ds.group, ds.generation, pending)
+                continue
+            for p, conn in conns.items():
+                conn.send_packed_command(conn.pack_commands([
+                    ("MULTI",),
+                    ("XREADGROUP", "GROUP", ds.group, self.consumer, "COUNT", counts[p],
+                     "STREAMS", streams.partition_key(ds.dataset, p), ">"),
+                    ("EXEC",),
+                ]))
+            again, missing = [], {}
+            for p, conn in conns.items():
+                conn.read_response()
+                conn.read_response()
+                results = conn.read_response()
+                if results is None:
+                    again.append(p)  # its fence changed under WATCH: look again
+                    continue
+                (r,) = results
+                if isinstance(r, Exception):
+                    if "NOGROUP" not in str(r):
+                        raise r
+                    missing[p] = self.positions[p]
+                    again.append(p)
+                    continue
+                out[p] = r[0][1] if r else []
+            if missing:  # Redis lost the group (restart, failover): recreate it where we are
+                ofs.seek_group(self._connect(), ds.dataset, ds.group, ds.generation, missing)
+            pending = again
+        return {p: out[p] for p in counts}
+
     def _fenced_read(self, counts: dict[int, int]) -> dict[int, list[Any]]:
         """XREADGROUP of each partition in one MULTI, under WATCH of the partitions'
         fences: a trainer whose generation is no longer the newest reads nothing.
@@ -187,6 +264,8 @@ class Reader:
         Optimistic instead of a Lua script because Lua copies every reply into Lua
         values and back, which costs most of the throughput for large records.
         """
+        if self.cluster:
+            return self._fenced_read_slots(counts)
         ds = self.ds
         order = list(counts)
         while True:
@@ -293,5 +372,5 @@ class Reader:
         keys: dict[Any, Any] = {
             streams.partition_key(self.ds.dataset, p): self.positions[p] for p in partitions
         }
-        self._retry(lambda c: c.xread(keys, count=1, block=self.ds.block_ms), reseek=True)
+        self._retry(lambda c: redis_client.wait_any(c, keys, self.ds.block_ms), reseek=True)
 

@@ -27,7 +27,7 @@ from redis.driver_info import DriverInfo
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from trainer_client import _batch_ring, _rng
+from trainer_client import _batch_ring, _rng, redis_client
 from trainer_client._reader import LIB_VERSION, Reader
 from trainer_client._stacking import Segment, decode_records, positions, stack_arrays, take
 from trainer_client.errors import DatasetNotFoundError, SessionBypassedError
@@ -176,7 +176,7 @@ class StreamingDataset(IterableDataset[Batch]):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if spec is None:
-            client = redis.Redis.from_url(
+            client = redis_client.client(
                 redis_url, socket_timeout=10, driver_info=DriverInfo(lib_version=LIB_VERSION)
             )
             call = trainer_redis_retrier(trainer_redis_breaker(f"redis:{group}"),

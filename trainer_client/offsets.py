@@ -17,6 +17,7 @@ from typing import Any
 import redis
 import redis.exceptions
 
+from trainer_client import redis_client
 from trainer_client.errors import FencedError
 from trainguard.core import groups, streams
 from trainguard.core.groups import ACK_LUA, BUMP_LUA, SEEK_LUA, START_LUA, WRITE_SEEK_LUA
@@ -32,20 +33,29 @@ __all__ = [
 ]
 
 
-def eval_many(client: redis.Redis, source: str, calls: list[groups.ScriptCall]) -> list[Any]:
-    """Run one script once per (keys, args) in a single pipelined round trip.
+def eval_many(
+    client: redis.Redis, source: str, calls: list[groups.ScriptCall], *, replicated: bool = False
+) -> list[Any]:
+    """Run one script once per (keys, args) in a single pipelined round trip (one per
+    master, all masters in turn, on a cluster).
 
     EVALSHA first; on NOSCRIPT (fresh or restarted Redis) load it and run again.
-    Script errors come back as exception objects in the list, not raised.
+    Script errors come back as exception objects in the list, not raised. With
+    ``replicated``, on a cluster, each master's pipeline ends with ``WAIT`` for one
+    replica (up to ``REPLICA_WAIT_MS``): a fence a failover would lose is what lets a
+    zombie trainer in.
     """
     if not calls:
         return []
     sha = groups.script_sha(source)
     for attempt in range(2):
-        pipe = client.pipeline(transaction=False)
-        for keys, args in calls:
-            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
-        results = pipe.execute(raise_on_error=False)
+        if redis_client.is_cluster(client):
+            results = redis_client.eval_per_node(client, sha, calls, replicated=replicated)
+        else:
+            pipe = client.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            results = pipe.execute(raise_on_error=False)
         if attempt == 0 and any(
             isinstance(r, redis.exceptions.NoScriptError) for r in results
         ):
@@ -130,7 +140,7 @@ def assert_generation(
     """Raise FencedError if a partition's fence is above ``generation``; set fences
     that are below it (Redis lost them) back to it."""
     calls = [([streams.fence_key(dataset, p, group)], [generation]) for p in partitions]
-    for r in eval_many(client, BUMP_LUA, calls):
+    for r in eval_many(client, BUMP_LUA, calls, replicated=True):
         if isinstance(r, Exception):
             raise r
         if int(r) > generation:
@@ -149,7 +159,7 @@ def bump_generation(client: redis.Redis, dataset: str, group: str, partitions: i
     above ``floor`` (the generation of the checkpoint being restored)."""
     new = max([floor, *current_generations(client, dataset, group, partitions)]) + 1
     calls = [([streams.fence_key(dataset, p, group)], [new]) for p in range(partitions)]
-    results = eval_many(client, BUMP_LUA, calls)
+    results = eval_many(client, BUMP_LUA, calls, replicated=True)
     for r in results:
         if isinstance(r, Exception):
             raise r

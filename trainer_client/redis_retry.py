@@ -44,8 +44,18 @@ REDIS_RETRY_ON: tuple[type[Exception], ...] = (
     redis.exceptions.TimeoutError,
     ConnectionError,
     TimeoutError,
+    # A Redis Cluster in a failover: no master for a slot yet (CLUSTERDOWN, MASTERDOWN,
+    # TRYAGAIN), a write reaching a demoted master (READONLY), a slot moved under a
+    # connection of our own (MOVED, ASK: redis-py follows these on its own connections),
+    # or redis-py's own retries used up (ClusterError).
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.ClusterError,
 )
-"""Transient Redis errors."""
+"""Transient Redis errors, on one server or a cluster."""
 
 
 def redis_breaker(name: str = "redis", **kwargs: Any) -> CircuitBreaker:

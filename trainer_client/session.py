@@ -41,10 +41,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import redis
 import torch.distributed as dist
 
-from trainer_client import _rng
+from trainer_client import _rng, redis_client
 from trainer_client import offsets as ofs
 from trainer_client._checks import check_not_bypassed, warn_divergent
 from trainer_client._commit import OffsetCommitter, gather_offsets
@@ -127,7 +126,7 @@ class TrainingSession:
         self.block_ms = block_ms
         self.redis_timeout_s = redis_timeout_s
         self.process_group = process_group
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)
+        self._redis = redis_client.client(redis_url, socket_timeout=30, socket_connect_timeout=5)
         # Every Redis call goes through one breaker and waits out an outage (restart,
         # AOF loading) for up to redis_timeout_s instead of failing the training step.
         self._call = trainer_redis_retrier(trainer_redis_breaker(f"redis:{run}"), redis_timeout_s).call

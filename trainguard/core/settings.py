@@ -9,6 +9,9 @@ environment late.
 variable                       what                          default
 ============================== ============================= =======================
 ``TRAINGUARD_REDIS_URL``       the Redis every part talks to ``redis://127.0.0.1:6379/0``
+                               (``redis+cluster://h:p,...``:
+                               a Redis Cluster, see
+                               ``trainguard.core.redis_url``)
 ``TRAINGUARD_ADMIN_TOKEN``     bearer token of mutating      unset: mutations refused
                                admin routes
 ``TRAINGUARD_PUSH_TOKENS``     producer tokens of push,      unset: push refused

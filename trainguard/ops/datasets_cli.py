@@ -26,10 +26,10 @@ T = TypeVar("T")
 
 
 def _with_redis(args: argparse.Namespace, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
-    import redis.asyncio as aioredis
+    from ingest_service import redis_client
 
     async def main() -> T:
-        r = aioredis.Redis.from_url(settings.redis_url(args.redis_url), socket_timeout=10)
+        r = redis_client.client(settings.redis_url(args.redis_url), socket_timeout=10)
         try:
             return await op(r)
         finally:

@@ -141,7 +141,9 @@ def start_redis(children: Children, workdir: Path) -> str:
 def _redis_ping(url: str) -> bool:
     import redis
 
-    client = redis.Redis.from_url(url, socket_timeout=1)
+    from trainer_client import redis_client
+
+    client = redis_client.client(url, socket_timeout=1)
     try:
         return bool(client.ping())
     except redis.exceptions.RedisError:
@@ -160,13 +162,12 @@ def _wait(check: Any, timeout_s: float, what: str) -> None:
 
 
 def register_dataset(redis_url: str, source: Path, partitions: int) -> None:
-    import redis.asyncio as aioredis
-
+    from ingest_service import redis_client
     from ingest_service.datasets import create_dataset
     from trainguard.core.streams import DatasetSpec
 
     async def go() -> None:
-        r = aioredis.Redis.from_url(redis_url)
+        r = redis_client.client(redis_url)
         try:
             await create_dataset(r, DatasetSpec(name=DATASET, partitions=partitions,
                                                 source=str(source), format="jsonl", seed=7))
@@ -207,12 +208,10 @@ def start_service(children: Children, workdir: Path, redis_url: str, store: Path
 
 def records_ingested(redis_url: str) -> tuple[int, bool, int]:
     """(records the producer appended, producer finished, dead letters)."""
-    import redis.asyncio as aioredis
-
-    from ingest_service import inspection
+    from ingest_service import inspection, redis_client
 
     async def go() -> dict[str, Any]:
-        r = aioredis.Redis.from_url(redis_url)
+        r = redis_client.client(redis_url)
         try:
             return await inspection.show_dataset(r, DATASET)
         finally:

@@ -34,8 +34,7 @@ def _when(ts: float | None) -> str:
 def _run(args: argparse.Namespace, op: Any) -> Any:
     import asyncio
 
-    import redis.asyncio as aioredis
-
+    from ingest_service import redis_client
     from ingest_service.admin_checkpoints import StoreSet, parse_store_roots
     from trainguard.core.interval import IntervalPolicy
 
@@ -45,7 +44,7 @@ def _run(args: argparse.Namespace, op: Any) -> Any:
                             prior_weight=args.prior_weight)
 
     async def main() -> Any:
-        r = aioredis.Redis.from_url(settings.redis_url(args.redis_url), socket_timeout=10)
+        r = redis_client.client(settings.redis_url(args.redis_url), socket_timeout=10)
         stores = StoreSet(roots)
         try:
             return await op(r, stores, policy)

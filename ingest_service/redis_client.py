@@ -1,0 +1,104 @@
+"""The service's asyncio Redis clients, one server or a Redis Cluster as the URL says
+(:mod:`trainguard.core.redis_url`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, cast
+
+from redis import exceptions as redis_errors
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from trainguard.core import redis_url
+
+__all__ = ["FAILOVER_ERRORS", "TRANSIENT", "client", "is_cluster", "node_name", "pool_for", "refresh"]
+
+
+FAILOVER_ERRORS: tuple[type[Exception], ...] = (
+    redis_errors.ClusterDownError, redis_errors.TryAgainError, redis_errors.ReadOnlyError,
+    redis_errors.MovedError, redis_errors.AskError, redis_errors.ClusterError,
+)
+"""What a Redis Cluster answers during a failover (no master for a slot yet, a write
+to a demoted master, a slot moved under one of our own connections, redis-py's own
+retries used up): transient, like a connection error."""
+
+
+TRANSIENT: tuple[type[Exception], ...] = (
+    redis_errors.ConnectionError, redis_errors.TimeoutError, *FAILOVER_ERRORS,
+)
+"""Errors after which the same call may succeed: a lost connection, a failover."""
+
+
+def client(url: str, **kwargs: Any) -> Redis:
+    """An asyncio client of ``url``; ``kwargs`` go to redis-py. A cluster client is
+    typed as :class:`Redis` (it answers the same commands, routed by slot); the paths
+    that need one node's connection ask :func:`is_cluster` first."""
+    target = redis_url.parse(url)
+    if not target.cluster:
+        return Redis.from_url(url, **kwargs)
+    # A cluster client keeps one pool per node: the single-server pool size is per node.
+    kwargs.pop("max_connections", None)
+    return cast(Redis, RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
+        username=target.username, password=target.password, ssl=target.ssl, **kwargs,
+    ))
+
+
+def is_cluster(c: object) -> bool:
+    return isinstance(c, RedisCluster)
+
+
+class _NodePool:
+    """The connection-pool calls the hot path makes (``get_connection``, ``release``,
+    ``connection_kwargs``), served by one cluster node's own connections."""
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+        self.connection_kwargs = node.connection_kwargs
+
+    async def get_connection(self) -> Any:
+        conn = self._node.acquire_connection()
+        try:
+            await conn.connect()
+        except BaseException:
+            self._node.release(conn)
+            raise
+        return conn
+
+    async def release(self, conn: Any) -> None:
+        self._node.release(conn)
+
+
+async def pool_for(c: Redis, key: str) -> Any:
+    """The pool whose connections reach the server holding ``key``: the client's own
+    pool on one server, the master of ``key``'s slot on a cluster (looked up now: after
+    a failover the next call finds the new master)."""
+    if not is_cluster(c):
+        return c.connection_pool
+    cluster: Any = c
+    await cluster.initialize()
+    node = cluster.get_node_from_key(key)
+    if node is None:
+        raise RedisConnectionError(f"no master serves the slot of {key!r} now (a failover?)")
+    return _NodePool(node)
+
+
+async def refresh(c: Redis) -> None:
+    """After a failover error on a connection of our own (``pool_for``): make a
+    cluster client read the slots again, so the next ``pool_for`` finds the new
+    master. redis-py does this itself only for the commands it sends."""
+    if is_cluster(c):
+        with contextlib.suppress(*TRANSIENT, redis_errors.RedisClusterException):
+            await cast(Any, c).nodes_manager.initialize()
+
+
+def node_name(c: Redis, key: str) -> str:
+    """Which server holds ``key`` (``host:port``); one name for all keys on one server.
+    Only meaningful after the client made its first call (a cluster learns its slots
+    then)."""
+    if not is_cluster(c):
+        return ""
+    node = cast(Any, c).get_node_from_key(key)
+    return "" if node is None else str(node.name)

@@ -1,0 +1,107 @@
+"""The trainer's Redis clients, one server or a Redis Cluster as the URL says
+(:mod:`trainguard.core.redis_url`)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, cast
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+
+from trainguard.core import redis_url
+
+__all__ = ["wait_any", "REPLICA_WAIT_MS", "client", "eval_per_node", "is_cluster"]
+
+
+def client(url: str, **kwargs: Any) -> redis.Redis:
+    """A sync client of ``url``. ``kwargs`` go to redis-py (timeouts, driver info).
+
+    A cluster client is typed as :class:`redis.Redis`: ``RedisCluster`` answers the same
+    commands (routing each by its key's slot, following MOVED and ASK), and the few
+    paths that need a node's connection ask :func:`is_cluster` first."""
+    target = redis_url.parse(url)
+    if not target.cluster:
+        return redis.Redis.from_url(url, **kwargs)
+    return cast(redis.Redis, RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
+        username=target.username, password=target.password, ssl=target.ssl, **kwargs,
+    ))
+
+
+def is_cluster(c: object) -> bool:
+    return isinstance(c, RedisCluster)
+
+
+REPLICA_WAIT_MS = 1000
+
+
+def eval_per_node(
+    client: redis.Redis, sha: str, calls: list[tuple[list[str], list[Any]]], *, replicated: bool
+) -> list[Any]:
+    """EVALSHA of ``calls`` on a cluster: one pipeline per master on one of its
+    connections (each call in its keys' slot), with ``WAIT 1`` at its end when
+    ``replicated`` and the master has a replica (best effort: a replica that does not
+    answer within ``REPLICA_WAIT_MS`` is not waited for longer). Results in the
+    order of ``calls``; a failover error makes the client read the slots again and
+    propagates (the caller's retrier tries again)."""
+    cluster: Any = client
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i, (keys, _) in enumerate(calls):
+        node = cluster.get_node_from_key(keys[0])
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    out: list[Any] = [None] * len(calls)
+    try:
+        for node, indices in by_node.values():
+            pipe = node.redis_connection.pipeline(transaction=False)
+            for i in indices:
+                keys, args = calls[i]
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            slot = cluster.keyslot(calls[indices[0]][0][0])
+            wait = replicated and len(cluster.nodes_manager.slots_cache.get(slot, ())) > 1
+            if wait:
+                pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
+            results = pipe.execute(raise_on_error=False)
+            for i, r in zip(indices, results):
+                if isinstance(r, redis.exceptions.ConnectionError | redis.exceptions.MovedError):
+                    raise r
+                out[i] = r
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+            redis.exceptions.MovedError, redis.exceptions.AskError):
+        with contextlib.suppress(redis.exceptions.RedisError):
+            cluster.nodes_manager.initialize()
+        raise
+    return out
+
+
+CLUSTER_WAIT_MS = 50
+"""On a cluster, how long one blocking read of one partition waits before the others
+are looked at again."""
+
+
+def wait_any(client: redis.Redis, keys: dict[Any, Any], block_ms: int) -> None:
+    """Return once one of ``keys`` (stream -> ID) has entries after its ID, or after
+    about ``block_ms``. One XREAD BLOCK on one server; on a cluster, where one XREAD
+    cannot span slots, a pipelined non-blocking XREAD per stream (per master), then
+    short blocking reads of one stream in turn, so entries on any stream are seen
+    within ``CLUSTER_WAIT_MS``."""
+    if not is_cluster(client):
+        client.xread(keys, count=1, block=block_ms)
+        return
+    order = list(keys)
+    deadline = time.monotonic() + block_ms / 1000
+    turn = 0
+    while True:
+        pipe = client.pipeline(transaction=False)
+        for key in order:
+            pipe.xread({key: keys[key]}, count=1)
+        if any(pipe.execute()):
+            return
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            return
+        key = order[turn % len(order)]
+        turn += 1
+        if client.xread({key: keys[key]}, count=1, block=min(left_ms, CLUSTER_WAIT_MS)):
+            return
