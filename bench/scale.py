@@ -16,6 +16,9 @@ Starts its own redis-server and its own Redis Cluster (3 masters + 3 replicas: t
    every partition, a single read), and checkpoints after each round: the checkpoint's wall time, the part spent acknowledging and publishing
    offsets (per partition), one rank's fence check, manifest bytes per partition, and
    from ``INFO commandstats`` the partitions read per transaction.
+   Then a deep read: ``StreamingDataset`` reading a few long partitions to their end
+   (many entries per XREADGROUP, as a worker owning one partition or a few does):
+   redis-server and reader CPU per MB.
 4. ranks: W ranks simulated in this process with the real trainer_client calls, one
    rank after another. A commit on a rank other than 0 is its fence check of all P
    partitions and its share of the all-gather of offsets (its pickled payload; each
@@ -68,13 +71,14 @@ from ingest_service import redis_client as async_redis  # noqa: E402
 from ingest_service.datasets import create_dataset  # noqa: E402
 from ingest_service.producer import Producer  # noqa: E402
 from tests.servers import RedisCluster, RedisServer  # noqa: E402
-from trainer_client import TrainingSession, redis_client  # noqa: E402
+from trainer_client import StreamingDataset, TrainingSession, redis_client  # noqa: E402
 from trainer_client import offsets as ofs  # noqa: E402
 from trainer_client._commit import gather_offsets  # noqa: E402
 from trainguard.core import streams  # noqa: E402
 from trainguard.core.checkpoints import open_store  # noqa: E402
 
 DATASET = "scale"
+DEEP = "deep"
 MEMORY_SAMPLE = 64
 """Partitions whose keys ``MEMORY USAGE`` weighs (exact per key; every key would cost
 a round trip each)."""
@@ -173,21 +177,22 @@ async def _produce(url: str, spec: streams.DatasetSpec) -> int:
         await client.aclose()
 
 
-def ingest(t: Target, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    records = args.partitions * args.entries
-    source = work / "records.npy"
-    np.save(source, np.random.default_rng(0).integers(0, 255, records * args.record_bytes,
+def ingest(t: Target, work: Path, name: str, partitions: int, entries: int,
+           record_bytes: int) -> dict[str, Any]:
+    records = partitions * entries
+    source = work / f"{name}.npy"
+    np.save(source, np.random.default_rng(0).integers(0, 255, records * record_bytes,
                                                       dtype=np.uint8))
-    spec = streams.DatasetSpec(name=DATASET, partitions=args.partitions, source=str(source),
-                               format="npy", sample_len=args.record_bytes)
+    spec = streams.DatasetSpec(name=name, partitions=partitions, source=str(source),
+                               format="npy", sample_len=record_bytes)
     mem0, replica0 = t.used_memory(), t.cpu_s("replica")
     with Clock(t) as c:
         appended = asyncio.run(_produce(t.url, spec))
     replica_cpu = t.cpu_s("replica") - replica0
-    mb = records * args.record_bytes / 1e6
+    mb = records * record_bytes / 1e6
     client = redis_client.client(t.url)
     try:
-        sample = [streams.partition_key(DATASET, p) for p in range(min(MEMORY_SAMPLE, args.partitions))]
+        sample = [streams.partition_key(name, p) for p in range(min(MEMORY_SAMPLE, partitions))]
         sampled = sum(int(client.xlen(k)) for k in sample)
         per_entry = key_bytes(client, sample) / sampled
     finally:
@@ -199,6 +204,25 @@ def ingest(t: Target, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "replica_cpu_s_per_mb": round(replica_cpu / mb, 6),
         "memory_usage_bytes_per_entry": round(per_entry, 1),
         "used_memory_bytes_per_entry": round((t.used_memory() - mem0) / records, 1),
+    }
+
+
+def deep_read(t: Target, args: argparse.Namespace) -> dict[str, Any]:
+    """A StreamingDataset reading ``--deep-partitions`` long partitions to their end: many
+    entries per XREADGROUP, as when a worker owns one partition or a few (the projected
+    shape) rather than thousands with a record each."""
+    calls0 = t.calls()
+    with Clock(t) as c:
+        ds = StreamingDataset(t.url, DEEP, "deep", batch_size=args.batch)
+        records = sum(len(b) for b in ds)
+    calls = {k: v - calls0.get(k, 0) for k, v in t.calls().items()}
+    mb = records * args.record_bytes / 1e6
+    return {
+        "records": records, "mb_s": round(mb / c.wall_s, 2),
+        "client_cpu_s_per_mb": round(c.cpu_s / mb, 6),
+        "server_cpu_s_per_mb": round(c.server_cpu_s / mb, 6),
+        "entries_per_xreadgroup": round(records / max(1, calls.get("xreadgroup", 0)), 1),
+        "partitions_per_transaction": round(calls.get("xreadgroup", 0) / max(1, calls.get("exec", 0)), 2),
     }
 
 
@@ -228,7 +252,12 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
     batch = min(args.batch, args.partitions)
     per_round = args.partitions // batch
     it: Iterator[Any] = iter(session.batches(session.dataset(batch_size=batch)))
-    read_s, read_cpu, stall, ckpt, publish, server, records = 0.0, 0.0, [], [], [], [], 0
+    read_s, read_cpu, records = 0.0, 0.0, 0
+    stall: list[float] = []
+    ckpt: list[float] = []
+    ckpt_cpu: list[float] = []
+    publish: list[float] = []
+    server: list[float] = []
     calls: dict[str, int] = {}
     for step in range(1, args.rounds + 1):
         # Only the reads count: a checkpoint's publish is a transaction too.
@@ -245,14 +274,16 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
             stall.append(time.perf_counter() - t0)
             session.wait()  # committed, acknowledged, published
         ckpt.append(c.wall_s)
+        ckpt_cpu.append(c.cpu_s)
         server.append(c.server_cpu_s)
         assert session.last_commit_offsets_s is not None
         publish.append(session.last_commit_offsets_s)
-    fence = []
+    fence, fence_cpu = [], []
     for _ in range(args.rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ofs.current_generations(client, DATASET, run, args.partitions)
         fence.append(time.perf_counter() - t0)
+        fence_cpu.append(time.process_time() - c0)
     offsets, batches = session.offsets, dict.fromkeys(range(args.partitions), 1)
     session.close()
     client.close()
@@ -272,6 +303,7 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
             "checkpoint_s": spread(ckpt), "stall_s": spread(stall), "publish_s": spread(publish),
             "publish_us_per_partition": spread([s / P * 1e6 for s in publish], 3),
             "server_cpu_s": spread(server), "fence_check_s": spread(fence),
+            "checkpoint_cpu_s": spread(ckpt_cpu), "fence_check_cpu_s": spread(fence_cpu),
             "manifest_bytes": manifest.stat().st_size,
             "record_bytes_per_partition": round(len(rec) / P, 1),
             "offsets_in_manifest": len(doc["extra"]["trainguard"]["offsets"]),
@@ -282,16 +314,17 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
     return figures, (store, offsets, batches)
 
 
-def gather_cost(offsets: dict[int, str], batches: dict[int, int], world: int) -> float:
-    """Seconds one rank spends on the all-gather's objects of ``world`` ranks: pickling its
-    own and unpickling and merging every rank's, through ``gather_offsets`` on a
-    one-rank gloo group (the transport of the bytes is not in it)."""
+def gather_cost(offsets: dict[int, str], batches: dict[int, int], world: int) -> tuple[float, float]:
+    """Wall and CPU seconds one rank spends on the all-gather's objects of ``world``
+    ranks: pickling its own and unpickling and merging every rank's, through
+    ``gather_offsets`` on a one-rank gloo group (the transport of the bytes is not in
+    it)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(world):
             gather_offsets(offsets, batches, 1, None)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
     finally:
         dist.destroy_process_group()
 
@@ -349,7 +382,8 @@ def ranks(t: Target, args: argparse.Namespace, carried: Any) -> dict[str, Any]:
         "rank_restart_s": spread(restarts), "restart_server_cpu_s": round(restart_cpu, 5),
         "rank_fence_check_s": spread(fences), "fence_checks_server_cpu_s": round(fence_cpu, 5),
         "gather_payload_bytes": payload, "gather_bytes_per_rank": payload * W,
-        "gather_objects_s": spread(gather), "masters": masters,
+        "gather_objects_s": spread([g[0] for g in gather]),
+        "gather_objects_cpu_s": spread([g[1] for g in gather]), "masters": masters,
         "generations_taken": len(set(gens)),
     }
 
@@ -369,7 +403,12 @@ def compose(fig: dict[str, Any]) -> dict[str, float]:
 
 
 def measure(t: Target, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    fig: dict[str, Any] = {"ingest": ingest(t, args, work)}
+    fig: dict[str, Any] = {
+        "ingest": ingest(t, work, DATASET, args.partitions, args.entries, args.record_bytes),
+        "deep_ingest": ingest(t, work, DEEP, args.deep_partitions, args.deep_entries,
+                              args.record_bytes),
+    }
+    fig["deep_read"] = deep_read(t, args)
     rc, carried = read_commit(t, args, work)
     fig.update(rc)
     fig["ranks"] = ranks(t, args, carried)
@@ -395,14 +434,21 @@ def print_table(figures: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         ("memory per group per partition B", lambda f: f"{f['group']['memory_usage_bytes_per_partition']:.0f}"),
         ("partitions read per transaction", lambda f: f"{f['read']['partitions_per_transaction']:.1f}"),
         ("redis-server CPU s/MB read (masters)", lambda f: f"{f['read']['server_cpu_s_per_mb']:.4f}"),
+        ("deep read: entries per XREADGROUP", lambda f: f"{f['deep_read']['entries_per_xreadgroup']:.1f}"),
+        ("  redis-server CPU s/MB read", lambda f: f"{f['deep_read']['server_cpu_s_per_mb']:.4f}"),
+        ("  reader CPU s/MB", lambda f: f"{f['deep_read']['client_cpu_s_per_mb']:.4f}"),
+        ("  producer CPU s/MB (deep)", lambda f: f"{f['deep_ingest']['producer_cpu_s_per_mb']:.4f}"),
         ("checkpoint (rank 0, all P)", lambda f: _s(f["commit"]["checkpoint_s"])),
+        ("  its CPU time (all threads)", lambda f: _s(f["commit"]["checkpoint_cpu_s"])),
         ("  of it the call (loop stalls)", lambda f: _s(f["commit"]["stall_s"])),
         ("  of it ack + publish", lambda f: _s(f["commit"]["publish_s"])),
         ("  per partition", lambda f: _s(f["commit"]["publish_us_per_partition"], 1, "us")),
         ("fence check, one rank", lambda f: _s(f["commit"]["fence_check_s"])),
+        ("  its CPU time", lambda f: _s(f["commit"]["fence_check_cpu_s"])),
         ("manifest bytes (record B/partition)", lambda f: f"{f['commit']['manifest_bytes']} "
          f"({f['commit']['record_bytes_per_partition']:.1f})"),
         ("gather objects, W payloads", lambda f: _s(f["ranks"]["gather_objects_s"])),
+        ("  its CPU time", lambda f: _s(f["ranks"]["gather_objects_cpu_s"])),
         ("gather bytes received per rank", lambda f: f"{f['ranks']['gather_bytes_per_rank']:,}"),
         ("server CPU, W fence checks s", lambda f: f"{f['ranks']['fence_checks_server_cpu_s']:.3f}"),
         ("rank 0 restore", lambda f: _s(f["ranks"]["rank0_restore_s"])),
@@ -426,6 +472,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ranks", type=int, default=64, help="simulated world size")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--deep-partitions", type=int, default=16,
+                    help="partitions of the deep-read dataset")
+    ap.add_argument("--deep-entries", type=int, default=512,
+                    help="records per partition of the deep-read dataset")
     ap.add_argument("--rounds", type=int, default=5, help="checkpoints (and gather repeats)")
     ap.add_argument("--restores", type=int, default=3)
     ap.add_argument("--no-cluster", action="store_true", help="single Redis only")

@@ -19,7 +19,7 @@ P, E, SIZE, RANKS, WORKERS, BATCH, ROUNDS = 16, 4, 64, 2, 2, 4, 2
 
 
 def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_path: Path):
-    """Every record is ingested and the read rounds consume P records each, one of every
+    """Every record is ingested (and every record of the deep dataset read) and the read rounds consume P records each, one of every
     partition (so each checkpoint commits all P offsets); single Redis reads all P
     partitions in one transaction, the cluster one partition per transaction (per
     slot); W simulated ranks are restarted and gathered; the section lands in the
@@ -28,7 +28,8 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
     section = scale.main([
         "--partitions", str(P), "--entries", str(E), "--record-bytes", str(SIZE),
         "--ranks", str(RANKS), "--workers", str(WORKERS), "--batch", str(BATCH),
-        "--rounds", str(ROUNDS), "--restores", "1", "--out", str(out),
+        "--rounds", str(ROUNDS), "--restores", "1", "--deep-partitions", "4",
+        "--deep-entries", "32", "--out", str(out),
     ])
     targets = section["targets"]
     assert set(targets) == {"single", "cluster"}
@@ -38,6 +39,7 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
         # A stream entry costs its payload and more; a group costs something per partition.
         assert fig["ingest"]["memory_usage_bytes_per_entry"] > SIZE
         assert fig["group"]["memory_usage_bytes_per_partition"] > 0
+        assert fig["deep_ingest"]["records"] == fig["deep_read"]["records"] == 4 * 32
         read = fig["read"]
         assert read["records"] == ROUNDS * P
         per_transaction = P if name == "single" else 1
@@ -46,7 +48,8 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
         assert read["partitions_per_transaction"] == per_transaction
         commit = fig["commit"]
         assert commit["offsets_in_manifest"] == commit["partitions_committed"] == P
-        for key in ("checkpoint_s", "stall_s", "publish_s", "fence_check_s"):
+        for key in ("checkpoint_s", "checkpoint_cpu_s", "stall_s", "publish_s", "fence_check_s",
+                    "fence_check_cpu_s"):
             assert commit[key]["n"] == ROUNDS
             assert commit[key]["min"] <= commit[key]["median"] <= commit[key]["max"]
         ranks = fig["ranks"]
