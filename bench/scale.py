@@ -18,7 +18,8 @@ Starts its own redis-server and its own Redis Cluster (3 masters + 3 replicas: t
    from ``INFO commandstats`` the partitions read per transaction.
    Then a deep read: ``StreamingDataset`` reading a few long partitions to their end
    (many entries per XREADGROUP, as a worker owning one partition or a few does):
-   redis-server and reader CPU per MB.
+   redis-server and reader CPU per MB, and the memory of the entries it leaves pending
+   (read, not yet acknowledged: what a group holds between checkpoints).
 4. ranks: W ranks simulated in this process with the real trainer_client calls, one
    rank after another. A commit on a rank other than 0 is its fence check of all P
    partitions and its share of the all-gather of offsets (its pickled payload; each
@@ -211,13 +212,19 @@ def deep_read(t: Target, args: argparse.Namespace) -> dict[str, Any]:
     """A StreamingDataset reading ``--deep-partitions`` long partitions to their end: many
     entries per XREADGROUP, as when a worker owns one partition or a few (the projected
     shape) rather than thousands with a record each."""
-    calls0 = t.calls()
+    client = redis_client.client(t.url)
+    keys = [streams.partition_key(DEEP, p) for p in range(args.deep_partitions)]
+    mem0, calls0 = key_bytes(client, keys), t.calls()
     with Clock(t) as c:
         ds = StreamingDataset(t.url, DEEP, "deep", batch_size=args.batch)
         records = sum(len(b) for b in ds)
     calls = {k: v - calls0.get(k, 0) for k, v in t.calls().items()}
+    # Nothing acknowledges here (no session): every entry read is pending in the group.
+    pending = (key_bytes(client, keys) - mem0) / records
+    client.close()
     mb = records * args.record_bytes / 1e6
     return {
+        "pending_bytes_per_entry": round(pending, 1),
         "records": records, "mb_s": round(mb / c.wall_s, 2),
         "client_cpu_s_per_mb": round(c.cpu_s / mb, 6),
         "server_cpu_s_per_mb": round(c.server_cpu_s / mb, 6),
@@ -434,6 +441,7 @@ def print_table(figures: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         ("memory per group per partition B", lambda f: f"{f['group']['memory_usage_bytes_per_partition']:.0f}"),
         ("partitions read per transaction", lambda f: f"{f['read']['partitions_per_transaction']:.1f}"),
         ("redis-server CPU s/MB read (masters)", lambda f: f"{f['read']['server_cpu_s_per_mb']:.4f}"),
+        ("memory per pending (unacked) entry B", lambda f: f"{f['deep_read']['pending_bytes_per_entry']:.0f}"),
         ("deep read: entries per XREADGROUP", lambda f: f"{f['deep_read']['entries_per_xreadgroup']:.1f}"),
         ("  redis-server CPU s/MB read", lambda f: f"{f['deep_read']['server_cpu_s_per_mb']:.4f}"),
         ("  reader CPU s/MB", lambda f: f"{f['deep_read']['client_cpu_s_per_mb']:.4f}"),

@@ -39,6 +39,7 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
         # A stream entry costs its payload and more; a group costs something per partition.
         assert fig["ingest"]["memory_usage_bytes_per_entry"] > SIZE
         assert fig["group"]["memory_usage_bytes_per_partition"] > 0
+        assert fig["deep_read"]["pending_bytes_per_entry"] > 0
         assert fig["deep_ingest"]["records"] == fig["deep_read"]["records"] == 4 * 32
         read = fig["read"]
         assert read["records"] == ROUNDS * P
