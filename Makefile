@@ -13,11 +13,13 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP_EXTRA ?=
 PYTEST_ARGS ?=
+# e.g. make bench BENCH_ARGS="--dir /mnt/nvme/tmp --size-mib 1024"
+BENCH_ARGS ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: test demo setup redis chromium lint chaos bench clean
+.PHONY: test demo setup redis chromium lint chaos bench bench-readme gpu-check clean compose
 
 setup: $(STAMP) redis chromium
 
@@ -25,7 +27,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(PIP_EXTRA) '$(TORCH_SPEC)'
-	$(PY) -m pip install --quiet -e '.[dev]'
+	@# torch named again: an extra's requirement must never swap it for another build
+	$(PY) -m pip install --quiet -e '.[dev]' '$(TORCH_SPEC)'
 	@rm -f $(VENV)/.trainguard-*
 	@touch $@
 
@@ -70,10 +73,31 @@ chaos: setup
 demo: setup
 	$(VENV)/bin/trainguard demo $(if $(KEEP),--keep)
 
+# docker compose with secrets: .env is written once from .env.example, each CHANGE_ME a
+# fresh random value (an existing .env is kept as it is).
+compose: .env
+	docker compose up -d
+
+.env:
+	@$(PYTHON) -c "import pathlib, re, secrets; text = pathlib.Path('.env.example').read_text(); pathlib.Path('.env').write_text(re.sub('CHANGE_ME', lambda m: secrets.token_hex(16), text))"
+	@chmod 600 .env
+	@echo "wrote .env with fresh secrets (keep it private)"
+
+# All the benchmarks into one results file, bench/results/<host>-<UTC stamp>.json;
+# `make bench-readme` then regenerates README's performance section from the newest.
 bench: setup
-	$(PY) bench/checkpoint.py
-	$(PY) bench/ingest.py
-	$(PY) bench/consume.py
+	export BENCH_STAMP=$$(date -u +%Y-%m-%dT%H%MZ) && \
+	$(PY) bench/checkpoint.py $(BENCH_ARGS) && $(PY) bench/ingest.py && $(PY) bench/consume.py && \
+	$(PY) bench/push.py && $(PY) bench/ingest_tokens.py
+
+bench-readme: setup
+	$(PY) bench/report.py --readme
+
+# On a machine with a GPU and a CUDA build of torch (TORCH_SPEC/PIP_EXTRA above): the
+# cuda-marked tests, bench/checkpoint.py and the FSDP2-vs-DCP benchmark on the GPU, in
+# under 5 minutes, with one summary at the end.
+gpu-check: setup
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

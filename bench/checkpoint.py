@@ -1,28 +1,44 @@
-"""Checkpoint benchmark: trainguard's CheckpointStore against raw writes, torch.save
-and torch.distributed.checkpoint (DCP), on one disk, every write fsync'd.
+"""Checkpoint benchmark: trainguard's CheckpointStore against raw writes, torch.save,
+torch.load and ``dd``, on one disk, every write fsync'd, in interleaved rounds.
 
-    python bench/checkpoint.py --size-mib 1024 --tensors 20 --many 1000 --dir /path
+    python bench/checkpoint.py [--size-mib 256] [--rounds 8] [--dir /path] [--dcp]
+    python bench/checkpoint.py --dist 4 --size-mib 256     # FSDP2 ranks vs DCP, in rounds
 
-Prints a table (seconds, GiB/s) and a final line of the ratios the issue targets.
-Not a test: numbers depend on the disk, the page cache (loads usually hit it; this
-script cannot drop caches without root) and the CPU count.
+Four groups, each run in rounds (order rotated every round, the first round discarded
+as warm-up; see ``rounds.py``):
+
+- save: trainguard sync save (20 tensors), the same state as 1,000 tensors, raw write
+  + fsync of the same bytes (one file per tensor), ``torch.save`` + fsync;
+- load, hot page cache: trainguard load into the caller's tensors (every checksum
+  verified) against ``torch.load`` of the same state;
+- load, cold page cache (dropped before each read: ``drop_caches`` as root, else
+  ``posix_fadvise(DONTNEED)`` on the files): trainguard load against ``dd`` reading a
+  file of the same bytes;
+- async save: the time ``save(blocking=False)`` blocks (steady state: the staging
+  buffer exists) against a copy into preallocated buffers.
+
+Peak RSS growth of a hot load is measured once afterwards (the kernel's high-water
+mark is reset through ``/proc/self/clear_refs``). Prints a table, the headline ratios
+with their range over rounds, and merges a ``checkpoint`` section into the JSON file
+of ``rounds.results_path()``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import rounds as rd
 
 from checkpoint_store import CheckpointStore
 
@@ -33,46 +49,20 @@ def make_state(total_bytes: int, count: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(count)}
 
 
-def fsync_tree(path: Path) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
+def nbytes_of(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
         os.fsync(fd)
+    finally:
         os.close(fd)
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class Bench:
-    def __init__(self, base: Path, nbytes: int):
-        self.base = base
-        self.nbytes = nbytes
-        self.rows: list[tuple[str, float]] = []
-        self.results: dict[str, float] = {}
-
-    def fresh(self, name: str) -> Path:
-        path = self.base / name
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-        return path
-
-    def record(self, name: str, seconds: float, moved: bool = True) -> None:
-        self.results[name] = seconds
-        self.rows.append((name, seconds) if moved else (name + " *", seconds))
-
-
-def raw_write(state: dict[str, torch.Tensor], path: Path) -> None:
+def raw_write(state: dict[str, torch.Tensor], path: Path) -> int:
+    path.mkdir(parents=True, exist_ok=True)
     for name, t in state.items():
         fd = os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         view = memoryview(t.numpy()).cast("B")
@@ -80,155 +70,262 @@ def raw_write(state: dict[str, torch.Tensor], path: Path) -> None:
             view = view[os.write(fd, view):]
         os.fsync(fd)
         os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    _fsync_path(path)
+    return nbytes_of(state)
 
 
-def run(args: argparse.Namespace) -> None:
-    total = args.size_mib << 20
-    base = Path(args.dir)
-    base.mkdir(parents=True, exist_ok=True)
-    bench = Bench(base, total)
-    state = make_state(total, args.tensors)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    target = {k: torch.zeros_like(v) for k, v in state.items()}  # load target, paged in
-    rss_before = peak_rss_mib()
-
-    # trainguard first, so the peak-RSS reading covers only its phases.
-    store = CheckpointStore(bench.fresh("tg"), keep_last=2)
-    t, _ = timed(lambda: store.save(state, step=1))
-    bench.record("trainguard sync save", t)
-    # The first async save allocates the staging buffer; the steady state reuses it.
-    for step, label in ((2, "first"), (3, "steady")):
-        t0 = time.perf_counter()
-        handle = store.save(state, step=step, blocking=False)
-        blocked = time.perf_counter() - t0
-        handle.wait()
-        durable = time.perf_counter() - t0
-        bench.record(f"trainguard async save ({label}): blocked", blocked, moved=False)
-        bench.record(f"trainguard async save ({label}): durable", durable)
-    t, _ = timed(lambda: store.load(target))
-    bench.record("trainguard load", t)
-    assert all(torch.equal(target[k], state[k]) for k in state)
-    tg_peak = peak_rss_mib() - rss_before
-    store.close()
-    target.clear()
-
-    many = make_state(total, args.many)
-    many_store = CheckpointStore(bench.fresh("tg-many"), keep_last=1)
-    t, _ = timed(lambda: many_store.save(many, step=1))
-    bench.record(f"trainguard sync save, {args.many} tensors", t)
-    many_store.close()
-    many.clear()
-
-    raw_dir = bench.fresh("raw")
-    t, _ = timed(lambda: raw_write(state, raw_dir))
-    bench.record("raw write + fsync", t)
-
-    buffers = {k: torch.empty_like(v) for k, v in state.items()}
-
-    def copy_all() -> None:
-        for k, v in state.items():
-            buffers[k].copy_(v)
-
-    copy_all()  # fault the pages in, as the staging pool's steady state has them
-    t, _ = timed(copy_all)
-    bench.record("copy into preallocated buffers", t, moved=False)
-    buffers.clear()
-
-    ts_dir = bench.fresh("torchsave")
-
-    def torch_save() -> None:
-        torch.save(state, ts_dir / "state.pt")
-        fsync_tree(ts_dir)
-
-    t, _ = timed(torch_save)
-    bench.record("torch.save + fsync", t)
-    t, _ = timed(lambda: torch.load(ts_dir / "state.pt", weights_only=True))
-    bench.record("torch.load", t)
-
-    if not args.no_dcp:
-        run_dcp(bench, state)
-
-    print_table(bench, nbytes, tg_peak, args)
+def _vm_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def run_dcp(bench: Bench, state: dict[str, torch.Tensor]) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    if not dist.is_initialized():
-        store_path = bench.base / "dcp-pg"
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=0,
-                                world_size=1)
-    d1 = bench.fresh("dcp")
-
-    def dcp_save() -> None:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(d1), sync_files=True))
-
-    t, _ = timed(dcp_save)
-    bench.record("DCP save", t)
-    target = {k: torch.empty_like(v) for k, v in state.items()}
-    t, _ = timed(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(str(d1))))
-    bench.record("DCP load", t)
-    target.clear()
-    d2 = bench.fresh("dcp-async")
-    t0 = time.perf_counter()
-    fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(d2), sync_files=True))
-    blocked = time.perf_counter() - t0
-    fut.result()
-    bench.record("DCP async_save: blocked", blocked, moved=False)
-    bench.record("DCP async_save: durable", time.perf_counter() - t0)
-    dist.destroy_process_group()
+def peak_rss_growth_mib(fn: Any) -> float | None:
+    """RSS high-water mark reached while ``fn`` runs, above the RSS before it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return None
+    before = _vm_kib("VmRSS")
+    fn()
+    return (_vm_kib("VmHWM") - before) / 1024
 
 
-def print_table(bench: Bench, nbytes: int, tg_peak: float, args: argparse.Namespace) -> None:
-    gib = nbytes / 2**30
-    print(f"\nstate: {nbytes / 2**20:.0f} MiB in {args.tensors} float32 tensors "
-          f"(variant: {args.many} tensors); dir {bench.base}; {os.cpu_count()} CPUs")
-    print(f"{'operation':48s} {'seconds':>9s} {'GiB/s':>8s}")
-    for name, seconds in bench.rows:
-        rate = f"{gib / seconds:8.2f}" if seconds > 0 else "       -"
-        print(f"{name:48s} {seconds:9.3f} {rate}")
-    print("(* = no I/O; GiB/s is the copy rate)")
-    print(f"peak RSS growth during trainguard save/async/load: {tg_peak:.0f} MiB "
-          f"(state {nbytes / 2**20:.0f} MiB; the staging pool and the verified chunks "
-          "of a load each hold one copy)")
-    r = bench.results
+class Bench:
+    def __init__(self, args: argparse.Namespace, base: Path):
+        self.args = args
+        self.base = base
+        total = args.size_mib << 20
+        self.state = make_state(total, args.tensors)
+        self.many = make_state(total, args.many)
+        self.nbytes = nbytes_of(self.state)
+        self.store = CheckpointStore(base / "tg", keep_last=1000)
+        self.many_store = CheckpointStore(base / "tg-many", keep_last=1000)
+        self.step = 0
+        self.cache_method = ""
+
+    # -------------------------------------------------------------- save group
+    def _tg_save(self, store: CheckpointStore, state: dict[str, torch.Tensor]) -> int:
+        self.step += 1
+        store.save(state, step=self.step)
+        return nbytes_of(state)
+
+    def _torch_save(self) -> int:
+        d = self.base / "torchsave"
+        d.mkdir(exist_ok=True)
+        torch.save(self.state, d / "state.pt")
+        _fsync_path(d / "state.pt")
+        _fsync_path(d)
+        return self.nbytes
+
+    def _cleanup(self, name: str) -> None:
+        # Outside the measurement: every contestant writes into an empty place.
+        for store in (self.store, self.many_store):
+            ms = store.list()
+            for m in ms[:-1]:
+                store.delete(m.step)
+        rd.rm(self.base / "raw")
+        if name != "torch.save + fsync":
+            rd.rm(self.base / "torchsave")
+
+    def save_group(self) -> rd.Rounds:
+        return rd.run_rounds({
+            "trainguard sync save": lambda: self._tg_save(self.store, self.state),
+            "raw write + fsync": lambda: raw_write(self.state, self.base / "raw"),
+            f"trainguard sync save, {self.args.many} tensors":
+                lambda: self._tg_save(self.many_store, self.many),
+            "torch.save + fsync": self._torch_save,
+        }, rounds=self.args.rounds, before=self._cleanup)
+
+    # -------------------------------------------------------------- load groups
+    def _prepare_load_files(self) -> None:
+        self._cleanup("")
+        self._tg_save(self.store, self.state)
+        self._torch_save()
+        d = self.base / "ddsrc"
+        d.mkdir(exist_ok=True)
+        with open(d / "state.bin", "wb") as f:
+            for t in self.state.values():
+                f.write(memoryview(t.numpy()).cast("B"))
+            os.fsync(f.fileno())
+
+    def _tg_load(self, target: dict[str, torch.Tensor]) -> int:
+        self.store.load(target)
+        return self.nbytes
+
+    def _torch_load(self) -> int:
+        out = torch.load(self.base / "torchsave" / "state.pt", weights_only=True)
+        n = nbytes_of(out)
+        del out
+        return n
+
+    def load_hot_group(self, target: dict[str, torch.Tensor]) -> rd.Rounds:
+        contestants = {
+            "trainguard load (hot)": lambda: self._tg_load(target),
+            "torch.load (hot)": self._torch_load,
+        }
+        if self.args.dcp:
+            contestants["DCP load (hot)"] = lambda: self._dcp_load(target)
+        return rd.run_rounds(contestants, rounds=self.args.rounds)
+
+    def load_cold_group(self, target: dict[str, torch.Tensor]) -> rd.Rounds:
+        def drop(_: str) -> None:
+            self.cache_method = rd.drop_cache([self.base / "tg", self.base / "ddsrc"])
+
+        return rd.run_rounds({
+            "trainguard load (cold)": lambda: self._tg_load(target),
+            "dd read of the same bytes (cold)": lambda: rd.dd_read(self.base / "ddsrc" / "state.bin"),
+        }, rounds=self.args.rounds, before=drop)
+
+    # -------------------------------------------------------------- async group
+    def async_group(self) -> rd.Rounds:
+        buffers = {k: torch.empty_like(v) for k, v in self.state.items()}
+        pending: list[Any] = []
+
+        def copy_all() -> int:
+            for k, v in self.state.items():
+                buffers[k].copy_(v)
+            return self.nbytes
+
+        def blocked() -> int:
+            self.step += 1
+            pending.append(self.store.save(self.state, step=self.step, blocking=False))
+            return self.nbytes
+
+        def settle(_: str) -> None:
+            while pending:
+                pending.pop().wait()
+            self._cleanup("")
+
+        copy_all()  # fault the pages in, as the staging pool's steady state has them
+        return rd.run_rounds({
+            "trainguard async save: blocked (steady)": blocked,
+            "copy into preallocated buffers": copy_all,
+        }, rounds=self.args.rounds, after=settle)
+
+    # -------------------------------------------------------------- DCP (optional)
+    def _dcp_load(self, target: dict[str, torch.Tensor]) -> int:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(target, storage_reader=dcp.FileSystemReader(str(self.base / "dcp")))
+        return self.nbytes
+
+    def dcp_setup(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{self.base / 'dcp-pg'}",
+                                    rank=0, world_size=1)
+        dcp.save(self.state, storage_writer=dcp.FileSystemWriter(str(self.base / "dcp"),
+                                                                 sync_files=True))
+
+
+def run(args: argparse.Namespace, base: Path) -> None:
+    out = rd.results_path() if args.json is None else Path(args.json)
+    print(f"measuring the machine (memcpy, dd in {base}) ...", flush=True)
+    machine = rd.machine(base)
+    b = Bench(args, base)
+    gib = b.nbytes / 2**30
+    print(f"state: {b.nbytes / 2**20:.0f} MiB in {args.tensors} float32 tensors (variant: "
+          f"{args.many}); dir {base}; {machine['cpus']} CPUs; memcpy "
+          f"{machine['memcpy_gib_s']} GiB/s; dd: write+fsync {machine['dd']['write_fsync_mib_s']} "
+          f"MiB/s, cold read {machine['dd']['read_cold_mib_s']} MiB/s; "
+          f"{args.rounds} rounds + 1 warm-up per group", flush=True)
+
+    save = b.save_group()
+    b._prepare_load_files()
+    if args.dcp:
+        b.dcp_setup()
+    target = {k: torch.zeros_like(v) for k, v in b.state.items()}  # paged in
+    hot = b.load_hot_group(target)
+    assert all(torch.equal(target[k], b.state[k]) for k in b.state)
+    cold = b.load_cold_group(target)
+    tg_rss = peak_rss_growth_mib(lambda: b._tg_load(target))
+    torch_rss = peak_rss_growth_mib(b._torch_load)
+    asyn = b.async_group()
+    b.store.close()
+    b.many_store.close()
+
+    many = f"trainguard sync save, {args.many} tensors"
     ratios = [
-        f"sync save vs raw write {r['raw write + fsync'] / r['trainguard sync save']:.2f}x",
-        f"vs torch.save {r['torch.save + fsync'] / r['trainguard sync save']:.2f}x",
-        f"async blocked (steady) / prealloc copy "
-        f"{r['trainguard async save (steady): blocked'] / r['copy into preallocated buffers']:.2f}x",
-        f"{args.many}-tensor / {args.tensors}-tensor save "
-        f"{r[f'trainguard sync save, {args.many} tensors'] / r['trainguard sync save']:.2f}x",
+        rd.speed_ratio(save, "trainguard sync save", "raw write + fsync",
+                       name="sync save speed / raw write + fsync", target=">= 0.9x"),
+        rd.speed_ratio(save, "trainguard sync save", "torch.save + fsync",
+                       name="sync save speed / torch.save + fsync"),
+        rd.time_ratio(save, many, "trainguard sync save",
+                      name=f"{args.many}-tensor save time / {args.tensors}-tensor",
+                      target="<= 1.2x"),
+        rd.time_ratio(hot, "trainguard load (hot)", "torch.load (hot)",
+                      name="load time / torch.load (hot cache)", target="<= 1.7x"),
+        rd.speed_ratio(cold, "trainguard load (cold)", "dd read of the same bytes (cold)",
+                       name="load speed / dd read (cold cache)", target=">= 0.9x"),
+        rd.time_ratio(asyn, "trainguard async save: blocked (steady)",
+                      "copy into preallocated buffers",
+                      name="async save blocked / preallocated copy", target="<= 1.5x"),
     ]
-    if "DCP load" in r:
-        ratios.insert(2, f"load vs DCP load {r['DCP load'] / r['trainguard load']:.2f}x")
-        ratios.append("DCP async blocked / prealloc copy "
-                      f"{r['DCP async_save: blocked'] / r['copy into preallocated buffers']:.2f}x")
-    print("ratios (higher is better for the first three, lower for the rest): "
-          + "; ".join(ratios))
+    if args.dcp:
+        ratios.append(rd.time_ratio(hot, "trainguard load (hot)", "DCP load (hot)",
+                                    name="load time / DCP load (hot cache)"))
+    for title, r in (("save", save), ("load, hot page cache", hot),
+                     (f"load, cold page cache ({b.cache_method})", cold),
+                     ("async save", asyn)):
+        print(f"\n[{title}]")
+        print(rd.table(r))
+    print(f"\npeak RSS growth of one hot load: trainguard {tg_rss:.0f} MiB, torch.load "
+          f"{torch_rss:.0f} MiB (state {b.nbytes / 2**20:.0f} MiB; target <= 1.1x the state)"
+          if tg_rss is not None and torch_rss is not None else "\npeak RSS: not measurable here")
+    print()
+    rd.print_headlines(ratios)
+    section = {
+        "args": {"size_mib": args.size_mib, "tensors": args.tensors, "many": args.many,
+                 "rounds": args.rounds, "dcp": args.dcp},
+        "state_mib": round(b.nbytes / 2**20, 1), "gib": gib,
+        "cold_cache_method": b.cache_method,
+        "peak_rss_growth_mib": {"trainguard_load": tg_rss, "torch_load": torch_rss},
+        "rss_growth_per_state": None if tg_rss is None else round(tg_rss / (b.nbytes / 2**20), 3),
+        "rows": {**rd.rows_doc(save), **rd.rows_doc(hot), **rd.rows_doc(cold),
+                 **rd.rows_doc(asyn)},
+        "headlines": {r.name: r.doc() for r in ratios},
+    }
+    rd.write_section(out, "checkpoint", section, machine)
+    print(f"results: {out}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mib", type=int, default=1024, help="state size (default 1024)")
+    parser.add_argument("--size-mib", type=int, default=256, help="state size (default 256)")
     parser.add_argument("--tensors", type=int, default=20, help="tensor count (default 20)")
     parser.add_argument("--many", type=int, default=1000, help="tensor count of the variant")
-    parser.add_argument("--dir", help="directory on the disk to measure (default: the temp "
-                        "dir); the files go to a fresh subdirectory, removed afterwards")
-    parser.add_argument("--no-dcp", action="store_true", help="skip the DCP rows")
+    parser.add_argument("--rounds", type=int, help="measured rounds per group (default 8; "
+                        "3 with --dist)")
+    parser.add_argument("--dir", help="directory on the disk to measure (created when "
+                        "missing; default: the temp dir); files go to a fresh subdirectory, "
+                        "removed afterwards")
+    parser.add_argument("--dcp", action="store_true", help="add torch.distributed.checkpoint")
+    parser.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
     parser.add_argument("--keep", action="store_true", help="keep the written files")
+    parser.add_argument("--dist", type=int, metavar="N", help="instead: N gloo ranks, an FSDP2 "
+                        "model + AdamW of --size-mib parameters against DCP, in rounds "
+                        "(bench/checkpoint_dist.py)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where --dist keeps the state (cuda: one rank per GPU)")
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 3 if args.dist else 8
+    if args.dist:
+        from checkpoint_dist import main as dist_main
+
+        dist_main(args.dist, args.size_mib, args.rounds, args.device, args.dir)
+        return
     # A fresh subdirectory, so cleaning up never touches anything already there.
-    args.dir = tempfile.mkdtemp(prefix="tg-bench-", dir=args.dir)
+    base = Path(tempfile.mkdtemp(prefix="tg-bench-", dir=rd.ensure_dir(args.dir)))
     try:
-        run(args)
+        run(args, base)
     finally:
         if not args.keep:
-            shutil.rmtree(args.dir, ignore_errors=True)
+            shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

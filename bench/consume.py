@@ -1,41 +1,55 @@
-"""Consumer throughput: raw Redis read limit vs StreamingDataset vs a DataLoader.
+"""Consumer throughput: StreamingDataset against the raw Redis read limit and against
+torch's own DataLoader limit, in interleaved rounds.
 
 One redis-server (started here on a free port), a dataset of P partitions filled with
 records of 8 KiB and of 128 KiB (NumPy uint8 arrays, the contract's ``nd`` kind). For
-each size it measures, over the same entries:
+each size, every round runs (order rotated each round, first round discarded):
 
-1. raw: pipelined XRANGE of every partition, replies read but not decoded (the limit);
+1. raw: pipelined XRANGE of every partition, replies read but not decoded (the
+   limit of one process reading Redis);
 2. StreamingDataset iterated in this process (fenced XREADGROUP, batch tensors);
-3. the same through ``DataLoader(num_workers=2)``;
+3. baseline for the worker path: an in-memory ``IterableDataset`` yielding batch
+   tensors of the same shape and bytes (a fresh tensor per batch, as any dataset
+   that builds batches does) through ``DataLoader(num_workers=2)``: torch's own cost
+   of moving batches between processes, with no Redis at all;
+4. StreamingDataset through the same ``DataLoader(num_workers=2)``.
 
-and prints MB/s (best of 3 runs each) and the ratios to raw. With ``--cluster`` the
-same runs on a Redis Cluster (3 masters, 3 replicas, started here) follow, with raw
-meaning pipelined XRANGE to each partition's master, and the cluster's figures
-against single Redis. Then the time a checkpoint spends committing
-offsets (acknowledging and publishing them after the manifest commit), with a
-``TrainingSession`` on a local checkpoint store.
+Prints a table (median seconds, GiB/s, client CPU s/GiB) and the headline ratios
+(median of per-round ratios, with their range), then the time a checkpoint spends
+committing offsets, with a ``TrainingSession`` on a local checkpoint store. Merges a
+``consume`` section into the JSON results file.
 
-    .venv/bin/python bench/consume.py --mb 64          # a small run
-    .venv/bin/python bench/consume.py --mb 512 --partitions 16
+With ``--cluster`` the same contestants also run on a Redis Cluster (3 masters, 3
+replicas, started here) in the same rounds, raw meaning pipelined XRANGE to each
+partition's master (every master's commands written before any reply is read); the
+headlines add the cluster against its raw figure and against single Redis, and the
+offset commit is timed on both.
+
+    .venv/bin/python bench/consume.py                   # 256 MiB per size, 6 rounds
+    .venv/bin/python bench/consume.py --mb 512 --rounds 6
     .venv/bin/python bench/consume.py --mb 64 --cluster
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import redis
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import rounds as rd  # noqa: E402
 
 from tests.servers import RedisCluster, RedisServer  # noqa: E402
 from trainer_client import (  # noqa: E402
@@ -44,6 +58,8 @@ from trainer_client import (  # noqa: E402
     redis_client,
 )
 from trainguard.core import streams  # noqa: E402
+
+WORKERS = 2
 
 
 def fill(url: str, name: str, partitions: int, size: int, count: int) -> None:
@@ -117,27 +133,62 @@ def raw_read(where: dict[int, tuple[str, int]], name: str, chunk: int) -> int:
     return total
 
 
-def dataset_read(url: str, name: str, group: str, batch: int, workers: int | None) -> int:
-    ds = StreamingDataset(url, name, group, batch_size=batch)
-    source = ds if workers is None else DataLoader(ds, batch_size=None, num_workers=workers)
-    total = 0
-    for b in source:
-        total += b.data.numel() * b.data.element_size()
-    return total
+class InMemory(IterableDataset[torch.Tensor]):
+    """``batches`` batch tensors like ``template``, split over the workers; each batch
+    a fresh tensor (a clone), as a dataset that builds its batches yields them."""
+
+    def __init__(self, template: torch.Tensor, batches: int):
+        super().__init__()
+        self.template = template
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        for _ in range(w, self.batches, n):
+            yield self.template.clone()
 
 
-def timed(fn, *args, repeat: int = 3) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
-    """Best of ``repeat`` runs (this machine is shared: the best run is the one least
-    disturbed): wall seconds, this process's CPU seconds, bytes. A ``group`` argument
-    gets a fresh suffix per run."""
-    best, cpu, n = float("inf"), float("inf"), 0
-    for r in range(repeat):
-        call_args = [f"{a}-{r}" if isinstance(a, str) and a.startswith("grp") else a for a in args]
-        t0, c0 = time.perf_counter(), time.process_time()
-        n = fn(*call_args)
-        best = min(best, time.perf_counter() - t0)
-        cpu = min(cpu, time.process_time() - c0)
-    return best, cpu, n
+class Consume:
+    def __init__(self, url: str, name: str, partitions: int, size: int, count: int):
+        self.url, self.name = url, name
+        self.where = masters(url, name, partitions)
+        self.partitions, self.size, self.count = partitions, size, count
+        self.batch = max(1, (1024 * 1024) // size)  # ~1 MiB batches
+        self.groups = itertools.count()
+        self.template = torch.from_numpy(
+            np.random.default_rng(1).integers(0, 255, (self.batch, size), dtype=np.uint8))
+
+    def _group(self) -> str:
+        return f"grp-{next(self.groups)}"
+
+    def raw(self) -> int:
+        return raw_read(self.where, self.name, self.batch)
+
+    def streaming(self, workers: int | None) -> int:
+        ds = StreamingDataset(self.url, self.name, self._group(), batch_size=self.batch)
+        source = ds if workers is None else DataLoader(ds, batch_size=None, num_workers=workers)
+        total = 0
+        for b in source:
+            total += b.data.numel() * b.data.element_size()
+        return total
+
+    def in_memory(self) -> int:
+        batches = -(-self.count // self.batch)
+        loader = DataLoader(InMemory(self.template, batches), batch_size=None,
+                            num_workers=WORKERS)
+        total = 0
+        for t in loader:
+            total += t.numel() * t.element_size()
+        return total
+
+    def drop_groups(self, _: str) -> None:
+        client = redis_client.client(self.url)
+        for p in range(self.partitions):
+            key = streams.partition_key(self.name, p)
+            for g in client.xinfo_groups(key):
+                client.xgroup_destroy(key, g["name"])
+        client.close()
 
 
 def commit_cost(url: str, name: str, store_dir: str, batch: int, rounds: int) -> list[float]:
@@ -158,68 +209,117 @@ def commit_cost(url: str, name: str, store_dir: str, batch: int, rounds: int) ->
     return costs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mb", type=int, default=64, help="MiB of records per record size")
-    ap.add_argument("--partitions", type=int, default=16)
-    ap.add_argument("--sizes-kib", default="8,128")
-    ap.add_argument("--cluster", action="store_true",
-                    help="also on a Redis Cluster (3 masters + 3 replicas), against single Redis")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        server = RedisServer(Path(tmp) / "redis").start()
-        cluster = RedisCluster(Path(tmp) / "cluster").start() if args.cluster else None
-        try:
-            figures = {"single": measure(server.url, args, Path(tmp) / "ckpt-single")}
-            if cluster is not None:
-                figures["cluster"] = measure(cluster.url, args, Path(tmp) / "ckpt-cluster")
-                for key, single in figures["single"].items():
-                    print(f"cluster / single Redis, {key}: {figures['cluster'][key] / single:.2f}x")
-        finally:
-            server.kill()
-            if cluster is not None:
-                cluster.stop()
+RAW, ONE, BASE, DL = ("raw XRANGE", "StreamingDataset, 1 process",
+                      f"in-memory IterableDataset, DataLoader({WORKERS} workers)",
+                      f"StreamingDataset, DataLoader({WORKERS} workers)")
 
 
-def measure(url: str, args: argparse.Namespace, ckpt: Path) -> dict[str, float]:
-    """Every figure of one Redis (a server or a cluster), printed; returns MB/s and the
-    median commit time by name."""
-    out: dict[str, float] = {}
-    print(f"{url}: {args.partitions} partitions, {args.mb} MiB per size")
-    for kib in (int(s) for s in args.sizes_kib.split(",")):
-        size = kib * 1024
-        count = max(args.partitions, args.mb * 1024 * 1024 // size)
-        name = f"bench{kib}"
+def on(label: str, target: str) -> str:
+    return label if target == "single" else f"{label} [{target}]"
+
+
+def measure_size(targets: dict[str, tuple[str, list[int]]], args: argparse.Namespace, kib: int
+                 ) -> tuple[rd.Rounds, list[rd.Ratio], int]:
+    """``targets``: name -> (Redis URL, server pids). Every contestant on every target,
+    in the same rounds; the in-memory baseline once."""
+    size = kib * 1024
+    count = max(args.partitions, args.mb * 1024 * 1024 // size)
+    name = f"bench{kib}"
+    contestants: dict[str, Callable[[], int]] = {}
+    pids: dict[str, list[int]] = {}
+    cleanup: dict[str, Callable[[str], None]] = {}
+    for target, (url, servers) in targets.items():
         fill(url, name, args.partitions, size, count)
-        batch = max(1, (1024 * 1024) // size)  # ~1 MiB batches
-        chunk = max(1, batch)
-        where = masters(url, name, args.partitions)
-        t_raw, c_raw, n_raw = timed(raw_read, where, name, chunk)
-        t_one, c_one, n_one = timed(dataset_read, url, name, "grp-one", batch, None)
-        t_dl, _, n_dl = timed(dataset_read, url, name, "grp-dl2", batch, 2)
-        assert n_raw == n_one == n_dl == count * size, (n_raw, n_one, n_dl, count * size)
-        raw = n_raw / t_raw / 1e6
-        one = n_one / t_one / 1e6
-        dl = n_dl / t_dl / 1e6
-        print(f"{kib:>4} KiB x {count}: raw XRANGE {raw:8.1f} MB/s | StreamingDataset "
-              f"{one:8.1f} MB/s ({one / raw:.2f}x raw) | DataLoader(2 workers) "
-              f"{dl:8.1f} MB/s ({dl / raw:.2f}x raw)")
-        out[f"{kib} KiB raw MB/s"], out[f"{kib} KiB StreamingDataset MB/s"] = raw, one
-        out[f"{kib} KiB DataLoader MB/s"] = dl
-        gib = n_raw / 2**30
-        print(f"{'':>4}     client CPU per GiB (less disturbed by a busy machine): raw "
-              f"{c_raw / gib:.2f} s, StreamingDataset {c_one / gib:.2f} s")
+        c = Consume(url, name, args.partitions, size, count)
+        runs: dict[str, Callable[[], int]] = {
+            RAW: c.raw, ONE: lambda c=c: c.streaming(None), DL: lambda c=c: c.streaming(WORKERS)}
+        if target == "single":
+            runs[BASE] = c.in_memory
+        for label, fn in runs.items():
+            contestants[on(label, target)] = fn
+            pids[on(label, target)] = servers
+            cleanup[on(label, target)] = c.drop_groups
+    r = rd.run_rounds(contestants, rounds=args.rounds, after=lambda n: cleanup[n](n),
+                      server_pids=pids)
+    moved = {n: {s.nbytes for s in r.samples[n]} for n in contestants}
+    assert all(v == {count * size} for v in moved.values()), (moved, count * size)
+    for url, _ in targets.values():
         client = redis_client.client(url)
         for p in range(args.partitions):
             client.delete(streams.partition_key(name, p))
         client.close()
-    fill(url, "commits", args.partitions, 1024, 20000)
-    costs = commit_cost(url, "commits", str(ckpt), 64, 20)
-    print(f"committing offsets after a checkpoint ({args.partitions} partitions, "
-          f"256 entries acknowledged each): median {statistics.median(costs) * 1e3:.2f} ms, "
-          f"max {max(costs) * 1e3:.2f} ms")
-    out["offset commit median ms"] = statistics.median(costs) * 1e3
-    return out
+    ratios = [
+        rd.speed_ratio(r, DL, BASE, name=f"{kib} KiB: workers StreamingDataset / in-memory",
+                       target=">= 0.8x"),
+        rd.speed_ratio(r, ONE, RAW, name=f"{kib} KiB: 1-process StreamingDataset / raw XRANGE",
+                       target=">= 0.8x" if kib == 128 else ""),
+        rd.speed_ratio(r, DL, RAW, name=f"{kib} KiB: workers StreamingDataset / raw XRANGE"),
+    ]
+    if "cluster" in targets:
+        cl = "cluster"
+        ratios += [
+            rd.speed_ratio(r, on(ONE, cl), on(RAW, cl), target=">= 0.8x",
+                           name=f"{kib} KiB cluster: 1-process StreamingDataset / raw XRANGE"),
+            rd.speed_ratio(r, on(DL, cl), on(RAW, cl),
+                           name=f"{kib} KiB cluster: workers StreamingDataset / raw XRANGE"),
+            rd.speed_ratio(r, on(ONE, cl), ONE,
+                           name=f"{kib} KiB: 1-process StreamingDataset, cluster / single"),
+        ]
+    return r, ratios, count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=256, help="MiB of records per record size")
+    ap.add_argument("--partitions", type=int, default=16)
+    ap.add_argument("--sizes-kib", default="8,128")
+    ap.add_argument("--rounds", type=int, default=6, help="measured rounds per size")
+    ap.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="also on a Redis Cluster (3 masters + 3 replicas), in the same rounds")
+    args = ap.parse_args()
+    out = rd.results_path() if args.json is None else Path(args.json)
+    section: dict[str, object] = {"args": vars(args) | {"workers": WORKERS}, "sizes": {}}
+    headlines: list[rd.Ratio] = []
+    commits: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp) / "redis").start()
+        cluster = RedisCluster(Path(tmp) / "cluster").start() if args.cluster else None
+        try:
+            targets = {"single": (server.url, [p for p in [server.pid] if p is not None])}
+            if cluster is not None:
+                targets["cluster"] = (cluster.url, [n.pid for n in cluster.nodes
+                                                    if n.pid is not None])
+            print(f"{', '.join(targets)}: {args.partitions} partitions, {args.mb} MiB per "
+                  f"size, ~1 MiB batches, {args.rounds} rounds + 1 warm-up", flush=True)
+            for kib in (int(s) for s in args.sizes_kib.split(",")):
+                r, ratios, count = measure_size(targets, args, kib)
+                print(f"\n[{kib} KiB x {count} records]")
+                print(rd.table(r))
+                headlines += ratios
+                section["sizes"][str(kib)] = {"records": count, "rows": rd.rows_doc(r)}  # type: ignore[index]
+            for target, (url, _) in targets.items():
+                fill(url, "commits", args.partitions, 1024, 20000)
+                costs = commit_cost(url, "commits", str(Path(tmp) / f"ckpt-{target}"), 64, 20)
+                commits[target] = {"median_ms": round(statistics.median(costs) * 1e3, 3),
+                                   "max_ms": round(max(costs) * 1e3, 3)}
+        finally:
+            server.kill()
+            if cluster is not None:
+                cluster.stop()
+    for target, commit in commits.items():
+        print(f"\ncommitting offsets after a checkpoint on {target} ({args.partitions} "
+              f"partitions, 256 entries acknowledged each): median {commit['median_ms']:.2f} ms, "
+              f"max {commit['max_ms']:.2f} ms")
+    print()
+    rd.print_headlines(headlines)
+    section["commit_offsets"] = commits["single"]
+    if "cluster" in commits:
+        section["cluster_commit_offsets"] = commits["cluster"]
+    section["headlines"] = {h.name: h.doc() for h in headlines}
+    rd.write_section(out, "consume", section, rd.machine())
+    print(f"results: {out}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Ingest benchmark: the trainguard producer against Redis' own XADD limit.
+"""Ingest benchmark: the trainguard producer against Redis' own XADD limit, in
+interleaved rounds.
 
 In one run against one fresh redis-server (started here on a free port, no
 persistence), for records of 100 B, 8 KiB and 128 KiB:
@@ -8,18 +9,20 @@ persistence), for records of 100 B, 8 KiB and 128 KiB:
 2. trainguard: the Producer from a file source (a uint8 ``.npy`` cut into records of
    that size), shuffle, deterministic IDs, pipelined XADDs with explicit IDs.
 
-Each size runs ``--rounds`` rounds of raw then trainguard back to back. The table shows
-the best round of each (records/s, MB/s of payload bytes) and their ratio, the median
-and range of the ratio of each round's pair (a pair shares the machine's mood), and the
-producer's MB per CPU-second of its own process (what one free core would give it).
-Runs are a few hundred MB, so that start-up (connections, the first sync) is noise.
-Not a test: on a shared 2-core machine raw alone moves by 2x between rounds.
+Each size runs ``--rounds`` rounds (plus one warm-up, discarded) of both, the order
+rotated each round, Redis flushed between runs. Prints per size the median records/s
+and MB/s of each, the client CPU per GiB (redis-cli's for raw, the producer process's
+for trainguard), and the headline ratio: the median of the per-round ratios, with
+their range. 100 B records use ``--mb-small`` MB (a record costs the same whatever
+its size, so fewer bytes give as many records per second). Merges an ``ingest``
+section into the JSON results file.
 
 With ``--cluster`` each round also runs both on a Redis Cluster (3 masters, 3
 replicas, started here): raw is then one ``redis-cli --pipe`` per master, fed that
-master's partitions, all at once; and the producer's throughput on the cluster is
-compared with single Redis, round by round.
-Usage: python bench/ingest.py [--mb 256] [--partitions 16] [--rounds 3] [--cluster]
+master's partitions, all at once; the headlines add the producer on the cluster
+against raw on the cluster, and against the producer on single Redis, round by round.
+Usage: python bench/ingest.py [--mb 256] [--mb-small 32] [--partitions 16] [--rounds 6]
+                              [--cluster]
 """
 
 from __future__ import annotations
@@ -27,18 +30,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import rounds as rd  # noqa: E402
 
 from ingest_service import redis_client  # noqa: E402
 from ingest_service.producer import Producer  # noqa: E402
@@ -50,9 +56,6 @@ SIZES = (100, 8 * 1024, 128 * 1024)
 
 def _bulk(b: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(b), b)
-
-
-Target = tuple[str, RedisServer | RedisCluster]
 
 
 def masters(target: RedisServer | RedisCluster, partitions: int) -> dict[int, int]:
@@ -80,20 +83,17 @@ def write_raw_commands(folder: Path, count: int, size: int, where: dict[int, int
     return paths
 
 
-def run_raw(files: dict[int, Path]) -> float:
-    """Every server's ``redis-cli --pipe`` at once; seconds until the last is done."""
-    start = time.perf_counter()
+def run_raw(files: dict[int, Path]) -> None:
+    """Every server's ``redis-cli --pipe`` at once, until the last is done."""
     procs = []
     for port, path in files.items():
         with open(path, "rb") as f:
             procs.append(subprocess.Popen(["redis-cli", "-p", str(port), "--pipe"], stdin=f,
                                           stdout=subprocess.PIPE, text=True))
-    outs = [proc.communicate()[0] for proc in procs]
-    elapsed = time.perf_counter() - start
-    for out in outs:
-        if "errors: 0" not in out:
+    for proc in procs:
+        out = proc.communicate()[0]
+        if proc.returncode != 0 or "errors: 0" not in out:
             raise RuntimeError(f"redis-cli --pipe reported errors: {out}")
-    return elapsed
 
 
 def flushall(target: RedisServer | RedisCluster) -> None:
@@ -105,79 +105,132 @@ def flushall(target: RedisServer | RedisCluster) -> None:
     client.close()
 
 
-async def run_trainguard(
-    url: str, source: Path, size: int, partitions: int
-) -> tuple[float, float, int]:
+async def run_trainguard(url: str, source: Path, size: int, partitions: int) -> int:
     client = redis_client.client(url)
     spec = streams.DatasetSpec(name=f"tg{size}", partitions=partitions, source=str(source),
                                format="npy", sample_len=size, shuffle_buffer=1024)
     producer = Producer(client, spec)
-    cpu = time.process_time()
-    start = time.perf_counter()
-    await producer.run()
-    elapsed = time.perf_counter() - start
-    cpu = time.process_time() - cpu
-    await client.aclose()
-    return elapsed, cpu, producer.progress.records
+    try:
+        await producer.run()
+    finally:
+        await client.aclose()
+    return producer.progress.records
+
+
+def measure_size(targets: list[tuple[str, RedisServer | RedisCluster]], tmp: Path, size: int,
+                 mb: int, args: argparse.Namespace) -> tuple[rd.Rounds, list[rd.Ratio], int]:
+    count = max(1000, mb * 1_000_000 // size)
+    source = tmp / f"tokens-{size}.npy"
+    np.save(source, np.full(count * size, ord("x"), dtype=np.uint8))
+    contestants: dict[str, Callable[[], int]] = {}
+    pids: dict[str, list[int]] = {}
+    flushes: dict[str, Callable[[], None]] = {}
+    files: list[Path] = []
+
+    def add(name: str, target: RedisServer | RedisCluster) -> None:
+        cmds = write_raw_commands(tmp / name, count, size, masters(target, args.partitions))
+        files.extend(cmds.values())
+
+        def raw() -> int:
+            run_raw(cmds)
+            return count * size
+
+        def tg() -> int:
+            records = asyncio.run(run_trainguard(target.url, source, size, args.partitions))
+            if records != count:
+                raise RuntimeError(f"producer appended {records} records, expected {count}")
+            return count * size
+
+        servers = target.nodes if isinstance(target, RedisCluster) else [target]
+        for label, fn in ((raw_name(name), raw), (tg_name(name), tg)):
+            contestants[label] = fn
+            pids[label] = [s.pid for s in servers if s.pid is not None]
+            flushes[label] = lambda: flushall(target)
+
+    for name, target in targets:
+        (tmp / name).mkdir(exist_ok=True)
+        add(name, target)
+    try:
+        r = rd.run_rounds(contestants, rounds=args.rounds, after=lambda n: flushes[n](),
+                          server_pids=pids)
+    finally:
+        for path in files:
+            path.unlink()
+        source.unlink()
+    target_of = {100: ">= 0.5x", 8192: ">= 0.8x"}.get(size, "")
+    ratios = [rd.speed_ratio(r, tg_name("single"), raw_name("single"),
+                             name=f"{size} B: producer / raw redis-cli --pipe", target=target_of)]
+    if len(targets) > 1:
+        ratios += [
+            rd.speed_ratio(r, tg_name("cluster"), raw_name("cluster"),
+                           name=f"{size} B cluster: producer / raw --pipe per master",
+                           target=">= 0.8x"),
+            rd.speed_ratio(r, tg_name("cluster"), tg_name("single"),
+                           name=f"{size} B: producer on cluster / on single Redis"),
+        ]
+    return r, ratios, count
+
+
+def raw_name(target: str) -> str:
+    return "raw redis-cli --pipe" + ("" if target == "single" else f" ({target})")
+
+
+def tg_name(target: str) -> str:
+    return "trainguard producer" + ("" if target == "single" else f" ({target})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="payload MB per record size")
+    parser.add_argument("--mb-small", type=int, default=32, help="payload MB of 100 B records")
     parser.add_argument("--partitions", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--json", help="results file (default: bench/results/<host>-<stamp>.json)")
     parser.add_argument("--cluster", action="store_true",
                         help="also on a Redis Cluster (3 masters + 3 replicas)")
     args = parser.parse_args()
     if shutil.which("redis-cli") is None:
         raise SystemExit("redis-cli is not on PATH: install redis-tools / redis-server")
+    out = rd.results_path() if args.json is None else Path(args.json)
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-ingest-"))
-    targets: list[Target] = [("single", RedisServer(tmp / "redis").start())]
+    targets: list[tuple[str, RedisServer | RedisCluster]] = [
+        ("single", RedisServer(tmp / "redis").start())]
     if args.cluster:
         targets.append(("cluster", RedisCluster(tmp / "cluster").start()))
+    section: dict[str, Any] = {"args": vars(args), "sizes": {}}
+    ratios: list[rd.Ratio] = []
     try:
-        print(f"{args.partitions} partitions, {args.mb} MB of payload per size, best of "
-              f"{args.rounds} rounds; {', '.join(name for name, _ in targets)} in each round")
+        print(f"{', '.join(n for n, _ in targets)}: {args.partitions} partitions, {args.mb} MB "
+              f"of payload per size ({args.mb_small} MB at 100 B), {args.rounds} rounds + 1 "
+              "warm-up", flush=True)
         print(f"{'redis':>7} {'size':>8} {'records':>9} | {'raw rec/s':>11} {'raw MB/s':>9} | "
-              f"{'tg rec/s':>11} {'tg MB/s':>9} | {'ratio':>5} | {'paired ratios':>16} | "
-              f"{'tg MB/cpu-s':>11}")
+              f"{'tg rec/s':>11} {'tg MB/s':>9} | {'client CPU s/GiB raw, tg':>24} | "
+              f"{'redis CPU s/GiB raw, tg':>23}")
         for size in SIZES:
-            count = max(1000, args.mb * 1_000_000 // size)
-            source = tmp / f"tokens-{size}.npy"
-            np.save(source, np.full(count * size, ord("x"), dtype=np.uint8))
-            files = {name: write_raw_commands(tmp, count, size, masters(t, args.partitions))
-                     for name, t in targets}
-            raw_s: dict[str, list[float]] = {name: [] for name, _ in targets}
-            tg_s: dict[str, list[float]] = {name: [] for name, _ in targets}
-            tg_cpu: dict[str, list[float]] = {name: [] for name, _ in targets}
-            for _ in range(args.rounds):
-                for name, target in targets:  # interleaved: each round runs every target
-                    raw_s[name].append(run_raw(files[name]))
-                    flushall(target)
-                    elapsed, cpu, records = asyncio.run(
-                        run_trainguard(target.url, source, size, args.partitions)
-                    )
-                    flushall(target)
-                    if records != count:
-                        raise RuntimeError(f"producer appended {records} records, expected {count}")
-                    tg_s[name].append(elapsed)
-                    tg_cpu[name].append(cpu)
-            for paths in files.values():
-                for path in paths.values():
-                    path.unlink()
-            source.unlink()
+            r, size_ratios, count = measure_size(
+                targets, tmp, size, args.mb_small if size < 1024 else args.mb, args)
+            ratios += size_ratios
             mb = count * size / 1e6
+            doc: dict[str, Any] = {"records": count, "rows": rd.rows_doc(r)}
             for name, _ in targets:
-                ratios = sorted(r / t for r, t in zip(raw_s[name], tg_s[name]))
-                raw, tg = min(raw_s[name]), min(tg_s[name])
-                paired = f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
-                print(f"{name:>7} {size:>8} {count:>9} | {count / raw:>11,.0f} {mb / raw:>9,.1f} | "
-                      f"{count / tg:>11,.0f} {mb / tg:>9,.1f} | {raw / tg:>5.2f} | {paired:>16} | "
-                      f"{mb / min(tg_cpu[name]):>11,.1f}")
-            if args.cluster:
-                pairs = sorted(s / c for s, c in zip(tg_s["single"], tg_s["cluster"]))
-                print(f"{'':>7} {size:>8} producer on the cluster / on single Redis, paired rounds: "
-                      f"{statistics.median(pairs):.2f} ({pairs[0]:.2f}-{pairs[-1]:.2f})")
+                raw, tg = raw_name(name), tg_name(name)
+                raw_s, tg_s = r.median_wall(raw), r.median_wall(tg)
+                raw_cpu, tg_cpu = r.cpu_per_gib(raw) or 0.0, r.cpu_per_gib(tg) or 0.0
+                raw_srv = r.server_cpu_per_gib(raw) or 0.0
+                tg_srv = r.server_cpu_per_gib(tg) or 0.0
+                print(f"{name:>7} {size:>8} {count:>9} | {count / raw_s:>11,.0f} "
+                      f"{mb / raw_s:>9,.1f} | {count / tg_s:>11,.0f} {mb / tg_s:>9,.1f} | "
+                      f"{raw_cpu:>11.2f} {tg_cpu:>12.2f} | {raw_srv:>11.2f} {tg_srv:>11.2f}",
+                      flush=True)
+                prefix = "" if name == "single" else f"{name}_"
+                doc |= {
+                    f"{prefix}raw_mb_s": round(mb / raw_s, 1), f"{prefix}tg_mb_s": round(mb / tg_s, 1),
+                    f"{prefix}raw_cpu_s_per_gib": round(raw_cpu, 3),
+                    f"{prefix}tg_cpu_s_per_gib": round(tg_cpu, 3),
+                    f"{prefix}raw_redis_cpu_s_per_gib": round(raw_srv, 3),
+                    f"{prefix}tg_redis_cpu_s_per_gib": round(tg_srv, 3),
+                }
+            section["sizes"][str(size)] = doc
     finally:
         for _, target in targets:
             if isinstance(target, RedisCluster):
@@ -185,6 +238,12 @@ def main() -> None:
             else:
                 target.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    rd.print_headlines(ratios)
+    section["headlines"] = {h.name: h.doc() for h in ratios}
+    rd.write_section(out, "ingest", section, rd.machine())
+    print(f"results: {out}")
+
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,13 +60,15 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(fn: Callable[[], int | None], server_pid: int | None = None) -> Sample:
-    s0 = process_cpu_s(server_pid) if server_pid else 0.0
+def measure(fn: Callable[[], int | None], server_pid: int | Sequence[int] | None = None) -> Sample:
+    """``server_pid``: one server's process, or several (a cluster's nodes) summed."""
+    pids = [server_pid] if isinstance(server_pid, int) else list(server_pid or ())
+    s0 = sum(process_cpu_s(p) for p in pids)
     c0, t0 = _cpu_now(), time.perf_counter()
     moved = fn()
     wall = time.perf_counter() - t0
     cpu = _cpu_now() - c0
-    server = process_cpu_s(server_pid) - s0 if server_pid else None
+    server = sum(process_cpu_s(p) for p in pids) - s0 if pids else None
     return Sample(wall, cpu, int(moved or 0), server)
 
 
@@ -118,10 +120,12 @@ def run_rounds(
     before: Callable[[str], None] | None = None,
     after: Callable[[str], None] | None = None,
     server_pid: int | None = None,
+    server_pids: Mapping[str, Sequence[int]] | None = None,
 ) -> Rounds:
     """Run every contestant once per round, the order rotated each round; ``before``
     and ``after`` (outside the measurement) prepare and clean up, e.g. drop caches.
-    With ``server_pid``, that process's CPU during each run is recorded too."""
+    With ``server_pid``, that process's CPU during each run is recorded too;
+    ``server_pids`` names the server processes per contestant instead (a cluster's)."""
     names = list(contestants)
     out = Rounds({n: [] for n in names})
     for r in range(warmup + rounds):
@@ -129,7 +133,8 @@ def run_rounds(
         for name in names[shift:] + names[:shift]:
             if before is not None:
                 before(name)
-            sample = measure(contestants[name], server_pid)
+            pids = server_pids.get(name) if server_pids is not None else server_pid
+            sample = measure(contestants[name], pids)
             if after is not None:
                 after(name)
             if r >= warmup:

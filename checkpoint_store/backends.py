@@ -13,6 +13,7 @@ import contextlib
 import errno
 import mmap
 import os
+import secrets
 import shutil
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -85,6 +86,25 @@ def _write_all(fd: int, data: Buffer) -> None:
         view = view[n:]
 
 
+_IOV_MAX = 512
+"""Pieces per ``writev``: a chunk of a packed array has one piece per small tensor
+(and one per alignment gap), and a syscall per piece costs as much as its bytes."""
+
+
+def _write_pieces(fd: int, pieces: Sequence[Buffer]) -> None:
+    views = [v for v in (memoryview(p).cast("B") for p in pieces) if len(v)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + _IOV_MAX])
+        while n and i < len(views):  # drop what was written; a short write resumes
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+
+
 class LocalBackend:
     """A local directory; every write is fsync'd, directories included."""
 
@@ -94,6 +114,10 @@ class LocalBackend:
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def local_path(self, path: str) -> str:
+        """The OS path of ``path`` (for readers that use the file descriptor)."""
+        return self._abs(path)
 
     def _makedirs(self, dirpath: str) -> None:
         """Create missing parents and fsync each new entry's parent directory, so a
@@ -111,10 +135,9 @@ class LocalBackend:
     def write_file(self, path: str, pieces: Sequence[Buffer]) -> None:
         full = self._abs(path)
         self._makedirs(os.path.dirname(full))
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(full, _CREATE_FLAGS, 0o644)
         try:
-            for piece in pieces:
-                _write_all(fd, piece)
+            _write_pieces(fd, pieces)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -127,8 +150,12 @@ class LocalBackend:
         full = self._abs(path)
         directory = os.path.dirname(full)
         self._makedirs(directory)
-        tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(full)}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        # A random part, and a create that neither reuses an existing file nor follows a
+        # planted symlink; the pid stays last (gc reads it to spare live writers).
+        tmp = os.path.join(
+            directory, f"{TMP_PREFIX}{os.path.basename(full)}.{secrets.token_hex(8)}.{os.getpid()}"
+        )
+        fd = os.open(tmp, _CREATE_FLAGS, 0o644)
         try:
             half = len(data) // 2
             _write_all(fd, data[:half])
@@ -216,6 +243,10 @@ class LocalBackend:
 def _ignore_missing(func: Any, path: str, exc_info: Any) -> None:
     if not isinstance(exc_info[1], FileNotFoundError):
         raise exc_info[1]
+
+
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""Create a new file only: never an existing one, never through a symlink."""
 
 
 def _fsync_dir(path: str) -> None:

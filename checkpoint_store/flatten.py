@@ -21,17 +21,21 @@ import msgpack
 import numpy as np
 import torch
 
+from checkpoint_store.dtensor import LocalBlock, is_dtensor, local_block
 from checkpoint_store.dtypes import dtype_name, is_supported
 from checkpoint_store.shard import Shard
 from trainguard.core.checkpoints import CorruptCheckpointError, UnsupportedValueError
 
-__all__ = ["TensorLeaf", "TensorRef", "decode_skeleton", "flatten", "is_stateful", "join_path"]
+__all__ = [
+    "TensorLeaf", "TensorRef", "decode_skeleton", "encode_values", "flatten", "is_stateful",
+    "join_path",
+]
 
 EXT_TENSOR, EXT_TUPLE, EXT_NDARRAY, EXT_NPSCALAR, EXT_BIGINT = 1, 2, 3, 4, 5
 _I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
 
 _SUPPORTED = (
-    "tensors, Shard, objects with state_dict()/load_state_dict(), dicts with str or "
+    "tensors, DTensors (Shard/Replicate placements), Shard, objects with state_dict()/load_state_dict(), dicts with str or "
     "int keys, lists, tuples, None, bool, int, float, str, bytes, numpy arrays and scalars"
 )
 
@@ -43,11 +47,16 @@ class TensorLeaf:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sharded: bool
+    writes: bool = True
+    """False on a DTensor replica whose block another rank writes."""
+    layout: dict[str, Any] | None = None
+    """A DTensor's mesh shape and placements, recorded in the manifest."""
 
 
 @dataclass(frozen=True)
 class TensorRef:
-    """Placeholder for a tensor in a decoded skeleton."""
+    """Placeholder for a tensor in a decoded skeleton (and, given to ``flatten``, a
+    reference to a tensor that another rank saves)."""
 
     path: str
 
@@ -78,7 +87,8 @@ class _Flattener:
         self.leaves: list[TensorLeaf] = []
         self._paths: set[str] = set()
 
-    def _leaf(self, path: str, t: torch.Tensor, shard: Shard | None) -> msgpack.ExtType:
+    def _leaf(self, path: str, t: torch.Tensor, shard: Shard | LocalBlock | None
+              ) -> msgpack.ExtType:
         if t.layout != torch.strided or t.is_quantized or t.is_meta or not is_supported(t.dtype):
             raise UnsupportedValueError(
                 f"cannot checkpoint the tensor at {path!r}: dtype {dtype_name(t.dtype)}, "
@@ -95,6 +105,9 @@ class _Flattener:
         if shard is None:
             shape = tuple(t.shape)
             self.leaves.append(TensorLeaf(path, t, shape, (0,) * len(shape), False))
+        elif isinstance(shard, LocalBlock):
+            self.leaves.append(TensorLeaf(path, t, shard.global_shape, shard.offsets, True,
+                                          shard.writes, shard.layout))
         else:
             self.leaves.append(TensorLeaf(path, t, shard.global_shape, shard.offsets, True))
         return msgpack.ExtType(EXT_TENSOR, path.encode())
@@ -116,6 +129,12 @@ class _Flattener:
             return bytes(value)
         if isinstance(value, Shard):
             return self._leaf(path, value.tensor, value)
+        if isinstance(value, TensorRef):
+            # A tensor that other ranks write (the DCP writer): referenced, no leaf here.
+            return msgpack.ExtType(EXT_TENSOR, value.path.encode())
+        if is_dtensor(value):
+            block = local_block(value, path)
+            return self._leaf(path, block.tensor, block)
         if isinstance(value, torch.Tensor):
             return self._leaf(path, value, None)
         if isinstance(value, np.ndarray):
@@ -200,3 +219,16 @@ def decode_skeleton(data: bytes) -> Any:
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"cannot decode the checkpoint's msgpack state: {e}") from e
+
+
+def encode_values(values: Mapping[str, Any], *, what: str) -> bytes:
+    """msgpack of plain values (no tensors), with the same types and extension types
+    as a skeleton; ``what`` names them in the error for a value holding a tensor."""
+    f = _Flattener()
+    tree = {k: f.walk(v, join_path("", k)) for k, v in values.items()}
+    if f.leaves:
+        raise UnsupportedValueError(
+            f"{what} {f.leaves[0].path!r} holds a tensor inside a non-tensor value; only "
+            "top-level tensors can be saved from it"
+        )
+    return _packb(tree)

@@ -4,26 +4,31 @@ Two passes over the same walk: a dry pass collects every byte range the state ne
 (only the blocks a ``Shard`` target overlaps, so resharded loads read their part),
 the reader fetches and verifies them all, then the real pass copies. A damaged
 checkpoint is therefore detected before anything in the caller's state changes.
+Given a :class:`~checkpoint_store.direct.DirectLoad`, the dry pass hands it the large
+tensor targets it can read in place instead; those are the caller's to run, and they
+are exempt from that guarantee (see ``CheckpointStore.load``).
 
 Rules: a tensor target is ``copy_``'d into (same shape and dtype, else
-StateMismatchError); a ``Shard`` target receives its block, assembled from whatever
-blocks were saved; an object with ``load_state_dict`` gets the saved state merged into
+StateMismatchError); a ``Shard`` target, or a DTensor's local shard, receives its
+block, assembled from whatever blocks were saved (``reshard.plan_region``); an object with ``load_state_dict`` gets the saved state merged into
 its current ``state_dict()``; a dict or list target is updated item by item; anything
 else is replaced by the saved value.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 
+from checkpoint_store.direct import DirectLoad
+from checkpoint_store.dtensor import is_dtensor, local_block
 from checkpoint_store.dtypes import dtype_from_name, dtype_name, raw_view
 from checkpoint_store.flatten import TensorRef, is_stateful, join_path
 from checkpoint_store.reader import ChunkReader
+from checkpoint_store.reshard import plan_region
 from checkpoint_store.shard import Shard
 from trainguard.core.checkpoints import CorruptCheckpointError, StateMismatchError
 
@@ -53,10 +58,14 @@ def _to_tensor(data: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.
 
 
 class _Walker:
-    def __init__(self, manifest_name: str, tensors: Mapping[str, Any], reader: ChunkReader):
+    def __init__(self, manifest_name: str, tensors: Mapping[str, Any], reader: ChunkReader,
+                 direct: DirectLoad | None = None):
         self.name = manifest_name
         self.tensors = tensors
         self.reader = reader
+        # Tensors read in place by ``direct``, by key path: neither fetched nor copied here.
+        self.direct = direct
+        self.claimed: dict[str, torch.Tensor] = {}
         self.dry = True
         self.ranges: list[tuple[str, int, int]] = []
         self.skeleton: dict[Any, Any] = {}
@@ -72,36 +81,26 @@ class _Walker:
 
     def region(self, entry: Mapping[str, Any], offsets: tuple[int, ...],
                shape: tuple[int, ...], path: str) -> torch.Tensor | None:
-        """The block ``[offsets, offsets + shape)`` of a saved tensor."""
+        """The block ``[offsets, offsets + shape)`` of a saved tensor (the dry pass
+        only records the byte ranges it needs)."""
         dtype = dtype_from_name(entry["dtype"])
+        pieces = plan_region(entry["shards"], offsets, shape,
+                             where=f"tensor {path!r} in {self.name}")
+        if self.dry:
+            self.ranges.extend((p.array, p.offset, p.nbytes) for p in pieces)
+            return None
         out: torch.Tensor | None = None
-        covered = 0
-        for s in entry["shards"]:
-            s_off, s_shape = tuple(s["offsets"]), tuple(s["shape"])
-            lo = [max(a, b) for a, b in zip(offsets, s_off)]
-            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, shape, s_off, s_shape)]
-            if any(h <= lo_ for lo_, h in zip(lo, hi)) and math.prod(shape) > 0:
-                continue
-            covered += math.prod(h - lo_ for lo_, h in zip(lo, hi))
-            if self.dry:
-                self.ranges.append((s["array"], int(s["offset"]), int(s["nbytes"])))
-                continue
-            src = _to_tensor(self.reader.read(s["array"], int(s["offset"]), int(s["nbytes"])),
-                             dtype, list(s_shape))
-            if s_off == offsets and s_shape == shape:
+        for p in pieces:
+            src = _to_tensor(self.reader.read(p.array, p.offset, p.nbytes), dtype, list(p.shape))
+            if p.offsets == offsets and p.shape == shape:
                 return src
             if out is None:
                 out = _empty(shape, dtype)
-            src_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, s_off))
+            lo = [max(a, b) for a, b in zip(offsets, p.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, shape, p.offsets, p.shape)]
+            src_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offsets))
             dst_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
             raw_view(out)[dst_idx].copy_(raw_view(src)[src_idx])
-        if covered != math.prod(shape):
-            raise CorruptCheckpointError(
-                f"tensor {path!r} in {self.name}: the saved blocks cover {covered} of the "
-                f"{math.prod(shape)} elements requested at offsets {offsets}"
-            )
-        if self.dry:
-            return None
         return out if out is not None else _empty(shape, dtype)
 
     def _check(self, path: str, entry: Mapping[str, Any], t: torch.Tensor,
@@ -116,6 +115,19 @@ class _Walker:
     def load_tensor(self, target: Any, ref: TensorRef, path: str) -> Any:
         entry = self._entry(ref)
         global_shape = tuple(entry["shape"])
+        if is_dtensor(target):
+            block = local_block(target, path)
+            if block.global_shape != global_shape:
+                raise StateMismatchError(
+                    f"DTensor at {path!r} has global shape {block.global_shape}, checkpoint "
+                    f"{self.name} has {global_shape}"
+                )
+            local = block.tensor
+            self._check(path, entry, local, tuple(local.shape))
+            data = self.region(entry, block.offsets, tuple(local.shape), path)
+            if data is not None:
+                raw_view(local).copy_(raw_view(data))
+            return target
         if isinstance(target, Shard):
             if target.global_shape != global_shape:
                 raise StateMismatchError(
@@ -129,11 +141,22 @@ class _Walker:
             return target
         if isinstance(target, torch.Tensor):
             self._check(path, entry, target, global_shape)
+            if self.dry and self.direct is not None and self.direct.claim(target, entry):
+                self.claimed[path] = target
+            if path in self.claimed:
+                return target
             data = self.region(entry, (0,) * len(global_shape), global_shape, path)
             if data is not None:
                 with torch.no_grad():
                     raw_view(target).copy_(raw_view(data))
             return target
+        if self.dry and self.direct is not None and len(entry["shards"]) == 1:
+            # No tensor to load into (e.g. a fresh optimizer's state): read into a new one.
+            fresh = _empty(global_shape, dtype_from_name(entry["dtype"]))
+            if self.direct.claim(fresh, entry):
+                self.claimed[path] = fresh
+        if path in self.claimed:
+            return self.claimed[path]
         data = self.region(entry, (0,) * len(global_shape), global_shape, path)
         # Clone through the raw view: some dtypes (bits, sub-byte ints) have no kernels.
         return None if data is None else raw_view(data).clone().view(data.dtype)

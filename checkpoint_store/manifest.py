@@ -1,9 +1,12 @@
 """The manifest: the immutable JSON commit record of one checkpoint.
 
 A save is committed when its manifest exists under ``manifests/<step>-<uid>.json``.
-The document carries its own checksum: ``"checksum": "sha256:<hex>"`` over the
-canonical JSON (sorted keys, no whitespace, ASCII) of every other field, so a damaged
-or half-written manifest is recognised and skipped. See FORMAT.md for every field.
+The document carries its own checksum, so a damaged or half-written manifest is
+recognised and skipped. Version 2 hashes the exact bytes stored: the file ends with
+``,"checksum":"sha256:<64 hex>"}`` and a newline (``CHECKSUM_SUFFIX_BYTES`` bytes),
+and the SHA-256 covers every byte before that suffix, so any language verifies it
+without re-encoding JSON. Version 1 (read, never written) hashed Python's canonical
+JSON of the other fields. See FORMAT.md for every field.
 """
 
 from __future__ import annotations
@@ -11,16 +14,23 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from checkpoint_store.layout import data_dir, parse_manifest_name
 from trainguard.core.checkpoints import CorruptCheckpointError
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Manifest", "encode_manifest", "parse_manifest"]
+__all__ = [
+    "CHECKSUM_SUFFIX_BYTES", "FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "Manifest",
+    "encode_manifest", "parse_manifest",
+]
 
 FORMAT_NAME = "trainguard.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+CHECKSUM_SUFFIX_BYTES = len(',"checksum":"sha256:') + 64 + len('"}\n')
+_SUFFIX_RE = re.compile(rb',"checksum":"(sha256:[0-9a-f]{64})"\}\n\Z')
 MANIFEST_KEYS = frozenset(
     {
         "format", "version", "step", "uid", "created_at", "parent", "world_size", "nbytes",
@@ -76,8 +86,48 @@ def encode_manifest(
         "tensors": tensors,
         "state": {"encoding": "msgpack", "base64": base64.b64encode(state).decode()},
     }
-    body["checksum"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
-    return _canonical(body) + b"\n"
+    prefix = _canonical(body)[:-1]  # the object without its closing brace
+    digest = hashlib.sha256(prefix).hexdigest()
+    return prefix + f',"checksum":"sha256:{digest}"}}\n'.encode()
+
+
+def _check_v2(name: str, raw: bytes) -> None:
+    m = _SUFFIX_RE.search(raw)
+    if m is None or len(raw) - m.start() != CHECKSUM_SUFFIX_BYTES:
+        raise CorruptCheckpointError(
+            f"manifest {name} does not end with its checksum field: it is damaged or was "
+            "not fully written"
+        )
+    actual = "sha256:" + hashlib.sha256(raw[: m.start()]).hexdigest()
+    if m.group(1).decode() != actual:
+        raise CorruptCheckpointError(
+            f"manifest {name} checksum mismatch (stored {m.group(1).decode()!r}, computed "
+            f"{actual!r}): the record is damaged"
+        )
+
+
+def _check_v1(name: str, body: dict[str, Any], checksum: Any) -> None:
+    actual = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
+    if checksum != actual:
+        raise CorruptCheckpointError(
+            f"manifest {name} checksum mismatch (stored {checksum!r}, computed {actual!r}): "
+            "the record is damaged"
+        )
+
+
+def _check_array_names(name: str, arrays: object) -> None:
+    """Array names become paths under the checkpoint's data directory: a name that
+    could leave it (``..``, an absolute path, a backslash, an empty segment) makes the
+    manifest corrupt, whatever its checksum says."""
+    if not isinstance(arrays, dict):
+        raise CorruptCheckpointError(f"manifest {name}: 'arrays' is not an object")
+    for array in arrays:
+        parts = str(array).split("/")
+        if any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
+            raise CorruptCheckpointError(
+                f"manifest {name} names array {str(array)[:80]!r}, which is not a relative path "
+                "inside the checkpoint's data directory: the manifest is damaged or forged"
+            )
 
 
 def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
@@ -93,18 +143,17 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
         ) from e
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"manifest {name} is not a {FORMAT_NAME} record")
-    if body.get("version") != FORMAT_VERSION:
+    version = body.get("version")
+    if version not in READABLE_VERSIONS:
         raise CorruptCheckpointError(
-            f"manifest {name} has format version {body.get('version')!r}; this reader "
-            f"understands version {FORMAT_VERSION}: upgrade trainguard"
+            f"manifest {name} has format version {version!r}; this reader understands "
+            f"versions {list(READABLE_VERSIONS)}: upgrade trainguard"
         )
     checksum = body.pop("checksum", None)
-    actual = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
-    if checksum != actual:
-        raise CorruptCheckpointError(
-            f"manifest {name} checksum mismatch (stored {checksum!r}, computed {actual!r}): "
-            "the record is damaged"
-        )
+    if version == 1:
+        _check_v1(name, body, checksum)
+    else:
+        _check_v2(name, raw)
     if set(body) | {"checksum"} != MANIFEST_KEYS:
         raise CorruptCheckpointError(f"manifest {name} has fields {sorted(body)}, expected "
                                      f"{sorted(MANIFEST_KEYS - {'checksum'})}")
@@ -113,6 +162,7 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
             f"manifest {name} records step {body['step']} uid {body['uid']}, which do not "
             "match its name"
         )
+    _check_array_names(name, body["arrays"])
     state = body["state"]
     if state.get("encoding") != "msgpack":
         raise CorruptCheckpointError(f"manifest {name}: unknown state encoding {state!r}")

@@ -2,8 +2,9 @@
 
 Pure data, computed before any I/O. Tensors of at least ``own_array_bytes`` (and at
 least one axis) get an array of their own, with their real shape and dtype. Smaller
-ones are packed, 64-byte aligned, into one ``uint8`` array per rank (``r<rank>/pack``),
-so a state of thousands of small tensors is a few chunk files, not thousands. The
+ones are packed, 64-byte aligned, into ``uint8`` arrays (``r<rank>/pack`` for whole
+tensors, ``r<rank>/spack`` for blocks of sharded ones), so a state of thousands of small
+tensors is a few chunk files, not thousands. The
 store sets ``own_array_bytes`` to its chunk size: a tensor gets its own array once it
 fills a chunk, so small arrays never multiply the files (and fsyncs) of a save.
 """
@@ -54,8 +55,10 @@ def plan_rank(
     group = rank_group(rank)
     arrays: list[ArrayLayout] = []
     placements: list[Placement] = []
-    pack_path = f"{group}/pack"
-    pack_end = 0
+    # Small blocks of sharded tensors get a pack of their own (``spack``): a rank
+    # loading another layout reads the chunks it needs, and the unsharded values every
+    # rank reads (optimizer steps, biases) never share a chunk with a shard's bytes.
+    pack_ends: dict[str, int] = {}
     for i, leaf in enumerate(leaves):
         t = leaf.tensor
         nbytes = t.numel() * t.element_size()
@@ -72,20 +75,20 @@ def plan_rank(
                 )
             )
             placements.append(Placement(i, path, 0, nbytes))
+        elif nbytes == 0:
+            placements.append(Placement(i, "", 0, 0))  # empty tensors need no bytes
         else:
-            offset = _align(pack_end) if nbytes else pack_end
+            pack_path = f"{group}/{'spack' if leaf.sharded else 'pack'}"
+            end = pack_ends.get(pack_path, 0)
+            offset = _align(end)
             placements.append(Placement(i, pack_path, offset, nbytes))
-            pack_end = offset + nbytes
-    if pack_end:
-        pack = ArrayLayout.chunked(
-            pack_path, (pack_end,), "uint8", 1,
+            pack_ends[pack_path] = offset + nbytes
+    packs = [
+        ArrayLayout.chunked(
+            path, (end,), "uint8", 1,
             target_chunk_bytes=chunk_bytes, attributes={"packed": True},
             row_multiple=PACK_ALIGN,
         )
-        arrays.insert(0, pack)
-    else:
-        # Only empty tensors were packed: they need no bytes and no array.
-        placements = [
-            Placement(p.leaf, "", 0, 0) if p.array == pack_path else p for p in placements
-        ]
-    return RankPlan(rank, tuple(arrays), tuple(placements))
+        for path, end in sorted(pack_ends.items())
+    ]
+    return RankPlan(rank, tuple(packs + arrays), tuple(placements))

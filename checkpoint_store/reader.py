@@ -7,6 +7,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -136,6 +137,7 @@ def verify_data(backend: Backend, manifest: Manifest, *, io_threads: int) -> Non
     """Check a committed save's data against its manifest: every chunk's CRC (one
     chunk in memory at a time), the state skeleton, and that every tensor lies inside
     its array. Raises CorruptCheckpointError."""
+    _check_zarr_json(backend, manifest)
     reader = ChunkReader(backend, data_dir(manifest.uid), manifest.arrays,
                          io_threads=io_threads)
     for path, meta in manifest.arrays.items():
@@ -151,3 +153,23 @@ def verify_data(backend: Backend, manifest: Manifest, *, io_threads: int) -> Non
                 raise CorruptCheckpointError(
                     f"tensor {key!r} of {manifest.name} points outside its array"
                 )
+
+
+def _check_zarr_json(backend: Backend, manifest: Manifest) -> None:
+    """Each array's zarr.json against the SHA-256 its manifest recorded (format 2; a
+    version 1 manifest has none)."""
+    for path, meta in manifest.arrays.items():
+        expected = meta.get("zarr_json_sha256")
+        if expected is None:
+            continue
+        where = f"{data_dir(manifest.uid)}/{path}/zarr.json"
+        try:
+            raw = backend.read(where)
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(f"{where} is missing: the checkpoint is incomplete") \
+                from e
+        if hashlib.sha256(raw).hexdigest() != expected:
+            raise CorruptCheckpointError(
+                f"{where} does not match the SHA-256 in {manifest.name}: the array's "
+                "metadata is damaged; load an earlier checkpoint"
+            )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -43,6 +44,7 @@ from checkpoint_store.layout import (
 )
 from checkpoint_store.manifest import Manifest, encode_manifest, parse_manifest
 from checkpoint_store.plan import RankPlan
+from checkpoint_store.reshard import unique_blocks
 from checkpoint_store.staging import Staged
 from checkpoint_store.writer import write_rank, write_root_group
 from trainguard.core.checkpoints import (
@@ -65,6 +67,9 @@ class SaveJob:
     plan: RankPlan
     staged: Staged
     skeleton: bytes
+    error: BaseException | None = None
+    """Set when this rank failed before writing: it still takes part in the
+    protocol, reporting the error, so every rank aborts together and promptly."""
 
 
 def latest_pointer(name: str, step: int, uid: str) -> bytes:
@@ -84,6 +89,7 @@ def _tensor_entries(job: SaveJob) -> dict[str, Any]:
             "dtype": dtype_name(leaf.tensor.dtype),
             "shape": list(leaf.global_shape),
             "sharded": leaf.sharded,
+            "layout": leaf.layout,
             "shard": {
                 "array": p.array, "offset": p.offset, "nbytes": p.nbytes,
                 "shape": list(leaf.tensor.shape), "offsets": list(leaf.offsets),
@@ -93,16 +99,35 @@ def _tensor_entries(job: SaveJob) -> dict[str, Any]:
 
 
 def _merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One entry per tensor with every rank's block; a block several ranks report
+    (a replicated ``Shard``) is recorded once, from the lowest rank."""
     merged: dict[str, Any] = {}
     for entries in per_rank:
         for path, e in entries.items():
-            m = merged.setdefault(path, {"dtype": e["dtype"], "shape": e["shape"], "shards": []})
-            if (m["dtype"], m["shape"]) != (e["dtype"], e["shape"]):
+            fresh = {"dtype": e["dtype"], "shape": e["shape"], "shards": []}
+            if e.get("layout") is not None:
+                fresh["layout"] = e["layout"]
+            m = merged.setdefault(path, fresh)
+            if (m["dtype"], m["shape"], m.get("layout")) != (e["dtype"], e["shape"],
+                                                             e.get("layout")):
                 raise CheckpointError(
-                    f"ranks disagree on tensor {path!r}: {m['dtype']} {m['shape']} vs "
-                    f"{e['dtype']} {e['shape']}; every rank must save the same global tensors"
+                    f"ranks disagree on tensor {path!r}: {m['dtype']} {m['shape']} "
+                    f"{m.get('layout')} vs {e['dtype']} {e['shape']} {e.get('layout')}; every "
+                    "rank must save the same global tensors"
                 )
             m["shards"].append(e["shard"])
+    for path, m in merged.items():
+        m["shards"] = unique_blocks(m["shards"])
+        # In-bounds blocks (Shard checks that) tile the tensor exactly when their
+        # volumes add up to it and none overlaps; a sum that differs means a block
+        # is missing or overlaps another, and the loader could not use them.
+        covered = sum(math.prod(s["shape"]) for s in m["shards"])
+        if covered != math.prod(m["shape"]):
+            raise CheckpointError(
+                f"the ranks' blocks of tensor {path!r} cover {covered} of its "
+                f"{math.prod(m['shape'])} elements: blocks overlap or are missing; every "
+                "element must be saved by exactly one block (identical blocks count once)"
+            )
     return merged
 
 
@@ -147,6 +172,8 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
     report: dict[str, Any]
     try:
         try:
+            if job.error is not None:
+                raise job.error
             backend.write_file(marker, [json.dumps({
                 "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
                 "step": job.step, "rank": rank,

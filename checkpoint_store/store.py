@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from checkpoint_store.backends import Backend, open_backend
+from checkpoint_store.direct import DirectLoad
 from checkpoint_store.dist import Comm, all_gather_json, make_comm
 from checkpoint_store.flatten import decode_skeleton, flatten
 from checkpoint_store.handle import SaveHandle
@@ -97,6 +99,8 @@ class CheckpointStore:
         self._current: SaveHandle | None = None
         self._unreported: SaveHandle | None = None
         self._own_inflight: set[str] = set()
+        # name -> (its bytes, parsed): retention re-reads every manifest after each save.
+        self._parsed: dict[str, tuple[bytes, Manifest]] = {}
         self._closed = False
 
     @property
@@ -149,10 +153,32 @@ class CheckpointStore:
             # run, and the new job queues behind them in the writer thread.
             current._result.wait()
         self._raise_unreported()
+        try:
+            job = self._prepare(state, step, extra_doc, blocking)
+        except Exception as e:
+            if self.world_size == 1:
+                raise
+            # The other ranks are entering the save's collectives: take part with the
+            # error, so that every rank learns it now (not at the gloo timeout).
+            job = SaveJob(step, extra_doc, [], plan_rank([], rank=self.rank, chunk_bytes=1,
+                                                         own_array_bytes=1),
+                          Staged([], None), b"", error=e)
+        handle = SaveHandle(step)
+        with self._lock:
+            self._current = handle
+        self._executor.submit(self._run, handle, job)
+        if blocking or job.error is not None:
+            handle.wait()
+        return handle
+
+    def _prepare(self, state: Mapping[str, Any], step: int, extra_doc: dict[str, Any],
+                 blocking: bool) -> SaveJob:
         leaves, skeleton = flatten(state)
         if self.world_size > 1 and self.rank != 0:
-            # Replicated (non-Shard) values are rank 0's to write.
+            # Replicated plain values are rank 0's to write.
             leaves = [leaf for leaf in leaves if leaf.sharded]
+        # A DTensor replica leaves its block to the replica at coordinate 0.
+        leaves = [leaf for leaf in leaves if leaf.writes]
         plan = plan_rank(leaves, rank=self.rank, chunk_bytes=self.chunk_bytes,
                          own_array_bytes=self.chunk_bytes)
         on_cpu = all(not leaf.tensor.is_cuda for leaf in leaves)
@@ -160,14 +186,7 @@ class CheckpointStore:
             staged = Staged(direct_segments(leaves, plan), None)
         else:
             staged = self._pool.stage(leaves, plan)
-        job = SaveJob(step, extra_doc, leaves, plan, staged, skeleton)
-        handle = SaveHandle(step)
-        with self._lock:
-            self._current = handle
-        self._executor.submit(self._run, handle, job)
-        if blocking:
-            handle.wait()
-        return handle
+        return SaveJob(step, extra_doc, leaves, plan, staged, skeleton)
 
     def _run(self, handle: SaveHandle, job: SaveJob) -> None:
         try:
@@ -204,21 +223,37 @@ class CheckpointStore:
     def _pins(self) -> set[str]:
         return set(self._backend.listdir(PINS_DIR))
 
-    def _read_manifest(self, name: str, pins: set[str] | None = None) -> Manifest:
+    def _read_manifest(self, name: str, pins: set[str] | None = None, *,
+                       reuse: bool = False) -> Manifest:
+        """Read and verify a manifest. ``reuse``: return the copy parsed from the very
+        same bytes before, if any (for retention, which reads every manifest after
+        every save and only looks at names, steps and pins; callers that hand the
+        manifest out get a fresh one)."""
         try:
             raw = self._backend.read(manifest_path(name))
         except FileNotFoundError as e:
             raise NoCheckpointError(f"manifest {name} does not exist") from e
         pinned = name in (pins if pins is not None else self._pins())
-        return parse_manifest(name, raw, pinned=pinned)
+        seen = self._parsed.get(name) if reuse else None
+        if seen is not None and seen[0] == raw:
+            return dataclasses.replace(seen[1], pinned=pinned)
+        manifest = parse_manifest(name, raw, pinned=pinned)
+        if reuse:
+            if len(self._parsed) >= 256:
+                self._parsed.clear()
+            self._parsed[name] = (raw, manifest)
+        return manifest
 
     def list(self) -> builtins.list[Manifest]:
         """Committed, readable manifests, oldest first (damaged ones are logged)."""
+        return self._list(reuse=False)
+
+    def _list(self, *, reuse: bool) -> builtins.list[Manifest]:
         pins = self._pins()
         out = []
         for n in self._names():
             try:
-                out.append(self._read_manifest(n.name, pins))
+                out.append(self._read_manifest(n.name, pins, reuse=reuse))
             except CorruptCheckpointError as e:
                 log.warning("skipping damaged manifest %s: %s", n.name, e)
             except NoCheckpointError:
@@ -290,10 +325,19 @@ class CheckpointStore:
         (:func:`trainguard.core.record.restore_order`; commit order for checkpoints
         without a session record).
 
-        Every chunk read is verified before anything in ``state`` changes. A damaged
-        checkpoint is skipped with a warning and the previous one loaded;
-        ``strict=True`` raises CorruptCheckpointError instead. Returns None when the
-        store holds no checkpoint at all."""
+        Every chunk read is verified (CRC-32C), and a load that returns has loaded
+        every selected tensor from that one checkpoint. A damaged checkpoint is skipped
+        with a warning and the previous one loaded; ``strict=True`` raises
+        CorruptCheckpointError instead. Returns None when the store holds no
+        checkpoint at all.
+
+        Large tensors are read straight into ``state``'s tensors and verified there
+        (no second copy of the state in memory) when an earlier checkpoint exists to
+        fall back to: if one of their chunks is damaged, the fallback reloads every
+        tensor from the earlier checkpoint. ``strict=True``, ``step=...`` and the
+        oldest checkpoint instead verify everything before changing anything in
+        ``state``, so their errors leave it untouched. Only when every fallback fails
+        too does an error leave ``state`` partly overwritten, and it says so."""
         self._wait_current()
         keys = list(keys) if keys is not None else None
         candidates = self._candidates(step)
@@ -309,22 +353,47 @@ class CheckpointStore:
                 log.warning("%s in %s; using the manifest listing", problem, self.url)
         damaged: builtins.list[str] = []
         pins = self._pins()
-        for n in candidates:
+        dirty = False  # the state holds bytes of a damaged checkpoint read in place
+        for i, n in enumerate(candidates):
+            # In-place reads only where a failure can be repaired by this very call:
+            # a later candidate reloads everything. Strict loads, loads of one step and
+            # the last candidate stage and verify everything before changing anything.
+            in_place = not strict and step is None and not dirty and i < len(candidates) - 1
             applier: Applier | None = None
-            error = ""
+            verdict: dict[str, str] = {}
+            refusal: BaseException | None = None
             manifest: Manifest | None = None
             try:
                 manifest = self._read_manifest(n.name, pins)
                 reader = ChunkReader(self._backend, data_dir(manifest.uid), manifest.arrays,
                                      io_threads=self.io_threads)
-                applier = Applier(manifest.name, manifest.tensors, reader)
+                direct = (DirectLoad(self._backend, data_dir(manifest.uid), manifest.arrays,
+                                     io_threads=self.io_threads) if in_place else None)
+                applier = Applier(manifest.name, manifest.tensors, reader, direct)
                 with torch.no_grad():
                     applier.prepare(state, decode_skeleton(manifest.state), keys)
+                if direct is not None:
+                    direct.run()
             except CorruptCheckpointError as e:
-                error = str(e)
+                verdict = {"damaged": str(e)}
             except NoCheckpointError:
+                verdict = {"gone": n.name}
+            except Exception as e:
+                # A state that does not fit is refused on every rank, not only here:
+                # the others must not wait in the collective below for this one.
+                verdict, refusal = {"refused": f"{type(e).__name__}: {e}"}, e
+            verdicts = all_gather_json(self._comm, verdict)
+            if refusal is not None:
+                if dirty:
+                    refusal.add_note(_dirty_note(damaged))
+                raise refusal
+            refused = [(r, v["refused"]) for r, v in enumerate(verdicts) if "refused" in v]
+            if refused:
+                raise CheckpointError(f"loading {n.name} was refused by rank "
+                                      f"{refused[0][0]}: {refused[0][1]}")
+            if any("gone" in v for v in verdicts):
                 continue
-            verdicts = all_gather_json(self._comm, error)
+            verdicts = [v.get("damaged", "") for v in verdicts]
             bad = [(r, v) for r, v in enumerate(verdicts) if v]
             if not bad:
                 assert applier is not None and manifest is not None
@@ -336,11 +405,13 @@ class CheckpointStore:
             detail = "; ".join(f"rank {r}: {v}" for r, v in bad)
             if strict:
                 raise CorruptCheckpointError(f"checkpoint {n.name} is damaged: {detail}")
-            log.warning("checkpoint %s is damaged (%s); falling back to the previous one",
-                        n.name, detail)
+            log.warning("checkpoint %s is damaged (%s); falling back to the previous one%s",
+                        n.name, detail, " (reloading every tensor)" if in_place else "")
             damaged.append(n.name)
+            dirty = dirty or in_place
         raise CorruptCheckpointError(
             f"no loadable checkpoint in {self.url}: damaged {damaged}; restore from a copy"
+            + (f". {_dirty_note(damaged)}" if dirty else "")
         )
 
     def verify(self, step: int) -> Manifest:
@@ -354,7 +425,7 @@ class CheckpointStore:
 
     # ---------------------------------------------------------------- retention
     def _apply_retention(self, protect: str | None = None) -> builtins.list[str]:
-        manifests = self.list()
+        manifests = self._list(reuse=True)
         doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
                                               keep_every=self.keep_every)
                   if m.name != protect]
@@ -431,6 +502,12 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r}, rank={self.rank}/{self.world_size})"
+
+
+def _dirty_note(damaged: builtins.list[str]) -> str:
+    return (f"The state's large tensors were read in place from {damaged[0]} before its "
+            "damage showed, and no later load replaced them: rebuild the state (or load "
+            "another store) before using it")
 
 
 def _json_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:

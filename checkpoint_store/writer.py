@@ -7,6 +7,7 @@ each chunk is returned for the manifest, which thereby pins the exact bytes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import threading
@@ -103,8 +104,10 @@ def write_rank(
         if first:
             _faults.reached("mid-data")
 
+    metadata = {a.path: _json_bytes(a.metadata()) for a in plan.arrays}
+
     def write_metadata(layout: ArrayLayout) -> None:
-        backend.write_file(f"{data_dir}/{layout.path}/zarr.json", [_json_bytes(layout.metadata())])
+        backend.write_file(f"{data_dir}/{layout.path}/zarr.json", [metadata[layout.path]])
 
     # Every file is its own job: fsyncs of many small files overlap instead of queueing.
     jobs: list[Callable[[], None]] = [partial(write_metadata, a) for a in plan.arrays]
@@ -120,6 +123,9 @@ def write_rank(
             "chunk_rows": a.chunk_rows,
             "chunk_bytes": a.chunk_bytes,
             "crc32c": crcs[a.path],
+            # The array's zarr.json, exactly as written: a reader that trusts its
+            # data_type or shape checks them against this first.
+            "zarr_json_sha256": hashlib.sha256(metadata[a.path]).hexdigest(),
         }
         for a in plan.arrays
     }

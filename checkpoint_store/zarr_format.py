@@ -21,7 +21,10 @@ import crc32c as _crc
 
 from trainguard.core.checkpoints import CorruptCheckpointError
 
-__all__ = ["CRC_BYTES", "ArrayLayout", "check_chunk", "crc32c", "group_metadata", "zero_bytes"]
+__all__ = [
+    "CRC_BYTES", "ArrayLayout", "check_chunk", "check_crc", "check_size", "crc32c",
+    "group_metadata", "zero_bytes",
+]
 
 CRC_BYTES = 4
 _ZEROS = bytes(1 << 20)
@@ -133,22 +136,30 @@ def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
 
 
-def check_chunk(payload: memoryview, trailer: memoryview, file_size: int, *,
-                expected_crc: int, where: str) -> None:
-    """Check a chunk file read as ``payload`` + ``trailer`` (its 4 CRC bytes): its
-    size, its own CRC and the CRC the manifest recorded (which also catches a valid
-    chunk from another save). Raises CorruptCheckpointError."""
-    expected_size = len(payload) + CRC_BYTES
+def check_size(file_size: int, expected_size: int, where: str) -> None:
     if file_size != expected_size:
         raise CorruptCheckpointError(
             f"chunk {where} has {file_size} bytes, expected {expected_size}: "
             "the file is truncated or foreign; load an earlier checkpoint"
         )
+
+
+def check_crc(actual: int, trailer: memoryview, expected_crc: int, where: str) -> None:
+    """``actual`` (the CRC-32C computed over a chunk's payload) against the chunk's
+    own trailer and the CRC the manifest recorded (which also catches a valid chunk
+    from another save). Raises CorruptCheckpointError."""
     (stored,) = struct.unpack("<I", trailer)
-    actual = _crc.crc32c(payload)
     if actual != stored or actual != expected_crc:
         raise CorruptCheckpointError(
             f"chunk {where} fails its CRC-32C check (computed {actual:#010x}, stored "
             f"{stored:#010x}, manifest {expected_crc:#010x}): the data is damaged; "
             "load an earlier checkpoint"
         )
+
+
+def check_chunk(payload: memoryview, trailer: memoryview, file_size: int, *,
+                expected_crc: int, where: str) -> None:
+    """Check a chunk file read as ``payload`` + ``trailer`` (its 4 CRC bytes): its
+    size, its own CRC and the manifest's. Raises CorruptCheckpointError."""
+    check_size(file_size, len(payload) + CRC_BYTES, where)
+    check_crc(_crc.crc32c(payload), trailer, expected_crc, where)

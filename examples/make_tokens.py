@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from ingest_service.datasets import create_dataset
 from trainguard.core.streams import DatasetSpec
+from trainguard.core.urls import redact_url
 from trainguard.ops.demo import write_dataset
 
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         write_dataset(tmp, args.records, args.seed)
         tmp.replace(out)
     asyncio.run(register(args, out))
-    print(f"dataset {args.dataset!r}: {out} registered in {args.redis_url}")
+    print(f"dataset {args.dataset!r}: {out} registered in {redact_url(args.redis_url)}")
     return 0
 
 

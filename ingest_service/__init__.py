@@ -3,7 +3,8 @@
 The stream layout it writes is :mod:`trainguard.core.streams` (shared with the trainer
 client). Modules: ``datasets`` (registry), ``sources`` and ``planner`` (what goes
 where), ``producer`` (exactly-once appends, backpressure, retention, dead letters),
-``push`` (HTTP push ingestion), ``app`` (the aiohttp application: push, health,
+``push``, ``push_body``, ``push_route`` and ``auth`` (HTTP push ingestion and who may
+push), ``app`` (the aiohttp application: push, health,
 metrics and the admin routes of ``admin``), ``inspection`` and ``seek`` (what the admin
 API and the CLI read and move). The ``trainguard ingest`` and ``serve`` commands are
 the operations layer's (:mod:`trainguard.ops`).

@@ -77,25 +77,77 @@ entries in it (Redis lost it); {-2, ms, seq} when the stream ends before ARGV[1]
 (Redis lost its tail), with the stream's last ID.
 """
 
-PUSH = """
-local raw = redis.call('HGET', KEYS[2], ARGV[1])
-local seq = tonumber(ARGV[2])
-if raw and seq <= tonumber(raw) then return {0, raw} end
-local out = {1}
-local i = 4
-for r = 1, tonumber(ARGV[3]) do
+PUSH_SLICE = """
+local producer, seq = ARGV[1], tonumber(ARGV[2])
+local start, total, count = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local mark = redis.call('HGET', KEYS[2], producer)
+if mark then
+  local m = tonumber(mark)
+  if seq <= m then
+    -- Rewritten as it is: a write, so the WAIT after this call also covers the
+    -- batch's own earlier writes (a retry of a push that was not yet replicated).
+    redis.call('HSET', KEYS[2], producer, mark)
+    return {0, mark}
+  end
+  if seq ~= m + 1 then return {-1, mark} end
+elseif seq ~= 0 then
+  return {-1, ''}
+end
+local inflight = producer .. ':inflight'
+local done = 0
+local cur = redis.call('HGET', KEYS[2], inflight)
+if cur then
+  local c = string.find(cur, ':', 1, true)
+  if tonumber(string.sub(cur, 1, c - 1)) == seq then done = tonumber(string.sub(cur, c + 1)) end
+end
+if start > done then return {-2, tostring(done)} end
+local first, last, added = '', '', 0
+local i = 6
+for r = 0, count - 1 do
   local n = tonumber(ARGV[i])
-  local args = {'XADD', KEYS[1], '*'}
-  for j = 1, 2 * n do args[#args + 1] = ARGV[i + j] end
-  out[#out + 1] = redis.call(unpack(args))
+  if start + r >= done then
+    local args = {'XADD', KEYS[1], '*'}
+    for j = 1, 2 * n do args[#args + 1] = ARGV[i + j] end
+    last = redis.call(unpack(args))
+    if first == '' then first = last end
+    added = added + 1
+  end
   i = i + 1 + 2 * n
 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return out
+local reached = math.max(done, start + count)
+if reached >= total then
+  redis.call('HSET', KEYS[2], producer, ARGV[2])
+  redis.call('HDEL', KEYS[2], inflight)
+else
+  redis.call('HSET', KEYS[2], inflight, ARGV[2] .. ':' .. reached)
+end
+return {1, first, last, added}
 """
-"""Push append, exactly once per (producer, seq).
+"""One slice of a push batch, exactly once per (producer, seq, index).
 
-KEYS[1] stream, KEYS[2] the partition's seq hash. ARGV: producer_id, seq, record
-count, then per record: field count n and n field/value pairs. Appends and raises the
-mark only when seq is above the producer's mark: returns {1, id...}; else {0, mark}.
+KEYS[1] stream, KEYS[2] the partition's seq hash: ``<producer>`` holds the mark (the
+last seq wholly appended), ``<producer>:inflight`` holds ``<seq>:<records appended>``
+of the batch under way (':' is not allowed in a producer_id, so the fields never
+collide). ARGV: producer_id, seq, index of the slice's first record, the batch's
+record count, the slice's record count, then per record: field count n and n
+field/value pairs.
+
+Records whose index is below what the in-flight field says are already in the stream
+and skipped, so a slice sent twice (a retry, or a second request for the same batch
+running alongside) appends nothing twice; the mark rises when the last record is in.
+Returns {1, first_id, last_id, appended} (IDs '' when the slice appended nothing new);
+{0, mark} when seq is at or below the mark (the batch is in); {-1, mark or ''} when
+seq is not mark+1 (0 for a producer without a mark); {-2, reached} when the slice
+starts past what is in (a slice skipped: resend the batch from its start).
 """
+
+PUSH_CONFIRM = """
+local mark = redis.call('HGET', KEYS[1], ARGV[1])
+if mark then redis.call('HSET', KEYS[1], ARGV[1], mark) end
+return mark
+"""
+"""KEYS[1] a partition's seq hash, ARGV[1] a producer_id: rewrites the producer's mark
+as it stands, atomically (never lowering one a concurrent batch raised). The write
+makes a following ``WAIT`` cover every earlier write of that master, so a batch found
+already in is acknowledged only once a replica has it."""
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ try:
 except ImportError:  # redis-py without hiredis, or a redis-py that moved its parser
     _NOT_ENOUGH_DATA = None
 
-__all__ = ["bulk", "evalsha_parts", "call_packed_script", "xadd_records", "Link", "honour_cancel"]
+__all__ = ["bulk", "evalsha_parts", "call_packed_script", "call_packed_scripts", "xadd_records", "Link", "honour_cancel"]
 
 
 def evalsha_parts(sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]) -> list[bytes]:
@@ -51,15 +52,27 @@ async def call_packed_script(
     redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], args: Sequence[bytes],
     *, replicas: int | None = 0, wait_ms: int = 1000,
 ) -> object:
-    """Run a script by SHA on one pooled connection (to the master of ``keys[0]``);
-    loads it once if Redis lost it (NOSCRIPT after a restart). Connection errors
-    propagate (the caller syncs again).
+    """One script call: :func:`call_packed_scripts` with one argument list."""
+    (reply,) = await call_packed_scripts(redis, script, sha, keys, [args], replicas=replicas,
+                                         wait_ms=wait_ms)
+    return reply
 
-    ``replicas``: return only once ``WAIT`` saw that many replicas take the write (None:
+
+async def call_packed_scripts(
+    redis: Redis, script: str, sha: bytes, keys: Sequence[bytes],
+    calls: Sequence[Sequence[bytes]], *, replicas: int | None = 0, wait_ms: int = 1000,
+) -> list[object]:
+    """Run a script by SHA once per argument list of ``calls``, all on the same
+    ``keys``, pipelined on one pooled connection (to the master of ``keys[0]``'s slot);
+    loads the script once if Redis lost it (NOSCRIPT after a restart or failover).
+    Replies in order; a script error reply is raised. Connection errors propagate (the
+    caller syncs again).
+
+    ``replicas``: return only once ``WAIT`` saw that many replicas take the writes (None:
     one when the master has a replica, else none), else raise
     :class:`NotReplicatedError`. Replication is asynchronous: a write only the master
     holds is lost when its replica is promoted, so a push is acknowledged only once a
-    replica has it."""
+    replica has it. The calls must write (WAIT counts this connection's writes)."""
     pool = await redis_client.pool_for(redis, keys[0].decode())
     try:
         conn = await pool.get_connection()
@@ -67,17 +80,18 @@ async def call_packed_script(
         await redis_client.refresh(redis)  # the master may have changed: look again
         raise
     try:
-        await conn.send_packed_command(evalsha_parts(sha, keys, args), check_health=False)
-        try:
-            reply = await conn.read_response()
-        except NoScriptError:
+        replies = await _pipelined(conn, sha, keys, calls)
+        if any(isinstance(r, NoScriptError) for r in replies):
             await conn.send_command("SCRIPT", "LOAD", script)
             await conn.read_response()
-            await conn.send_packed_command(evalsha_parts(sha, keys, args), check_health=False)
-            reply = await conn.read_response()
+            # Every call of the batch failed alike (the cache is per server): run all again.
+            replies = await _pipelined(conn, sha, keys, calls)
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
         if replicas != 0:
             await _wait_replicas(conn, replicas, wait_ms)
-        return reply
+        return replies
     except BaseException as exc:
         # A reply may still be on its way (cancelled, or a broken link): this
         # connection must not be reused.
@@ -89,11 +103,28 @@ async def call_packed_script(
         await pool.release(conn)
 
 
+async def _pipelined(conn: Any, sha: bytes, keys: Sequence[bytes],
+                     calls: Sequence[Sequence[bytes]]) -> list[object]:
+    parts: list[bytes] = []
+    for args in calls:
+        parts += evalsha_parts(sha, keys, args)
+    await conn.send_packed_command(parts, check_health=False)
+    replies: list[object] = []
+    for _ in calls:
+        try:
+            replies.append(await conn.read_response())
+        except ResponseError as exc:  # read whole: the connection stays in step
+            replies.append(exc)
+    return replies
+
+
+_ROLE_TTL_S = 10.0
+_replica_counts: dict[tuple[str, str], tuple[float, int]] = {}
+
+
 async def _wait_replicas(conn: Any, replicas: int | None, wait_ms: int) -> None:
     if replicas is None:
-        await conn.send_command("ROLE")
-        role = await conn.read_response()
-        replicas = min(1, len(role[2])) if role[0] in (b"master", "master") else 0
+        replicas = await _has_replica(conn)
         if not replicas:
             return
     await conn.send_command("WAIT", replicas, wait_ms)
@@ -104,6 +135,23 @@ async def _wait_replicas(conn: Any, replicas: int | None, wait_ms: int) -> None:
             f"confirmed it within {wait_ms} ms: a failover now could lose it. Retry with the "
             "same seq (a batch already appended is not appended twice)"
         )
+
+
+async def _has_replica(conn: Any) -> int:
+    """1 when the server of ``conn`` is a master with a replica, else 0. Asked with ROLE
+    at most every ``_ROLE_TTL_S`` per server (a push to one Redis without replicas
+    should not pay a round trip for it); a master that gains or loses a replica is seen
+    within that time."""
+    server = (str(getattr(conn, "host", "")), str(getattr(conn, "port", getattr(conn, "path", ""))))
+    now = time.monotonic()
+    cached = _replica_counts.get(server)
+    if cached is not None and now - cached[0] < _ROLE_TTL_S:
+        return cached[1]
+    await conn.send_command("ROLE")
+    role = await conn.read_response()
+    count = min(1, len(role[2])) if role[0] in (b"master", "master") else 0
+    _replica_counts[server] = (now, count)
+    return count
 
 
 _NOMKSTREAM = b"$10\r\nNOMKSTREAM\r\n"

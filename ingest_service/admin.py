@@ -22,13 +22,16 @@ and ``TRAINGUARD_CHECKPOINT_STORES`` = ``name=url[|remote_url],...`` (see
 Security: routes that change state (seek, pin, unpin, delete) need
 ``Authorization: Bearer <token>``, compared in constant time with the token from
 ``TRAINGUARD_ADMIN_TOKEN``. Without a configured token they are refused (403), never
-open. Binding to 127.0.0.1 by default is the service's job (``trainguard serve``).
+open. Reads are open, but show names and figures only: a dataset's source and a
+store's URLs are shown (credentials redacted) to a reader presenting the admin token.
+``/verify`` runs in threads of its own, a bounded number at once (429 with
+``Retry-After`` beyond), so readiness checks never wait behind it. Binding to
+127.0.0.1 by default is the service's job (``trainguard serve``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -37,13 +40,15 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from aiohttp import web
-from redis.exceptions import RedisError
 
 from ingest_service import inspection, redis_client, seek
 from ingest_service.admin_checkpoints import StoreRoot, StoreSet, parse_store_roots
-from ingest_service.errors import AdminError, BadRequest
+from ingest_service.auth import bearer_token, check_secret, tokens_equal
+from ingest_service.errors import BadRequest, Forbidden, Unauthorized
+from ingest_service.http_errors import json_errors
 from ingest_service.openapi import openapi_document
 from trainguard.core import settings
+from trainguard.core.urls import redact_url
 
 __all__ = [
     "ADMIN_CONFIG",
@@ -70,8 +75,12 @@ class AdminConfig:
     @classmethod
     def from_env(cls, redis_url: str | None = None) -> AdminConfig:
         """``TRAINGUARD_ADMIN_TOKEN``, ``TRAINGUARD_CHECKPOINT_STORES``
-        (``name=url[|remote_url],...``) and, unless given, ``TRAINGUARD_REDIS_URL``."""
-        return cls(settings.redis_url(redis_url), settings.admin_token(),
+        (``name=url[|remote_url],...``) and, unless given, ``TRAINGUARD_REDIS_URL``.
+        Raises TokenConfigError for a token that is set but blank or short."""
+        token = settings.admin_token()
+        if token is not None:
+            check_secret(settings.ADMIN_TOKEN_ENV, token)
+        return cls(settings.redis_url(redis_url), token,
                    parse_store_roots(settings.checkpoint_stores()))
 
 
@@ -85,43 +94,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 # --------------------------------------------------------------------------- plumbing
-
-
-def error_response(status: int, code: str, message: str) -> web.Response:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return web.json_response(
-        {"error": {"code": code, "message": message}}, status=status, headers=headers
-    )
-
-
-def _is_admin_path(path: str) -> bool:
-    return path.startswith("/admin/") or path in ("/admin", "/openapi.json")
-
-
-@web.middleware
-async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure under /admin/ becomes the one JSON error shape; other paths
-    belong to the ingest service and keep its own handling."""
-    if not _is_admin_path(request.path):
-        return await handler(request)
-    try:
-        return await handler(request)
-    except AdminError as exc:
-        return error_response(exc.status, exc.code, str(exc))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        code = (exc.reason or "http_error").lower().replace(" ", "_")
-        return error_response(exc.status, code, exc.text or exc.reason or code)
-    except (RedisError, OSError) as exc:
-        return error_response(
-            503, "backend_unavailable",
-            f"Redis or a checkpoint store could not be reached ({type(exc).__name__}: "
-            f"{exc}); check that it runs and that the service's URL points at it",
-        )
-    except Exception:
-        log.exception("admin route %s %s failed", request.method, request.path)
-        return error_response(500, "internal", "internal error; see the service log")
 
 
 @web.middleware
@@ -152,14 +124,6 @@ async def _ready_with_stores(request: web.Request, handler: Handler) -> web.Stre
     return web.json_response(body, status=response.status)
 
 
-class Unauthorized(AdminError, PermissionError):
-    status = 401
-
-
-class Forbidden(AdminError, PermissionError):
-    status = 403
-
-
 def require_token(request: web.Request) -> None:
     """The bearer check of every mutating route (constant-time compare)."""
     expected = request.app[ADMIN_CONFIG].token
@@ -169,21 +133,36 @@ def require_token(request: web.Request) -> None:
             f"this service has no admin token, so changes are refused: set {settings.ADMIN_TOKEN_ENV} "
             "for the service and send it as 'Authorization: Bearer <token>'",
         )
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        raise Unauthorized(
-            "unauthorized", "this route changes state: send 'Authorization: Bearer <token>'"
-        )
-    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+    if not tokens_equal(bearer_token(request), expected):
         raise Forbidden("forbidden", "the bearer token is wrong")
 
 
+def is_admin(request: web.Request) -> bool:
+    """Whether the request presents the admin token (reads then show sources and URLs)."""
+    expected = request.app[ADMIN_CONFIG].token
+    try:
+        return bool(expected) and tokens_equal(bearer_token(request), expected or "")
+    except Unauthorized:
+        return False
+
+
+def _spec_view(spec: Any, admin: bool) -> Any:
+    if isinstance(spec, dict) and "source" in spec:
+        spec = {**spec, "source": redact_url(spec["source"]) if admin else None}
+    return spec
+
+
+BODY_TIMEOUT_S = 10.0
+
+
 async def read_json_object(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise BadRequest("timeout", f"the body did not arrive within {BODY_TIMEOUT_S} s") from exc
     try:
         body = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise BadRequest("bad_json", f"the body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("bad_json", f"the body must be a JSON object, got {type(body).__name__}")
@@ -192,7 +171,7 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
 
 def _step(request: web.Request) -> int:
     text = request.match_info["step"]
-    if not text.isdigit() or len(text) > 18:
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
         raise BadRequest("bad_step", f"step {text!r} is not valid: expected an integer >= 0")
     return int(text)
 
@@ -201,12 +180,17 @@ def _step(request: web.Request) -> int:
 
 
 async def _list_datasets(request: web.Request) -> web.Response:
-    return web.json_response({"datasets": await inspection.list_datasets(request.app[_REDIS])})
+    admin = is_admin(request)
+    rows = await inspection.list_datasets(request.app[_REDIS])
+    return web.json_response({"datasets": [
+        {**row, "spec": _spec_view(row["spec"], admin)} if "spec" in row else row for row in rows
+    ]})
 
 
 async def _show_dataset(request: web.Request) -> web.Response:
     r = request.app[_REDIS]
-    return web.json_response(await inspection.show_dataset(r, request.match_info["dataset"]))
+    info = await inspection.show_dataset(r, request.match_info["dataset"])
+    return web.json_response({**info, "spec": _spec_view(info.get("spec"), is_admin(request))})
 
 
 async def _groups(request: web.Request) -> web.Response:
@@ -252,7 +236,7 @@ async def _seek(request: web.Request) -> web.Response:
 
 
 async def _list_stores(request: web.Request) -> web.Response:
-    return web.json_response({"stores": request.app[_STORES].describe()})
+    return web.json_response({"stores": request.app[_STORES].describe(full=is_admin(request))})
 
 
 async def _list_checkpoints(request: web.Request) -> web.Response:
@@ -315,15 +299,17 @@ async def stores_ready(app: web.Application) -> dict[str, str]:
     return await app[_STORES].ready()
 
 
-def setup_admin(app: web.Application, config: AdminConfig | None = None) -> AdminConfig:
+def setup_admin(app: web.Application, config: AdminConfig | None = None, *,
+                verify_threads: int = 2) -> AdminConfig:
     """Add the admin routes, the JSON error middleware and the Redis client/store
     lifecycle to ``app``. The config comes from ``config``, else ``app[ADMIN_CONFIG]``
     when the caller set it, else the environment (:meth:`AdminConfig.from_env`)."""
     if config is None:
         config = app[ADMIN_CONFIG] if ADMIN_CONFIG in app else AdminConfig.from_env()
     app[ADMIN_CONFIG] = config
-    app[_STORES] = StoreSet(config.stores)
-    app.middlewares.append(_json_errors)
+    app[_STORES] = StoreSet(config.stores, verify_threads=verify_threads)
+    if json_errors not in app.middlewares:
+        app.middlewares.append(json_errors)
     app.middlewares.append(_ready_with_stores)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)

@@ -22,7 +22,9 @@ import asyncio
 import dataclasses
 import json
 import sys
+import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,6 +36,7 @@ from trainguard.core.checkpoints import (
     PinnedCheckpointError,
 )
 from trainguard.core.record import SessionRecord
+from trainguard.core.urls import redact_text, redact_url
 
 __all__ = ["StoreRoot", "StoreSet", "manifest_json", "newest_valid", "parse_store_roots"]
 
@@ -47,8 +50,13 @@ class StoreRoot:
     remote_url: str | None = None
     storage_options: Mapping[str, Any] | None = None
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, "remote_url": self.remote_url}
+    def describe(self, *, full: bool = True) -> dict[str, Any]:
+        """Name and tiers; the URLs (credentials redacted) only when ``full``."""
+        if not full:
+            return {"name": self.name, "url": None, "remote_url": None,
+                    "tiered": self.remote_url is not None}
+        return {"name": self.name, "url": redact_url(self.url),
+                "remote_url": redact_url(self.remote_url), "tiered": self.remote_url is not None}
 
 
 def parse_store_roots(text: str) -> dict[str, StoreRoot]:
@@ -106,16 +114,29 @@ def newest_valid(store: Any) -> list[Any]:
     return list(found.values())
 
 
+class Busy(AdminError, BlockingIOError):
+    """Too many of an expensive operation at once; retry shortly."""
+
+    status = 429
+
+
 class StoreSet:
     """The configured roots, each opened lazily once."""
 
-    def __init__(self, roots: Mapping[str, StoreRoot]):
+    def __init__(self, roots: Mapping[str, StoreRoot], *, verify_threads: int = 2):
         self.roots = dict(roots)
         self._stores: dict[str, Any] = {}
+        self._open_lock = threading.Lock()
         self._locks: dict[str, asyncio.Lock] = {}
+        # Verification reads every chunk of a checkpoint: it runs in threads of its own,
+        # a bounded number at once, outside the per-root lock, so that listing and
+        # readiness never queue behind it.
+        self._verify_threads = verify_threads
+        self._verify_pool: ThreadPoolExecutor | None = None
+        self._verifying = 0
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [root.describe() for root in self.roots.values()]
+    def describe(self, *, full: bool = True) -> list[dict[str, Any]]:
+        return [root.describe(full=full) for root in self.roots.values()]
 
     def _root(self, name: str) -> StoreRoot:
         root = self.roots.get(name)
@@ -130,25 +151,28 @@ class StoreSet:
     def _open(self, url: str, root: StoreRoot) -> Any:
         from checkpoint_store import CheckpointStore
 
-        if url not in self._stores:
-            # No retention limit: the admin never saves or collects garbage, and a
-            # default keep_last must never reach a root whose writer keeps more.
-            self._stores[url] = CheckpointStore(
-                url, keep_last=sys.maxsize,
-                storage_options=dict(root.storage_options or {}) or None,
-            )
-        return self._stores[url]
+        with self._open_lock:
+            if url not in self._stores:
+                # No retention limit: the admin never saves or collects garbage, and a
+                # default keep_last must never reach a root whose writer keeps more.
+                self._stores[url] = CheckpointStore(
+                    url, keep_last=sys.maxsize,
+                    storage_options=dict(root.storage_options or {}) or None,
+                )
+            return self._stores[url]
 
-    async def _run(self, name: str, fn: Callable[[StoreRoot], T]) -> T:
+    async def _run(self, name: str, fn: Callable[[StoreRoot], T], *, locked: bool = True) -> T:
         root = self._root(name)
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:
-            try:
+        lock = self._locks.setdefault(name, asyncio.Lock()) if locked else None
+        try:
+            if lock is None:
                 return await asyncio.to_thread(fn, root)
-            except AdminError:
-                raise
-            except Exception as exc:
-                raise _translate(exc) from exc
+            async with lock:
+                return await asyncio.to_thread(fn, root)
+        except AdminError:
+            raise
+        except Exception as exc:
+            raise _translate(exc) from exc
 
     # -- blocking helpers (run in a thread) ---------------------------------------
 
@@ -213,15 +237,34 @@ class StoreSet:
         return await self._run(name, lambda root: manifest_json(self._manifest(root, step)))
 
     async def verify(self, name: str, step: int) -> dict[str, Any]:
-        def run(root: StoreRoot) -> dict[str, Any]:
+        root = self._root(name)
+        if self._verifying >= self._verify_threads:
+            raise Busy(
+                "busy",
+                f"{self._verifying} checkpoint verifications are running, the most at once; "
+                "retry in a few seconds",
+            )
+
+        def run() -> dict[str, Any]:
             self._manifest(root, step)
             try:
                 self._open(root.url, root).verify(step)
             except CorruptCheckpointError as exc:
-                return {"step": step, "valid": False, "reason": str(exc)}
+                return {"step": step, "valid": False, "reason": redact_text(str(exc))}
             return {"step": step, "valid": True, "reason": None}
 
-        return await self._run(name, run)
+        if self._verify_pool is None:
+            self._verify_pool = ThreadPoolExecutor(self._verify_threads,
+                                                   thread_name_prefix="trainguard-verify")
+        self._verifying += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._verify_pool, run)
+        except AdminError:
+            raise
+        except Exception as exc:
+            raise _translate(exc) from exc
+        finally:
+            self._verifying -= 1
 
     async def pin(self, name: str, step: int, pinned: bool) -> dict[str, Any]:
         def run(root: StoreRoot) -> dict[str, Any]:
@@ -303,14 +346,17 @@ class StoreSet:
             try:
                 # latest() reads the listing and one manifest: cheap, and proves the
                 # root is reachable and readable.
-                await self._run(name, lambda root: self._open(root.url, root).latest())
+                await self._run(name, lambda root: self._open(root.url, root).latest(),
+                                locked=False)
                 out[name] = "ok"
             except Exception as exc:
-                out[name] = f"{type(exc).__name__}: {exc}"
+                out[name] = redact_text(f"{type(exc).__name__}: {exc}")
         return out
 
     def close(self) -> None:
         """Stop each opened store's writer thread (they never save here)."""
+        if self._verify_pool is not None:
+            self._verify_pool.shutdown(wait=False, cancel_futures=True)
         stores, self._stores = list(self._stores.values()), {}
         for store in stores:
             store.close()

@@ -13,8 +13,10 @@ from typing import Any
 from aiohttp import web
 from redis.asyncio import Redis
 
+from ingest_service.auth import DEFAULT_ALLOWED_HOSTS, PushTokens
 from ingest_service.backlog import BacklogLimits
 from ingest_service.metrics import IngestMetrics
+from ingest_service.push_body import BodyLimits
 from trainguard.core import settings
 
 __all__ = [
@@ -39,7 +41,21 @@ class IngestConfig:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     """fsspec options of the sources (credentials, endpoint): never stored in Redis."""
     limits: BacklogLimits = field(default_factory=BacklogLimits)
-    max_push_body_bytes: int = 64 * 1024 * 1024
+    push_limits: BodyLimits = field(default_factory=BodyLimits)
+    """Per push request: bytes, records, read timeouts (sized for RL rollouts)."""
+    push_tokens: PushTokens = field(default_factory=PushTokens)
+    """Producer tokens (``TRAINGUARD_PUSH_TOKENS``); none: push refused."""
+    insecure_local: bool = False
+    """Accept pushes without a token (the demo; ``trainguard serve`` allows it on a
+    loopback address only)."""
+    allowed_hosts: tuple[str, ...] = DEFAULT_ALLOWED_HOSTS
+    """``Host`` names the service answers to (``"*"``: any; e.g. behind a proxy that checks)."""
+    header_timeout_s: float = 30.0
+    """A request's headers must be in within this long of the connection opening or of
+    the previous answer on it (also the idle keep-alive limit): aiohttp's keep-alive
+    timer closes a connection that is still waiting for a whole request then."""
+    verify_threads: int = 2
+    """Checkpoint verifications at once (``/verify``), in their own threads."""
     push_retry_after_s: int = 1
     push_wait_replicas: int | None = None
     """A push is acknowledged once this many replicas have it (``WAIT``); None: one when
@@ -52,8 +68,10 @@ class IngestConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> IngestConfig:
-        """Defaults, then ``TRAINGUARD_REDIS_URL``, then ``overrides`` (None ignored)."""
-        values: dict[str, Any] = {"redis_url": settings.redis_url()}
+        """Defaults, then ``TRAINGUARD_REDIS_URL`` and ``TRAINGUARD_PUSH_TOKENS``, then
+        ``overrides`` (None ignored). Raises TokenConfigError for a blank or short token."""
+        values: dict[str, Any] = {"redis_url": settings.redis_url(),
+                                  "push_tokens": PushTokens.parse(settings.push_tokens())}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -16,6 +16,10 @@ __all__ = [
     "PushRejectedError",
     "MalformedPushError",
     "PushTooLargeError",
+    "PushTooSlowError",
+    "PushBusyError",
+    "UnsupportedMediaError",
+    "PushOutOfOrderError",
     "BacklogFullError",
     "NotReplicatedError",
     "WrongDatasetKindError",
@@ -23,6 +27,11 @@ __all__ = [
     "BadRequest",
     "NotFound",
     "Refused",
+    "Unavailable",
+    "Unauthorized",
+    "Forbidden",
+    "Misdirected",
+    "TokenConfigError",
 ]
 
 
@@ -63,6 +72,35 @@ class PushTooLargeError(PushRejectedError):
     """The push body or one of its records is over the size limit."""
 
     status = 413
+
+
+class PushTooSlowError(PushRejectedError, TimeoutError):
+    """The push body did not arrive within the read timeouts."""
+
+    status = 408
+
+
+class PushBusyError(PushRejectedError, BlockingIOError):
+    """The service holds as many push bodies as its memory bound allows: retry."""
+
+    status = 503
+
+
+class UnsupportedMediaError(PushRejectedError):
+    """The push body's content type is not one the service parses."""
+
+    status = 415
+
+
+class PushOutOfOrderError(PushRejectedError):
+    """``seq`` is not the producer's next one (``mark + 1``, or 0 without a mark):
+    ``mark`` is the producer's last wholly appended seq (None: it has none)."""
+
+    status = 409
+
+    def __init__(self, message: str, mark: int | None):
+        super().__init__(message)
+        self.mark = mark
 
 
 class BacklogFullError(IngestError, BlockingIOError):
@@ -112,3 +150,33 @@ class Refused(AdminError, PermissionError):
     """Well-formed, but not allowed in the current state (below floor, pinned...)."""
 
     status = 409
+
+
+class TokenConfigError(AdminError, ValueError):
+    """A configured token is blank, too short or malformed: the service will not start."""
+
+    status = 500
+
+
+class Unauthorized(AdminError, PermissionError):
+    """No bearer token, or one this service does not know."""
+
+    status = 401
+
+
+class Forbidden(AdminError, PermissionError):
+    """A known token, not allowed this (or no token configured for it at all)."""
+
+    status = 403
+
+
+class Misdirected(AdminError, PermissionError):
+    """The request's Host is not a name this service answers to."""
+
+    status = 421
+
+
+class Unavailable(AdminError, ConnectionError):
+    """A backend stayed out of reach past the operation's retries (503, retry later)."""
+
+    status = 503

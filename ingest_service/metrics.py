@@ -50,6 +50,11 @@ class IngestMetrics:
             "Times Redis was found to have lost records (restart without data); refilled",
             ["dataset"], registry=r,
         )
+        self.push_body_bytes = Gauge(
+            "trainguard_ingest_push_body_bytes",
+            "Bytes of push bodies held in memory now (bounded by max_inflight_bytes)",
+            registry=r,
+        )
         self.push_requests = Counter(
             "trainguard_ingest_push_requests", "Push requests by HTTP status",
             ["dataset", "status"], registry=r,

@@ -10,22 +10,36 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ingest_service.push import PROBE_SEQ
+from ingest_service.push_body import BodyLimits
 from ingest_service.runs_openapi import runs_paths
 from trainguard import __version__
 
 __all__ = ["openapi_document"]
 
 _NAME = {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,128}$"}
-_ID = {"type": "string", "pattern": r"^[0-9]+-[0-9]+$", "example": "1-41"}
+_ID = {"type": "string", "pattern": r"^[0-9]{1,19}-[0-9]{1,19}$", "example": "1-41"}
 _NULLABLE_ID = {**_ID, "nullable": True}
+_FORCE = {"type": "boolean", "default": False}
+_RECORD = {
+    "description": "A record: any JSON value, integers within 64 bits (this schema shows "
+                   "one common shape)",
+    "type": "object",
+    "additionalProperties": {"type": "string"},
+}
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
+def _json(schema: dict[str, Any], description: str,
+          links: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description,
+                           "content": {"application/json": {"schema": schema}}}
+    if links:
+        out["links"] = links
+    return out
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
@@ -34,9 +48,13 @@ def _errors(*statuses: int) -> dict[str, Any]:
         401: "no bearer token sent",
         403: "wrong token, or the service has no admin token (mutations disabled)",
         404: "unknown dataset, group, store or checkpoint",
-        409: "refused in the current state (below the retention floor, pinned, newest)",
+        408: "the body did not arrive in time",
+        409: "refused in the current state (below the retention floor, pinned, newest; "
+             "a push seq out of order, with the producer's mark)",
         413: "body too large",
-        429: "backlog full: retry after Retry-After seconds",
+        415: "content type not accepted",
+        421: "Host is not a name this service answers to",
+        429: "backlog full, or too many verifications at once: retry after Retry-After seconds",
         503: "Redis or a checkpoint store is unreachable, or the service is shutting down",
     }
     return {str(s): _json(_ref("Error"), text[s]) for s in statuses}
@@ -50,7 +68,8 @@ def _param(name: str, schema: dict[str, Any], description: str) -> dict[str, Any
 _DATASET = _param("dataset", _NAME, "dataset name")
 _GROUP = _param("group", _NAME, "consumer group (one per training run)")
 _STORE = _param("store", _NAME, "configured checkpoint store name")
-_STEP = _param("step", {"type": "integer", "minimum": 0}, "checkpoint step")
+_STEP = _param("step", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+               "checkpoint step")
 _BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
 
 _READ_ERRORS = (400, 404, 503)
@@ -64,7 +83,9 @@ _SCHEMAS: dict[str, Any] = {
             "error": {
                 "type": "object",
                 "required": ["code", "message"],
-                "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
+                "properties": {"code": {"type": "string"}, "message": {"type": "string"},
+                               "mark": {"type": "integer", "nullable": True,
+                                        "description": "409 of a push: the producer's mark"}},
             }
         },
     },
@@ -123,20 +144,23 @@ _SCHEMAS: dict[str, Any] = {
     "SeekRequest": {
         "description": "Exactly one of: to, ids, checkpoint; optionally force (seek "
                        "even while a consumer of the group read in the last 30 s).",
-        "type": "object",
-        "minProperties": 1,
-        "maxProperties": 2,
-        "properties": {
-            "force": {"type": "boolean", "default": False},
-            "to": {"type": "string", "enum": ["earliest", "latest"]},
-            "ids": {"type": "object", "additionalProperties": _ID,
-                    "description": "partition (as a string) -> stream ID"},
-            "checkpoint": {
-                "type": "object",
-                "required": ["store", "step"],
-                "properties": {"store": _NAME, "step": {"type": "integer", "minimum": 0}},
-            },
-        },
+        "oneOf": [
+            {"type": "object", "required": ["to"], "additionalProperties": False,
+             "properties": {"to": {"type": "string", "enum": ["earliest", "latest"]},
+                            "force": _FORCE}},
+            {"type": "object", "required": ["ids"], "additionalProperties": False,
+             "properties": {"ids": {"type": "object", "minProperties": 1,
+                                    "patternProperties": {"^[0-9]{1,4}$": _ID},
+                                    "additionalProperties": False,
+                                    "description": "partition (as a string) -> stream ID"},
+                            "force": _FORCE}},
+            {"type": "object", "required": ["checkpoint"], "additionalProperties": False,
+             "properties": {"checkpoint": {
+                 "type": "object", "required": ["store", "step"], "additionalProperties": False,
+                 "properties": {"store": _NAME,
+                                "step": {"type": "integer", "minimum": 0, "maximum": 10**18 - 1}}},
+                 "force": _FORCE}},
+        ],
     },
     "Offsets": {
         "type": "object",
@@ -144,6 +168,19 @@ _SCHEMAS: dict[str, Any] = {
             "dataset": {"type": "string"},
             "group": {"type": "string"},
             "offsets": {"type": "object", "additionalProperties": _ID},
+        },
+    },
+    "PushReply": {
+        "type": "object",
+        "required": ["appended", "partition", "seq", "mark", "count"],
+        "properties": {
+            "appended": {"type": "boolean"},
+            "partition": {"type": "integer"},
+            "seq": {"type": "integer"},
+            "mark": {"type": "integer"},
+            "count": {"type": "integer", "description": "records this request appended"},
+            "first_id": _NULLABLE_ID,
+            "last_id": _NULLABLE_ID,
         },
     },
     "Checkpoint": {
@@ -170,7 +207,12 @@ def _paths() -> dict[str, Any]:
                 "responses": {
                     "200": _json({"type": "object", "properties": {
                         "datasets": {"type": "array", "items": {"type": "object"}}}},
-                        "datasets"),
+                        "datasets", links={
+                            "ShowDataset": {"operationId": "showDataset", "parameters": {
+                                "dataset": "$response.body#/datasets/0/name"}},
+                            "ListGroups": {"operationId": "listGroups", "parameters": {
+                                "dataset": "$response.body#/datasets/0/name"}},
+                        }),
                     **_errors(503),
                 },
             }
@@ -196,7 +238,11 @@ def _paths() -> dict[str, Any]:
                             "group": {"type": "string"},
                             "partitions": {"type": "array", "items": _ref("GroupPartition")},
                         }}},
-                    }}, "groups"),
+                    }}, "groups", links={
+                        "SeekGroup": {"operationId": "seekGroup", "parameters": {
+                            "dataset": "$request.path.dataset",
+                            "group": "$response.body#/groups/0/group"}},
+                    }),
                     **_errors(*_READ_ERRORS, 409),
                 },
             }
@@ -218,7 +264,10 @@ def _paths() -> dict[str, Any]:
             "get": {
                 "operationId": "listStores",
                 "summary": "Configured checkpoint stores",
-                "responses": {"200": _json({"type": "object"}, "stores"), **_errors(503)},
+                "responses": {"200": _json({"type": "object"}, "stores", links={
+                    "ListCheckpoints": {"operationId": "listCheckpoints", "parameters": {
+                        "store": "$response.body#/stores/0/name"}},
+                }), **_errors(503)},
             }
         },
         "/admin/checkpoints/{store}": {
@@ -230,7 +279,13 @@ def _paths() -> dict[str, Any]:
                     "200": _json({"type": "object", "properties": {
                         "store": {"type": "string"},
                         "checkpoints": {"type": "array", "items": _ref("Checkpoint")}}},
-                        "checkpoints"),
+                        "checkpoints", links={
+                            op: {"operationId": op, "parameters": {
+                                "store": "$request.path.store",
+                                "step": "$response.body#/checkpoints/0/step"}}
+                            for op in ("showCheckpoint", "verifyCheckpoint", "pinCheckpoint",
+                                       "unpinCheckpoint")
+                        }),
                     **_errors(*_READ_ERRORS),
                 },
             }
@@ -262,7 +317,7 @@ def _paths() -> dict[str, Any]:
                     "200": _json({"type": "object", "properties": {
                         "step": {"type": "integer"}, "valid": {"type": "boolean"},
                         "reason": {"type": "string", "nullable": True}}}, "the verdict"),
-                    **_errors(*_READ_ERRORS),
+                    **_errors(*_READ_ERRORS, 429),
                 },
             }
         },
@@ -315,22 +370,37 @@ def _paths() -> dict[str, Any]:
             "post": {
                 "operationId": "pushRecords",
                 "summary": "Push a batch of records to a push dataset (exactly once per "
-                           "producer_id and seq)",
+                           "producer_id and seq; see the README's push contract)",
+                "description": "Needs a producer token whose scope covers the dataset and the "
+                               "producer_id. seq must be the producer's mark + 1 (0 without a "
+                               "mark); at or below the mark the batch is in already (200, "
+                               "appended false); otherwise 409 with the mark. seq 2^53-1 is a "
+                               "probe: never appended, answered 409 with the mark. Bodies: "
+                               "application/x-ndjson (one JSON value per line), application/json "
+                               "(one array) or application/msgpack (one array; bin items stay "
+                               "bytes); the schemas below show one common shape of each text "
+                               "format (msgpack, being binary, has none here).",
+                "security": _BEARER,
                 "parameters": [
-                    _param("name", _NAME, "push dataset name"),
+                    {**_param("name", _NAME, "push dataset name")},
                     {"name": "producer_id", "in": "query", "required": True, "schema": _NAME},
                     {"name": "seq", "in": "query", "required": True,
-                     "schema": {"type": "integer", "minimum": 0, "maximum": 2**53 - 1}},
-                    {"name": "partition", "in": "query", "required": False,
-                     "schema": {"type": "integer", "minimum": 0}},
+                     "schema": {"type": "integer", "minimum": 0, "maximum": PROBE_SEQ}},
                 ],
                 "requestBody": {"required": True, "content": {
-                    "application/x-ndjson": {"schema": {"type": "string"}},
-                    "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
+                    "application/x-ndjson": {"schema": {
+                        "type": "string", "pattern": "^(-?[0-9]{1,15}\n){1,1000}$"}},
+                    "application/json": {"schema": {
+                        "type": "array", "minItems": 1, "maxItems": BodyLimits.max_records,
+                        "items": _RECORD}},
                 }},
                 "responses": {
-                    "200": _json({"type": "object"}, "appended (or a retry already appended)"),
-                    **_errors(400, 404, 409, 413, 429, 503),
+                    "200": _json(_ref("PushReply"), "appended (or a retry already appended)",
+                                 links={"RetryPush": {"operationId": "pushRecords", "parameters": {
+                                     "name": "$request.path.name",
+                                     "producer_id": "$request.query.producer_id",
+                                     "seq": "$response.body#/mark"}}}),
+                    **_errors(400, 401, 403, 404, 408, 409, 413, 415, 429, 503),
                 },
             }
         },
@@ -352,9 +422,10 @@ def openapi_document() -> dict[str, Any]:
             "info": {
                 "title": "trainguard ingest service",
                 "version": __version__,
-                "description": "Admin API of trainguard. Errors are "
-                               '{"error": {"code", "message"}}; mutating routes need '
-                               "Authorization: Bearer <TRAINGUARD_ADMIN_TOKEN>.",
+                "description": "Ingest and admin API of trainguard. Errors are "
+                               '{"error": {"code", "message"}}; mutating admin routes need '
+                               "Authorization: Bearer <TRAINGUARD_ADMIN_TOKEN>, pushes a "
+                               "producer token of TRAINGUARD_PUSH_TOKENS.",
             },
             "paths": {**_paths(), **runs_paths()},
             "components": {

@@ -27,7 +27,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ingest_service.sources import BadRecord, GoodRecord, SourceItem, read_source
+from ingest_service.sources import BadRecord, GoodRecord, SourceItem
+from ingest_service.tokens import dataset_items
 from trainguard.core import streams
 
 __all__ = [
@@ -202,12 +203,12 @@ def plan_spec_chunks(
     spec: streams.DatasetSpec, epoch: int, storage_options: Mapping[str, Any] | None = None
 ) -> Iterator[PlanChunk]:
     """:func:`plan_chunks` over the dataset's own source and settings."""
-    return plan_chunks(read_source(spec, storage_options), epoch=epoch, **_spec_options(spec))
+    return plan_chunks(dataset_items(spec, storage_options), epoch=epoch, **_spec_options(spec))
 
 
 def plan_spec_epoch(
     spec: streams.DatasetSpec, epoch: int, storage_options: Mapping[str, Any] | None = None
 ) -> Iterator[Planned | PlannedDeadLetter]:
     """:func:`plan_epoch` over the dataset's own source and settings."""
-    return plan_epoch(read_source(spec, storage_options), partitions=spec.partitions,
+    return plan_epoch(dataset_items(spec, storage_options), partitions=spec.partitions,
                       epoch=epoch, **_spec_options(spec))

@@ -18,8 +18,9 @@ How it stays exactly-once (see ``planner`` for where each record goes):
    retried batch) and never re-creates a stream behind the producer's back. If Redis
    lost the stream or its tail (a restart without or with partial persistence) the
    replies or the check say so; the producer syncs again and refills from what Redis
-   still has, or from the last retention floor it saw when the stream is gone:
-   consumers never go below their floor. (Dead letters go through one Lua call,
+   still has, or from the last retention floor it saw when a stream it wrote is gone:
+   consumers never go below their floor. (A stream it never saw starts from the
+   source's beginning, however early maintenance read a floor.) (Dead letters go through one Lua call,
    ``_lua.APPEND``, which skips the entries already there.)
 
 The progress hash (``streams.progress_key``) records finished epochs, only as a hint
@@ -207,8 +208,17 @@ class Producer:
         committed = await self._pressure.committed(force=True)
         for p, raw in enumerate(lasts):
             known = self._position[p]
+            # An empty stream a trainer's consumer group created (MKSTREAM) before the
+            # first record reports "0-0": nothing was written, as for no stream.
+            if raw is not None and streams.parse_id(raw) == (0, 0):
+                raw = None
             if raw is None:
-                floor = self._floors.get(p)
+                # A floor is where to refill from only for a stream this producer saw
+                # (Redis lost what it wrote). A stream it never saw starts at the
+                # source's beginning, whatever floors maintenance read meanwhile (the
+                # floor hash and the stream have separate histories: on a cluster they
+                # live on different masters); retention trims below the floor after.
+                floor = self._floors.get(p) if known is not None else None
                 if known is not None and (floor is None or known > floor):
                     self._lost(p, f"stream gone; refilling after {floor or 'the start'}")
                 self._position[p] = floor

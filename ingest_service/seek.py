@@ -8,10 +8,20 @@ below its own floor could have data trimmed under it once other groups move on) 
 below what Redis already deleted or trimmed. Pending entries of the group stay
 pending.
 
-Each partition moves by the same fenced script a trainer's restore runs, under the
-group's current fencing generation: a trainer that restores between this seek's
-checks and its move (a higher generation) makes the move refused ("fenced") rather
-than overwritten.
+Every target is checked first (a partition of the dataset, an ID of 64-bit parts, not
+below what may be gone, not past the stream's last ID); then every partition moves in
+one step: the same fenced script a trainer's restore runs, once per partition, all in
+one MULTI/EXEC under WATCH of the fencing keys. A trainer that restores between this
+seek's checks and its move (a higher generation) aborts the whole step ("fenced"),
+and nothing moves.
+
+On Redis Cluster no transaction spans partitions (each has its own slot): the checks
+are the same and all run before anything moves, then each partition moves by the
+same fenced script in its slot, pipelined per master, and partitions a failover
+error left unmoved are sent again. A restore racing the move makes it "fenced" as on
+one server, but partitions reached before the restore's new fence may have moved;
+that restore then moves every partition to its checkpoint, so the group ends wholly
+as the restore sets it, never as a mix (:func:`apply_per_slot` states the cases).
 
 A seek moves the Redis side only. A ``TrainingSession`` treats its checkpoint
 manifest as the truth: its ``restore`` moves the run's group to the manifest's
@@ -22,15 +32,18 @@ checkpoint (and delete the newer ones).
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError, WatchError
 
-from ingest_service import inspection
-from ingest_service.errors import BadRequest, NotFound, Refused
+from ingest_service import inspection, redis_client
+from ingest_service.errors import BadRequest, NotFound, Refused, Unavailable
 from trainguard.core import groups, streams
+from trainguard.core.resilience import Backoff, RetryPolicy
 from trainguard.core.streams import ContractError
 
 __all__ = ["ACTIVE_IDLE_MS", "EARLIEST", "LATEST", "parse_seek_ids", "seek_group"]
@@ -48,8 +61,10 @@ def parse_seek_ids(raw: Any, partitions: int) -> dict[int, str]:
     out: dict[int, str] = {}
     for key, value in raw.items():
         text = str(key)
-        if not text.isdigit() or not 0 <= int(text) < partitions:
-            raise BadRequest(
+        if not text.isascii() or not text.isdigit() or len(text) > 5:
+            raise BadRequest("bad_partition", f"partition {key!r} is not an integer")
+        if int(text) >= partitions:
+            raise NotFound(
                 "bad_partition",
                 f"partition {key!r} is not valid: expected an integer 0..{partitions - 1}",
             )
@@ -119,7 +134,7 @@ async def seek_group(
         raise BadRequest("bad_target", f"'to' is {to!r}: expected 'earliest' or 'latest'")
     for p in ids or {}:
         if not 0 <= p < spec.partitions:
-            raise BadRequest(
+            raise NotFound(
                 "bad_partition",
                 f"partition {p} is outside dataset {dataset!r} (0..{spec.partitions - 1})",
             )
@@ -155,6 +170,13 @@ async def seek_group(
                     f"({lowest}): the entries after {target} may be gone. Expected an ID "
                     f">= {lowest}; seek to 'earliest' for the lowest safe position",
                 )
+            end = info["last_generated_id"] or streams.ZERO_ID
+            if streams.parse_id(target) > streams.parse_id(end):
+                raise Refused(
+                    "past_end",
+                    f"seek of group {group!r} partition {p} to {target} is past the stream's "
+                    f"last ID ({end}): expected an ID <= {end}; seek to 'latest' to skip all",
+                )
         elif to == EARLIEST:
             target = lowest
         else:
@@ -169,32 +191,125 @@ async def seek_group(
 
 
 async def _move(r: aioredis.Redis, dataset: str, group: str, targets: Mapping[int, str]) -> None:
-    """Move each partition's group to its target with the fenced seek script, under
-    the newest fencing generation of the group's partitions; register the group."""
-    pipe = r.pipeline(transaction=False)
-    for p in targets:
-        pipe.get(streams.fence_key(dataset, p, group))
-    generation = max((int(g or 0) for g in await pipe.execute()), default=0)
-    calls = groups.seek_calls(dataset, group, generation, targets, None, "0")
-    sha = groups.script_sha(groups.SEEK_LUA)
-    for attempt in range(2):
-        pipe = r.pipeline(transaction=False)
-        for keys, args in calls:
-            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
-        replies = await pipe.execute(raise_on_error=False)
-        if attempt == 0 and any(isinstance(x, NoScriptError) for x in replies):
-            await r.script_load(groups.SEEK_LUA)  # on every master of a cluster
-            continue
-        break
-    for (p, target), reply in zip(targets.items(), replies, strict=True):
-        newer = groups.fenced_generation(reply)
-        if newer is not None:
+    """Move every partition's group to its target (see the module docstring), under
+    the newest fencing generation of the group's partitions; then register the group."""
+    if redis_client.is_cluster(r):
+        await _move_per_slot(r, dataset, group, targets)
+    else:
+        await _move_atomic(r, dataset, group, targets)
+    await r.sadd(streams.groups_key(dataset), group)
+
+
+async def _move_atomic(r: aioredis.Redis, dataset: str, group: str,
+                       targets: Mapping[int, str]) -> None:
+    """One server: every partition in one MULTI/EXEC under WATCH of the fences."""
+    fences = [streams.fence_key(dataset, p, group) for p in sorted(targets)]
+    async with r.pipeline(transaction=True) as pipe:
+        try:
+            await pipe.watch(*fences)
+            generation = max([int(await pipe.get(k) or 0) for k in fences], default=0)
+            pipe.multi()
+            for keys, args in groups.seek_calls(dataset, group, generation, targets, None, "0"):
+                pipe.execute_command("EVAL", groups.SEEK_LUA, len(keys), *keys, *args)
+            replies = await pipe.execute(raise_on_error=False)
+        except WatchError as exc:
             raise Refused(
                 "fenced",
-                f"seek of group {group!r} partition {p} to {target} was refused: a trainer "
-                f"of the run restored (fencing generation {newer}) while the seek was "
-                "being checked; look at the group again and retry",
-            )
+                f"seek of group {group!r} was refused, nothing moved: a trainer of the run "
+                "restored (a new fencing generation) while the seek was being checked; look "
+                "at the group again and retry",
+            ) from exc
+    for (p, target), reply in zip(sorted(targets.items()), replies, strict=True):
+        newer = groups.fenced_generation(reply)
+        if newer is not None:  # not expected under WATCH; kept as the script's own guard
+            raise Refused("fenced", f"seek of group {group!r} partition {p} to {target} was "
+                          f"refused: fencing generation {newer} is newer")
         if isinstance(reply, ResponseError):
             raise reply
-    await r.sadd(streams.groups_key(dataset), group)
+
+
+MOVE_POLICY = RetryPolicy(attempts=None, timeout_s=30.0, wait_initial_s=0.1, wait_max_s=1.0,
+                          wait_jitter_s=0.1)
+"""How long a cluster seek keeps retrying partitions a failover left unmoved."""
+
+
+async def _move_per_slot(r: aioredis.Redis, dataset: str, group: str,
+                         targets: Mapping[int, str]) -> None:
+    """A cluster: each partition moves in its own slot (no transaction spans slots),
+    all pipelined, one pipeline per master; what a failover error leaves unmoved is
+    sent again (the move is idempotent: a position under a generation) until every
+    partition moved or ``MOVE_POLICY`` runs out. See :func:`apply_per_slot`."""
+    pipe = r.pipeline(transaction=False)
+    for p in sorted(targets):
+        pipe.get(streams.fence_key(dataset, p, group))
+    generation = max((int(g or 0) for g in await pipe.execute()), default=0)
+    await apply_per_slot(r, dataset, group, generation, targets)
+
+
+async def apply_per_slot(r: aioredis.Redis, dataset: str, group: str, generation: int,
+                         targets: Mapping[int, str]) -> None:
+    """The cluster's apply step under ``generation`` (public for the test that races a
+    restore against it). Ends in one of three ways:
+
+    - every partition moved;
+    - ``Refused("fenced")``: a trainer of the run took a newer generation meanwhile.
+      Partitions it fenced first were not moved; others may have been. Only a
+      ``TrainingSession`` restore takes a generation, and it moves *every* partition to
+      its checkpoint's offsets under it, so once that restore is done no partition
+      keeps this seek's position: the group is wholly the restore's;
+    - ``Unavailable`` (503) when the cluster stayed unreachable past ``MOVE_POLICY``:
+      the message names the partitions moved and not; the same seek again completes it.
+    """
+    calls = dict(zip(sorted(targets),
+                     groups.seek_calls(dataset, group, generation, targets, None, "0"),
+                     strict=True))
+    sha = groups.script_sha(groups.SEEK_LUA)
+    left = dict(calls)
+    backoff = Backoff(MOVE_POLICY)
+    deadline = time.monotonic() + (MOVE_POLICY.timeout_s or 0.0)
+    fenced: dict[int, int] = {}
+    last: BaseException | None = None
+    while left:
+        replies: list[Any]
+        try:
+            pipe = r.pipeline(transaction=False)
+            for keys, args in left.values():
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            replies = await pipe.execute(raise_on_error=False)
+        except redis_client.TRANSIENT as exc:
+            replies, last = [exc] * len(left), exc
+            await redis_client.refresh(r)
+        if any(isinstance(x, NoScriptError) for x in replies):
+            await r.script_load(groups.SEEK_LUA)  # on every master (a promoted one lacks it)
+        for p, reply in zip(list(left), replies, strict=True):
+            newer = groups.fenced_generation(reply)
+            if newer is not None:
+                fenced[p] = newer
+                del left[p]
+            elif isinstance(reply, Exception) and isinstance(
+                    reply, (NoScriptError, *redis_client.TRANSIENT)):
+                last = reply
+            elif isinstance(reply, ResponseError):
+                raise reply
+            else:
+                del left[p]
+        if fenced:
+            moved = sorted(set(targets) - set(left) - set(fenced))
+            raise Refused(
+                "fenced",
+                f"seek of group {group!r} was refused: a trainer of the run restored "
+                f"(fencing generation {max(fenced.values())}) during the move. Partitions "
+                f"{sorted(fenced)} were fenced before this seek reached them; {moved} had "
+                "moved, and that restore moves every partition to its checkpoint, so the "
+                "group ends as the restore sets it. Look at the group again and retry",
+            )
+        if left:
+            if time.monotonic() >= deadline:
+                moved = sorted(set(targets) - set(left))
+                raise Unavailable(
+                    "seek_incomplete",
+                    f"seek of group {group!r}: the cluster stayed unreachable for "
+                    f"{MOVE_POLICY.timeout_s:.0f} s ({last}); partitions {moved} moved, "
+                    f"{sorted(left)} did not. Send the same seek again to complete it",
+                )
+            await asyncio.sleep(backoff.next_wait_s())

@@ -1,7 +1,9 @@
 """Readers of file sources: fsspec URLs in, a stream of records (or bad records) out.
 
 Every reader streams: it holds one line, one sample, one file (for ``files``) or one
-row batch (for ``parquet``) at a time, never the whole source. The order of the items
+row batch (for ``parquet``) at a time, never the whole source. Hugging Face
+``datasets`` folders (``hf``) and WebDataset shards (``webdataset``) are read by
+``hf_source`` and ``wds_source``. The order of the items
 is a pure function of the source content: files are read in sorted path order, and
 each file from its start. Bad records are not errors here: they come out as
 :class:`BadRecord` with a reason, so the producer can dead-letter them and go on.
@@ -249,12 +251,26 @@ def _read_parquet(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path
                 yield _structured(spec, pos, value, json.dumps(value, default=str).encode())
 
 
+def _read_hf(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str) -> Iterator[SourceItem]:
+    from ingest_service.hf_source import read_hf_file  # it builds on this module
+
+    return read_hf_file(spec, fs, path)
+
+
+def _read_webdataset(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str) -> Iterator[SourceItem]:
+    from ingest_service.wds_source import read_webdataset_file  # it builds on this module
+
+    return read_webdataset_file(spec, fs, path)
+
+
 _READERS: dict[str, Callable[[streams.DatasetSpec, fsspec.AbstractFileSystem, str], Iterator[SourceItem]]] = {
     "jsonl": _read_jsonl,
     "text": _read_text,
     "npy": _read_npy,
     "files": _read_file,
     "parquet": _read_parquet,
+    "hf": _read_hf,
+    "webdataset": _read_webdataset,
 }
 
 

@@ -60,3 +60,43 @@ def empty_state(*, width: int = 8) -> dict[str, object]:
     """A load target shaped like ``state_for(..., width=width)``, holding none of its values."""
     return {"w": torch.zeros(width, width), "b": torch.zeros(width, dtype=torch.bfloat16),
             "step": -1, "name": ""}
+
+
+def run_ranks(worker: str, mode: str, world: int, root: str, *extra: str,
+              killed: frozenset[int] = frozenset(), timeout_s: float = 240) -> list[dict]:
+    """Run ``world`` gloo ranks of ``worker`` (``MODE RANK WORLD PORT ROOT EXTRA...``)
+    and return each rank's last JSON line; ranks in ``killed`` must die by SIGKILL
+    (and give ``{}``). The timeout only guards against a hang: a rank stuck in a
+    collective fails the test instead of stalling the suite."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.servers import free_port
+
+    repo = Path(__file__).resolve().parent.parent
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    procs = [
+        subprocess.Popen([sys.executable, worker, mode, str(r), str(world), str(port), root,
+                          *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(world)
+    ]
+    results: list[dict] = []
+    for r, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"rank {r} of {mode} hung for {timeout_s} s") from None
+        if r in killed:
+            assert p.returncode == -signal.SIGKILL, (p.returncode, err.decode()[-3000:])
+            results.append({})
+            continue
+        assert p.returncode == 0, err.decode()[-3000:]
+        results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    return results

@@ -17,10 +17,11 @@ from trainer_client import redis_client
 from trainguard.core import streams
 
 
-def create(url: str, name: str, *, partitions: int = 4, epochs: int | None = 1) -> streams.DatasetSpec:
+def create(url: str, name: str, *, partitions: int = 4, epochs: int | None = 1,
+           sample_len: int = 8) -> streams.DatasetSpec:
     spec = streams.DatasetSpec(
         name=name, partitions=partitions, source="file:///nowhere", format="npy",
-        sample_len=8, epochs=epochs,
+        sample_len=sample_len, epochs=epochs,
     )
     client = redis_client.client(url)
     try:

@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Zygote:
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, job: str = "tests._client_train") -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self._log = open(log, "a")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._client_zygote"], cwd=ROOT, env=env, text=True,
+            [sys.executable, "-m", "tests._client_zygote", job], cwd=ROOT, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
         )
         self.lines: queue.Queue[tuple[int, str]] = queue.Queue()
@@ -47,7 +47,7 @@ class Zygote:
             if rank.isdigit():
                 self.lines.put((int(rank), line))
 
-    def spawn(self, args: list[str], world: int) -> Job:
+    def spawn(self, args: list[str], world: int, module: str | None = None) -> Job:
         from tests.servers import free_port
 
         port = str(free_port())
@@ -55,7 +55,8 @@ class Zygote:
         for rank in range(world):
             env = {"RANK": str(rank), "WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            self.proc.stdin.write(json.dumps({"rank": rank, "args": args, "env": env}) + "\n")
+            req = {"rank": rank, "args": args, "env": env, "module": module}
+            self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         job = Job(self, world)
         while len(job.pids) < world:
@@ -171,8 +172,8 @@ def kill_at_random(
 
 
 @contextlib.contextmanager
-def zygote(log: Path) -> Iterator[Zygote]:
-    z = Zygote(log)
+def zygote(log: Path, job: str = "tests._client_train") -> Iterator[Zygote]:
+    z = Zygote(log, job)
     try:
         yield z
     finally:
@@ -189,16 +190,17 @@ def run_until_done(
     between: Callable[[int], None] = lambda attempt: None,
     during: Callable[[int, Job], None] | None = None,
     args_for: Callable[[int], list[str]] | None = None,
+    job: str = "tests._client_train",
 ) -> int:
     """Start, kill ``kills`` times, then let it finish. Returns the kills done.
 
     ``between(attempt)`` runs after each kill (e.g. to restart Redis); ``world_for``
     and ``args_for`` may change the world size and arguments per attempt; ``during``
-    runs while an attempt trains."""
+    runs while an attempt trains; ``job`` is the module whose ``main`` each attempt runs."""
     rng = random.Random(seed)
     done = 0
     attempt = 0
-    with zygote(log) as z:
+    with zygote(log, job) as z:
         while True:
             job = z.spawn(args_for(attempt) if args_for else args, world_for(attempt))
             hook = functools.partial(during, attempt) if during is not None else None
@@ -223,3 +225,10 @@ def final_counts(store_url: str, n: int) -> tuple[torch.Tensor, dict[str, Any]]:
         store.close()
     assert manifest is not None, "no checkpoint was committed"
     return model.counts.clone(), dict(manifest.extra)
+
+
+def assert_each_once(counts: torch.Tensor) -> None:
+    """Every record's count is exactly 1 (the ledger's verdict)."""
+    lost, dup = int((counts == 0).sum()), int((counts > 1).sum())
+    assert (lost, dup) == (0, 0), f"{lost} records lost, {dup} trained more than once"
+    assert torch.equal(counts, torch.ones(len(counts)))

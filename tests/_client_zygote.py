@@ -1,7 +1,9 @@
 """Test helper: a fork server for the ledger job, so each restart skips importing torch.
 
-Reads one JSON request per line on stdin (``{"rank": r, "args": [...], "env": {...}}``),
-forks a child that runs ``tests/_client_train.py``'s ``main(args)`` with that
+Reads one JSON request per line on stdin (``{"rank": r, "args": [...], "env": {...}}``,
+optionally ``"module": "train_gpt"``: a module of ``examples/`` instead), forks a
+child that runs the job module's ``main(args)`` (``tests/_client_train.py``, or the
+module named as the first argument, or the request's example module) with that
 environment, and prints ``<rank>: PID <pid>``, later ``<rank>: EXIT <code>`` (a child
 killed by SIGKILL exits with -9). Children are real, separate processes: the tests kill
 them with SIGKILL by PID. Torch runs one warm-up step here with OMP_NUM_THREADS=1 (no
@@ -10,13 +12,15 @@ thread pool to lose in the fork).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import threading
 import traceback
+from pathlib import Path
 
-from tests import _client_train as job
+job = importlib.import_module(sys.argv[1] if len(sys.argv) > 1 else "tests._client_train")
 
 _lock = threading.Lock()
 
@@ -56,7 +60,7 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
-    _warm_up()
+    getattr(job, "warm_up", _warm_up)()
     for line in sys.stdin:
         req = json.loads(line)
         pid = os.fork()
@@ -65,7 +69,10 @@ def main() -> None:
             try:
                 _die_with_parent()
                 os.environ.update(req["env"])
-                code = job.main(req["args"])
+                module = req.get("module")
+                if module:
+                    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+                code = (importlib.import_module(module) if module else job).main(req["args"])
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
             except BaseException:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import random
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -16,6 +20,9 @@ from trainer_client import redis_client as trainer_redis
 from trainguard.core import streams
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "_ingest_worker.py"
 
 
 def write_jsonl(folder: Path, count: int, *, files: int = 1, bad_every: int = 0) -> int:
@@ -79,3 +86,40 @@ async def until(cond: Callable[[], Awaitable[bool]], timeout_s: float = 60.0) ->
     while not await cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.005)
+
+
+def run_worker(url: str, spec: streams.DatasetSpec) -> subprocess.Popen[bytes]:
+    """A producer of ``spec`` in its own process (``tests/_ingest_worker.py``)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    spec_json = json.dumps({k: v for k, v in spec.__dict__.items()})
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), url, spec_json, "64"], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def kill_at_random_points(url: str, spec: streams.DatasetSpec, total: int, kills: int,
+                          *, seed: int = 1234) -> int:
+    """SIGKILL a producer process of ``spec`` once the partitions hold each of ``kills``
+    random record counts (of ``total``), restarting it each time, then let one run to
+    the end. Returns how many kills hit a running producer."""
+    rng = random.Random(seed)
+    targets = sorted(rng.sample(range(total // 50, total - total // 50), kills))
+    client = redis.Redis.from_url(url)
+    landed = 0
+    try:
+        for target in targets:
+            proc = run_worker(url, spec)
+            while proc.poll() is None and total_len(client, spec) < target:
+                time.sleep(0.002)
+            if proc.poll() is None:
+                proc.kill()
+                landed += 1
+            proc.wait()
+            assert proc.returncode in (0, -9), proc.stderr.read() if proc.stderr else ""
+        final = run_worker(url, spec)
+        _, err = final.communicate(timeout=240)
+        assert final.returncode == 0, err.decode()
+    finally:
+        client.close()
+    return landed

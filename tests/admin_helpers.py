@@ -21,7 +21,7 @@ from ingest_service.datasets import create_dataset
 from tests.servers import free_port
 from trainguard.core import streams
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-for-the-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -118,18 +118,20 @@ class ThreadedServer:
         self.loop.close()
 
 
-def service_app(config: AdminConfig) -> web.Application:
+def service_app(config: AdminConfig, push_tokens: str = "") -> web.Application:
     """The whole service (``create_app``, producers off), whose admin part reads its
-    token and stores from the environment as in production: set from ``config``."""
+    token and stores, and whose push route its producer tokens, from the environment
+    as in production: set from ``config`` and ``push_tokens``."""
     from ingest_service.app import create_app
     from ingest_service.config import IngestConfig
 
     stores = ",".join(f"{name}={root.url}" for name, root in config.stores.items())
-    env = {"TRAINGUARD_ADMIN_TOKEN": config.token or "", "TRAINGUARD_CHECKPOINT_STORES": stores}
+    env = {"TRAINGUARD_ADMIN_TOKEN": config.token or "", "TRAINGUARD_CHECKPOINT_STORES": stores,
+           "TRAINGUARD_PUSH_TOKENS": push_tokens}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return create_app(IngestConfig(redis_url=config.redis_url, produce=False))
+        return create_app(IngestConfig.from_env(redis_url=config.redis_url, produce=False))
     finally:
         for k, v in saved.items():
             if v is None:

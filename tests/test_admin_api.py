@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ingest_service import redis_client as ingest_redis
 from ingest_service.admin import AdminConfig
 from tests.admin_helpers import AUTH, admin_client, make_dataset, make_group
@@ -97,9 +99,11 @@ async def test_seek_earliest_latest_and_ids(any_redis):
     await r.aclose()
 
 
-async def test_seek_below_floor_is_refused_and_changes_nothing(redis_server):
+async def test_seek_below_floor_is_refused_and_changes_nothing(any_redis):
     """A seek below the group's retention floor, or below entries Redis already
-    deleted, is 409 and moves no partition (all targets are checked first)."""
+    deleted, is 409 and moves no partition (all targets are checked first, on a
+    cluster too, where the move itself goes partition by partition)."""
+    redis_server = any_redis
     r = ingest_redis.client(redis_server.url)
     await make_dataset(r, partitions=2, per_partition=5)
     await make_group(r, "toy", "run1", 2, floor={0: "1-3"})
@@ -139,7 +143,7 @@ async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
          "group_not_found"),
         ("POST", seek, {"ids": {"0": "banana"}}, 400, "bad_id"),
         ("POST", seek, {"ids": {"0": 17}}, 400, "bad_id"),
-        ("POST", seek, {"ids": {"7": "1-0"}}, 400, "bad_partition"),
+        ("POST", seek, {"ids": {"7": "1-0"}}, 404, "bad_partition"),  # no such partition
         ("POST", seek, {"ids": {"-1": "1-0"}}, 400, "bad_partition"),
         ("POST", seek, {"ids": {}}, 400, "bad_ids"),
         ("POST", seek, {"to": "middle"}, 400, "bad_target"),
@@ -214,8 +218,19 @@ def test_config_from_env_reads_token_and_stores(monkeypatch):
     assert config.token is None
     assert {n: (s.url, s.remote_url) for n, s in config.stores.items()} == {
         "a": ("file:///x", None), "b": ("file:///y", "s3://b/y")}
-    monkeypatch.setenv("TRAINGUARD_ADMIN_TOKEN", "t")
-    assert AdminConfig.from_env("redis://127.0.0.1:1/0").token == "t"
+    monkeypatch.setenv("TRAINGUARD_ADMIN_TOKEN", "a-token-of-24-characters")
+    assert AdminConfig.from_env("redis://127.0.0.1:1/0").token == "a-token-of-24-characters"
+
+
+@pytest.mark.parametrize("token", ["t", "fifteen-chars!!", "   ", " padded-token-of-20 ", "tökén-with-accents"])
+def test_blank_or_short_admin_token_refuses_to_start(monkeypatch, token):
+    """A guessable admin token is refused when the config is read (the service does not
+    start), naming the variable and the minimum length."""
+    from ingest_service.errors import TokenConfigError
+
+    monkeypatch.setenv("TRAINGUARD_ADMIN_TOKEN", token)
+    with pytest.raises(TokenConfigError, match="TRAINGUARD_ADMIN_TOKEN"):
+        AdminConfig.from_env("redis://127.0.0.1:1/0")
 
 
 def test_service_binds_loopback_unless_told_otherwise():

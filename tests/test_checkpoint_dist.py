@@ -3,34 +3,17 @@ only when both succeed; the checkpoint loads on 1 and on 3 ranks (resharding).""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from checkpoint_store import CheckpointStore
-from tests.servers import free_port
+from tests._ckpt_helpers import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "_ckpt_dist_worker.py"
 
 
 def _run(mode: str, world: int, root: Path, *extra: str) -> list[dict]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), mode, str(r), str(world), str(port),
-                          str(root), *extra], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
-        for r in range(world)
-    ]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err.decode()[-3000:]
-        results.append(json.loads(out.decode().strip().splitlines()[-1]))
-    return results
+    return run_ranks(str(WORKER), mode, world, str(root), *extra)
 
 
 def test_two_rank_save_loads_on_one_and_three_ranks(tmp_path):

@@ -12,11 +12,13 @@ import struct
 from pathlib import Path
 
 import crc32c
+import pytest
 import torch
 
 import checkpoint_store
 from checkpoint_store import FORMAT_VERSION, CheckpointStore
-from checkpoint_store.manifest import MANIFEST_KEYS
+from checkpoint_store.manifest import CHECKSUM_SUFFIX_BYTES, MANIFEST_KEYS
+from trainguard.core.checkpoints import CorruptCheckpointError
 
 FORMAT_MD = Path(checkpoint_store.__file__).with_name("FORMAT.md")
 
@@ -40,7 +42,7 @@ EXPECTED_BODY = {
             {"array": "r0/t0", "nbytes": 320, "offset": 0, "offsets": [0, 0],
              "shape": [20, 4]}]},
     },
-    "version": 1,
+    "version": 2,
     "world_size": 1,
 }
 
@@ -64,20 +66,71 @@ def _save(root: Path):
     return store.save(state, step=3, extra={"offsets": {"p0": "1-7"}}).wait()
 
 
-def test_manifest_is_canonical_json_with_pinned_fields(tmp_path):
-    """Exact manifest content (minus uid, time and checksum), canonical encoding, and
-    a sha256 checksum over the canonical form of the other fields."""
+def test_manifest_bytes_end_with_a_checksum_of_the_bytes_before_it(tmp_path):
+    """Exact manifest content (minus uid, time and checksum); the file is compact JSON
+    with sorted keys whose last field is the checksum: its last 87 bytes are
+    ``,"checksum":"sha256:<hex>"}`` and a newline, the SHA-256 of every byte before
+    them. Each array entry carries the SHA-256 of its zarr.json exactly as stored."""
     manifest = _save(tmp_path)
     raw = (tmp_path / "manifests" / manifest.name).read_bytes()
     doc = json.loads(raw)
     assert re.fullmatch(r"000000000003-[0-9a-f]{16}-[0-9a-f]{8}\.json", manifest.name)
-    assert raw == json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
     checksum = doc.pop("checksum")
-    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    assert checksum == "sha256:" + hashlib.sha256(canonical).hexdigest()
+    assert CHECKSUM_SUFFIX_BYTES == 87
+    body, suffix = raw[:-87], raw[-87:]
+    assert suffix == f',"checksum":"{checksum}"}}\n'.encode()
+    assert checksum == "sha256:" + hashlib.sha256(body).hexdigest()
+    assert body + b"}" == json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     assert doc.pop("uid") == manifest.uid and isinstance(doc.pop("created_at"), float)
+    data = tmp_path / "data" / manifest.uid
+    for path, entry in doc["arrays"].items():
+        stored = (data / path / "zarr.json").read_bytes()
+        assert entry.pop("zarr_json_sha256") == hashlib.sha256(stored).hexdigest()
     assert doc == EXPECTED_BODY
-    assert FORMAT_VERSION == 1
+    assert FORMAT_VERSION == 2
+
+
+def _as_version_1(raw: bytes) -> bytes:
+    """A version 2 manifest rewritten the way version 1 stored it: canonical JSON with
+    the checksum over Python's canonical form of the other fields."""
+    doc = json.loads(raw)
+    doc.pop("checksum")
+    doc["version"] = 1
+    for entry in doc["arrays"].values():
+        entry.pop("zarr_json_sha256")
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    doc["checksum"] = "sha256:" + hashlib.sha256(canonical).hexdigest()
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def test_version_1_checkpoints_still_load_and_unknown_versions_are_refused(tmp_path):
+    """A version 1 manifest (old checksum rule, no zarr.json hashes) loads and
+    verifies; a manifest of a version this reader does not know is refused with a
+    message naming the version (and a non-strict load falls back past it)."""
+    manifest = _save(tmp_path)
+    path = tmp_path / "manifests" / manifest.name
+    path.write_bytes(_as_version_1(path.read_bytes()))
+    store = CheckpointStore(tmp_path)
+    target = {"w": torch.zeros(20, 4), "b": torch.zeros(2, dtype=torch.bfloat16), "step": 0}
+    assert store.load(target, strict=True).name == manifest.name
+    assert torch.equal(target["w"], torch.arange(80, dtype=torch.float32).reshape(20, 4))
+    store.verify(3)
+    doc = json.loads(path.read_bytes())
+    doc["version"] = 3
+    path.write_bytes(json.dumps(doc).encode())
+    with pytest.raises(CorruptCheckpointError, match=r"format version 3; this reader "
+                                                     r"understands versions \[1, 2\]"):
+        store.load(target, strict=True)
+
+
+def test_a_damaged_zarr_json_fails_verification(tmp_path):
+    """An array's zarr.json whose data_type was changed no longer matches the hash in
+    the manifest: verify reports it (a reader trusting it would read wrong values)."""
+    manifest = _save(tmp_path)
+    meta = tmp_path / "data" / manifest.uid / "r0" / "t0" / "zarr.json"
+    meta.write_text(meta.read_text().replace('"float32"', '"int32"'))
+    with pytest.raises(CorruptCheckpointError, match=r"r0/t0/zarr\.json does not match"):
+        CheckpointStore(tmp_path).verify(3)
 
 
 def test_zarr_metadata_chunks_and_latest_are_pinned(tmp_path):

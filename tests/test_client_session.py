@@ -5,6 +5,7 @@ records, prefetched batches do not count, zombies are fenced, errors are clear."
 from __future__ import annotations
 
 import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +64,16 @@ def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(any_redis, tmp
     m = s.checkpoint(state, 13, blocking=True).wait()
     s.close()
     ends = {p: streams.make_id(0, 29) for p in range(3)}
+    rng = m.extra["trainguard"]["ranks"]["0"].pop("rng")
+    assert sorted(rng) == ["numpy", "python", "torch"]  # no CUDA in use here
     # The session record, exactly (the timing record beside it: test_run_history.py).
     assert {k: v for k, v in m.extra.items() if k != TIMING_KEY} == {"trainguard": {
-        "version": 1, "dataset": "tok", "run": "exp", "partitions": 3, "generation": 1,
+        "version": 2, "dataset": "tok", "run": "exp", "partitions": 3, "generation": 1,
         "commit": 1, "world_size": 1, "num_workers": 0,
         "offsets": {"0": "1-29", "1": "1-29", "2": "1-29"},
-        "batches": {"0": 0, "1": 0, "2": 0},
+        "batches": {"0": 5, "1": 5, "2": 5},  # deterministic: 30 records, batches of 7
+        "seed": zlib.crc32(b"exp"),
+        "ranks": {"0": {"epoch": 0, "epoch_batches": 15}},
     }}
     assert streams.offsets_from_wire(m.extra["trainguard"]["offsets"]) == ends
     client = redis_client.client(any_redis.url)

@@ -6,23 +6,29 @@ in their own files (the ``any_redis`` fixture)."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from ingest_service import redis_client as ingest_redis
+from ingest_service import seek
 from ingest_service.app import create_app
+from ingest_service.auth import PushTokens
 from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset
+from ingest_service.errors import Refused
 from ingest_service.producer import Producer
 from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
+from tests.admin_helpers import ThreadedServer, make_dataset, make_group
 from tests.servers import RedisCluster
 from trainguard.core import redis_url, streams
+from trainguard.push import Producer as PushProducer
 
 
 def test_url_selects_one_server_or_a_cluster() -> None:
@@ -50,65 +56,79 @@ def test_bad_urls_say_what_was_expected(url: str, says: str) -> None:
         redis_url.parse(url)
 
 
-async def test_acknowledged_pushes_survive_a_master_kill(
+def test_acknowledged_pushes_survive_a_master_kill(
     redis_cluster_factory: Callable[[], RedisCluster],
 ) -> None:
-    """8 producers push numbered batches to a 6-partition push dataset and retry every
-    batch until the service acknowledges it (200). Midway, the master holding most
-    partitions is killed with SIGKILL and its replica promoted. Afterwards every
-    batch was acknowledged, and every record of every acknowledged batch is in the
-    dataset exactly once (a batch the old master took but never replicated was not
-    acknowledged, so its producer sent it again; one it did replicate is refused as a
-    repeat by its seq mark, which replicated with it)."""
+    """8 producers (``trainguard.push.Producer``, each with its own producer token,
+    through the authenticated push route) push numbered batches to a 6-partition push
+    dataset; each send retries until the service acknowledges the batch (200).
+    Midway, the master holding most partitions is killed with SIGKILL and its replica
+    promoted. Afterwards every batch was acknowledged, and every record of every
+    acknowledged batch is in the dataset exactly once (a batch the old master took but
+    never replicated was not acknowledged, so its producer sent it again; one it did
+    replicate is answered as in by its seq mark, which replicated with it)."""
     cluster = redis_cluster_factory()
-    r = ingest_redis.client(cluster.url)
     P, producers, batches = 6, 8, 25
-    await create_dataset(r, streams.DatasetSpec(name="px", partitions=P, format="push"))
-    config = IngestConfig(redis_url=cluster.url, produce=False, push_wait_ms=500)
+    tokens = {k: f"producer-token-{k}-0123456789" for k in range(producers)}
+
+    async def create() -> None:
+        r = ingest_redis.client(cluster.url)
+        await create_dataset(r, streams.DatasetSpec(name="px", partitions=P, format="push"))
+        await r.aclose()
+
+    asyncio.run(create())
+    config = IngestConfig(
+        redis_url=cluster.url, produce=False, push_wait_ms=500,
+        push_tokens=PushTokens.parse(";".join(f"{t}:px:pr{k}" for k, t in tokens.items())),
+    )
+    server = ThreadedServer(create_app(config)).start()
     acked: list[tuple[int, int]] = []
-    statuses: Counter[int] = Counter()
+    lock = threading.Lock()
     kill_at = producers * batches // 3
+    killed_after = -1
 
-    async with TestClient(TestServer(create_app(config), host="127.0.0.1")) as client:
-
-        async def producer(k: int) -> None:
+    def produce(k: int) -> None:
+        with PushProducer(server.url, "px", f"pr{k}", token=tokens[k], max_attempts=200,
+                          max_backoff_s=0.5) as producer:
             for seq in range(batches):
-                body = msgpack.packb([{"k": k, "seq": seq, "i": i} for i in range(3)])
-                while True:
-                    resp = await client.post(
-                        f"/v1/datasets/px/records?producer_id=pr{k}&seq={seq}", data=body,
-                        headers={"Content-Type": "application/msgpack"},
-                    )
-                    statuses[resp.status] += 1
-                    if resp.status == 200:
-                        acked.append((k, seq))
-                        break
-                    assert resp.status in (500, 503), await resp.text()
-                    await asyncio.sleep(0.05)
+                reply = producer.send([{"k": k, "seq": seq, "i": i} for i in range(3)])
+                assert reply.seq == seq
+                with lock:
+                    acked.append((k, seq))
 
-        async def killer() -> None:
-            while len(acked) < kill_at:
-                await asyncio.sleep(0.01)
-            owners = Counter(cluster.master_of(streams.partition_key("px", p)).port for p in range(P))
-            victim = owners.most_common(1)[0][0]
-            key = next(streams.partition_key("px", p) for p in range(P)
-                       if cluster.master_of(streams.partition_key("px", p)).port == victim)
-            await asyncio.to_thread(cluster.kill_master, key)
+    def kill() -> None:
+        nonlocal killed_after
+        while len(acked) < kill_at:
+            time.sleep(0.01)
+        owners = Counter(cluster.master_of(streams.partition_key("px", p)).port for p in range(P))
+        victim = owners.most_common(1)[0][0]
+        key = next(streams.partition_key("px", p) for p in range(P)
+                   if cluster.master_of(streams.partition_key("px", p)).port == victim)
+        killed_after = len(acked)
+        cluster.kill_master(key)
 
-        await asyncio.gather(killer(), *(producer(k) for k in range(producers)))
+    try:
+        with ThreadPoolExecutor(producers + 1) as pool:
+            for f in [pool.submit(kill), *(pool.submit(produce, k) for k in range(producers))]:
+                f.result()
+    finally:
+        server.stop()
 
-    check = ingest_redis.client(cluster.url)
-    seen: Counter[tuple[Any, ...]] = Counter()
-    for p in range(P):
-        for _, fields in await check.xrange(streams.partition_key("px", p)):
-            v = streams.decode_record(fields)
-            seen[(v["k"], v["seq"], v["i"])] += 1
-    await check.aclose()
-    await r.aclose()
+    async def read() -> Counter[tuple[Any, ...]]:
+        check = ingest_redis.client(cluster.url)
+        seen: Counter[tuple[Any, ...]] = Counter()
+        for p in range(P):
+            for _, fields in await check.xrange(streams.partition_key("px", p)):
+                v = streams.decode_record(fields)
+                seen[(v["k"], v["seq"], v["i"])] += 1
+        await check.aclose()
+        return seen
+
+    seen = asyncio.run(read())
+    assert 0 <= killed_after < producers * batches  # the kill landed mid-run
     assert sorted(acked) == [(k, s) for k in range(producers) for s in range(batches)]
     assert seen == Counter({(k, s, i): 1 for k in range(producers) for s in range(batches)
                             for i in range(3)})
-    assert statuses[200] == producers * batches
 
 
 async def test_file_producer_replays_what_a_failover_lost(
@@ -146,3 +166,47 @@ async def test_file_producer_replays_what_a_failover_lost(
     assert producer.progress.finished
     assert producer.progress.redis_losses >= 1  # it did see a partition end early
     assert read_partitions(cluster.url, spec) == expected_partitions(spec)
+
+
+async def test_cluster_seek_racing_a_restore_ends_as_the_restore(
+    redis_cluster: RedisCluster, tmp_path: Path,
+) -> None:
+    """On a cluster a seek moves partition by partition (no transaction spans slots).
+    A trainer's restore that takes a new fencing generation between the seek's checks
+    and its move: here partition 2's fence is already at the restore's generation when
+    the seek's apply step runs under the generation it read (0). The seek is refused
+    ("fenced") naming the fenced partition; the others did move; the restore then moves
+    every partition to its checkpoint (none: the start) under its generation, so no
+    partition keeps the seek's position. A later seek of the older generation
+    changes nothing."""
+    import torch
+
+    from trainer_client import TrainingSession
+
+    r = ingest_redis.client(redis_cluster.url)
+    P = 6
+    await make_dataset(r, partitions=P, per_partition=5)
+    await make_group(r, "toy", "run1", P)
+    keys = [streams.partition_key("toy", p) for p in range(P)]
+    assert len({redis_cluster.master_of(k).port for k in keys}) > 1  # spread over masters
+    targets = dict.fromkeys(range(P), "1-3")
+    await r.set(streams.fence_key("toy", 2, "run1"), 1)
+
+    async def delivered() -> list[str]:
+        return [(await r.xinfo_groups(k))[0]["last-delivered-id"].decode() for k in keys]
+
+    with pytest.raises(Refused, match=r"\[2\] were fenced") as refused:
+        await seek.apply_per_slot(r, "toy", "run1", 0, targets)
+    assert refused.value.code == "fenced"
+    assert await delivered() == ["1-3", "1-3", "0-0", "1-3", "1-3", "1-3"]
+
+    session = TrainingSession(redis_cluster.url, dataset="toy", run="run1",
+                              store=f"file://{tmp_path}/ckpt")
+    session.restore({"w": torch.zeros(2)})
+    assert session.generation >= 1
+    session.close()
+    assert await delivered() == ["0-0"] * P
+    with pytest.raises(Refused):
+        await seek.apply_per_slot(r, "toy", "run1", 0, targets)
+    assert await delivered() == ["0-0"] * P
+    await r.aclose()

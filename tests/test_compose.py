@@ -206,7 +206,7 @@ def test_urls_name_services_and_store_roots_parse(compose):
 
     services = compose["services"]
     text = yaml.safe_dump(services)
-    hosts = set(re.findall(r"(?:redis|http)://([a-z0-9_-]+):\d+", text))
+    hosts = set(re.findall(r"(?:redis|http)://(?:(?::\$\{[^}]*\}|[^@/\s]*)@)?([a-z0-9_-]+):\d+", text))
     assert hosts - {"127.0.0.1"} <= set(services), hosts
     assert "redis" in hosts
     stores = services["trainguard"]["environment"]["TRAINGUARD_CHECKPOINT_STORES"]
@@ -233,6 +233,42 @@ def test_example_data_script_writes_and_registers(redis_server, tmp_path):
     assert len(lines) == 50 and [json_id(line) for line in lines] == list(range(50))
     spec = DatasetSpec.from_redis(redis.Redis.from_url(redis_server.url).hgetall(meta_key("ex")))
     assert (spec.source, spec.format, spec.partitions) == (str(out), "jsonl", 4)
+
+
+def test_secrets_have_no_defaults_and_env_example_lists_them(compose):
+    """Redis requires a password and every Redis URL carries it; MinIO's credentials
+    and the Redis password have no default (compose refuses to start without them);
+    .env.example names every such variable, and `make compose`'s generator fills
+    each CHANGE_ME with a distinct random value."""
+    services = compose["services"]
+    text = COMPOSE.read_text()
+    assert _flag(_command(services["redis"]), "--requirepass", ) == (
+        "${REDIS_PASSWORD:?set REDIS_PASSWORD in .env (make compose writes one)}")
+    for url in re.findall(r"redis://\S+", yaml.safe_dump(services)):
+        assert url.startswith("redis://:${REDIS_PASSWORD:?"), url
+    required = set(re.findall(r"\$\{([A-Z_]+):\?", text))
+    assert {"REDIS_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"} <= required
+    assert not re.search(r"\$\{(MINIO_ROOT_[A-Z]+|REDIS_PASSWORD):-", text)
+    example = (ROOT / ".env.example").read_text()
+    listed = set(re.findall(r"^([A-Z_]+)=", example, re.M))
+    assert required <= listed, required - listed
+    make = (ROOT / "Makefile").read_text()
+    generator = re.search(r'-c "(import pathlib, re, secrets;[^"]+)"', make)
+    assert generator is not None
+    code = generator.group(1).replace("'.env.example'", repr(str(ROOT / ".env.example"))) \
+        .replace("pathlib.Path('.env')", "OUT")
+    out: dict[str, str] = {}
+
+    class Out:
+        @staticmethod
+        def write_text(t: str) -> None:
+            out["text"] = t
+
+    exec(code, {"OUT": Out})
+    values = dict(re.findall(r"^([A-Z_]+)=(.*)$", out["text"], re.M))
+    assert "CHANGE_ME" not in out["text"]
+    assert len(values["REDIS_PASSWORD"]) == 32 and values["REDIS_PASSWORD"] != values["MINIO_ROOT_PASSWORD"]
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
 
 
 def json_id(line: str) -> int:

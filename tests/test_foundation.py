@@ -18,7 +18,7 @@ from trainguard.core.checkpoints import (
     PinnedCheckpointError,
     open_store,
 )
-from trainguard.core.record import RecordError, SessionRecord
+from trainguard.core.record import RankState, RecordError, SessionRecord
 from trainguard.core.resilience import Backoff, CircuitOpenError, RetryPolicy
 from trainguard.core.streams import ContractError, DatasetNotFoundError
 from trainguard.ops import exits
@@ -100,9 +100,31 @@ def test_session_record_round_trips_through_extra() -> None:
     assert SessionRecord.from_extra({"user": 1}) is None
 
 
+def test_version_2_carries_seed_and_rank_states_and_version_1_still_reads() -> None:
+    """Version 2 adds the run seed and each rank's random states and epoch position;
+    a version 1 record (written before them) still reads, with none of them."""
+    rec = _record(seed=7, ranks={0: RankState(rng={"torch": "AAAA"}, epoch=1, epoch_batches=3),
+                                 1: RankState()})
+    extra = rec.to_extra()
+    assert extra["trainguard"]["version"] == 2
+    assert extra["trainguard"]["seed"] == 7
+    assert extra["trainguard"]["ranks"] == {
+        "0": {"rng": {"torch": "AAAA"}, "epoch": 1, "epoch_batches": 3},
+        "1": {"rng": {}, "epoch": 0, "epoch_batches": 0},
+    }
+    assert SessionRecord.from_extra(extra) == rec
+    v1 = {"trainguard": {"version": 1, "dataset": "tok", "run": "r", "partitions": 2,
+                         "generation": 3, "commit": 4, "world_size": 1, "num_workers": 0,
+                         "offsets": {"0": "1-4"}, "batches": {"0": 1}}}
+    old = SessionRecord.from_extra(v1)
+    assert old is not None and (old.version, old.seed, dict(old.ranks)) == (1, None, {})
+    assert old.offsets == {0: "1-4"} and old.generation == 3
+
+
 @pytest.mark.parametrize("doc", [
-    {"trainguard": {"version": 2, "dataset": "tok"}},
+    {"trainguard": {"version": 3, "dataset": "tok"}},
     {"trainguard": "not a record"},
+    {"trainguard": {"version": 2, "dataset": "tok", "ranks": {"0": {"rng": "x"}}}},
     {"trainguard": {"dataset": "tok", "generation": "x"}},
     {"trainguard": {"dataset": "tok", "offsets": {"0": "not-an-id"}}},
 ])

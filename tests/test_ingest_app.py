@@ -21,15 +21,19 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from ingest_service import redis_client as ingest_redis
 from ingest_service.app import create_app
+from ingest_service.auth import PushTokens
 from ingest_service.backlog import BacklogLimits
 from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset, delete_dataset
+from ingest_service.push_body import BodyLimits
 from tests._ingest_util import until, write_jsonl
 from tests.servers import RedisServer, free_port
 from trainguard.core import streams
 
 ROOT = Path(__file__).resolve().parent.parent
 URL = "/v1/datasets/{}/records"
+PUSH_TOKEN = "test-producer-token-0123"
+PUSH_AUTH = {"Authorization": f"Bearer {PUSH_TOKEN}"}
 
 
 @asynccontextmanager
@@ -40,7 +44,8 @@ async def serving(config: IngestConfig) -> AsyncIterator[TestClient]:
 
 def _config(redis_server: RedisServer, **kw: object) -> IngestConfig:
     base: dict[str, object] = dict(
-        redis_url=redis_server.url, discover_interval_s=0.05, maintenance_interval_s=0.05
+        redis_url=redis_server.url, discover_interval_s=0.05, maintenance_interval_s=0.05,
+        push_tokens=PushTokens.parse(f"{PUSH_TOKEN}:*:*"),
     )
     base.update(kw)
     return IngestConfig(**base)  # type: ignore[arg-type]
@@ -58,7 +63,7 @@ async def _push(client: TestClient, name: str, producer: str, seq: int, body: by
                 content_type: str = "application/x-ndjson", **params: str):  # type: ignore[no-untyped-def]
     return await client.post(
         URL.format(name), params={"producer_id": producer, "seq": str(seq), **params},
-        data=body, headers={"Content-Type": content_type},
+        data=body, headers={"Content-Type": content_type, **PUSH_AUTH},
     )
 
 
@@ -130,8 +135,9 @@ async def test_push_retry_is_appended_once_and_producers_keep_their_sequences(
     any_redis: RedisServer,
 ) -> None:
     """The same batch sent 3 times is appended once (the retries answer appended=false);
-    two producers pushing concurrently each keep their own marks; the partition holds
-    every record once, each producer's in its seq order."""
+    a seq that skips ahead is 409 with the mark; two producers pushing concurrently
+    each keep their own marks; the partition holds every record once, each producer's
+    in its seq order."""
     r = ingest_redis.client(any_redis.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
     async with serving(_config(any_redis)) as client:
@@ -141,25 +147,27 @@ async def test_push_retry_is_appended_once_and_producers_keep_their_sequences(
             assert resp.status == 200
             answers.append(await resp.json())
         assert [a["appended"] for a in answers] == [True, False, False]
-        assert len(answers[0]["ids"]) == 2
+        assert [a["count"] for a in answers] == [2, 0, 0]
+        ahead = await _push(client, "rl", "a", 2, _lines({"p": "a", "n": -1}))
+        assert ahead.status == 409 and (await ahead.json())["error"]["mark"] == 0
 
-        async def producer(name: str) -> None:
-            for seq in range(1, 21):
+        async def producer(name: str, first: int) -> None:
+            for seq in range(first, first + 20):
                 body = msgpack.packb([{"p": name, "n": seq * 10}, {"p": name, "n": seq * 10 + 1}])
                 for _ in range(2):  # every batch also retried once
                     resp = await _push(client, "rl", name, seq, body, "application/msgpack")
-                    assert resp.status == 200
+                    assert resp.status == 200, await resp.text()
 
-        await asyncio.gather(producer("a"), producer("b"))
+        await asyncio.gather(producer("a", 1), producer("b", 0))
     entries = await r.xrange(streams.partition_key("rl", 0))
     marks = await r.hgetall(streams.seq_key("rl", 0))
     await r.aclose()
     got = [streams.decode_record(f) for _, f in entries]
     assert len(got) == 2 + 2 * 20 * 2
-    assert marks == {b"a": b"20", b"b": b"20"}
-    for name, first in (("a", [0, 1]), ("b", [])):
+    assert marks == {b"a": b"20", b"b": b"19"}
+    for name, seqs in (("a", range(0, 21)), ("b", range(0, 20))):
         ns = [v["n"] for v in got if v["p"] == name]
-        assert ns == first + [n for seq in range(1, 21) for n in (seq * 10, seq * 10 + 1)]
+        assert ns == [n for seq in seqs for n in (seq * 10, seq * 10 + 1)]
 
 
 async def test_push_rejects_malformed_and_oversized_bodies(redis_server: RedisServer) -> None:
@@ -170,14 +178,15 @@ async def test_push_rejects_malformed_and_oversized_bodies(redis_server: RedisSe
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=2, format="push",
                                                 max_record_bytes=200))
     await create_dataset(r, streams.DatasetSpec(name="files", source="memory://x.jsonl"))
-    async with serving(_config(redis_server, produce=False, max_push_body_bytes=1000)) as client:
+    config = _config(redis_server, produce=False, push_limits=BodyLimits(max_bytes=1000))
+    async with serving(config) as client:
         cases = [
             (await _push(client, "rl", "a", 0, b'{"ok": 1}\n{broken\n'), 400, "line 2"),
             (await _push(client, "rl", "a", 0, b"\xc1", "application/msgpack"), 400, "msgpack"),
             (await _push(client, "rl", "a", 0, msgpack.packb({"a": 1}), "application/msgpack"),
              400, "array"),
-            (await client.post(URL.format("rl"), params={"producer_id": "a"}, data=b"{}"),
-             400, "seq"),
+            (await client.post(URL.format("rl"), params={"producer_id": "a"}, data=b"{}",
+                               headers=PUSH_AUTH), 400, "seq"),
             (await _push(client, "rl", "a", 0, b"\n\n"), 400, "no record"),
             (await _push(client, "rl", "a", 0, b"[" + b"1," * 600 + b"1]"), 413, "limit"),
             (await _push(client, "rl", "a", 0, _lines("x" * 300)), 413, "line 1"),
@@ -201,8 +210,8 @@ async def test_push_backlog_full_is_429_until_consumers_commit(redis_server: Red
     await r.sadd(streams.groups_key("rl"), "run1")
     config = _config(redis_server, produce=False, limits=BacklogLimits(max_entries=4))
     async with serving(config) as client:
-        first = await _push(client, "rl", "a", 0, _lines(1, 2, 3, 4))
-        ids = (await first.json())["ids"]
+        assert (await _push(client, "rl", "a", 0, _lines(1, 2, 3, 4))).status == 200
+        ids = [i.decode() for i, _ in await r.xrange(streams.partition_key("rl", 0))]
         full = await _push(client, "rl", "a", 1, _lines(5))
         assert full.status == 429 and full.headers["Retry-After"] == "1"
         assert (await full.json())["error"]["code"] == "backlog_full"
@@ -254,7 +263,8 @@ async def test_service_trims_push_datasets_below_the_floor(redis_server: RedisSe
     r = ingest_redis.client(redis_server.url)
     await create_dataset(r, streams.DatasetSpec(name="rl", partitions=1, format="push"))
     async with serving(_config(redis_server)) as client:
-        ids = (await (await _push(client, "rl", "a", 0, _lines(*range(6)))).json())["ids"]
+        assert (await _push(client, "rl", "a", 0, _lines(*range(6)))).status == 200
+        ids = [i.decode() for i, _ in await r.xrange(streams.partition_key("rl", 0))]
         await r.sadd(streams.groups_key("rl"), "run1")
         await r.hset(streams.floor_key("rl", "run1"), "0", ids[2])
 

@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
-import random
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import redis
 
 from ingest_service import redis_client as ingest_redis
 from ingest_service.producer import Producer
-from tests._ingest_util import expected_partitions, read_partitions, total_len, values, write_jsonl
+from tests._ingest_util import (
+    expected_partitions,
+    kill_at_random_points,
+    read_partitions,
+    values,
+    write_jsonl,
+)
 from tests.servers import RedisServer
 from trainguard.core import streams
-
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "_ingest_worker.py"
 
 
 def _spec(name: str, source: Path, **kw: object) -> streams.DatasetSpec:
@@ -79,38 +76,6 @@ async def test_rerun_of_a_finished_dataset_appends_nothing(
         assert progress[streams.progress_end_field(p)] == entries[-1][0]
 
 
-def _run_worker(url: str, spec: streams.DatasetSpec) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    spec_json = json.dumps({k: v for k, v in spec.__dict__.items()})
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), url, spec_json, "64"], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-
-
-def _kill_at_random_points(url: str, spec: streams.DatasetSpec, total: int, kills: int) -> int:
-    rng = random.Random(1234)
-    targets = sorted(rng.sample(range(total // 50, total - total // 50), kills))
-    client = redis.Redis.from_url(url)
-    landed = 0
-    try:
-        for target in targets:
-            proc = _run_worker(url, spec)
-            while proc.poll() is None and total_len(client, spec) < target:
-                time.sleep(0.002)
-            if proc.poll() is None:
-                proc.kill()
-                landed += 1
-            proc.wait()
-            assert proc.returncode in (0, -9), proc.stderr.read() if proc.stderr else ""
-        final = _run_worker(url, spec)
-        _, err = final.communicate(timeout=240)
-        assert final.returncode == 0, err.decode()
-    finally:
-        client.close()
-    return landed
-
-
 def _check_exactly_once(url: str, spec: streams.DatasetSpec, total: int) -> None:
     parts = read_partitions(url, spec)
     assert parts == expected_partitions(spec)  # same IDs, bytes and order as planned
@@ -127,7 +92,7 @@ def test_kill_9_producer_ten_times_every_record_once_in_order(
     total = 50_000
     write_jsonl(tmp_path, total, files=4)
     spec = _spec("k", tmp_path)
-    landed = _kill_at_random_points(redis_server.url, spec, total, 10)
+    landed = kill_at_random_points(redis_server.url, spec, total, 10)
     assert landed >= 8  # the kills really hit running producers
     _check_exactly_once(redis_server.url, spec, total)
 
@@ -141,7 +106,36 @@ def test_kill_9_producer_fifty_times_over_two_epochs(
     total = 50_000
     write_jsonl(tmp_path, total, files=5)
     spec = _spec("k50", tmp_path, partitions=16, epochs=2)
-    landed = _kill_at_random_points(redis_server.url, spec, 2 * total, 50)
+    landed = kill_at_random_points(redis_server.url, spec, 2 * total, 50)
     assert landed >= 40
     _check_exactly_once(redis_server.url, spec, total)
 
+
+
+async def test_first_sync_ignores_floors_published_before_it(
+    any_redis: RedisServer, tmp_path: Path
+) -> None:
+    """A retention floor is a refill point only for a stream this producer saw. A
+    2-partition dataset whose producer stopped, then partition 1's stream was lost
+    (on a cluster the floor hash lives on another master than the stream, and
+    survives its failover), while a group's floor (1-99 on both) is published. A fresh
+    producer's maintenance pass reads that floor while the first sync still pages
+    through partition 0: it must not make partition 1 begin after the floor. The
+    producer appends partition 1's whole plan (what it appends does not depend on
+    which task ran first) and retention then trims below the floor, keeping the floor
+    entry itself, as it promises."""
+    write_jsonl(tmp_path, 6000)
+    spec = _spec("fl", tmp_path, partitions=2, shuffle_buffer=0)
+    client = ingest_redis.client(any_redis.url)
+    await Producer(client, spec).run()
+    await client.delete(streams.partition_key("fl", 1), streams.progress_key("fl"))
+    await client.sadd(streams.groups_key("fl"), "g")
+    await client.hset(streams.floor_key("fl", "g"), mapping={"0": "1-99", "1": "1-99"})
+    await client.hset(streams.committed_key("fl", "g"), mapping={"0": "1-99", "1": "1-99"})
+    producer = Producer(client, spec, maintenance_interval_s=0.001)
+    await producer.run()
+    info = await client.xinfo_stream(streams.partition_key("fl", 1))
+    await client.aclose()
+    planned = expected_partitions(spec)
+    assert producer.progress.records == len(planned[1]) == info["entries-added"] == 3000
+    assert read_partitions(any_redis.url, spec) == [planned[0][99:], planned[1][99:]]

@@ -18,6 +18,7 @@ from trainer_client.errors import (
     PartitionCountError,
     RollbackLimitError,
     RouteRejectedError,
+    SessionBypassedError,
     TrainerClientError,
 )
 from trainer_client.guard import GuardedTraining, batch_id
@@ -67,6 +68,7 @@ __all__ = [
     "RollbackLimitError",
     "RouteClient",
     "RouteRejectedError",
+    "SessionBypassedError",
     "SpikeConfig",
     "SpikeGuard",
     "StreamingDataset",

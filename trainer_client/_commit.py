@@ -24,6 +24,7 @@ from trainer_client import offsets as ofs
 from trainer_client.errors import FencedError
 from trainguard.core import record, streams
 from trainguard.core.checkpoints import CheckpointStoreAPI, SaveHandleView
+from trainguard.core.record import RankState
 
 __all__ = ["OffsetCommitter", "gather_offsets"]
 
@@ -122,18 +123,21 @@ class OffsetCommitter:
 
 
 def gather_offsets(
-    offsets: dict[int, str], batches: dict[int, int], world_size: int, group: Any
-) -> tuple[dict[int, str], dict[int, int]]:
-    """Every rank's offsets and batch counts, merged (a collective): each rank holds all
-    partitions' offsets (the restored ones for partitions it does not read), and the
-    newest per partition is its owner's."""
+    offsets: dict[int, str], batches: dict[int, int], mine: RankState, world_size: int,
+    group: Any,
+) -> tuple[dict[int, str], dict[int, int], dict[int, RankState]]:
+    """Every rank's offsets, batch counts and rank state, merged (a collective): each
+    rank holds all partitions' offsets (the restored ones for partitions it does not
+    read), and the newest per partition is its owner's."""
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (offsets, batches), group=group)
+    dist.all_gather_object(gathered, (offsets, batches, mine.to_wire()), group=group)
     merged: dict[int, str] = {}
     counts: dict[int, int] = {}
-    for offs, bats in gathered:
+    ranks: dict[int, RankState] = {}
+    for rank, (offs, bats, state) in enumerate(gathered):
         for p, i in offs.items():
             merged[p] = streams.max_id(merged.get(p), i) or i
         for p, n in bats.items():
             counts[p] = max(counts.get(p, 0), n)
-    return merged, counts
+        ranks[rank] = RankState.from_wire(state)
+    return merged, counts, ranks

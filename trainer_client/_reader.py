@@ -39,6 +39,7 @@ LIB_VERSION = redis.__version__
 package metadata for each one (milliseconds per pass)."""
 
 _ENTRY_ID, _ENTRY_FIELDS = operator.itemgetter(0), operator.itemgetter(1)
+_MAX_SEQ = 2**64 - 1
 
 
 @contextlib.contextmanager
@@ -320,6 +321,10 @@ class Reader:
                 start += 1
             if start:
                 entries = entries[start:]
+            limit = self.ds.epochs
+            if limit is not None and entries and streams.parse_id(entries[-1][0])[0] > limit:
+                # Past the epochs this pass reads: never handed on, never consumed.
+                entries = [e for e in entries if streams.parse_id(e[0])[0] <= limit]
             # map() over C getters: no Python frame per entry.
             ids = list(map(bytes.decode, map(_ENTRY_ID, entries)))
             if ids:
@@ -329,16 +334,29 @@ class Reader:
         return out
 
     def _refresh_ends(self, client: redis.Redis) -> None:
+        """Learn each partition's last entry for this pass, once it is known: the
+        producer's end marks of a finished dataset, or, when the pass reads only the
+        first ``ds.epochs`` epochs, the last entry of those once they are written."""
         if self.ends is not None:
             return
         prog = client.hgetall(streams.progress_key(self.ds.dataset))
-        if prog.get(streams.PROGRESS_FINISHED) != b"1":
+        finished = prog.get(streams.PROGRESS_FINISHED) == b"1"
+        limit = self.ds.epochs
+        if limit is None:
+            if finished:
+                ends: dict[int, str | None] = {}
+                for p in self.partitions:
+                    v = prog.get(streams.progress_end_field(p))
+                    ends[p] = v.decode() if isinstance(v, bytes) else v
+                self.ends = ends
             return
-        ends: dict[int, str | None] = {}
-        for p in self.partitions:
-            v = prog.get(streams.progress_end_field(p))
-            ends[p] = v.decode() if isinstance(v, bytes) else v
-        self.ends = ends
+        if finished or int(prog.get(streams.PROGRESS_EPOCHS_DONE, b"0") or 0) >= limit:
+            pipe = client.pipeline(transaction=False)
+            for p in self.partitions:
+                pipe.xrevrange(streams.partition_key(self.ds.dataset, p),
+                               max=f"{limit}-{_MAX_SEQ}", min="0-1", count=1)
+            self.ends = {p: got[0][0].decode() if got else None
+                         for p, got in zip(self.partitions, pipe.execute())}
 
     def finished(self, p: int) -> bool:
         """True once the producer finished and we hold the partition's last entry."""

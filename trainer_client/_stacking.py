@@ -19,7 +19,7 @@ import torch
 
 from trainguard.core import streams
 
-__all__ = ["Segment", "decode_records", "stack_arrays", "take"]
+__all__ = ["Segment", "decode_records", "positions", "shared_empty", "stack_arrays", "take"]
 
 Segment = tuple[int, list[str], list[list[bytes]]]
 """Consecutive entries of one partition: ``(partition, IDs, flat field lists)``, the
@@ -35,6 +35,22 @@ def _fields(flat: Sequence[bytes]) -> dict[bytes, bytes]:
 def decode_records(flats: list[list[bytes]]) -> list[Any]:
     """Each entry decoded by the stream contract (bytes, msgpack value or NumPy view)."""
     return [streams.decode_record(_fields(f)) for f in flats]
+
+
+def positions(flats: list[list[bytes]]) -> list[str] | None:
+    """Each entry's source position (``pos`` field), or None when any has none.
+
+    Entries of one source share their field layout: one C-level pass checks that
+    ``pos`` sits where the first entry has it, else each entry is looked up."""
+    first = flats[0]
+    names = first[0::2]
+    if streams.F_POS not in names:
+        return None
+    at = 2 * names.index(streams.F_POS)
+    if list(map(operator.itemgetter(at), flats)).count(streams.F_POS) == len(flats):
+        return list(map(bytes.decode, map(operator.itemgetter(at + 1), flats)))
+    found = [_fields(f).get(streams.F_POS) for f in flats]
+    return None if None in found else [b.decode() for b in found if b is not None]
 
 
 def take(segments: deque[Segment], n: int) -> list[Segment]:
@@ -67,6 +83,19 @@ def _nd_layout(first: list[bytes]) -> tuple[int, Callable[[Any], Any], tuple[byt
         shared.append(where[streams.F_SHAPE])
     get = operator.itemgetter(*shared)
     return where[streams.F_DATA], get, get(first)
+
+
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in shared memory from the start. ``share_memory_()`` on a
+    fresh tensor would allocate it twice and copy the garbage across (and for a ~1 MiB
+    batch that costs as much as filling it); a DataLoader worker's batch then reaches
+    the main process without torch copying it into shared memory when it pickles it."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None or nbytes == 0:  # not in every torch: the plain way
+        return torch.empty(shape, dtype=dtype).share_memory_()
+    storage: torch.UntypedStorage = new_shared(nbytes)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
 def stack_arrays(flats: list[list[bytes]], in_worker: bool) -> torch.Tensor | None:
@@ -102,12 +131,10 @@ def stack_arrays(flats: list[list[bytes]], in_worker: bool) -> torch.Tensor | No
             f"record of {bad} bytes does not match its dtype {dtype} and shape {shape}"
         )
     n = len(payloads)
-    if in_worker or step == 0:
-        out = torch.empty((n, *shape), dtype=tdtype)
-        if in_worker:
-            out.share_memory_()
-        if step == 0:  # zero-sized records: nothing to copy (and no byte view exists)
-            return out
+    if step == 0:  # zero-sized records: nothing to copy (and no byte view exists)
+        return torch.empty((n, *shape), dtype=tdtype)
+    if in_worker:
+        out = shared_empty((n, *shape), tdtype)
         view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
         for i, data in enumerate(payloads):
             view[i * step : (i + 1) * step] = data

@@ -25,10 +25,10 @@ import redis
 from redis.driver_info import DriverInfo
 from torch.utils.data import IterableDataset, get_worker_info
 
-from trainer_client import redis_client
+from trainer_client import _rng, redis_client
 from trainer_client._reader import LIB_VERSION, Reader
-from trainer_client._stacking import Segment, decode_records, stack_arrays, take
-from trainer_client.errors import DatasetNotFoundError
+from trainer_client._stacking import Segment, decode_records, positions, stack_arrays, take
+from trainer_client.errors import DatasetNotFoundError, SessionBypassedError
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
 from trainguard.core import streams
 
@@ -41,10 +41,21 @@ class Batch:
 
     ``data`` is a tensor ``[n, ...]`` when every record is a NumPy array of one dtype
     and shape (copied once, straight from the Redis reply into the batch tensor), the
-    ``collate`` result when one was given, else the list of decoded records.
+    ``collate`` result when one was given, else the list of decoded records; None in
+    the empty batches ``TrainingSession.batches`` hands a rank that ran out of data
+    while others still train (``len(batch) == 0``).
     ``ids`` maps partition -> stream IDs of its records here, in stream order;
-    ``offsets`` maps partition -> the last of them. In deterministic mode ``partition``
-    is the one partition of the batch and ``seq`` its index among its worker's batches.
+    ``offsets`` maps partition -> the last of them; ``pos`` lists each record's
+    source position (``path:line``, ``path:token_index``; see the stream contract)
+    in the order of ``data``, or None when the records carry none.
+    ``epoch`` is the epoch (from 0) of the batch's records: a batch never holds two
+    epochs unless the dataset was made with ``straddle_epochs=True`` (then it is the
+    first record's epoch); -1 for an empty batch. ``new_epoch`` is set by
+    ``TrainingSession.batches`` on the first batch of each epoch it yields. Workers
+    (and ranks) reach an epoch's end at different times, so with several of them the
+    last batches of one epoch may come after the first of the next.
+    In deterministic mode ``partition`` is the one partition of the batch and ``seq``
+    its index among its worker's batches.
     """
 
     data: Any
@@ -53,8 +64,13 @@ class Batch:
     worker: int = 0
     partition: int = -1
     seq: int = -1
+    epoch: int = -1
+    pos: list[str] | None = None
+    new_epoch: bool = False
     final: bool = False
     """Deterministic mode: the worker's end-of-pass marker (no records)."""
+    dropped: bool = False
+    """A short batch at an epoch's end with ``drop_last``: consumed, never yielded."""
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.ids.values())
@@ -89,10 +105,22 @@ class StreamingDataset(IterableDataset[Batch]):
     ``collate`` turns the list of those into the batch's ``data``.
 
     ``deterministic``: every batch holds ``batch_size`` consecutive records of one
-    partition (fewer only at a partition's end) and a worker visits its partitions
+    partition (fewer only at an epoch's end) and a worker visits its partitions
     round-robin, so a resumed run (same world size and num_workers) yields exactly
     the batches an uninterrupted one would; it waits for slow partitions instead of
-    reading whatever is ready.
+    reading whatever is ready. In a DataLoader worker, ``decode`` and ``collate`` run
+    with random generators seeded per batch from ``seed`` (random augmentation is
+    then the same on a resume). Greedy (the default here; ``TrainingSession``
+    defaults to deterministic) mixes whatever partitions are ready into a batch.
+
+    Epochs: a batch holds records of one epoch; the last batch of an epoch may be
+    short, or, with ``drop_last``, is consumed without being yielded (its records
+    count as read: never trained, never read again). ``straddle_epochs=True`` lets
+    batches run across epoch boundaries instead (every batch full but the last).
+    ``epochs`` reads only the first that many epochs (at most the dataset's own, any
+    number of an endless one): the pass ends after them, and records of later epochs
+    are left unread for this run. The producer writes an endless dataset's epochs as
+    the backlog drains, so the trainer's ``epochs`` is what gets produced for it.
     """
 
     def __init__(
@@ -107,6 +135,10 @@ class StreamingDataset(IterableDataset[Batch]):
         decode: Callable[[Any], Any] | None = None,
         collate: Callable[[list[Any]], Any] | None = None,
         deterministic: bool = False,
+        drop_last: bool = False,
+        straddle_epochs: bool = False,
+        epochs: int | None = None,
+        seed: int = 0,
         generation: int = 0,
         block_ms: int = 1000,
         reconnect_timeout_s: float = 900.0,
@@ -139,11 +171,28 @@ class StreamingDataset(IterableDataset[Batch]):
         self.decode = decode
         self.collate = collate
         self.deterministic = deterministic
+        self.drop_last = drop_last
+        self.straddle_epochs = straddle_epochs
         self.generation = generation
         self.block_ms = block_ms
         self.reconnect_timeout_s = reconnect_timeout_s
+        if epochs is not None and (epochs < 1 or (spec.epochs is not None and epochs > spec.epochs)):
+            raise ValueError(
+                f"epochs={epochs} is not available: dataset {dataset!r} has "
+                f"{spec.epochs if spec.finite else 'endless'} epochs; ask for 1 to "
+                f"{spec.epochs if spec.finite else 'any number'}, or re-ingest it with "
+                "more (--epochs 0: endless)"
+            )
+        if epochs is not None and not spec.replayable:
+            raise ValueError(f"dataset {dataset!r} is a push dataset: it has no epochs to count")
+        self.epochs = epochs
+        self.seed = seed
         self.partitions = spec.partitions
-        self.finite = spec.finite
+        self.finite = spec.finite or epochs is not None
+        self.replayable = spec.replayable
+        self.session_made = False
+        """True when made by ``TrainingSession.dataset``: then a pass that the
+        session did not start (no seek) is refused, see SessionBypassedError."""
         self.seek: dict[int, tuple[str, int]] | None = None
         """``{partition: (last consumed ID, batches consumed)}`` where the next pass
         starts; set by ``TrainingSession.batches`` before each pass."""
@@ -167,6 +216,14 @@ class StreamingDataset(IterableDataset[Batch]):
         # first pass (the worker got a copy of the object when it started). Persistent
         # workers' later passes read the seek the session recorded in Redis instead.
         seek = self.seek if (info is None or self._passes == 1) else None
+        if seek is None and self.session_made and (info is None or self._passes == 1):
+            raise SessionBypassedError(
+                "this dataset was made by TrainingSession.dataset but is iterated "
+                "outside session.batches(): the session would never see what the loop "
+                "consumed, and its checkpoints would commit offsets that make a restart "
+                "train those records again. Iterate `session.batches(loader)` instead "
+                "of the loader"
+            )
         try:
             if owned:
                 reader.start(seek)
@@ -177,10 +234,41 @@ class StreamingDataset(IterableDataset[Batch]):
         finally:
             reader.close()
 
+    def _epoch(self, stream_id: str) -> int:
+        """The epoch of a record (0 for push datasets: their IDs are timestamps)."""
+        return int(stream_id.split("-", 1)[0]) - 1 if self.replayable else 0
+
+    def _cut(self, stream_id: str) -> int:
+        """Records of different values here never share a batch."""
+        return 0 if self.straddle_epochs else self._epoch(stream_id)
+
+    def _by_epoch(self, p: int, ids: list[str], flats: list[list[bytes]]) -> list[tuple[int, Segment]]:
+        """A partition's read, split where its records change epoch (rarely)."""
+        first, last = self._cut(ids[0]), self._cut(ids[-1])
+        if first == last:
+            return [(first, (p, ids, flats))]
+        out: list[tuple[int, Segment]] = []
+        lo = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or self._cut(ids[i]) != self._cut(ids[lo]):
+                out.append((self._cut(ids[lo]), (p, ids[lo:i], flats[lo:i])))
+                lo = i
+        return out
+
+    def _tail(self, segments: list[Segment], worker: int, in_worker: bool) -> Batch:
+        """The short last batch of an epoch: yielded, or consumed unseen (drop_last)."""
+        if self.drop_last:
+            ids: dict[int, list[str]] = {}
+            for p, seg_ids, _ in segments:
+                ids.setdefault(p, []).extend(seg_ids)
+            return Batch(data=None, ids=ids, offsets={p: v[-1] for p, v in ids.items()},
+                         worker=worker, epoch=self._epoch(segments[0][1][0]), dropped=True)
+        return self._batch(segments, worker, in_worker)
+
     def _greedy(self, reader: Reader, worker: int, in_worker: bool) -> Iterator[Batch]:
         bs = self.batch_size
-        buf: deque[Segment] = deque()
-        held = 0
+        bufs: dict[int, deque[Segment]] = {}
+        held: dict[int, int] = {}
         active = list(reader.partitions)
         while active:
             per = max(1, -(-bs * _READ_BATCHES // len(active)))
@@ -188,41 +276,67 @@ class StreamingDataset(IterableDataset[Batch]):
             for p in active:
                 ids, flats = got[p]
                 if ids:
-                    buf.append((p, ids, flats))
-                    held += len(ids)
-            while held >= bs:
-                yield self._batch(take(buf, bs), worker, in_worker)
-                held -= bs
+                    for e, seg in self._by_epoch(p, ids, flats):
+                        bufs.setdefault(e, deque()).append(seg)
+                        held[e] = held.get(e, 0) + len(seg[1])
+            for e in sorted(bufs):
+                while held[e] >= bs:
+                    yield self._batch(take(bufs[e], bs), worker, in_worker)
+                    held[e] -= bs
             if any(got[p][0] for p in active):
                 continue
             active = [p for p in active if not reader.finished(p)]
+            # An epoch's short tail goes once no active partition can add to it.
+            reached = min((self._cut(reader.positions[p]) for p in active), default=None)
+            for e in sorted(bufs):
+                if bufs[e] and (reached is None or e < reached):
+                    yield self._tail(list(bufs.pop(e)), worker, in_worker)
+                    held.pop(e)
             if active:
                 reader.wait(active)
-        if buf:
-            yield self._batch(list(buf), worker, in_worker)
 
     def _deterministic(self, reader: Reader, worker: int, in_worker: bool) -> Iterator[Batch]:
         bs = self.batch_size
         counts = {p: reader.batches.get(p, 0) for p in reader.partitions}
+        carry: dict[int, tuple[list[str], list[list[bytes]]]] = {}
         active = sorted(reader.partitions)
         seq = sum(counts.values())
         while active:
             p = min(active, key=lambda q: (counts[q], q))
             chunk_ids: list[str] = []
             chunk_flats: list[list[bytes]] = []
+            pending = carry.pop(p, None)
+            cut = False
             while len(chunk_ids) < bs:
-                ids, flats = reader.read({p: bs - len(chunk_ids)})[p]
-                chunk_ids += ids
-                chunk_flats += flats
-                if ids or len(chunk_ids) >= bs:
+                if pending is not None:
+                    (ids, flats), pending = pending, None
+                else:
+                    ids, flats = reader.read({p: bs - len(chunk_ids)})[p]
+                if ids:
+                    # Records of the next epoch start the partition's next batch.
+                    e = self._cut(chunk_ids[0] if chunk_ids else ids[0])
+                    split = None if self._cut(ids[-1]) == e else next(
+                        i for i, x in enumerate(ids) if self._cut(x) != e)
+                    if split is not None:
+                        carry[p] = (ids[split:], flats[split:])
+                        ids, flats, cut = ids[:split], flats[:split], True
+                    chunk_ids += ids
+                    chunk_flats += flats
+                    if cut:
+                        break
                     continue
                 if reader.finished(p):
                     break
                 reader.wait([p])
-            if len(chunk_ids) < bs:
+            if len(chunk_ids) < bs and not cut:
                 active.remove(p)
             if chunk_ids:
-                batch = self._batch([(p, chunk_ids, chunk_flats)], worker, in_worker)
+                if in_worker and (self.decode is not None or self.collate is not None):
+                    # Random draws of decode/collate: a function of the batch alone.
+                    _rng.seed_batch(self.seed, p, counts[p])
+                segs: list[Segment] = [(p, chunk_ids, chunk_flats)]
+                batch = (self._batch(segs, worker, in_worker) if len(chunk_ids) == bs
+                         else self._tail(segs, worker, in_worker))
                 batch.partition, batch.seq = p, seq
                 counts[p] += 1
                 seq += 1
@@ -235,6 +349,7 @@ class StreamingDataset(IterableDataset[Batch]):
             ids.setdefault(p, []).extend(seg_ids)
         offsets = {p: v[-1] for p, v in ids.items()}
         flats = segments[0][2] if len(segments) == 1 else [f for s in segments for f in s[2]]
+        epoch = self._epoch(segments[0][1][0])
         data: Any = None
         if self.decode is None and self.collate is None:
             data = stack_arrays(flats, in_worker)
@@ -243,7 +358,8 @@ class StreamingDataset(IterableDataset[Batch]):
             if self.decode is not None:
                 records = [self.decode(r) for r in records]
             data = self.collate(records) if self.collate is not None else records
-        return Batch(data=data, ids=ids, offsets=offsets, worker=worker)
+        return Batch(data=data, ids=ids, offsets=offsets, worker=worker, epoch=epoch,
+                     pos=positions(flats))
 
 
 def in_worker_order(batches: Iterable[Batch], next_seq: dict[int, int]) -> Iterator[Batch]:

@@ -26,6 +26,7 @@ __all__ = [
     "PartitionCountError",
     "RollbackLimitError",
     "RouteRejectedError",
+    "SessionBypassedError",
     "TrainerClientError",
 ]
 
@@ -104,6 +105,12 @@ class CheckpointMismatchError(TrainerClientError, ValueError):
 class PartitionCountError(TrainerClientError, ValueError):
     """The dataset's partition count differs from the one in the run's checkpoint:
     the saved offsets cannot be mapped onto the partitions any more."""
+
+
+class SessionBypassedError(TrainerClientError, RuntimeError):
+    """The training loop read a session's dataset without ``session.batches()``: the
+    session cannot know what was consumed, so it refuses to read or checkpoint
+    rather than commit offsets that would make a restart train records twice."""
 
 
 class FencedError(TrainerClientError, PermissionError):

@@ -3,12 +3,26 @@
 Call order (each method's docstring has the details)::
 
     session = TrainingSession(redis_url, dataset="tokens", run="exp42", store=url)
-    step = session.restore(state)             # 1. weights + offsets, new generation
+    step = session.restore(state)             # 1. weights + offsets + RNG, new generation
     loader = DataLoader(session.dataset(batch_size=32), batch_size=None, num_workers=2)
     for batch in session.batches(loader):     # 2. only what the loop consumed counts
         ...; step += 1
         session.checkpoint(state, step)       # 3. offsets go into the manifest
+    session.checkpoint(state, step, blocking=True)   # 4. the steps since the last one
     session.close()
+
+Bitwise resume (the default, deterministic mode, on the same world size and worker
+count): a resumed run trains exactly the batches, in the same order, with the same
+random numbers as an uninterrupted one. The session saves each rank's global random
+states (torch CPU and CUDA, NumPy, Python ``random``) with every checkpoint and sets
+them back on restore, and gives each DataLoader pass a generator derived from the run
+seed, so iterating the loader never draws from the global generator. Anything with
+``state_dict``/``load_state_dict`` in the state (LR schedulers, ...) is saved and
+restored with it. On another world size or worker count every record is still
+trained exactly once, but batches are formed differently, so bitwise identity
+cannot hold (a warning says so). Greedy mode (``deterministic=False``) forms batches
+from whatever partitions are ready: faster when partitions arrive unevenly, still
+exactly once, but a resumed run's batches differ from an uninterrupted run's.
 
 The checkpoint manifest is the truth: its ``extra["trainguard"]`` holds the consumed
 offsets (per partition, the last stream ID the loop consumed), the dataset, the
@@ -23,20 +37,23 @@ the fence on every read, acknowledgement and checkpoint.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
+from trainer_client import _rng, redis_client
 from trainer_client import offsets as ofs
-from trainer_client import redis_client
+from trainer_client._checks import check_not_bypassed, warn_divergent
 from trainer_client._commit import OffsetCommitter, gather_offsets
+from trainer_client._consumed import Consumed
+from trainer_client._progress import EpochSizes, Progress, measure
 from trainer_client._restore import REFUSALS, check_record, warn_if_reshaped
 from trainer_client._timing import SaveClock
+from trainer_client._uneven import UNEVEN_MODES, in_step
 from trainer_client.dataset import Batch, StreamingDataset, in_worker_order, load_spec
-from trainer_client.errors import FencedError, TrainerClientError
+from trainer_client.errors import FencedError, NoRollbackTargetError, TrainerClientError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport, NodeHealth
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
 from trainguard.core import record, streams
@@ -48,7 +65,7 @@ from trainguard.core.checkpoints import (
     open_store,
 )
 from trainguard.core.interval import Advice, IntervalPolicy
-from trainguard.core.record import SessionRecord
+from trainguard.core.record import RankState, SessionRecord
 from trainguard.core.timing import TIMING_KEY
 
 __all__ = ["TrainingSession"]
@@ -60,10 +77,15 @@ class TrainingSession:
 
     ``store`` is a ``CheckpointStore`` or its URL (then ``keep_last``, ``keep_every``,
     ``storage_options`` and ``process_group`` configure the one made here).
-    ``health_monitor`` (optional) answers :meth:`health`. ``interval`` tunes the
-    checkpoint interval advisor behind :meth:`should_checkpoint`. With
-    ``world_size > 1``, ``torch.distributed`` must be initialised (gloo works on CPU)
-    and every rank calls ``restore``, ``checkpoint`` and ``rollback`` together.
+    ``deterministic`` (default True) makes resumes bitwise; False is greedy mode
+    (see the module docstring for what it trades away). ``seed`` is the run seed
+    DataLoader passes derive their generators from (default: from the run name; a
+    restored checkpoint's seed wins). ``health_monitor`` (optional) answers
+    :meth:`health`. ``interval`` tunes the checkpoint interval advisor behind
+    :meth:`should_checkpoint`. With ``world_size > 1``, call
+    ``dist.init_process_group`` first (gloo works on CPU); every rank then calls
+    ``restore``, ``checkpoint`` and ``rollback`` in the same order, and ``batches``
+    keeps the ranks in step.
     """
 
     def __init__(
@@ -79,7 +101,8 @@ class TrainingSession:
         keep_every: int | None = None,
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
-        deterministic: bool = False,
+        deterministic: bool = True,
+        seed: int | None = None,
         block_ms: int = 1000,
         redis_timeout_s: float = 900.0,
         health_monitor: HealthMonitor | None = None,
@@ -118,16 +141,16 @@ class TrainingSession:
             self._redis.close()
             raise
         self.generation: int | None = None
-        self._offsets: dict[int, str] = {p: streams.ZERO_ID for p in range(self.spec.partitions)}
-        self._batches: dict[int, int] = {p: 0 for p in range(self.spec.partitions)}
+        self._consumed = Consumed(self.spec.partitions)
         self._commits = 0
         self._num_workers = 0
         self._restored: SessionRecord | None = None
-        self._lock = threading.Lock()
         self._committer = OffsetCommitter(self._redis, self._call, self.store,
                                           dataset=dataset, run=run)
         self._reseek = False
         self._datasets: list[StreamingDataset] = []
+        self.seed = _rng.default_seed(run) if seed is None else int(seed)
+        self._sizes = EpochSizes(self._redis, dataset, self.spec.partitions)
         self.health_monitor = health_monitor
         self._health = NodeHealth(health_monitor)
         self._clock = SaveClock(interval)
@@ -150,8 +173,7 @@ class TrainingSession:
     def offsets(self) -> dict[int, str]:
         """Per partition, the last stream ID the training loop consumed (all ranks'
         partitions as of the last restore, this rank's as consumed since)."""
-        with self._lock:
-            return dict(self._offsets)
+        return self._consumed.snapshot().offsets
 
     # ------------------------------------------------------------------ restore
 
@@ -208,13 +230,15 @@ class TrainingSession:
                             partitions=self.spec.partitions)
 
     def restore(self, state: Any) -> int:
-        """Load the newest valid checkpoint into ``state`` (in place) and move the
-        run's consumer group to its offsets; returns its step (0 with no checkpoint:
-        then every partition is read from its start).
+        """Load the newest valid checkpoint into ``state`` (in place), set this rank's
+        random states to the ones saved with it, and move the run's consumer group to
+        its offsets; returns its step (0 with no checkpoint: then every partition is
+        read from its start and the random states are left as they are).
 
         Takes a new fencing generation first, so any older trainer of this run is
         refused from here on; acknowledges pending entries at or below the offsets
-        (committed) and leaves those after them to be delivered again.
+        (committed) and leaves those after them to be delivered again. To look at a
+        checkpoint without taking the run over, use :meth:`inspect`.
         """
         self._committer.raise_background()
         manifest = self._load(state, None)
@@ -224,6 +248,25 @@ class TrainingSession:
 
     def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
         return None if manifest is None else self._check(manifest)
+
+    def _apply_rank_state(self, rec: SessionRecord | None) -> RankState | None:
+        """Set the saved seed and this rank's random states; returns its rank state."""
+        if rec is None:
+            return None
+        if rec.seed is not None:
+            self.seed = rec.seed
+        mine = rec.ranks.get(self.rank)
+        if mine is None:
+            return None
+        if rec.world_size != self.world_size:
+            log.warning(
+                "restoring a checkpoint of world_size=%s on world_size=%s: every record is "
+                "still trained once, but each rank's random states were saved for another "
+                "rank layout, so the run is not bitwise an uninterrupted one",
+                rec.world_size, self.world_size,
+            )
+        _rng.restore(mine.rng)
+        return mine
 
     def _apply_offsets(self, rec: SessionRecord | None, *, new_generation: bool) -> None:
         P = self.spec.partitions
@@ -247,30 +290,60 @@ class TrainingSession:
             )
             self._call(ofs.ack_upto, r, self.dataset_name, self.run, gen, offsets)
         gen = self._broadcast(gen)
-        with self._lock:
-            self.generation = gen
-            self._offsets = offsets
-            self._batches = batches
-            # A rollback keeps counting commits up: its lineage must outrank the
-            # abandoned checkpoints (higher steps, same commit numbers).
-            restored = rec.commit if rec is not None else 0
-            self._commits = restored if new_generation else max(self._commits, restored)
-            self._restored = rec
+        self.generation = gen
+        # A rollback keeps counting commits up: its lineage must outrank the
+        # abandoned checkpoints (higher steps, same commit numbers).
+        restored = rec.commit if rec is not None else 0
+        self._commits = restored if new_generation else max(self._commits, restored)
+        self._restored = rec
+        self._consumed.reset(offsets, batches, self._apply_rank_state(rec))
         for ds in self._datasets:
-            ds.generation = gen
+            ds.generation, ds.seed = gen, self.seed
 
     def rollback(self, state: Any, to_step: int | None = None) -> int:
-        """Go back to a committed checkpoint (the newest, or ``to_step``): weights and
-        offsets together. The running ``batches`` generator drops what its loader
-        prefetched and starts a new pass at the restored offsets. Returns the step."""
+        """Go back to a committed checkpoint (the newest, or ``to_step``): weights,
+        offsets and random states together. The running ``batches`` generator drops
+        what its loader prefetched and starts a new pass at the restored offsets.
+        Returns the step. Raises :class:`NoRollbackTargetError` when the run has no
+        committed checkpoint (nothing is changed then), ``LookupError`` when none of
+        ``to_step`` exists."""
         self.wait()
         self._committer.raise_background()
         manifest = self._load(state, to_step)
+        if manifest is None:
+            raise NoRollbackTargetError(
+                f"rollback of run {self.run!r} found no committed checkpoint to go back to: "
+                "state and offsets are left as they are. Take a "
+                "checkpoint before a rollback can be needed, or restart the run instead"
+            )
         self._apply_offsets(self._record(manifest), new_generation=False)
         self._reseek = True
-        self._clock.rolled_back(int(manifest.step) if manifest is not None else 0,
-                                self.generation)
-        return int(manifest.step) if manifest is not None else 0
+        self._clock.rolled_back(int(manifest.step), self.generation)
+        return int(manifest.step)
+
+    @staticmethod
+    def inspect(
+        store: CheckpointStoreAPI | str,
+        state: Any,
+        *,
+        step: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> ManifestView:
+        """Load a run's checkpoint (the one a restore would pick, or ``step``) into
+        ``state`` for evaluation or export, read-only: no Redis, no fencing, no
+        random states set, nothing written, so the running trainer goes on
+        untouched. Returns its manifest (the session record is in ``extra``). Raises
+        ``LookupError`` when the store holds no such checkpoint."""
+        owned = isinstance(store, str)
+        st = open_store(store, storage_options=storage_options) if isinstance(store, str) else store
+        try:
+            manifest = st.load(state, step=step)
+            if manifest is None:
+                raise LookupError(f"no committed checkpoint in {store!r} to inspect")
+            return manifest
+        finally:
+            if owned:
+                st.close()
 
     # ------------------------------------------------------------------ reading
 
@@ -280,9 +353,16 @@ class TrainingSession:
         *,
         decode: Callable[[Any], Any] | None = None,
         collate: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+        straddle_epochs: bool = False,
+        epochs: int | None = None,
     ) -> StreamingDataset:
         """A :class:`StreamingDataset` of this run's rank; pass it to a DataLoader with
-        ``batch_size=None`` and iterate that through :meth:`batches`."""
+        ``batch_size=None`` and iterate that through :meth:`batches`. A batch never
+        holds two epochs: an epoch's last batch may be short, or with ``drop_last`` is
+        consumed without being trained; ``straddle_epochs=True`` fills batches across
+        epochs instead. ``epochs``: train this many epochs (up to the dataset's own;
+        any number of an endless one, whose producer writes epochs as they drain)."""
         ds = StreamingDataset(
             self.redis_url,
             self.dataset_name,
@@ -293,11 +373,18 @@ class TrainingSession:
             decode=decode,
             collate=collate,
             deterministic=self.deterministic,
-            generation=self._gen(),
+            drop_last=drop_last,
+            straddle_epochs=straddle_epochs,
+            epochs=epochs,
+            seed=self.seed,
+            # May be made before restore (to size an LR schedule from progress()):
+            # restore then hands it the new generation.
+            generation=self.generation or 0,
             block_ms=self.block_ms,
             reconnect_timeout_s=self.redis_timeout_s,
             spec=self.spec,
         )
+        ds.session_made = True
         self._datasets.append(ds)
         return ds
 
@@ -313,13 +400,32 @@ class TrainingSession:
             for w in range(max(1, num_workers))
         }
 
-    def batches(self, loader: Iterable[Batch]) -> Iterator[Batch]:
+    def _loop_batches(self, source: Iterator[Batch]) -> Iterator[Batch]:
+        """The batches the loop gets: end markers skipped, dropped tails recorded."""
+        for batch in source:
+            if batch.final:
+                continue
+            if batch.dropped:
+                self._consumed.record(batch)
+                continue
+            yield batch
+
+    def batches(self, loader: Iterable[Batch], *, uneven: str = "join") -> Iterator[Batch]:
         """Yield the loader's batches, recording each one's offsets as consumed when it
         is handed to the loop. Before each pass over the loader, the seek of this
         rank's partitions is set to the consumed offsets, so a pass never skips what an
-        abandoned pass had prefetched. In deterministic mode, batches come in the order
-        an uninterrupted run would have had them (the loader's workers are merged by
-        each worker's batch index)."""
+        abandoned pass had prefetched; and the loader gets a generator derived from
+        the run seed (unless it has one), so the pass leaves the global random state
+        as the restore set it. In deterministic mode, batches come in the order an
+        uninterrupted run would have had them (the loader's workers are merged by
+        each worker's batch index).
+
+        With several ranks, every rank leaves the loop in the same iteration (see
+        :mod:`trainer_client._uneven`): ``uneven="join"`` hands a rank that ran out
+        empty batches (``len(batch) == 0``) until all are out; ``"stop"`` ends the
+        loop everywhere when the first rank runs out."""
+        if uneven not in UNEVEN_MODES:
+            raise ValueError(f"uneven must be one of {UNEVEN_MODES}, got {uneven!r}")
         num_workers = int(getattr(loader, "num_workers", 0))
         if self.deterministic:
             warn_if_reshaped(self._restored, self.world_size, num_workers)
@@ -328,9 +434,7 @@ class TrainingSession:
         mine = sorted(p for ps in owned.values() for p in ps)
         while True:
             self._reseek = False
-            with self._lock:
-                positions = {p: self._offsets[p] for p in mine}
-                counts = {p: self._batches[p] for p in mine}
+            positions, counts = self._consumed.start_pass(mine)
             self._call(
                 ofs.write_seek, self._redis, self.dataset_name, self.run, self._gen(),
                 positions, counts,
@@ -339,29 +443,35 @@ class TrainingSession:
             if isinstance(ds, StreamingDataset):
                 # Full table: the partitions of any rank could be asked for (a
                 # dataset made elsewhere); ours are the ones that changed.
-                with self._lock:
-                    ds.seek = {p: (self._offsets[p], self._batches[p]) for p in self._offsets}
+                ds.seek = self._consumed.seek_table()
+            if getattr(loader, "generator", False) is None:
+                loader.generator = _rng.loader_generator(  # type: ignore[attr-defined]
+                    self.seed, self.rank, sum(counts.values()))
             it = iter(loader)
+            source: Iterator[Batch] = it
             try:
-                source: Iterator[Batch] = it
                 if self.deterministic:
-                    with self._lock:
-                        nxt = {w: sum(self._batches[p] for p in ps) for w, ps in owned.items()}
+                    nxt = {w: sum(counts[p] for p in ps) for w, ps in owned.items()}
                     source = in_worker_order(it, nxt)
+                source = self._loop_batches(source)
+                if self.world_size > 1:
+                    source = in_step(source, mode=uneven, group=self.process_group)
                 for batch in source:
-                    if batch.final:
-                        continue
-                    with self._lock:
-                        for p, i in batch.offsets.items():
-                            self._offsets[p] = i
-                        if batch.partition >= 0:
-                            self._batches[batch.partition] += 1
+                    self._consumed.record(batch)
                     yield batch
                     if self._reseek:
                         break
                 else:
                     return
             finally:
+                # Close the abandoned pass's generators now: their frames hold the
+                # loader's iterator (and with it, without workers, the reader's Redis
+                # connections) until closed.
+                close = getattr(source, "close", None)
+                if close is not None:
+                    close()
+                if isinstance(ds, StreamingDataset):
+                    ds.seek = None  # a pass not started here is refused (bypass)
                 # Stop an abandoned pass's workers before the next pass seeks, so none
                 # of them reads on. Persistent workers stay: the loader's next pass
                 # resets them, and each starts its new pass at the seek.
@@ -370,6 +480,21 @@ class TrainingSession:
                     if shutdown is not None:
                         shutdown()
                 del it
+
+    def progress(self) -> Progress:
+        """Where this rank stands in the current epoch: the epoch, the batches and
+        records consumed in it, the records remaining, and the steps an epoch takes
+        for this world size, worker count and batch size (from the latest
+        :meth:`dataset`). Exact once the producer has finished the epoch, estimated
+        from what it produced so far before that (``exact``). Reads Redis (a few
+        commands): call it every few steps, not in the innermost loop."""
+        mine = sorted(p for ps in self._owned(self._num_workers).values() for p in ps)
+        return measure(
+            self._consumed.snapshot(), lambda e: self._call(self._sizes.get, e), mine,
+            world_size=self.world_size, num_workers=self._num_workers,
+            deterministic=self.deterministic,
+            dataset=self._datasets[-1] if self._datasets else None, epochs=self.spec.epochs,
+        )
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -384,7 +509,12 @@ class TrainingSession:
     ) -> SaveHandleView:
         """Save ``state`` with the offsets consumed so far; returns the store's handle.
 
-        The offsets are captured now, together with the state the store stages now.
+        The offsets and this rank's random states are captured now, together with the
+        state the store stages now. With several ranks this is a collective (call it
+        on every rank at the same step), and state values that are not ``Shard``
+        blocks are saved from rank 0: a warning names those that differ across
+        ranks. Refused with :class:`SessionBypassedError` when the loop read data
+        without ever iterating :meth:`batches` (the offsets would be wrong).
         After the manifest commits (in the store's background thread unless
         ``blocking``), entries up to them are acknowledged and the committed offsets
         and the retention floor are published. A fenced trainer is refused here, and a
@@ -397,12 +527,19 @@ class TrainingSession:
         self._committer.raise_background()
         gen = self._gen()
         self._check_fence(gen)
-        with self._lock:
-            offsets = dict(self._offsets)
-            batches = dict(self._batches)
+        now = self._consumed.snapshot()
+        offsets, batches = now.offsets, now.batches
+        mine = RankState(rng=_rng.capture(), epoch=now.epoch, epoch_batches=now.epoch_batches)
+        if now.passes == 0:
+            owned = sorted(p for ps in self._owned(self._num_workers).values() for p in ps)
+            self._call(check_not_bypassed, self._redis, self.dataset_name, self.run,
+                       {p: offsets[p] for p in owned})
+        ranks = {self.rank: mine}
         if self.world_size > 1:
-            offsets, batches = gather_offsets(offsets, batches, self.world_size,
-                                              self.process_group)
+            if isinstance(state, Mapping):
+                warn_divergent(state, self.world_size, self.process_group)
+            offsets, batches, ranks = gather_offsets(offsets, batches, mine, self.world_size,
+                                                     self.process_group)
         self._commits += 1
         rec = SessionRecord(
             dataset=self.dataset_name,
@@ -415,6 +552,8 @@ class TrainingSession:
             offsets=offsets,
             batches=batches,
             skipped=None if skipped is None else tuple(skipped),
+            seed=self.seed,
+            ranks=ranks,
         )
         timing = self._clock.extra(step)
         started = time.monotonic()

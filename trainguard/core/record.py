@@ -4,8 +4,8 @@ and the one order in which checkpoints are restored.
 A manifest's ``extra`` carries it under two keys (the user's own ``extra`` keys sit
 beside them)::
 
-    extra["trainguard"]        version 1
-        version      1
+    extra["trainguard"]        version 2 (version 1: without seed and ranks)
+        version      2
         dataset      dataset name               run          the run (= consumer group)
         partitions   partition count            world_size   ranks that wrote it
         num_workers  DataLoader workers per rank of the pass it was taken in
@@ -14,6 +14,11 @@ beside them)::
         offsets      {"<partition>": "<last consumed stream ID>"} for every partition
                      ("0-0": nothing consumed yet)
         batches      {"<partition>": <batches consumed from it>} (deterministic mode)
+        seed         the run seed (DataLoader generators derive from it)
+        ranks        {"<rank>": {"rng": {...}, "epoch": e, "epoch_batches": n}}: each
+                     rank's random states when the checkpoint was taken (torch CPU,
+                     CUDA per device, NumPy, Python ``random``; see ``RankState``) and
+                     the epoch it was in with the batches it consumed there
     extra["skipped_batches"]   IDs of every batch consumed but never trained (written
                                only by runs that skip batches: ``GuardedTraining``)
 
@@ -45,6 +50,7 @@ __all__ = [
     "RECORD_KEY",
     "RECORD_VERSION",
     "SKIPPED_KEY",
+    "RankState",
     "RecordError",
     "SessionRecord",
     "newest_first",
@@ -54,13 +60,39 @@ __all__ = [
 
 RECORD_KEY = "trainguard"
 SKIPPED_KEY = "skipped_batches"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 M = TypeVar("M", bound=ManifestView)
 
 
 class RecordError(TrainguardError, ValueError):
     """A manifest's session record is malformed, or newer than this trainguard reads."""
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What one rank needs to resume bitwise: its random states and epoch position.
+
+    ``rng`` holds each generator's state as plain JSON (byte states base64-encoded):
+    ``{"torch": b64, "cuda": [b64 per device], "numpy": [kind, b64 of uint32 keys,
+    pos, has_gauss, cached_gaussian], "python": [version, b64 of uint32 words,
+    gauss_next]}``; missing generators are left as they are on restore. The
+    foundation keeps it opaque: ``trainer_client`` captures and sets it."""
+
+    rng: Mapping[str, Any] = field(default_factory=dict)
+    epoch: int = 0
+    epoch_batches: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"rng": dict(self.rng), "epoch": self.epoch, "epoch_batches": self.epoch_batches}
+
+    @classmethod
+    def from_wire(cls, doc: Mapping[str, Any]) -> RankState:
+        rng = doc.get("rng") or {}
+        if not isinstance(rng, Mapping):
+            raise TypeError(f"rng is a {type(rng).__name__}, expected an object")
+        return cls(rng=dict(rng), epoch=int(doc.get("epoch", 0)),
+                   epoch_batches=int(doc.get("epoch_batches", 0)))
 
 
 @dataclass(frozen=True)
@@ -78,6 +110,10 @@ class SessionRecord:
     batches: Mapping[int, int] = field(default_factory=dict)
     skipped: tuple[str, ...] | None = None
     """Batches consumed but never trained; None: the run does not skip batches."""
+    seed: int | None = None
+    """The run seed; None in version 1 records (the session then uses its own)."""
+    ranks: Mapping[int, RankState] = field(default_factory=dict)
+    """Per rank, its random states and epoch position (empty in version 1 records)."""
     version: int = RECORD_VERSION
 
     def to_extra(self) -> dict[str, Any]:
@@ -96,6 +132,9 @@ class SessionRecord:
                 "batches": {str(p): int(n) for p, n in sorted(self.batches.items())},
             }
         }
+        if self.version >= 2:
+            doc[RECORD_KEY]["seed"] = self.seed
+            doc[RECORD_KEY]["ranks"] = {str(r): s.to_wire() for r, s in sorted(self.ranks.items())}
         if self.skipped is not None:
             doc[SKIPPED_KEY] = list(self.skipped)
         return doc
@@ -132,6 +171,8 @@ class SessionRecord:
                 offsets=streams.offsets_from_wire(doc.get("offsets") or {}),
                 batches={int(p): int(n) for p, n in (doc.get("batches") or {}).items()},
                 skipped=None if skipped is None else tuple(str(b) for b in skipped),
+                seed=None if doc.get("seed") is None else int(doc["seed"]),
+                ranks={int(r): RankState.from_wire(v) for r, v in (doc.get("ranks") or {}).items()},
                 version=version,
             )
         except (TypeError, ValueError, AttributeError) as exc:

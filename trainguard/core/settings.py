@@ -14,12 +14,18 @@ variable                       what                          default
                                ``trainguard.core.redis_url``)
 ``TRAINGUARD_ADMIN_TOKEN``     bearer token of mutating      unset: mutations refused
                                admin routes
+``TRAINGUARD_PUSH_TOKENS``     producer tokens of push,      unset: push refused
+                               scoped to datasets and        (unless the service
+                               producer_ids                  runs --insecure-local)
 ``TRAINGUARD_CHECKPOINT_STORES`` checkpoint roots the admin  unset: none
                                API serves:
                                ``name=url[|remote_url],...``
 ``TRAINGUARD_PROBES``          GPU health daemons the        unset: none
                                dashboard reads:
                                ``node=http://host:port,...``
+``TRAINGUARD_TOKENIZE_PROCESSES`` processes that tokenize    one per core beyond
+                               text at ingest (0: in the     two, else 0
+                               producer's own process)
 ============================== ============================= =======================
 """
 
@@ -32,11 +38,15 @@ __all__ = [
     "CHECKPOINT_STORES_ENV",
     "DEFAULT_REDIS_URL",
     "PROBES_ENV",
+    "PUSH_TOKENS_ENV",
     "REDIS_URL_ENV",
+    "TOKENIZE_PROCESSES_ENV",
     "admin_token",
     "checkpoint_stores",
     "probes",
+    "push_tokens",
     "redis_url",
+    "tokenize_processes",
 ]
 
 REDIS_URL_ENV = "TRAINGUARD_REDIS_URL"
@@ -44,6 +54,8 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ADMIN_TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
 CHECKPOINT_STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
 PROBES_ENV = "TRAINGUARD_PROBES"
+PUSH_TOKENS_ENV = "TRAINGUARD_PUSH_TOKENS"
+TOKENIZE_PROCESSES_ENV = "TRAINGUARD_TOKENIZE_PROCESSES"
 
 
 def redis_url(explicit: str | None = None) -> str:
@@ -65,3 +77,20 @@ def probes() -> str:
     """``$TRAINGUARD_PROBES`` as written: ``node=http://host:port,...``, the GPU health
     daemons (``trainguard probe``) whose metrics the dashboard shows."""
     return os.environ.get(PROBES_ENV, "")
+
+
+def push_tokens() -> str:
+    """``$TRAINGUARD_PUSH_TOKENS`` as written (parsed by :mod:`ingest_service.auth`)."""
+    return os.environ.get(PUSH_TOKENS_ENV, "")
+
+
+def tokenize_processes(cores: int) -> int:
+    """``$TRAINGUARD_TOKENIZE_PROCESSES``, else ``cores - 2`` when positive, else 0.
+
+    Raises ValueError when the variable is set to something other than a number >= 0."""
+    raw = os.environ.get(TOKENIZE_PROCESSES_ENV, "").strip()
+    if not raw:
+        return max(0, cores - 2)
+    if not raw.isdigit():
+        raise ValueError(f"{TOKENIZE_PROCESSES_ENV}={raw!r}: expected a number of processes >= 0")
+    return int(raw)

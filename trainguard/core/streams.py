@@ -34,7 +34,10 @@ Entries are flat field maps (no base64, no JSON around binary data)::
     d    the payload bytes
     dt   (nd only) NumPy dtype string, e.g. b"<i4"
     sh   (nd only) shape as comma-separated ints, e.g. b"128"
-    pos  where the record came from in the source (file:line or file:offset)
+    pos  where the record came from in the source: ``path:line`` (jsonl, text; lines
+         count from 1), ``path:token_index`` (npy: the index of the record's first
+         token in the file's flattened array), ``path:row`` (parquet, from 0),
+         ``path`` (files); push records carry none. ``Batch.pos`` hands it on.
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ PREFIX = "tg"
 DEFAULT_PARTITIONS = 16
 MAX_PARTITIONS = 4096
 
-FORMATS = ("jsonl", "text", "npy", "files", "parquet", "push")
-"""Source formats. ``push`` datasets have no source: records arrive over HTTP."""
+FORMATS = ("jsonl", "text", "npy", "files", "parquet", "hf", "webdataset", "push")
+"""Source formats. ``hf`` is a Hugging Face ``datasets`` folder (``save_to_disk`` Arrow
+or Parquet shards), ``webdataset`` a set of WebDataset tar shards. ``push`` datasets
+have no source: records arrive over HTTP."""
 
 
 class ContractError(TrainguardError, ValueError):
@@ -149,12 +154,22 @@ def make_id(epoch: int, index: int) -> str:
     return f"{epoch + 1}-{index}"
 
 
+_U64_DIGITS = 20
+_U64 = 2**64
+
+
 def parse_id(stream_id: str | bytes) -> StreamId:
-    """``b"3-17"`` -> ``(3, 17)``. Raises ContractError on anything else."""
-    text = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    """``b"3-17"`` -> ``(3, 17)``: ASCII digits, each part below 2^64 (as Redis has
+    them). Raises ContractError on anything else."""
+    text = stream_id.decode("utf-8", "replace") if isinstance(stream_id, bytes) else stream_id
     ms, sep, seq = text.partition("-")
-    if not sep or not ms.isdigit() or not seq.isdigit():
-        raise ContractError(f"stream ID {text!r} is not of the form '<ms>-<seq>'")
+    for part in (ms, seq):
+        if not sep or not part.isascii() or not part.isdigit() or len(part) > _U64_DIGITS \
+                or int(part) >= _U64:
+            raise ContractError(
+                f"stream ID {text[:60]!r} is not of the form '<ms>-<seq>' (ASCII digits, each "
+                "below 2^64)"
+            )
     return int(ms), int(seq)
 
 

@@ -15,7 +15,8 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from trainguard.core import settings
+from trainguard.core import settings, streams
+from trainguard.core.urls import redact_url
 from trainguard.ops.exits import EXIT_OK
 from trainguard.ops.output import emit, table
 
@@ -43,7 +44,7 @@ def _with_redis(args: argparse.Namespace, op: Callable[[Any], Coroutine[Any, Any
 def _datasets_ls(args: argparse.Namespace) -> int:
     from ingest_service import inspection
 
-    rows = _with_redis(args, inspection.list_datasets)
+    rows = [_redacted(row) for row in _with_redis(args, inspection.list_datasets)]
     emit(args, rows, lambda rows: table(
         [(d["name"], d.get("spec", {}).get("format"), d.get("partitions"), d.get("length"),
           d.get("bytes"), d.get("paused"), d.get("dead_letters"), ",".join(d.get("groups", [])))
@@ -51,6 +52,14 @@ def _datasets_ls(args: argparse.Namespace) -> int:
         ["NAME", "FORMAT", "PARTS", "RECORDS", "BYTES~", "PAUSED", "DEAD", "GROUPS"],
     ) if rows else "no datasets")
     return EXIT_OK
+
+
+def _redacted(row: dict[str, Any]) -> dict[str, Any]:
+    """A dataset row with the credentials of its source URL redacted."""
+    spec = row.get("spec")
+    if isinstance(spec, dict) and spec.get("source"):
+        return {**row, "spec": {**spec, "source": redact_url(spec["source"])}}
+    return row
 
 
 def _show_human(d: dict[str, Any]) -> str:
@@ -76,7 +85,8 @@ def _show_human(d: dict[str, Any]) -> str:
 def _datasets_show(args: argparse.Namespace) -> int:
     from ingest_service import inspection
 
-    emit(args, _with_redis(args, lambda r: inspection.show_dataset(r, args.name)), _show_human)
+    emit(args, _redacted(_with_redis(args, lambda r: inspection.show_dataset(r, args.name))),
+         _show_human)
     return EXIT_OK
 
 
@@ -194,7 +204,7 @@ def _register_datasets(sub: Any) -> None:
     p = dsub.add_parser("create", help="register a dataset (the producer fills it)")
     p.add_argument("name")
     p.add_argument("--source", help="fsspec URL or glob of the source files")
-    p.add_argument("--format", default="jsonl", help="jsonl, text, npy, files, parquet, push")
+    p.add_argument("--format", default="jsonl", help=", ".join(streams.FORMATS))
     p.add_argument("--partitions", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epochs", type=int, default=1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from trainguard.core import settings
 from trainguard.core.checkpoints import CorruptCheckpointError
 from trainguard.core.errors import TrainguardError
+from trainguard.core.urls import redact_text
 
 __all__ = [
     "EPILOG",
@@ -102,6 +103,7 @@ def describe(exc: BaseException, *, redis_url: str | None = None) -> str:
         return "interrupted"
     if isinstance(exc, _redis_errors()):
         where = f"Redis at {redis_url}" if redis_url else "Redis"
-        return (f"{where} failed ({type(exc).__name__}: {exc}); check that it runs and that "
-                f"--redis-url / ${settings.REDIS_URL_ENV} points at it")
-    return str(exc) or type(exc).__name__
+        return redact_text(
+            f"{where} failed ({type(exc).__name__}: {exc}); check that it runs and that "
+            f"--redis-url / ${settings.REDIS_URL_ENV} points at it")
+    return redact_text(str(exc) or type(exc).__name__)

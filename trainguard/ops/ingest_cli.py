@@ -41,6 +41,18 @@ def register(subparsers: Any) -> None:
     ingest.add_argument("--sample-len", type=int, default=None, help="tokens per record (npy)")
     ingest.add_argument("--shuffle-buffer", type=int, default=4096)
     ingest.add_argument("--max-record-bytes", type=int, default=16 * 1024 * 1024)
+    tok = ingest.add_argument_group(
+        "tokenize at ingest (text, jsonl, parquet, hf, webdataset; needs trainguard[hf])")
+    tok.add_argument("--tokenizer", default=None,
+                     help="a Hugging Face tokenizer.json (local path or fsspec URL): records "
+                          "become int32 token arrays")
+    tok.add_argument("--pack", type=int, default=None, metavar="SEQ_LEN",
+                     help="pack documents (each ended by EOS) into records of exactly SEQ_LEN tokens")
+    tok.add_argument("--text-field", default="text",
+                     help="field of a structured record that holds the text (default: text)")
+    tok.add_argument("--eos", default="<|endoftext|>", help="end-of-document token")
+    tok.add_argument("--pad", default=None,
+                     help="token that fills the last packed sequence (default: the EOS token)")
     ingest.set_defaults(handler=_run_ingest)
 
     serve = subparsers.add_parser("serve", help="run the ingestion service (HTTP)")
@@ -57,15 +69,36 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="produce only this dataset (repeatable; default: all registered)")
     parser.add_argument("--no-produce", action="store_true",
                         help="serve push and health only, run no file producers")
+    parser.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                        help="a Host name clients use to reach the service (repeatable; default "
+                             "127.0.0.1, localhost, ::1; '*' for any, e.g. behind a proxy)")
+    parser.add_argument("--max-push-bytes", type=int, default=None,
+                        help="bytes per push request (default 16 MiB)")
+    parser.add_argument("--max-push-records", type=int, default=None,
+                        help="records per push request (default 10000)")
+    parser.add_argument("--insecure-local", action="store_true",
+                        help="accept pushes without a producer token (demos on one machine "
+                             "only: allowed with a loopback --host only)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from ingest_service.config import IngestConfig
+    from ingest_service.push_body import BodyLimits
     from trainguard.ops.serve import serve
 
+    limits = BodyLimits()
+    max_bytes = args.max_push_bytes or limits.max_bytes
+    limits = dataclasses.replace(
+        limits, max_bytes=max_bytes, max_records=args.max_push_records or limits.max_records,
+        max_inflight_bytes=max(limits.max_inflight_bytes, 4 * max_bytes),
+    )
     config = IngestConfig.from_env(
         redis_url=args.redis_url, host=args.host, port=args.port,
         datasets=tuple(args.dataset) if args.dataset else None, produce=not args.no_produce,
+        allowed_hosts=tuple(args.allowed_host) if args.allowed_host else None,
+        push_limits=limits, insecure_local=args.insecure_local,
     )
     return serve(config)
 
@@ -74,10 +107,26 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _spec_from_args(args: argparse.Namespace) -> streams.DatasetSpec:
+    options: dict[str, Any] = {}
+    if args.tokenizer:
+        import os
+
+        import fsspec.utils
+
+        from ingest_service.tokens import tokenize_options
+
+        url = args.tokenizer
+        if fsspec.utils.get_protocol(url) in ("file", "local") and "://" not in url:
+            url = os.path.abspath(url)  # the service may produce it from another directory
+        options = tokenize_options(url, pack=args.pack, text_field=args.text_field,
+                                   eos=args.eos, pad=args.pad)
+    elif args.pack is not None:
+        raise ValueError("--pack needs --tokenizer: packing works on token sequences")
     return streams.DatasetSpec(
         name=args.dataset, partitions=args.partitions, source=args.source, format=args.format,
         seed=args.seed, epochs=args.epochs or None, sample_len=args.sample_len,
         shuffle_buffer=args.shuffle_buffer, max_record_bytes=args.max_record_bytes,
+        options=options,
     )
 
 

@@ -9,12 +9,14 @@ when it runs, not when the parser is built.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 
 from aiohttp import web
 
 from ingest_service.app import create_app
 from ingest_service.config import IngestConfig
+from trainguard.core.urls import RedactingFilter
 
 __all__ = ["serve"]
 
@@ -22,11 +24,35 @@ log = logging.getLogger("trainguard.serve")
 
 
 def serve(config: IngestConfig) -> int:
-    """Run the service until SIGINT/SIGTERM; returns the exit code (0 on a clean stop)."""
+    """Run the service until SIGINT/SIGTERM; returns the exit code (0 on a clean stop).
+
+    Refuses to start (ValueError, exit 2) with ``insecure_local`` on an address other
+    than loopback, or with a blank or short token (``create_app`` checks those)."""
+    if config.insecure_local and not _is_loopback(config.host):
+        raise ValueError(
+            f"--insecure-local accepts pushes without a token, so it serves loopback only: "
+            f"--host is {config.host!r}; configure TRAINGUARD_PUSH_TOKENS instead"
+        )
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
+    if config.insecure_local:
+        log.warning("--insecure-local: pushes are accepted without a token from this machine")
     web.run_app(
         create_app(config), host=config.host, port=config.port,
         shutdown_timeout=config.shutdown_timeout_s, print=lambda msg: log.info("%s", msg),
+        # A connection still waiting for a whole request (idle, or headers trickled) is
+        # closed after this long (not aiohttp's hour).
+        keepalive_timeout=config.header_timeout_s,
     )
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,69 @@
+"""``make gpu-check``: everything of the checkpoint store that needs a GPU, in one run
+of under 5 minutes, ending with one summary.
+
+1. the tests marked ``cuda`` (CUDA tensors, pinned staging, async save of CUDA state,
+   FSDP2 and DTensor on CUDA, DCP async_save of CUDA state);
+2. ``bench/checkpoint.py`` (trainguard against raw writes, torch.save and DCP);
+3. ``bench/checkpoint.py --dist N --device cuda``: an FSDP2 model + AdamW on the GPUs
+   (one rank each, up to 4), trainguard against DCP's FileSystemWriter/Reader.
+
+Exits 1 when a step fails, 2 when no CUDA device is usable (a CPU build of torch:
+``make gpu-check TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url
+https://download.pytorch.org/whl/cu126'`` installs a CUDA one).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+BUDGET_S = {"tests": 150, "bench": 60, "dist bench": 80}
+
+
+def step(name: str, cmd: list[str], keep: str) -> tuple[str, bool, float, list[str]]:
+    """Run ``cmd``; returns (name, ok, seconds, the output lines containing ``keep``)."""
+    print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                              timeout=BUDGET_S[name])
+        out, ok = proc.stdout + proc.stderr, proc.returncode == 0
+    except subprocess.TimeoutExpired as e:
+        out, ok = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {BUDGET_S[name]} s", False
+    print(out[-6000:], flush=True)
+    lines = [ln for ln in out.splitlines() if keep in ln]
+    return name, ok, time.perf_counter() - t0, lines
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu-check: torch sees no CUDA device (torch "
+              f"{torch.__version__}); on a GPU machine install a CUDA build of torch and "
+              "run again (see bench/gpu_check.py)", file=sys.stderr)
+        return 2
+    gpus = min(torch.cuda.device_count(), 4)
+    py = sys.executable
+    results = [
+        step("tests", [py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                       "tests/test_checkpoint_cuda.py"], " passed"),
+        step("bench", [py, "bench/checkpoint.py", "--size-mib", "512", "--tensors", "16",
+                       "--many", "200"], "ratios"),
+        step("dist bench", [py, "bench/checkpoint.py", "--dist", str(gpus), "--device", "cuda",
+                            "--size-mib", "256", "--rounds", "3"], "median"),
+    ]
+    print(f"\n=== gpu-check summary ({torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, "
+          f"torch {torch.__version__})")
+    for name, ok, seconds, lines in results:
+        print(f"{'PASS' if ok else 'FAIL'} {name:11s} {seconds:6.1f} s")
+        for line in lines:
+            print(f"     {line.strip()}")
+    return 0 if all(ok for _, ok, _, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""``POST /v1/datasets/{name}/records``: the push route, in the order its checks run.
+
+1. The service is not shutting down (else 503).
+2. Who: the bearer token is a producer token (401), the dataset name and query are
+   well-formed (400), and the token covers this dataset and producer_id (403). With
+   no producer token configured, push is refused (403), unless the service runs
+   ``--insecure-local`` (loopback only, for the demo).
+3. What: the content type is NDJSON, JSON or msgpack (415); a declared length over
+   the limit is 413 before a byte is read.
+4. Where: the dataset exists (404) and takes pushes (409); ``seq`` is the producer's
+   next (409 with the mark otherwise; a retry of a batch that is in is answered 200
+   without reading its body); the producer's partition has room (429 with
+   ``Retry-After``). All before the body is read.
+5. The body streams in within its limits (413, 408), is parsed in slices on the loop
+   (bodies over 1 MiB one at a time, at a quarter of the loop at most)
+   (400, 413), checked against the backlog again with its real size, and appended in
+   slices (409 with the mark when ``seq`` is out of order; 503 with ``Retry-After``
+   when Redis is out of reach or failing over, or when no replica took the batch in
+   time: acknowledged only once a replica has it, see ``PushIngest``).
+
+The answer is small whatever the batch: ``{"appended", "partition", "seq", "mark",
+"count", "first_id", "last_id"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from ingest_service.auth import PushTokens
+from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY
+from ingest_service.datasets import describe_dataset
+from ingest_service.errors import (
+    AdminError,
+    BacklogFullError,
+    DatasetNotFoundError,
+    Forbidden,
+    MalformedPushError,
+    NotReplicatedError,
+    PushOutOfOrderError,
+    PushRejectedError,
+    PushTooLargeError,
+    UnsupportedMediaError,
+    WrongDatasetKindError,
+)
+from ingest_service.http_errors import RETRY_AFTER_S, error_response, unavailable
+from ingest_service.push import (
+    PushIngest,
+    PushResult,
+    check_push_dataset,
+    choose_partition,
+    parse_params,
+)
+from ingest_service.push_body import (
+    CONTENT_TYPES,
+    BodyLimits,
+    ByteBudget,
+    parse_records_sliced,
+    read_body,
+)
+from trainguard.core import streams
+
+__all__ = ["PUSH_KEY", "PushRoute", "setup_push"]
+
+_CODES = {400: "bad_request", 408: "timeout", 409: "conflict", 413: "too_large",
+          415: "unsupported_media_type", 429: "backlog_full", 503: "busy"}
+
+
+@dataclass
+class PushRoute:
+    """What the route holds: the appender, the tokens, the bound on the bytes of
+    bodies in memory at once, and the one slot of big-body parsing."""
+
+    ingest: PushIngest
+    tokens: PushTokens
+    insecure_local: bool
+    limits: BodyLimits
+    budget: ByteBudget
+    big_bodies: asyncio.Semaphore
+    stopping: asyncio.Event
+
+    def authorize(self, request: web.Request, dataset: str, producer_id: str) -> None:
+        if self.insecure_local:
+            return
+        if not self.tokens.tokens:
+            raise Forbidden(
+                "push_disabled",
+                "this service has no producer token, so pushes are refused: set "
+                "TRAINGUARD_PUSH_TOKENS='<token>:<dataset>:<producer_id or prefix*>' for the "
+                "service and send 'Authorization: Bearer <token>'",
+            )
+        self.tokens.authorize(request, dataset, producer_id)
+
+
+PUSH_KEY = web.AppKey("trainguard_ingest_push_route", PushRoute)
+
+
+async def push_records(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    known: list[streams.DatasetSpec] = []
+    try:
+        response = await _push(request, app[PUSH_KEY], known)
+    except PushOutOfOrderError as exc:
+        response = error_response(409, "out_of_order", str(exc), details={"mark": exc.mark})
+    except BacklogFullError as exc:
+        response = error_response(429, "backlog_full", str(exc),
+                                  {"Retry-After": str(exc.retry_after_s)})
+    except PushRejectedError as exc:
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        response = error_response(exc.status, _CODES.get(exc.status, "bad_request"), str(exc),
+                                  retry)
+    except AdminError as exc:
+        response = error_response(exc.status, exc.code, str(exc))
+    except DatasetNotFoundError as exc:
+        response = error_response(404, "not_found", str(exc))
+    except WrongDatasetKindError as exc:
+        response = error_response(409, "not_a_push_dataset", str(exc))
+    except NotReplicatedError as exc:
+        # On the master, not yet on a replica: not acknowledged; the retry with the same
+        # seq appends nothing twice and is answered once a replica has the batch.
+        response = error_response(503, "not_replicated", str(exc),
+                                  {"Retry-After": str(RETRY_AFTER_S)})
+    except (RedisError, OSError) as exc:
+        # Redis out of reach, or failing over (a cluster's MOVED/CLUSTERDOWN/TRYAGAIN):
+        # nothing acknowledged, the producer resends the same seq.
+        response = unavailable(exc)
+    if response.status >= 400 and response.status != 429:
+        response.force_close()  # the rest of a refused body is not worth reading
+    # Labels only for datasets that exist: a scan of made-up names adds none.
+    label = known[0].name if known else "-"
+    app[METRICS_KEY].push_requests.labels(dataset=label, status=str(response.status)).inc()
+    return response
+
+
+async def _push(request: web.Request, route: PushRoute,
+                known: list[streams.DatasetSpec]) -> web.Response:
+    app = request.app
+    if route.stopping.is_set():
+        return error_response(503, "unavailable", "the service is shutting down: send to another "
+                              "instance or retry", {"Retry-After": str(RETRY_AFTER_S)})
+    name = request.match_info["name"]
+    try:
+        streams.check_name("dataset", name)
+    except streams.ContractError as exc:
+        raise MalformedPushError(str(exc)) from exc
+    producer_id, seq = parse_params(request.query)
+    route.authorize(request, name, producer_id)
+    content_type = request.content_type
+    if content_type not in CONTENT_TYPES:
+        raise UnsupportedMediaError(
+            f"Content-Type {content_type!r} is not accepted: send one of {list(CONTENT_TYPES)}"
+        )
+    length = request.content_length
+    if length is not None and length > route.limits.max_bytes:
+        raise PushTooLargeError(f"the body is {length} bytes: the limit is "
+                                f"{route.limits.max_bytes} per request; send smaller batches")
+    spec = await describe_dataset(app[REDIS_KEY], name)
+    known.append(spec)
+    check_push_dataset(spec)
+    mark = await route.ingest.check_order(spec, producer_id, seq)
+    if mark is not None:  # a retry of a batch that is in: its body is not even read
+        return _reply(PushResult(choose_partition(producer_id, spec.partitions), seq, False, 0,
+                                 None, None, mark))
+    await route.ingest.check_room(spec, producer_id, seq)
+    body = await read_body(request.content, content_type, route.limits, route.budget)
+    try:
+        if len(body) > route.limits.big_body_bytes:
+            async with route.big_bodies:
+                records = await parse_records_sliced(body, content_type, spec.max_record_bytes,
+                                                     route.limits,
+                                                     share=route.limits.big_body_share)
+        else:
+            records = await parse_records_sliced(body, content_type, spec.max_record_bytes,
+                                                 route.limits)
+    finally:
+        route.budget.give(len(body))
+        del body
+    size = sum(len(f.get(streams.F_DATA, b"")) for f in records)
+    await route.ingest.check_room(spec, producer_id, seq, len(records), size)
+    result = await route.ingest.append(spec, producer_id, seq, records)
+    if result.count:
+        metrics = app[METRICS_KEY]
+        metrics.records.labels(dataset=name).inc(result.count)
+        metrics.bytes.labels(dataset=name).inc(sum(streams.record_size(f) for f in records))
+    return _reply(result)
+
+
+def _reply(result: PushResult) -> web.Response:
+    return web.json_response({
+        "appended": result.appended, "partition": result.partition, "seq": result.seq,
+        "mark": result.mark, "count": result.count, "first_id": result.first_id,
+        "last_id": result.last_id,
+    })
+
+
+def setup_push(app: web.Application, ingest: PushIngest, stopping: asyncio.Event) -> PushRoute:
+    """Add the push route to ``app`` with what ``app[CONFIG_KEY]`` configures."""
+    config = app[CONFIG_KEY]
+    route = PushRoute(
+        ingest=ingest, tokens=config.push_tokens, insecure_local=config.insecure_local,
+        limits=config.push_limits,
+        budget=ByteBudget(config.push_limits.max_inflight_bytes,
+                          app[METRICS_KEY].push_body_bytes),
+        big_bodies=asyncio.Semaphore(1),
+        stopping=stopping,
+    )
+    app[PUSH_KEY] = route
+    app.router.add_post("/v1/datasets/{name}/records", push_records)
+    return route

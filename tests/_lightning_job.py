@@ -1,0 +1,118 @@
+"""The ledger job in PyTorch Lightning (run by tests as a forked process, SIGKILLed).
+
+A LightningModule holds ``counts``, one float per record; each training step adds 1 to
+the count of every record of its batch. Checkpoints are Lightning's own
+(``ModelCheckpoint(every_n_train_steps=..., save_last=True)``) through the trainguard
+plugin, and every attempt resumes with ``trainer.fit(..., ckpt_path="last")``. After
+``fit`` the job saves ``last.ckpt`` once more, so the final checkpoint has every step.
+
+Prints ``0: READY``, ``0: STEP <step>`` after each step, ``0: SAVE <step>`` when a
+checkpoint starts, ``0: COMMITTED <step>`` once its marker is written, ``0: DONE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+
+from trainguard.integrations.lightning import TrainguardCheckpointIO, TrainguardDataModule
+
+
+def say(line: str) -> None:
+    sys.stdout.write(f"0: {line}\n")
+    sys.stdout.flush()
+
+
+class Ledger(L.LightningModule):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.lin = nn.Linear(8, 1)
+        self.register_buffer("counts", torch.zeros(n))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.counts.index_add_(0, batch[:, 0].long(), torch.ones(len(batch)))
+        return self.lin(batch.float() / self.n).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class Say(Callback):
+    def __init__(self, sleep_ms: float) -> None:
+        self.sleep_s = sleep_ms / 1000
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        say(f"STEP {trainer.global_step}")
+        time.sleep(self.sleep_s)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        say(f"SAVE {trainer.global_step}")
+
+
+class LoudIO(TrainguardCheckpointIO):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        say(f"COMMITTED {checkpoint['global_step']}")
+
+
+def trainer_for(dm: TrainguardDataModule, ckpt_dir: Path, every: int, extra: list[Any],
+                max_steps: int = -1) -> L.Trainer:
+    return L.Trainer(
+        max_epochs=1, max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[dm.checkpoint_io],
+        callbacks=[dm.callback, ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every,
+                                                save_last=True), *extra],
+    )
+
+
+def warm_up() -> None:
+    """In the fork server: pay the lazy imports (Lightning's trainer, Adam's dynamo)."""
+    import checkpoint_store
+
+    assert checkpoint_store.CheckpointStore
+    model = Ledger(4)
+    opt = model.configure_optimizers()
+    model.lin(torch.zeros(2, 8)).sum().backward()
+    opt.step()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--redis", required=True)
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--ckpt-dir", required=True)
+    ap.add_argument("--n", type=int, required=True)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--ckpt-every", type=int, default=8)
+    ap.add_argument("--sleep-ms", type=float, default=0.0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ.setdefault("PL_DISABLE_FORK", "1")
+    dm = TrainguardDataModule(args.redis, dataset=args.dataset, run=args.run, store=args.store,
+                              batch_size=args.batch_size, keep_last=2, block_ms=200)
+    dm.checkpoint_io = LoudIO(dm)
+    ckpt_dir = Path(args.ckpt_dir)
+    trainer = trainer_for(dm, ckpt_dir, args.ckpt_every, [Say(args.sleep_ms)])
+    say("READY")
+    trainer.fit(Ledger(args.n), datamodule=dm, ckpt_path="last")
+    trainer.save_checkpoint(ckpt_dir / "last.ckpt")
+    dm.close()
+    say(f"DONE {trainer.global_step}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

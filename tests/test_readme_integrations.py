@@ -1,0 +1,65 @@
+"""README's "Where you already train": every shell block runs as written (ingest the
+bundled text tokenized and packed, then each example killed at step 25 and resumed,
+ending with every sequence trained exactly once; under ``make chaos``: the default
+suite has each integration's kill -9 ledger test instead), and every Python block is
+the example's own code, word for word."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.servers import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION = "## Where you already train"
+
+
+def _blocks(kind: str) -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(SECTION):]
+    section = section[:section.index("\n## ", len(SECTION))]
+    return re.findall(rf"```{kind}\n(.*?)```", section, flags=re.S)
+
+
+def _commands(block: str) -> list[str]:
+    return [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+
+
+def test_python_blocks_are_the_examples_code() -> None:
+    examples = " ".join(" ".join(p.read_text().split()) for p in (ROOT / "examples").glob("*.py"))
+    blocks = _blocks("python")
+    assert len(blocks) == 3
+    for block in blocks:
+        assert " ".join(block.split()) in examples, block
+
+
+@pytest.mark.chaos  # seven framework processes (about 40 s idle): `make chaos` runs it
+def test_shell_blocks_run_kill_and_resume_exactly_once(redis_server: RedisServer,
+                                                        tmp_path: Path) -> None:
+    """The ingest, then per example: the --die-at-step run dies by SIGKILL after
+    its step-20 checkpoint, and the plain run resumes from step 20 and reports every
+    sequence trained exactly once."""
+    env = {**os.environ, "TRAINGUARD_REDIS_URL": redis_server.url, "TMPDIR": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(ROOT)}
+    commands = [c for block in _blocks("sh") for c in _commands(block)]
+    assert [c.split()[1] for c in commands if c.startswith("python")] == [
+        "examples/lightning_gpt.py", "examples/lightning_gpt.py", "examples/hf_gpt.py",
+        "examples/hf_gpt.py", "examples/accelerate_gpt.py", "examples/accelerate_gpt.py"]
+    for command in commands:
+        run = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+        out = run.stdout + run.stderr
+        if "--die-at-step 25" in command:
+            assert run.returncode in (-9, 137) and "SIGKILL at step 25" in out, out[-3000:]
+        else:
+            assert run.returncode == 0, out[-3000:]
+        if command.startswith("python") and "--die-at-step" not in command:
+            assert "resumed from step 20, ended at step 70" in out, out[-3000:]
+            assert "sequences trained: 1110 of 1110; each exactly once" in out, out[-3000:]

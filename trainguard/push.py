@@ -1,0 +1,196 @@
+"""A push producer that keeps the service's exactly-once contract: ``Producer``.
+
+For processes that generate records live (RL rollout workers, evaluators) and send
+them to a push dataset of ``trainguard serve``::
+
+    from trainguard.push import Producer
+
+    with Producer("http://127.0.0.1:8080", "rollouts", "actor-3", token=TOKEN) as p:
+        for episode in run_episodes():
+            p.send(episode.records)          # one batch; returns once it is in
+
+The contract it keeps (see :mod:`ingest_service.push`): batches of one producer_id
+are numbered 0, 1, 2, ... without gaps and sent one at a time; a batch is resent,
+with the same seq and the same records, until it is answered 200, so a lost reply
+or a service or Redis restart never loses or duplicates it. On a 409 the service says
+its mark: when the producer starts (or restarts) it asks the mark with an empty probe
+and continues from ``mark + 1`` (:meth:`Producer.resume`), so a restarted worker does
+not resend what is in. Retries wait with jittered exponential backoff, honouring
+``Retry-After`` (429 backlog full, 503 Redis down).
+
+Depends only on the standard library and msgpack: no aiohttp, redis or torch.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from trainguard.core.errors import TrainguardError
+
+__all__ = ["PushError", "PushRefusedError", "Producer", "PushReply"]
+
+_RETRIED = frozenset({408, 429, 502, 503, 504})
+
+
+class PushError(TrainguardError):
+    """Base of the push client's errors."""
+
+
+class PushRefusedError(PushError, ValueError):
+    """The service refused a batch for good (4xx other than 408/409/429): resending the
+    same request cannot succeed. ``status`` and ``code`` are the service's."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"push refused ({status} {code}): {message}")
+        self.status, self.code = status, code
+
+
+@dataclass(frozen=True)
+class PushReply:
+    appended: bool
+    seq: int
+    count: int
+    partition: int
+    first_id: str | None
+    last_id: str | None
+
+
+class Producer:
+    """Sends batches of one producer_id to one dataset, exactly once each.
+
+    ``next_seq`` is the seq the next :meth:`send` uses; ``resume()`` (called by the
+    first send) sets it from the service's mark. Not thread-safe: one Producer per
+    thread, each with its own producer_id."""
+
+    def __init__(self, base_url: str, dataset: str, producer_id: str, *, token: str | None,
+                 timeout_s: float = 30.0, max_attempts: int = 20, backoff_s: float = 0.05,
+                 max_backoff_s: float = 5.0) -> None:
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"base_url {base_url!r} is not valid: expected http(s)://host[:port]")
+        self._url = url
+        self._path = (f"{url.path.rstrip('/')}/v1/datasets/{urllib.parse.quote(dataset, safe='')}"
+                      "/records")
+        self.dataset, self.producer_id = dataset, producer_id
+        self._headers = {"Content-Type": "application/msgpack"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self.timeout_s, self.max_attempts = timeout_s, max_attempts
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.next_seq: int | None = None
+        self._conn: http.client.HTTPConnection | None = None
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            cls = (http.client.HTTPSConnection if self._url.scheme == "https"
+                   else http.client.HTTPConnection)
+            self._conn = cls(self._url.hostname or "", self._url.port, timeout=self.timeout_s)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _post(self, seq: int, body: bytes) -> tuple[int, dict[str, Any], str | None]:
+        query = urllib.parse.urlencode({"producer_id": self.producer_id, "seq": seq})
+        conn = self._connection()
+        try:
+            conn.request("POST", f"{self._path}?{query}", body=body, headers=self._headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException):
+            self.close()  # a fresh connection for the retry
+            raise
+        if resp.getheader("Connection", "").lower() == "close":
+            self.close()
+        try:
+            payload = json.loads(raw) if raw else {}
+        except ValueError:
+            payload = {}
+        return resp.status, payload if isinstance(payload, dict) else {}, resp.getheader("Retry-After")
+
+    def _wait(self, attempt: int, retry_after: str | None) -> None:
+        delay = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random())
+        if retry_after and retry_after.isascii() and retry_after.isdigit():
+            delay = max(delay, float(retry_after))
+        time.sleep(delay)
+
+    # -- the contract -----------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Ask the service where this producer stands; sets and returns ``next_seq``.
+
+        A probe at the largest seq is refused with 409 and the mark (nothing is
+        appended: a skip-ahead is never stored)."""
+        status, payload, _ = self._send_with_retries(2**53 - 1, msgpack.packb([None]))
+        error = payload.get("error", {})
+        if status != 409 or "mark" not in error:
+            raise PushError(f"the service did not say this producer's mark (answer {status}: "
+                            f"{error or payload})")
+        mark = error["mark"]
+        self.next_seq = 0 if mark is None else int(mark) + 1
+        return self.next_seq
+
+    def send(self, records: Sequence[Any]) -> PushReply:
+        """Send one batch (a sequence of msgpack-able records, ``bytes`` kept raw) and
+        return once the service has it all; then ``next_seq`` moves on."""
+        if not records:
+            raise ValueError("a batch holds at least one record")
+        if self.next_seq is None:
+            self.resume()
+        seq = self.next_seq
+        assert seq is not None
+        status, payload, _ = self._send_with_retries(seq, msgpack.packb(list(records),
+                                                                        use_bin_type=True))
+        if status == 409:
+            mark = payload.get("error", {}).get("mark")
+            if mark is not None and int(mark) >= seq:  # in already (a lost reply)
+                status, payload = 200, {"appended": False, "seq": seq, "count": 0}
+            else:
+                raise PushError(
+                    f"seq {seq} of producer {self.producer_id!r} is out of order (the service's "
+                    f"mark is {mark}): another process is sending as this producer_id"
+                )
+        self.next_seq = seq + 1
+        return PushReply(bool(payload.get("appended")), seq, int(payload.get("count", 0)),
+                         int(payload.get("partition", -1)), payload.get("first_id"),
+                         payload.get("last_id"))
+
+    def _send_with_retries(self, seq: int, body: bytes) -> tuple[int, dict[str, Any], str | None]:
+        last: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            try:
+                status, payload, retry_after = self._post(seq, body)
+            except (OSError, http.client.HTTPException) as exc:
+                last = exc
+                self._wait(attempt, None)
+                continue
+            if status == 200 or status == 409:
+                return status, payload, retry_after
+            if status in _RETRIED:
+                last = PushError(f"answer {status}: {payload.get('error', payload)}")
+                self._wait(attempt, retry_after)
+                continue
+            error = payload.get("error", {})
+            raise PushRefusedError(status, str(error.get("code", "error")),
+                                   str(error.get("message", payload)))
+        raise PushError(f"batch seq {seq} of producer {self.producer_id!r} was not acknowledged "
+                        f"after {self.max_attempts} attempts; last: {last}") from last
