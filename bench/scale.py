@@ -72,11 +72,17 @@ from ingest_service import redis_client as async_redis  # noqa: E402
 from ingest_service.datasets import create_dataset  # noqa: E402
 from ingest_service.producer import Producer  # noqa: E402
 from tests.servers import RedisCluster, RedisServer  # noqa: E402
-from trainer_client import StreamingDataset, TrainingSession, redis_client  # noqa: E402
+from trainer_client import (  # noqa: E402
+    StreamingDataset,
+    TrainingSession,
+    _rng,
+    redis_client,
+)
 from trainer_client import offsets as ofs  # noqa: E402
 from trainer_client._commit import gather_offsets  # noqa: E402
 from trainguard.core import streams  # noqa: E402
 from trainguard.core.checkpoints import open_store  # noqa: E402
+from trainguard.core.record import RankState  # noqa: E402
 
 DATASET = "scale"
 DEEP = "deep"
@@ -208,15 +214,17 @@ def ingest(t: Target, work: Path, name: str, partitions: int, entries: int,
     }
 
 
-def deep_read(t: Target, args: argparse.Namespace) -> dict[str, Any]:
+def deep_read(t: Target, args: argparse.Namespace, *, deterministic: bool) -> dict[str, Any]:
     """A StreamingDataset reading ``--deep-partitions`` long partitions to their end: many
     entries per XREADGROUP, as when a worker owns one partition or a few (the projected
-    shape) rather than thousands with a record each."""
+    shape) rather than thousands with a record each. Greedy reads ask every partition
+    in each read; deterministic ones read one partition's next batch at a time."""
     client = redis_client.client(t.url)
     keys = [streams.partition_key(DEEP, p) for p in range(args.deep_partitions)]
     mem0, calls0 = key_bytes(client, keys), t.calls()
     with Clock(t) as c:
-        ds = StreamingDataset(t.url, DEEP, "deep", batch_size=args.batch)
+        ds = StreamingDataset(t.url, DEEP, f"deep-{deterministic:d}", batch_size=args.batch,
+                              deterministic=deterministic)
         records = sum(len(b) for b in ds)
     calls = {k: v - calls0.get(k, 0) for k, v in t.calls().items()}
     # Nothing acknowledges here (no session): every entry read is pending in the group.
@@ -246,7 +254,10 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
     sample = range(min(MEMORY_SAMPLE, args.partitions))
     before = sum(key_bytes(client, group_keys(p, run)) for p in sample)
     mem0 = t.used_memory()
-    session = TrainingSession(t.url, dataset=DATASET, run=run, store=store, keep_last=2)
+    # Greedy: each read asks every partition (deterministic reads go one partition at a
+    # time: see the deep reads).
+    session = TrainingSession(t.url, dataset=DATASET, run=run, store=store, keep_last=2,
+                              deterministic=False)
     state = {"model": torch.nn.Linear(8, 8)}
     with Clock(t) as fresh:
         session.restore(state)
@@ -296,7 +307,10 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
     client.close()
     manifest = max((work / "ckpt" / "manifests").glob("*.json"), key=lambda f: f.stat().st_mtime)
     doc = json.loads(manifest.read_text())
-    rec = json.dumps(doc["extra"]["trainguard"], separators=(",", ":"))
+    record = doc["extra"]["trainguard"]
+    # Per partition: offsets and batch counts; per rank: its random states and position.
+    rank_state = len(json.dumps(record.pop("ranks", {}).get("0", {}), separators=(",", ":")))
+    rec = json.dumps(record, separators=(",", ":"))
     P = args.partitions
     figures = {
         "group": group,
@@ -313,15 +327,16 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
             "checkpoint_cpu_s": spread(ckpt_cpu), "fence_check_cpu_s": spread(fence_cpu),
             "manifest_bytes": manifest.stat().st_size,
             "record_bytes_per_partition": round(len(rec) / P, 1),
-            "offsets_in_manifest": len(doc["extra"]["trainguard"]["offsets"]),
-            "partitions_committed": sum(i != streams.ZERO_ID for i in
-                                        doc["extra"]["trainguard"]["offsets"].values()),
+            "rank_state_bytes": rank_state,
+            "offsets_in_manifest": len(record["offsets"]),
+            "partitions_committed": sum(i != streams.ZERO_ID for i in record["offsets"].values()),
         },
     }
     return figures, (store, offsets, batches)
 
 
-def gather_cost(offsets: dict[int, str], batches: dict[int, int], world: int) -> tuple[float, float]:
+def gather_cost(offsets: dict[int, str], batches: dict[int, int], mine: RankState,
+                world: int) -> tuple[float, float]:
     """Wall and CPU seconds one rank spends on the all-gather's objects of ``world``
     ranks: pickling its own and unpickling and merging every rank's, through
     ``gather_offsets`` on a one-rank gloo group (the transport of the bytes is not in
@@ -330,7 +345,7 @@ def gather_cost(offsets: dict[int, str], batches: dict[int, int], world: int) ->
     try:
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(world):
-            gather_offsets(offsets, batches, 1, None)
+            gather_offsets(offsets, batches, mine, 1, None)
         return time.perf_counter() - t0, time.process_time() - c0
     finally:
         dist.destroy_process_group()
@@ -343,7 +358,8 @@ def ranks(t: Target, args: argparse.Namespace, carried: Any) -> dict[str, Any]:
     state = {"model": torch.nn.Linear(8, 8)}
     rank0, gens = [], []
     for _ in range(args.restores):
-        session = TrainingSession(t.url, dataset=DATASET, run=run, store=store, keep_last=2)
+        session = TrainingSession(t.url, dataset=DATASET, run=run, store=store, keep_last=2,
+                                  deterministic=False)
         t0 = time.perf_counter()
         session.restore(state)
         rank0.append(time.perf_counter() - t0)
@@ -380,8 +396,11 @@ def ranks(t: Target, args: argparse.Namespace, carried: Any) -> dict[str, Any]:
     restarts, restart_cpu = timed_ranks(restart)
     fences, fence_cpu = timed_ranks(lambda r: ofs.current_generations(client, DATASET, run, P))
     client.close()
-    payload = len(pickle.dumps((offsets, batches)))
-    gather = [gather_cost(offsets, batches, W) for _ in range(args.rounds)]
+    # What a rank contributes: its offsets and batch counts of every partition and its
+    # random states (as TrainingSession.checkpoint gathers them).
+    mine = RankState(rng=_rng.capture())
+    payload = len(pickle.dumps((offsets, batches, mine.to_wire())))
+    gather = [gather_cost(offsets, batches, mine, W) for _ in range(args.rounds)]
     masters = len(t.info("server"))
     return {
         "world_size": W, "workers": args.workers,
@@ -415,7 +434,8 @@ def measure(t: Target, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "deep_ingest": ingest(t, work, DEEP, args.deep_partitions, args.deep_entries,
                               args.record_bytes),
     }
-    fig["deep_read"] = deep_read(t, args)
+    fig["deep_read"] = deep_read(t, args, deterministic=False)
+    fig["deep_read_deterministic"] = deep_read(t, args, deterministic=True)
     rc, carried = read_commit(t, args, work)
     fig.update(rc)
     fig["ranks"] = ranks(t, args, carried)
@@ -445,6 +465,10 @@ def print_table(figures: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         ("deep read: entries per XREADGROUP", lambda f: f"{f['deep_read']['entries_per_xreadgroup']:.1f}"),
         ("  redis-server CPU s/MB read", lambda f: f"{f['deep_read']['server_cpu_s_per_mb']:.4f}"),
         ("  reader CPU s/MB", lambda f: f"{f['deep_read']['client_cpu_s_per_mb']:.4f}"),
+        ("deterministic deep read: partitions/transaction",
+         lambda f: f"{f['deep_read_deterministic']['partitions_per_transaction']:.1f}"),
+        ("  redis-server CPU s/MB read",
+         lambda f: f"{f['deep_read_deterministic']['server_cpu_s_per_mb']:.4f}"),
         ("  producer CPU s/MB (deep)", lambda f: f"{f['deep_ingest']['producer_cpu_s_per_mb']:.4f}"),
         ("checkpoint (rank 0, all P)", lambda f: _s(f["commit"]["checkpoint_s"])),
         ("  its CPU time (all threads)", lambda f: _s(f["commit"]["checkpoint_cpu_s"])),
@@ -455,6 +479,7 @@ def print_table(figures: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         ("  its CPU time", lambda f: _s(f["commit"]["fence_check_cpu_s"])),
         ("manifest bytes (record B/partition)", lambda f: f"{f['commit']['manifest_bytes']} "
          f"({f['commit']['record_bytes_per_partition']:.1f})"),
+        ("  record B per rank (random states)", lambda f: f"{f['commit']['rank_state_bytes']}"),
         ("gather objects, W payloads", lambda f: _s(f["ranks"]["gather_objects_s"])),
         ("  its CPU time", lambda f: _s(f["ranks"]["gather_objects_cpu_s"])),
         ("gather bytes received per rank", lambda f: f"{f['ranks']['gather_bytes_per_rank']:,}"),

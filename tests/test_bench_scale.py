@@ -40,7 +40,10 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
         assert fig["ingest"]["memory_usage_bytes_per_entry"] > SIZE
         assert fig["group"]["memory_usage_bytes_per_partition"] > 0
         assert fig["deep_read"]["pending_bytes_per_entry"] > 0
-        assert fig["deep_ingest"]["records"] == fig["deep_read"]["records"] == 4 * 32
+        assert (fig["deep_ingest"]["records"] == fig["deep_read"]["records"]
+                == fig["deep_read_deterministic"]["records"] == 4 * 32)
+        # Deterministic reads go one partition (its next batch) at a time.
+        assert fig["deep_read_deterministic"]["partitions_per_transaction"] == 1
         read = fig["read"]
         assert read["records"] == ROUNDS * P
         per_transaction = P if name == "single" else 1
@@ -49,6 +52,7 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
         assert read["partitions_per_transaction"] == per_transaction
         commit = fig["commit"]
         assert commit["offsets_in_manifest"] == commit["partitions_committed"] == P
+        assert commit["rank_state_bytes"] > 0  # record v2: the rank's random states
         for key in ("checkpoint_s", "checkpoint_cpu_s", "stall_s", "publish_s", "fence_check_s",
                     "fence_check_cpu_s"):
             assert commit[key]["n"] == ROUNDS
