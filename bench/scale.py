@@ -13,13 +13,16 @@ Starts its own redis-server and its own Redis Cluster (3 masters + 3 replicas: t
 3. read + commit: the session (one process owning every partition, so its checkpoint
    does rank 0's whole commit work of any world size) reads greedily through
    ``StreamingDataset``, P records per round (with P >= 4 batches: one record of
-   every partition, a single read), and checkpoints after each round: the checkpoint's wall time, the part spent acknowledging and publishing
-   offsets (per partition), one rank's fence check, manifest bytes per partition, and
-   from ``INFO commandstats`` the partitions read per transaction.
-   Then a deep read: ``StreamingDataset`` reading a few long partitions to their end
-   (many entries per XREADGROUP, as a worker owning one partition or a few does):
-   redis-server and reader CPU per MB, and the memory of the entries it leaves pending
-   (read, not yet acknowledged: what a group holds between checkpoints).
+   every partition, a single read), and checkpoints after each round: the
+   checkpoint's wall and CPU time, the loop's stall, the part spent acknowledging
+   and publishing offsets (per partition), one rank's fence check, the session
+   record's bytes per partition and per rank, and from ``INFO commandstats`` the
+   partitions read per transaction.
+   Then deep reads, greedy and deterministic: ``StreamingDataset`` reading a few long
+   partitions to their end (many entries per XREADGROUP, as a worker owning one
+   partition or a few does): redis-server and reader CPU per MB, and the memory of
+   the entries left pending (read, not acknowledged: what a group holds between
+   checkpoints).
 4. ranks: W ranks simulated in this process with the real trainer_client calls, one
    rank after another. A commit on a rank other than 0 is its fence check of all P
    partitions and its share of the all-gather of offsets (its pickled payload; each
