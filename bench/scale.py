@@ -5,7 +5,8 @@ Starts its own redis-server and its own Redis Cluster (3 masters + 3 replicas: t
 ``tests/servers.py`` fixtures) and on each, with P partitions of E records:
 
 1. ingest: the file ``Producer`` appends P x E records of ``--record-bytes`` from an
-   npy source. Producer CPU per MB (this process's CPU time), redis-server CPU per MB
+   npy source. Producer CPU per MB (this process's CPU time; and of it, reading and
+   planning the source, which every producer of a dataset repeats), redis-server CPU per MB
    (masters; the replicas' apart), and Redis memory per entry (``MEMORY USAGE`` of the
    streams, and the ``used_memory`` delta of the masters).
 2. group: a ``TrainingSession``'s first restore of a new run creates its consumer
@@ -73,6 +74,7 @@ import rounds as rd  # noqa: E402
 
 from ingest_service import redis_client as async_redis  # noqa: E402
 from ingest_service.datasets import create_dataset  # noqa: E402
+from ingest_service.planner import plan_spec_chunks  # noqa: E402
 from ingest_service.producer import Producer  # noqa: E402
 from tests.servers import RedisCluster, RedisServer  # noqa: E402
 from trainer_client import (  # noqa: E402
@@ -200,6 +202,13 @@ def ingest(t: Target, work: Path, name: str, partitions: int, entries: int,
         appended = asyncio.run(_produce(t.url, spec))
     replica_cpu = t.cpu_s("replica") - replica0
     mb = records * record_bytes / 1e6
+    # What every producer of a dataset repeats whatever its share of the partitions
+    # (leases split the writing, not the reading and planning of the source).
+    c0 = time.process_time()
+    for chunk in plan_spec_chunks(spec, 0):
+        for _ in chunk.by_partition(partitions):
+            pass
+    plan_cpu = time.process_time() - c0
     client = redis_client.client(t.url)
     try:
         sample = [streams.partition_key(name, p) for p in range(min(MEMORY_SAMPLE, partitions))]
@@ -210,6 +219,7 @@ def ingest(t: Target, work: Path, name: str, partitions: int, entries: int,
     return {
         "records": appended, "mb": round(mb, 3), "wall_s": round(c.wall_s, 4),
         "producer_cpu_s_per_mb": round(c.cpu_s / mb, 6),
+        "plan_cpu_s_per_mb": round(plan_cpu / mb, 6),
         "server_cpu_s_per_mb": round(c.server_cpu_s / mb, 6),
         "replica_cpu_s_per_mb": round(replica_cpu / mb, 6),
         "memory_usage_bytes_per_entry": round(per_entry, 1),
@@ -457,6 +467,7 @@ def print_table(figures: dict[str, dict[str, Any]], args: argparse.Namespace) ->
           f"{args.ranks} ranks x {args.workers} workers; median (range over repeats)")
     rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("producer CPU s/MB", lambda f: f"{f['ingest']['producer_cpu_s_per_mb']:.4f}"),
+        ("  of it reading + planning the source", lambda f: f"{f['ingest']['plan_cpu_s_per_mb']:.4f}"),
         ("redis-server CPU s/MB ingested (masters)", lambda f: f"{f['ingest']['server_cpu_s_per_mb']:.4f}"),
         ("replica CPU s/MB ingested", lambda f: f"{f['ingest']['replica_cpu_s_per_mb']:.4f}"),
         ("memory per entry, MEMORY USAGE B", lambda f: f"{f['ingest']['memory_usage_bytes_per_entry']:.0f}"),
