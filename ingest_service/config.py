@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from ingest_service.auth import DEFAULT_ALLOWED_HOSTS, PushTokens
 from ingest_service.backlog import BacklogLimits
+from ingest_service.leases import LEASE_MS
 from ingest_service.metrics import IngestMetrics
 from ingest_service.push_body import BodyLimits
 from trainguard.core import settings
@@ -63,6 +64,8 @@ class IngestConfig:
     push_wait_ms: int = 1000
     """How long a push waits for its replicas before it answers 503 (retry)."""
     maintenance_interval_s: float = 1.0
+    lease_ms: int = LEASE_MS
+    """Partition leases of the file producers (several services share a dataset)."""
     shutdown_timeout_s: float = 30.0
     """On SIGTERM: how long in-flight push requests may take to finish."""
 

@@ -73,6 +73,7 @@ async def delete_dataset(redis: Redis, name: str) -> None:
         streams.dlq_key(name),
         streams.paused_key(name),
         streams.progress_key(name),
+        streams.producers_key(name),
     ]
     groups = await redis.smembers(streams.groups_key(name))
     for g in groups:
@@ -84,7 +85,8 @@ async def delete_dataset(redis: Redis, name: str) -> None:
         for key in keys:
             pipe.delete(key)
         for p in range(spec.partitions):
-            pipe.delete(streams.partition_key(name, p), streams.seq_key(name, p))
+            pipe.delete(streams.partition_key(name, p), streams.seq_key(name, p),
+                        streams.lease_key(name, p))
             for g in groups:
                 group = g.decode() if isinstance(g, bytes) else str(g)
                 pipe.delete(streams.fence_key(name, p, group))

@@ -35,7 +35,7 @@ import itertools
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import fsspec.utils
 import redis as redis_package
@@ -53,6 +53,7 @@ from ingest_service.backpressure import Backpressure, StreamLost
 from ingest_service.batching import DATA, BatchQueue, ByteBudget, first_batch
 from ingest_service.datasets import create_dataset
 from ingest_service.dead_letters import append_dead_letters
+from ingest_service.leases import LEASE_MS, PartitionLeases
 from ingest_service.metrics import IngestMetrics
 from ingest_service.planner import PlanChunk, PlannedDeadLetter, plan_spec_chunks
 from ingest_service.sources import GoodRecord
@@ -104,6 +105,8 @@ class Producer:
         max_inflight_bytes: int = 64 * 1024 * 1024,
         connections: int = 16,
         maintenance_interval_s: float = 1.0,
+        lease_ms: int = LEASE_MS,
+        owner: str | None = None,
     ) -> None:
         if not spec.replayable:
             raise ValueError(f"dataset {spec.name!r} is a push dataset: it has no source to produce")
@@ -134,6 +137,12 @@ class Producer:
         """Last retention floors seen: where to refill from when Redis lost a stream."""
         self._pressure = Backpressure(redis, spec, self.limits, self.metrics,
                                       self.progress.paused)
+        self.leases = PartitionLeases(redis, spec.name, spec.partitions, owner=owner,
+                                      lease_ms=lease_ms)
+        self._halt = asyncio.Event()
+        """Set by ``stop()`` and by a change of leases: the epoch under way ends, and a
+        writer paused for room gives up its batch (it is planned again)."""
+        self.leases.on_change = self._halt.set
         self._run_id: str | None = None
         self._labels = {"dataset": spec.name}
         # Local and in-memory sources are read on the event loop, in chunks: a reader
@@ -147,6 +156,7 @@ class Producer:
     def stop(self) -> None:
         """Ask ``run`` to return once the batches already sent are acknowledged."""
         self._stop.set()
+        self._halt.set()
 
     @property
     def floors(self) -> dict[int, streams.StreamId]:
@@ -158,20 +168,32 @@ class Producer:
         return self._stop.is_set()
 
     async def run(self) -> None:
-        """Produce every epoch (a finite dataset), or until ``stop()`` (an endless one)."""
+        """Produce every epoch (a finite dataset), or until ``stop()`` (an endless one).
+        With other producers on the dataset, this one writes the partitions it leases
+        (see :mod:`ingest_service.leases`) and returns once the dataset is finished."""
         await create_dataset(self.redis, self.spec)
         done = asyncio.Event()
         maintenance = asyncio.create_task(self._maintain(done), name=f"maintain-{self.spec.name}")
+        leases: asyncio.Task[None] | None = None
         backoff = Backoff(SYNC_POLICY)
         try:
             while not self._stop.is_set():
                 try:
-                    await self._run_once()
-                    return
+                    if leases is None:
+                        await self.leases.round()
+                        leases = asyncio.create_task(self.leases.run(done),
+                                                     name=f"leases-{self.spec.name}")
+                    self.leases.changed.clear()
+                    if not self._stop.is_set():
+                        self._halt.clear()
+                    outcome = await self._run_once()
+                    if outcome == "done" or (outcome == "wait" and await self._wait_for_others()):
+                        return
+                    backoff.reset()
+                    continue  # leases changed: plan again with the partitions held now
                 except* _RETRYABLE as group:
                     log.warning("dataset %s: Redis failed (%s); syncing again",
                                 self.spec.name, group.exceptions[0])
-                # Only a retryable failure gets here: success returned above.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), backoff.next_wait_s())
         finally:
@@ -179,8 +201,30 @@ class Producer:
             # inside a command, which would leave the task running.
             done.set()
             await maintenance
+            if leases is not None:
+                await leases
+            await self.leases.release()
             with contextlib.suppress(*_RETRYABLE):
                 await self.redis.delete(streams.paused_key(self.spec.name))
+
+    def _halted(self) -> bool:
+        """Stop producing now: asked to stop, or the leases changed (plan again)."""
+        return self._halt.is_set()
+
+    async def _wait_for_others(self) -> bool:
+        """This producer's partitions are done, others' are not: wait until the dataset
+        is finished (True) or this producer's leases change (False: a take-over)."""
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.leases.changed.wait(), self.leases.interval_s)
+            if self.leases.changed.is_set():
+                return False
+            finished = await self.redis.hget(streams.progress_key(self.spec.name),
+                                             streams.PROGRESS_FINISHED)
+            if finished == b"1":
+                self.progress.finished = True
+                return True
+        return True
 
     # ------------------------------------------------------------------ sync
 
@@ -237,7 +281,8 @@ class Producer:
         if progress.get(streams.PROGRESS_FINISHED) == b"1" and self.spec.finite:
             return None
         hint = progress.get(streams.PROGRESS_EPOCHS_DONE)
-        earliest = min((pos[0] - 1 if pos else 0) for pos in self._position)
+        mine = [self._position[p] for p in self.leases.owned] or [None]
+        earliest = min((pos[0] - 1 if pos else 0) for pos in mine)
         if hint is None:
             return earliest
         if self.progress.redis_losses > losses:
@@ -254,33 +299,46 @@ class Producer:
 
     # ------------------------------------------------------------------ epochs
 
-    async def _run_once(self) -> None:
+    async def _run_once(self) -> Literal["done", "wait", "replan"]:
+        """Produce this producer's partitions: "done" (the dataset is finished, deleted,
+        or this producer was stopped), "wait" (its partitions are done, others' not
+        yet) or "replan" (its leases changed)."""
+        owned = self.leases.owned
         start = await self._sync()
         if start is None:
             self.progress.finished = not self.progress.deleted
-            return
+            return "done"
+        if not owned:
+            return "wait"
         epochs: Iterator[int] = (
             iter(range(start, self.spec.epochs or 0)) if self.spec.finite else itertools.count(start)
         )
+        progress_key = streams.progress_key(self.spec.name)
         for epoch in epochs:
             self.progress.epoch = epoch
-            if not await self._produce_epoch(epoch):
-                return  # stopped
-            await self.redis.hset(
-                streams.progress_key(self.spec.name), streams.PROGRESS_EPOCHS_DONE, str(epoch + 1)
-            )
-        if self.spec.finite and not self._stop.is_set():
-            ends: dict[Any, Any] = {
-                streams.progress_end_field(p): streams.format_id(pos).encode()
-                for p, pos in enumerate(self._position) if pos is not None
-            }
-            await self.redis.hset(
-                streams.progress_key(self.spec.name),
-                mapping={**ends, streams.PROGRESS_FINISHED: b"1"},
-            )
-            self.progress.finished = True
+            if not await self._produce_epoch(epoch, owned):
+                return "done" if self._stop.is_set() else "replan"
+            if len(owned) == self.spec.partitions:  # a hint for every partition
+                await self.redis.hset(progress_key, streams.PROGRESS_EPOCHS_DONE, str(epoch + 1))
+        if not self.spec.finite or self._stop.is_set():
+            return "done"
+        # Each producer marks its own partitions done (with their ends); the one that
+        # finds every partition done marks the dataset finished.
+        marks: dict[Any, Any] = {streams.progress_done_field(p): b"1" for p in owned}
+        marks |= {streams.progress_end_field(p): streams.format_id(pos).encode()
+                  for p in owned if (pos := self._position[p]) is not None}
+        await self.redis.hset(progress_key, mapping=marks)
+        progress = await self.redis.hgetall(progress_key)
+        if any(streams.progress_done_field(p) not in progress
+               for p in range(self.spec.partitions)):
+            return "wait"
+        await self.redis.hset(progress_key, streams.PROGRESS_FINISHED, b"1")
+        self.progress.finished = True
+        return "done"
 
-    def _next_index(self, partition: int, epoch: int) -> int:
+    def _next_index(self, partition: int, epoch: int, owned: frozenset[int]) -> int:
+        if partition not in owned:
+            return _NEVER  # another producer's
         pos = self._position[partition]
         if pos is None or epoch > pos[0] - 1:
             return 0
@@ -288,8 +346,9 @@ class Producer:
             return pos[1] + 1
         return _NEVER
 
-    async def _produce_epoch(self, epoch: int) -> bool:
-        """Append what is missing of ``epoch``; False when stopped before its end.
+    async def _produce_epoch(self, epoch: int, owned: frozenset[int]) -> bool:
+        """Append what is missing of ``epoch`` in the ``owned`` partitions; False when
+        halted (stopped, or the leases changed) before its end.
 
         ``connections`` writers (each with its own link) serve the partitions
         ``p % connections == w``: one writer per partition keeps its batches in order,
@@ -303,19 +362,20 @@ class Producer:
                 tg.create_task(
                     self._writer(queues[w], epoch, budget), name=f"write-{self.spec.name}-{w}"
                 )
-            complete = await self._read_epoch(epoch, queues, budget)
+            complete = await self._read_epoch(epoch, queues, budget, owned)
             for q in queues:
                 q.put_nowait(None)
-        return complete and not self._stop.is_set()
+        return complete and not self._halted()
 
-    async def _read_epoch(self, epoch: int, queues: list[BatchQueue], budget: ByteBudget) -> bool:
+    async def _read_epoch(self, epoch: int, queues: list[BatchQueue], budget: ByteBudget,
+                          owned: frozenset[int]) -> bool:
         """Plan the epoch and hand each partition its batches. Memory: the shuffle buffer,
         one chunk, and at most ``max_inflight_bytes`` of batches not yet appended (the
         pending ones are flushed early when they would pass half of it)."""
         spec = self.spec
         partitions = spec.partitions
         chunks = plan_spec_chunks(spec, epoch, self.storage_options)
-        next_index = [self._next_index(p, epoch) for p in range(partitions)]
+        next_index = [self._next_index(p, epoch, owned) for p in range(partitions)]
         if min(next_index) == _NEVER:
             return True  # every partition is past this epoch
         pending: list[list[GoodRecord]] = [[] for _ in range(partitions)]
@@ -333,7 +393,7 @@ class Producer:
             pending_bytes[p] -= size
             pending_total -= size
 
-        while not self._stop.is_set():
+        while not self._halted():
             chunk: PlanChunk | None
             if self._inline_reads:
                 chunk = next(chunks, None)
@@ -366,7 +426,7 @@ class Producer:
         for p in range(partitions):
             if pending[p]:
                 await hand_over(p, len(pending[p]), pending_bytes[p])
-        return not self._stop.is_set()
+        return not self._halted()
 
     # ------------------------------------------------------------------ writing
 
@@ -374,19 +434,25 @@ class Producer:
         # One link per server: on a cluster a queue's partitions live on several masters.
         links: dict[str, Link] = {}
         verified: set[int] = set()
+        dropped: set[int] = set()
         broken = True
         try:
             while (got := await queue.get()) is not None:
                 p, first, batch, size = got
                 try:
+                    if p in dropped:
+                        continue  # never a later batch after a dropped one: no gaps
                     link = await self._link(links, p)
                     if p not in verified:
                         await self._verify(p, link)
                         verified.add(p)
-                    if await self._pressure.wait_room(p, len(batch), size, self._stop):
+                    if await self._pressure.wait_room(p, len(batch), size, self._halt):
                         await self._write(p, first, batch, epoch, size, link)
-                    # else: stopped while paused: drop the batch (it is re-planned next
-                    # run) and keep draining, so that the reader never waits for us.
+                    else:
+                        # Halted while paused (stopped, or the leases changed): drop the
+                        # partition's batches from here (they are planned again) and
+                        # keep draining, so that the reader never waits for us.
+                        dropped.add(p)
                 finally:
                     budget.give(size)
             broken = False

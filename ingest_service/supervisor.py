@@ -75,6 +75,7 @@ class Supervisor:
                     self.redis, spec, storage_options=self.config.storage_options,
                     limits=self.config.limits, metrics=self.metrics,
                     maintenance_interval_s=self.config.maintenance_interval_s,
+                    lease_ms=self.config.lease_ms,
                 )
                 self.producers[name] = producer
                 self._tasks[name] = asyncio.create_task(self._guard(name, producer.run()))

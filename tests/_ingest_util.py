@@ -105,7 +105,7 @@ def kill_at_random_points(url: str, spec: streams.DatasetSpec, total: int, kills
     the end. Returns how many kills hit a running producer."""
     rng = random.Random(seed)
     targets = sorted(rng.sample(range(total // 50, total - total // 50), kills))
-    client = redis.Redis.from_url(url)
+    client = trainer_redis.client(url)
     landed = 0
     try:
         for target in targets:

@@ -9,17 +9,18 @@ import asyncio
 import json
 import sys
 
-from redis.asyncio import Redis
-
+from ingest_service import redis_client
 from ingest_service.producer import Producer
 from trainguard.core import streams
 
 
 async def main(url: str, spec_json: str, batch_records: int) -> None:
     spec = streams.DatasetSpec(**json.loads(spec_json))
-    client = Redis.from_url(url)
+    client = redis_client.client(url)
     try:
-        await Producer(client, spec, batch_records=batch_records).run()
+        # Short leases: a restarted worker takes over its killed predecessor's
+        # partitions within 300 ms.
+        await Producer(client, spec, batch_records=batch_records, lease_ms=300).run()
     finally:
         await client.aclose()
 

@@ -100,3 +100,13 @@ def any_redis(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
     if request.param == "single":
         return request.getfixturevalue("redis_server")  # type: ignore[no-any-return]
     return request.getfixturevalue("redis_cluster")  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=["single", pytest.param("cluster", marks=pytest.mark.chaos)])
+def redis_target(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
+    """Like ``any_redis``, but the cluster leg runs only under ``-m chaos``: the rest of
+    the integration tests, beyond the representative subset that runs on both by
+    default (``any_redis``), which the 2-core CI budget does not take twice."""
+    if request.param == "single":
+        return request.getfixturevalue("redis_server")  # type: ignore[no-any-return]
+    return request.getfixturevalue("redis_cluster")  # type: ignore[no-any-return]

@@ -126,10 +126,10 @@ async def test_seek_below_floor_is_refused_and_changes_nothing(any_redis):
     await r.aclose()
 
 
-async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
+async def test_bad_input_is_4xx_with_the_error_shape(redis_target):
     """Unknown dataset/group, bad names, bad IDs, bad partitions, malformed or wrong
     JSON bodies and unknown routes all answer 4xx with {"error": {code, message}}."""
-    r = ingest_redis.client(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=2, per_partition=3)
     await make_group(r, "toy", "run1", 2)
     seek = "/admin/datasets/toy/groups/run1/seek"
@@ -156,7 +156,7 @@ async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
         ("GET", "/admin/nothing-here", None, 404, "not_found"),
         ("PUT", "/admin/datasets", None, 405, "method_not_allowed"),
     ]
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(redis_target.url) as client:
         for method, path, body, status, code in cases:
             resp = await client.request(method, path, json=body, headers=AUTH)
             got = await resp.json()
@@ -168,14 +168,14 @@ async def test_bad_input_is_4xx_with_the_error_shape(redis_server):
     await r.aclose()
 
 
-async def test_mutations_need_the_bearer_token(redis_server):
+async def test_mutations_need_the_bearer_token(redis_target):
     """Mutating routes: no header -> 401 (with WWW-Authenticate), wrong token or wrong
     scheme -> 403, and nothing moves; read routes need no token."""
-    r = ingest_redis.client(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=1, per_partition=3)
     await make_group(r, "toy", "run1", 1)
     seek = "/admin/datasets/toy/groups/run1/seek"
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(redis_target.url) as client:
         resp = await client.post(seek, json={"to": "latest"})
         assert resp.status == 401 and _is_error(await resp.json(), "unauthorized")
         assert resp.headers["WWW-Authenticate"] == "Bearer"
@@ -195,13 +195,13 @@ async def test_mutations_need_the_bearer_token(redis_server):
     await r.aclose()
 
 
-async def test_without_configured_token_mutations_are_refused(redis_server):
+async def test_without_configured_token_mutations_are_refused(redis_target):
     """No TRAINGUARD_ADMIN_TOKEN: every mutation is 403 mutations_disabled, whatever
     token is sent (refused, not open)."""
-    r = ingest_redis.client(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=1, per_partition=3)
     await make_group(r, "toy", "run1", 1)
-    async with admin_client(redis_server.url, token=None) as client:
+    async with admin_client(redis_target.url, token=None) as client:
         for headers in ({}, AUTH, {"Authorization": "Bearer "}):
             resp = await client.post("/admin/datasets/toy/groups/run1/seek",
                                      json={"to": "latest"}, headers=headers)
@@ -243,38 +243,38 @@ def test_service_binds_loopback_unless_told_otherwise():
     assert parser.parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
 
 
-async def test_seek_earliest_after_trim_reads_exactly_what_is_left(redis_server):
+async def test_seek_earliest_after_trim_reads_exactly_what_is_left(redis_target):
     """After trimming, 'earliest' is the ID just below the first entry left, so the
     group's next read starts at exactly that entry: within an epoch (1-2 -> 1-1) and
     across an epoch boundary (2-0 -> 1-<max>)."""
-    r = ingest_redis.client(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=2, per_partition=4)
     key0, key1 = streams.partition_key("toy", 0), streams.partition_key("toy", 1)
     await r.xadd(key1, streams.encode_record({"epoch": 1}), id=streams.make_id(1, 0))
     await make_group(r, "toy", "run1", 2)
     await r.xtrim(key0, minid="1-2", approximate=False)
     await r.xtrim(key1, minid="2-0", approximate=False)
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(redis_target.url) as client:
         resp = await client.post("/admin/datasets/toy/groups/run1/seek",
                                  json={"to": "earliest"}, headers=AUTH)
         assert resp.status == 200
         assert (await resp.json())["offsets"] == {"0": "1-1", "1": f"1-{2**64 - 1}"}
-    got = await r.xreadgroup("run1", "c", {key0: ">", key1: ">"}, count=1)
-    assert {k.decode(): entries[0][0] for k, entries in got} == {key0: b"1-2", key1: b"2-0"}
+    got = [await r.xreadgroup("run1", "c", {key: ">"}, count=1) for key in (key0, key1)]
+    assert {k.decode(): entries[0][0] for ((k, entries),) in got} == {key0: b"1-2", key1: b"2-0"}
     await r.aclose()
 
 
-async def test_seek_refuses_a_group_with_an_active_consumer_unless_forced(redis_server):
+async def test_seek_refuses_a_group_with_an_active_consumer_unless_forced(redis_target):
     """A consumer that just read (a running trainer) makes a seek 409 group_active
     and nothing moves; with "force": true the seek goes through; a non-boolean force
     is 400."""
-    r = ingest_redis.client(redis_server.url)
+    r = ingest_redis.client(redis_target.url)
     await make_dataset(r, partitions=2, per_partition=4)
     await make_group(r, "toy", "run1", 2)
     key1 = streams.partition_key("toy", 1)
     await r.xreadgroup("run1", "rank0", {key1: ">"}, count=1)
     url = "/admin/datasets/toy/groups/run1/seek"
-    async with admin_client(redis_server.url) as client:
+    async with admin_client(redis_target.url) as client:
         resp = await client.post(url, json={"to": "latest"}, headers=AUTH)
         body = await resp.json()
         assert resp.status == 409 and body["error"]["code"] == "group_active"

@@ -96,9 +96,9 @@ def test_offsets_show_and_seek(any_redis, capsys):
     assert r.xinfo_groups(streams.partition_key("toy", 0))[0]["last-delivered-id"] == b"1-3"
 
 
-def test_offsets_seek_to_checkpoint(redis_server, capsys, tmp_path):
+def test_offsets_seek_to_checkpoint(redis_target, capsys, tmp_path):
     """seek --checkpoint URL --step N moves the group to that manifest's offsets."""
-    url = redis_server.url
+    url = redis_target.url
     _seed(url)
     save_checkpoints(str(tmp_path / "ck"), [7], {0: "1-2", 1: "1-0"})
     code, out = run(capsys, "offsets", "seek", "toy", "run1", "--checkpoint",

@@ -30,12 +30,12 @@ def _ids(batches: list[Batch]) -> list[int]:
     return [int(i) for b in batches for i in b.data[:, 0].tolist()]
 
 
-def test_one_process_reads_every_record_once_with_offsets(redis_server) -> None:
+def test_one_process_reads_every_record_once_with_offsets(redis_target) -> None:
     """num_workers=0: every record exactly once, full batches but the last, and each
     batch's offsets are the last ID of each partition in it."""
-    spec = cf.create(redis_server.url, "tok", partitions=4)
-    cf.fill(redis_server.url, spec, 1001)
-    ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=32)
+    spec = cf.create(redis_target.url, "tok", partitions=4)
+    cf.fill(redis_target.url, spec, 1001)
+    ds = StreamingDataset(redis_target.url, "tok", "run", batch_size=32)
     batches = list(DataLoader(ds, batch_size=None, num_workers=0))
     assert sorted(_ids(batches)) == list(range(1001))
     assert [len(b) for b in batches[:-1]] == [32] * (len(batches) - 1)
@@ -46,7 +46,7 @@ def test_one_process_reads_every_record_once_with_offsets(redis_server) -> None:
             assert parsed == sorted(parsed)
             # the record payload says which record it is: it must sit in its partition
             assert all(streams.make_id(0, r // 4) in ids for r in b.data[:, 0].tolist() if r % 4 == p)
-    client = redis_client.client(redis_server.url)
+    client = redis_client.client(redis_target.url)
     assert client.sismember(streams.groups_key("tok"), "run")
 
 
@@ -79,46 +79,46 @@ def test_ranks_split_partitions(any_redis) -> None:
     assert {i % 5 for i in got[0]} == {0, 2, 4}
 
 
-def test_decoding_kinds(redis_server) -> None:
+def test_decoding_kinds(redis_target) -> None:
     """Token arrays become one [n, len] tensor of their dtype; raw bytes and msgpack
     come back as values; a decode callable maps each record."""
-    spec = cf.create(redis_server.url, "mixed", partitions=1)
-    client = redis_client.client(redis_server.url)
+    spec = cf.create(redis_target.url, "mixed", partitions=1)
+    client = redis_client.client(redis_target.url)
     key = streams.partition_key("mixed", 0)
     for i in range(4):
         client.xadd(key, streams.encode_record(np.arange(6, dtype=np.int32) + i), id=streams.make_id(0, i))
-    ds = StreamingDataset(redis_server.url, "mixed", "g", batch_size=4)
+    ds = StreamingDataset(redis_target.url, "mixed", "g", batch_size=4)
     cf.mark_finished(client, spec, 4)
     (b,) = list(ds)
     assert isinstance(b.data, torch.Tensor) and b.data.dtype == torch.int32
     assert b.data.shape == (4, 6) and b.data[3].tolist() == [3, 4, 5, 6, 7, 8]
     assert b.data.is_contiguous()
 
-    spec2 = cf.create(redis_server.url, "objs", partitions=1)
+    spec2 = cf.create(redis_target.url, "objs", partitions=1)
     key2 = streams.partition_key("objs", 0)
     client.xadd(key2, streams.encode_record(b"\x00raw"), id="1-0")
     client.xadd(key2, streams.encode_record({"a": [1, 2]}), id="1-1")
     cf.mark_finished(client, spec2, 2)
-    (b2,) = list(StreamingDataset(redis_server.url, "objs", "g", batch_size=8))
+    (b2,) = list(StreamingDataset(redis_target.url, "objs", "g", batch_size=8))
     assert b2.data == [b"\x00raw", {"a": [1, 2]}]
-    (b3,) = list(StreamingDataset(redis_server.url, "objs", "g2", batch_size=8, decode=repr))
+    (b3,) = list(StreamingDataset(redis_target.url, "objs", "g2", batch_size=8, decode=repr))
     assert b3.data == [repr(b"\x00raw"), repr({"a": [1, 2]})]
     assert msgpack  # the contract's msgpack is what decodes the second record
 
 
-def test_missing_dataset_is_a_clear_error(redis_server) -> None:
+def test_missing_dataset_is_a_clear_error(redis_target) -> None:
     """A dataset without metadata raises DatasetNotFoundError (a LookupError) naming it."""
     with pytest.raises(DatasetNotFoundError, match="'nope' does not exist") as info:
-        StreamingDataset(redis_server.url, "nope", "run", batch_size=4)
+        StreamingDataset(redis_target.url, "nope", "run", batch_size=4)
     assert isinstance(info.value, LookupError)
 
 
-def test_endless_dataset_blocks_until_records_arrive(redis_server) -> None:
+def test_endless_dataset_blocks_until_records_arrive(redis_target) -> None:
     """An endless dataset does not end when it runs dry: it blocks and yields records
     appended later, each once."""
-    spec = cf.create(redis_server.url, "live", partitions=2, epochs=None)
-    cf.fill(redis_server.url, spec, 20, finish=False)
-    ds = StreamingDataset(redis_server.url, "live", "run", batch_size=10, block_ms=100)
+    spec = cf.create(redis_target.url, "live", partitions=2, epochs=None)
+    cf.fill(redis_target.url, spec, 20, finish=False)
+    ds = StreamingDataset(redis_target.url, "live", "run", batch_size=10, block_ms=100)
     it = iter(ds)
     first = [next(it), next(it)]
     assert sorted(_ids(first)) == list(range(20))
@@ -127,7 +127,7 @@ def test_endless_dataset_blocks_until_records_arrive(redis_server) -> None:
     t.start()
     t.join(0.5)
     assert t.is_alive() and not got  # blocked: nothing to read
-    cf.fill(redis_server.url, spec, 40, start=20, finish=False)
+    cf.fill(redis_target.url, spec, 40, start=20, finish=False)
     t.join(60)
     assert sorted(_ids(got)) == list(range(20, 40))
     it.close()
@@ -200,12 +200,12 @@ def test_trainer_client_does_not_import_aiohttp() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_more_workers_than_partitions(redis_server) -> None:
+def test_more_workers_than_partitions(redis_target) -> None:
     """One partition, two workers: the worker that owns nothing ends at once, the
     other reads every record once."""
-    spec = cf.create(redis_server.url, "tok", partitions=1)
-    cf.fill(redis_server.url, spec, 50)
-    ds = StreamingDataset(redis_server.url, "tok", "run", batch_size=8)
+    spec = cf.create(redis_target.url, "tok", partitions=1)
+    cf.fill(redis_target.url, spec, 50)
+    ds = StreamingDataset(redis_target.url, "tok", "run", batch_size=8)
     batches = list(DataLoader(ds, batch_size=None, num_workers=2))
     assert sorted(_ids(batches)) == list(range(50))
     assert {b.worker for b in batches} == {0}
@@ -238,12 +238,12 @@ def test_dataset_made_during_a_redis_outage_waits_for_redis(redis_factory) -> No
     ],
     ids=["zero-size", "big-endian"],
 )
-def test_unusual_arrays_are_batched_not_crashed(redis_server, make, check) -> None:
+def test_unusual_arrays_are_batched_not_crashed(redis_target, make, check) -> None:
     """Record arrays that cannot be viewed as one native tensor by the fast path
     (zero-size, non-native byte order) still come back, every record once."""
-    spec = cf.create(redis_server.url, "odd", partitions=2)
-    cf.fill(redis_server.url, spec, 40, make=make)
-    batches = list(StreamingDataset(redis_server.url, "odd", "run", batch_size=8))
+    spec = cf.create(redis_target.url, "odd", partitions=2)
+    cf.fill(redis_target.url, spec, 40, make=make)
+    batches = list(StreamingDataset(redis_target.url, "odd", "run", batch_size=8))
     assert sum(len(b) for b in batches) == 40
     assert all(check(b) for b in batches)
     assert sorted(i for b in batches for ids in b.ids.values() for i in ids) == sorted(

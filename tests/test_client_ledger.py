@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 import torch
 
 from tests import _client_fill as cf
@@ -156,53 +155,88 @@ def test_ledger_cluster_world_size_2_then_1(redis_cluster_factory, tmp_path: Pat
                     world_for=lambda attempt: 2 if attempt < 3 else 1)
 
 
-def test_ledger_producer_killed_too(redis_server, tmp_path: Path) -> None:
+def _producer_ledger(url: str, tmp_path: Path, *, seed: int, kills: int,
+                     take_over: bool) -> None:
     """The real ingest producer (backlog bound 150 entries per partition, so it keeps
-    pausing for the trainer's commits) is SIGKILLed and restarted while trainers are
-    killed: the producer resumes from the partitions' last IDs, the trainer from its
-    checkpoint, and every record is counted once."""
+    pausing for the trainer's commits) is SIGKILLed while trainers are killed too.
+    Without ``take_over`` it is restarted each time; with it, two producers share the
+    partitions (leases of 600 ms) and the first is killed once, for good: the second
+    takes its partitions over. Every record is counted once."""
     source = tmp_path / "tokens.npy"
     np.save(source, np.repeat(np.arange(N, dtype=np.int64), 8))
-    cmd = [sys.executable, str(ledger.ROOT / "tests" / "_client_produce.py"), redis_server.url,
-           "tok", str(source), str(P), "150"]
+    cmd = [sys.executable, str(ledger.ROOT / "tests" / "_client_produce.py"), url,
+           "tok", str(source), str(P), "150", "600"]
     env = {**os.environ, "PYTHONPATH": str(ledger.ROOT)}
     procs: list[subprocess.Popen[bytes]] = []
 
-    def producer_alive() -> bool:
-        return bool(procs) and procs[-1].poll() is None
-
     def start_producer() -> None:
-        with open(tmp_path / "producer.log", "ab") as log:
+        with open(tmp_path / f"producer-{len(procs)}.log", "ab") as log:
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
 
-    rng = random.Random(8)
+    rng = random.Random(seed)
 
     def during(attempt: int, job: ledger.Job) -> None:
-        if attempt % 2 == 0 and producer_alive():
+        if take_over:
+            if attempt == 0:
+                job.sleep(rng.uniform(0.0, 0.5))
+                procs[0].kill()
+                procs[0].wait()
+        elif attempt % 2 == 0 and procs[-1].poll() is None:
             job.sleep(rng.uniform(0.0, 0.3))
             procs[-1].kill()
             procs[-1].wait()
             start_producer()
 
-    client = redis.Redis.from_url(redis_server.url)
-    start_producer()
+    client = redis_client.client(url)
+    for _ in range(2 if take_over else 1):
+        start_producer()
     try:
         deadline = time.monotonic() + 60
         while not client.exists(streams.meta_key("tok")):
-            assert time.monotonic() < deadline and producer_alive(), "producer did not create the dataset"
+            assert time.monotonic() < deadline and procs[-1].poll() is None, \
+                "producer did not create the dataset"
             time.sleep(0.05)
         store = f"file://{tmp_path}/ckpt"
-        kills = ledger.run_until_done(_args(redis_server.url, store), kills=8, seed=9,
-                                      log=tmp_path / "job.log", during=during)
-        assert kills == 8
+        got = ledger.run_until_done(_args(url, store), kills=kills, seed=seed,
+                                    log=tmp_path / "job.log", during=during)
+        assert got == kills
         assert procs[-1].wait(60) == 0
-        assert len(procs) > 1  # it really was killed and restarted
-        _check(redis_server.url, store)
+        if take_over:
+            assert procs[0].returncode == -9
+            first = (tmp_path / "producer-0.log").read_text()
+            second = (tmp_path / "producer-1.log").read_text()
+            assert "writes partitions [" in first  # it held a share when it was killed
+            assert f"writes partitions {list(range(P))}" in second  # and the rest took it
+        else:
+            assert len(procs) > 1  # it really was killed and restarted
+        _check(url, store)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_ledger_producer_killed_too(redis_server, tmp_path: Path) -> None:
+    """One producer, SIGKILLed and restarted while trainers are killed: it resumes
+    from the partitions' last IDs, the trainer from its checkpoint; each record once."""
+    _producer_ledger(redis_server.url, tmp_path, seed=8, kills=8, take_over=False)
+
+
+def test_ledger_cluster_producer_taken_over(redis_cluster, tmp_path: Path) -> None:
+    """On a Redis Cluster, two ingest producers share the partitions; one is SIGKILLed
+    for good while trainers are killed: the other takes its partitions over when their
+    leases expire and continues them under the same deterministic IDs. Every record is
+    counted once, from the final checkpoint."""
+    _producer_ledger(redis_cluster.url, tmp_path, seed=31, kills=4, take_over=True)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("seed", range(20))
+def test_ledger_cluster_producer_taken_over_20_seeds(redis_cluster, tmp_path: Path,
+                                                     seed: int) -> None:
+    """The same, 20 times, with random kill points."""
+    _producer_ledger(redis_cluster.url, tmp_path, seed=200 + seed, kills=4, take_over=True)
 
 
 @pytest.mark.chaos

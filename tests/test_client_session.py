@@ -113,13 +113,13 @@ def test_restart_rereads_exactly_the_uncommitted_records(any_redis, tmp_path) ->
     b.close()
 
 
-def test_prefetched_batches_are_not_committed(redis_server, tmp_path) -> None:
+def test_prefetched_batches_are_not_committed(redis_target, tmp_path) -> None:
     """With 2 workers prefetching 4 batches each, a checkpoint after 3 consumed batches
     holds exactly those 3 batches' offsets; a restart then reads every other record,
     including the ones that sat prefetched in the DataLoader's queues."""
-    spec = cf.create(redis_server.url, "tok", partitions=4)
-    cf.fill(redis_server.url, spec, 400)
-    a = _session(redis_server.url, tmp_path)
+    spec = cf.create(redis_target.url, "tok", partitions=4)
+    cf.fill(redis_target.url, spec, 400)
+    a = _session(redis_target.url, tmp_path)
     state = _state()
     a.restore(state)
     loader = DataLoader(a.dataset(batch_size=5), batch_size=None, num_workers=2, prefetch_factor=4)
@@ -133,12 +133,12 @@ def test_prefetched_batches_are_not_committed(redis_server, tmp_path) -> None:
     for b in first:
         expect.update(b.offsets)
     assert streams.offsets_from_wire(m.extra["trainguard"]["offsets"]) == expect
-    client = redis_client.client(redis_server.url)
+    client = redis_client.client(redis_target.url)
     delivered = sum(client.xpending(streams.partition_key("tok", p), "exp")["pending"] for p in range(4))
     assert delivered > 0  # the workers really read ahead (still pending, not acked)
     it.close()
 
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     b.restore(_state())
     rest = list(b.batches(DataLoader(b.dataset(batch_size=5), batch_size=None, num_workers=2)))
     assert sorted(_recs(first) + _recs(rest)) == list(range(400))
@@ -183,19 +183,19 @@ def test_zombie_cannot_read_ack_or_commit(any_redis, tmp_path) -> None:
     b.close()
 
 
-def test_zombie_commit_in_flight_is_not_acknowledged(redis_server, tmp_path) -> None:
+def test_zombie_commit_in_flight_is_not_acknowledged(redis_target, tmp_path) -> None:
     """A zombie whose async checkpoint commits after the newer trainer restored gets
     its acknowledgement refused (raised by its next call), and the newer trainer's
     restores prefer its own generation's manifests over the zombie's late one."""
-    spec = cf.create(redis_server.url, "tok", partitions=2)
-    cf.fill(redis_server.url, spec, 60)
-    a = _session(redis_server.url, tmp_path)
+    spec = cf.create(redis_target.url, "tok", partitions=2)
+    cf.fill(redis_target.url, spec, 60)
+    a = _session(redis_target.url, tmp_path)
     state = _state()
     a.restore(state)
     it = iter(a.batches(DataLoader(a.dataset(batch_size=10), batch_size=None)))
     _take(it, 2)
     gen_a = a._gen()
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     b.restore(_state())
     b.checkpoint(_state(), 1, blocking=True)  # B's lineage: step 1, nothing consumed
     # A passed its fence check before B restored; its commit lands now.
@@ -206,45 +206,45 @@ def test_zombie_commit_in_flight_is_not_acknowledged(redis_server, tmp_path) -> 
     with pytest.raises(FencedError, match="acknowledge refused"):
         a.checkpoint(state, 51)
     assert a.generation == gen_a
-    c = _session(redis_server.url, tmp_path)
+    c = _session(redis_target.url, tmp_path)
     assert c.restore(_state()) == 1  # B's step 1, not the zombie's step 50
     c.close()
     b.close()
 
 
-def test_missing_dataset(redis_server, tmp_path) -> None:
+def test_missing_dataset(redis_target, tmp_path) -> None:
     """A session for a dataset that does not exist fails at once, naming it."""
     with pytest.raises(DatasetNotFoundError, match="'tok' does not exist"):
-        _session(redis_server.url, tmp_path)
+        _session(redis_target.url, tmp_path)
 
 
-def test_checkpoint_of_another_dataset(redis_server, tmp_path) -> None:
+def test_checkpoint_of_another_dataset(redis_target, tmp_path) -> None:
     """Restoring from a store whose newest checkpoint belongs to another dataset is
     refused with CheckpointMismatchError (a ValueError) naming both."""
     for name in ("tok", "other"):
-        cf.fill(redis_server.url, cf.create(redis_server.url, name, partitions=2), 10)
-    a = _session(redis_server.url, tmp_path, dataset="other")
+        cf.fill(redis_target.url, cf.create(redis_target.url, name, partitions=2), 10)
+    a = _session(redis_target.url, tmp_path, dataset="other")
     a.restore(_state())
     a.checkpoint(_state(), 1, blocking=True)
     a.close()
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     with pytest.raises(CheckpointMismatchError, match="belongs to dataset 'other'") as info:
         b.restore(_state())
     assert isinstance(info.value, ValueError)
 
 
-def test_partition_count_changed(redis_server, tmp_path) -> None:
+def test_partition_count_changed(redis_target, tmp_path) -> None:
     """A dataset recreated with another partition count cannot take the old offsets:
     PartitionCountError says both counts."""
-    cf.fill(redis_server.url, cf.create(redis_server.url, "tok", partitions=4), 20)
-    a = _session(redis_server.url, tmp_path)
+    cf.fill(redis_target.url, cf.create(redis_target.url, "tok", partitions=4), 20)
+    a = _session(redis_target.url, tmp_path)
     a.restore(_state())
     a.checkpoint(_state(), 1, blocking=True)
     a.close()
-    client = redis_client.client(redis_server.url)
+    client = redis_client.client(redis_target.url)
     client.delete(streams.meta_key("tok"))
-    cf.create(redis_server.url, "tok", partitions=3)
-    b = _session(redis_server.url, tmp_path)
+    cf.create(redis_target.url, "tok", partitions=3)
+    b = _session(redis_target.url, tmp_path)
     with pytest.raises(PartitionCountError, match=r"written for 4 partitions.*now has 3"):
         b.restore(_state())
 
@@ -285,15 +285,15 @@ def test_rollback_rereads_from_the_checkpoint(any_redis, tmp_path, persistent: b
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_deterministic_resume_yields_the_same_batches(redis_server, tmp_path, workers: int) -> None:
+def test_deterministic_resume_yields_the_same_batches(redis_target, tmp_path, workers: int) -> None:
     """Deterministic mode: a run interrupted after 7 batches (an odd count, so the
     workers are out of phase) and resumed from its checkpoint yields exactly the batch
     sequence of an uninterrupted run, with partitions of unequal length."""
-    spec = cf.create(redis_server.url, "tok", partitions=5)
-    cf.fill(redis_server.url, spec, 233)
+    spec = cf.create(redis_target.url, "tok", partitions=5)
+    cf.fill(redis_target.url, spec, 233)
 
     def run(name: str, stop: int | None) -> list[list[str]]:
-        s = _session(redis_server.url, tmp_path / name, run=name, deterministic=True)
+        s = _session(redis_target.url, tmp_path / name, run=name, deterministic=True)
         s.restore(_state())
         loader = DataLoader(s.dataset(batch_size=4), batch_size=None, num_workers=workers)
         out = []
@@ -313,32 +313,32 @@ def test_deterministic_resume_yields_the_same_batches(redis_server, tmp_path, wo
 
 
 @pytest.mark.parametrize(("workers_a", "workers_b"), [(2, 0), (0, 2)])
-def test_restart_with_other_num_workers(redis_server, tmp_path, workers_a: int, workers_b: int) -> None:
+def test_restart_with_other_num_workers(redis_target, tmp_path, workers_a: int, workers_b: int) -> None:
     """A restart with another num_workers reassigns the partitions to other readers;
     checkpointed + re-read records are still every record once."""
-    spec = cf.create(redis_server.url, "tok", partitions=5)
-    cf.fill(redis_server.url, spec, 300)
-    a = _session(redis_server.url, tmp_path)
+    spec = cf.create(redis_target.url, "tok", partitions=5)
+    cf.fill(redis_target.url, spec, 300)
+    a = _session(redis_target.url, tmp_path)
     state = _state()
     a.restore(state)
     it = iter(a.batches(DataLoader(a.dataset(batch_size=7), batch_size=None, num_workers=workers_a)))
     first = _take(it, 9)
     a.checkpoint(state, 9, blocking=True)
     _take(it, 4)
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     assert b.restore(_state()) == 9
     rest = list(b.batches(DataLoader(b.dataset(batch_size=7), batch_size=None, num_workers=workers_b)))
     assert sorted(_recs(first) + _recs(rest)) == list(range(300))
     b.close()
 
 
-def test_damaged_newest_checkpoint_falls_back_with_its_offsets(redis_server, tmp_path) -> None:
+def test_damaged_newest_checkpoint_falls_back_with_its_offsets(redis_target, tmp_path) -> None:
     """When the newest checkpoint's data is damaged, restore loads the previous one and
     moves the group to *that* checkpoint's offsets: the records after them are read
     again, once."""
-    spec = cf.create(redis_server.url, "tok", partitions=3)
-    cf.fill(redis_server.url, spec, 120)
-    a = _session(redis_server.url, tmp_path)
+    spec = cf.create(redis_target.url, "tok", partitions=3)
+    cf.fill(redis_target.url, spec, 120)
+    a = _session(redis_target.url, tmp_path)
     state = _state()
     a.restore(state)
     it = iter(a.batches(DataLoader(a.dataset(batch_size=5), batch_size=None)))
@@ -352,22 +352,22 @@ def test_damaged_newest_checkpoint_falls_back_with_its_offsets(redis_server, tmp
     assert chunks
     for f in chunks:
         f.write_bytes(b"\xff" * max(1, f.stat().st_size))
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     assert b.restore(_state()) == old.step
     rest = list(b.batches(DataLoader(b.dataset(batch_size=5), batch_size=None)))
     assert sorted(_recs(first) + _recs(rest)) == list(range(120))
     b.close()
 
 
-def test_cancelled_blocking_read_loses_and_repeats_nothing(redis_server, tmp_path) -> None:
+def test_cancelled_blocking_read_loses_and_repeats_nothing(redis_target, tmp_path) -> None:
     """An endless dataset's blocking read is cut off by an exception (as a signal
     handler or a timeout would); the next pass starts at the consumed offsets on a
     fresh connection, and every record arrives once."""
     import signal
 
-    spec = cf.create(redis_server.url, "live", partitions=2, epochs=None)
-    cf.fill(redis_server.url, spec, 40, finish=False)
-    s = _session(redis_server.url, tmp_path, dataset="live", block_ms=2000)
+    spec = cf.create(redis_target.url, "live", partitions=2, epochs=None)
+    cf.fill(redis_target.url, spec, 40, finish=False)
+    s = _session(redis_target.url, tmp_path, dataset="live", block_ms=2000)
     s.restore(_state())
     ds = s.dataset(batch_size=10)
     got: list[Batch] = []
@@ -388,20 +388,20 @@ def test_cancelled_blocking_read_loses_and_repeats_nothing(redis_server, tmp_pat
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert sorted(_recs(got)) == list(range(40))
-    cf.fill(redis_server.url, spec, 80, start=40, finish=False)
+    cf.fill(redis_target.url, spec, 80, start=40, finish=False)
     it = iter(s.batches(DataLoader(ds, batch_size=None)))
     more = _take(it, 4)
     assert sorted(_recs(got + more)) == list(range(80))
     s.close()
 
 
-def test_retention_floor_is_below_every_kept_checkpoint(redis_server, tmp_path) -> None:
+def test_retention_floor_is_below_every_kept_checkpoint(redis_target, tmp_path) -> None:
     """keep_last=2 and four checkpoints: the published retention floor is at or below
     the offsets of every checkpoint the store keeps (rolling back to any of them finds
     its records untrimmed) and above those of the first, deleted one (it advances)."""
-    spec = cf.create(redis_server.url, "tok", partitions=3)
-    cf.fill(redis_server.url, spec, 300)
-    s = _session(redis_server.url, tmp_path, keep_last=2)
+    spec = cf.create(redis_target.url, "tok", partitions=3)
+    cf.fill(redis_target.url, spec, 300)
+    s = _session(redis_target.url, tmp_path, keep_last=2)
     state = _state()
     s.restore(state)
     it = iter(s.batches(DataLoader(s.dataset(batch_size=5), batch_size=None)))
@@ -411,7 +411,7 @@ def test_retention_floor_is_below_every_kept_checkpoint(redis_server, tmp_path) 
         m = s.checkpoint(state, step, blocking=True).wait()
         if step == 1:
             first = streams.offsets_from_wire(m.extra["trainguard"]["offsets"])
-    client = redis_client.client(redis_server.url)
+    client = redis_client.client(redis_target.url)
     floor = streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp")))
     kept = s.store.list()
     assert 1 not in {m.step for m in kept}
@@ -470,13 +470,13 @@ def test_offsets_published_when_redis_dies_during_publish(redis_factory, tmp_pat
     assert streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp"))) == ends
 
 
-def test_checkpoints_come_in_restore_order(redis_server, tmp_path) -> None:
+def test_checkpoints_come_in_restore_order(redis_target, tmp_path) -> None:
     """checkpoints() lists the run's committed checkpoints newest (generation, commit,
     step) first: after checkpoints of steps 1, 2, 3 and a rollback to step 1, the new
     lineage's step 2 comes before the abandoned step 3, and a restart restores it."""
-    spec = cf.create(redis_server.url, "tok", partitions=2)
-    cf.fill(redis_server.url, spec, 20)
-    s = _session(redis_server.url, tmp_path, keep_last=10)
+    spec = cf.create(redis_target.url, "tok", partitions=2)
+    cf.fill(redis_target.url, spec, 20)
+    s = _session(redis_target.url, tmp_path, keep_last=10)
     state = _state()
     s.restore(state)
     for step in (1, 2, 3):
@@ -486,26 +486,26 @@ def test_checkpoints_come_in_restore_order(redis_server, tmp_path) -> None:
     order = [(m.step, m.extra["trainguard"]["commit"]) for m in s.checkpoints()]
     assert order == [(2, 4), (3, 3), (2, 2), (1, 1)]
     s.close()
-    again = _session(redis_server.url, tmp_path, keep_last=10)
+    again = _session(redis_target.url, tmp_path, keep_last=10)
     assert again.restore(_state()) == 2
     again.close()
 
 
-def test_health_from_a_probe_or_the_attached_monitor(redis_server, tmp_path) -> None:
+def test_health_from_a_probe_or_the_attached_monitor(redis_target, tmp_path) -> None:
     """session.health(): without a monitor, a probe now (fake NVML without GPUs: no
     GPU, OK); with a monitor attached at construction, the monitor's report (a fake
     GPU with an uncorrected ECC error: CRITICAL), probed once and then reused."""
     from tests._fake_nvml import FakeGpu, FakeNvml
     from trainer_client.health import HealthMonitor, HealthProbe, Status
 
-    cf.create(redis_server.url, "tok", partitions=1)
-    bare = _session(redis_server.url, tmp_path)
+    cf.create(redis_target.url, "tok", partitions=1)
+    bare = _session(redis_target.url, tmp_path)
     report = bare.health(probe=HealthProbe(nvml=FakeNvml([])))
     assert report.no_gpu and report.status is Status.OK and report.gpus == ()
     bare.close()
     nvml = FakeNvml([FakeGpu(ecc_uncorrected=1)])
     monitor = HealthMonitor(HealthProbe(nvml=nvml), interval_s=3600)
-    watched = _session(redis_server.url, tmp_path, health_monitor=monitor)
+    watched = _session(redis_target.url, tmp_path, health_monitor=monitor)
     report = watched.health()
     assert len(report.gpus) == 1 and report.status is Status.CRITICAL
     assert monitor.latest is report and watched.health() is report

@@ -235,10 +235,10 @@ def _get(url: str) -> int:
         return 0
 
 
-def test_sigterm_stops_the_service_with_exit_0(redis_server: RedisServer) -> None:
+def test_sigterm_stops_the_service_with_exit_0(redis_target: RedisServer) -> None:
     """``python -m trainguard serve`` serves /healthz, and exits 0 on SIGTERM."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": redis_server.url}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": redis_target.url}
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainguard", "serve", "--port", str(port)], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -9,21 +9,22 @@ import sys
 from pathlib import Path
 
 import pytest
-from redis.asyncio import Redis
 
+from ingest_service import redis_client as ingest_redis
 from ingest_service.datasets import create_dataset, delete_dataset, describe_dataset, list_datasets
 from ingest_service.errors import DatasetExistsError, DatasetNotFoundError, IngestError
 from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
 from tests.servers import RedisServer
+from trainer_client import redis_client as trainer_redis
 from trainguard.core import streams
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def test_create_is_idempotent_and_refuses_other_settings(redis_server: RedisServer) -> None:
+async def test_create_is_idempotent_and_refuses_other_settings(redis_target: RedisServer) -> None:
     """Creating the same spec twice returns it; other settings raise DatasetExistsError
     naming each differing field; describe/list/delete see exactly what was created."""
-    client = Redis.from_url(redis_server.url)
+    client = ingest_redis.client(redis_target.url)
     spec = streams.DatasetSpec(name="ds", partitions=4, source="memory://a.jsonl", seed=1)
     assert await create_dataset(client, spec) == spec
     assert await create_dataset(client, spec) == spec
@@ -44,10 +45,10 @@ async def test_create_is_idempotent_and_refuses_other_settings(redis_server: Red
     await client.aclose()
 
 
-async def test_concurrent_creates_of_different_specs_one_wins(redis_server: RedisServer) -> None:
+async def test_concurrent_creates_of_different_specs_one_wins(redis_target: RedisServer) -> None:
     """Ten concurrent creates with different seeds: exactly one succeeds, the stored spec
     is that one, the other nine are refused."""
-    client = Redis.from_url(redis_server.url)
+    client = ingest_redis.client(redis_target.url)
     specs = [streams.DatasetSpec(name="race", source="memory://a", seed=s) for s in range(10)]
     results = await asyncio.gather(*(create_dataset(client, s) for s in specs),
                                    return_exceptions=True)
@@ -65,7 +66,7 @@ def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_trainguard_ingest_creates_produces_and_refuses_a_conflict(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """``trainguard ingest`` registers the dataset from its flags, produces it completely
     (exit 0, a progress line naming the dataset), and a second call with another seed
@@ -73,36 +74,34 @@ def test_trainguard_ingest_creates_produces_and_refuses_a_conflict(
     write_jsonl(tmp_path, 300)
     args = ["ingest", "--dataset", "cli", "--source", str(tmp_path / "*.jsonl"),
             "--partitions", "3", "--seed", "9", "--epochs", "2"]
-    done = _cli(*args, url=redis_server.url)
+    done = _cli(*args, url=redis_target.url)
     assert done.returncode == 0, done.stderr
     assert "cli: done epoch 2/2" in done.stderr and "600 records" in done.stderr
     spec = streams.DatasetSpec(name="cli", partitions=3, source=str(tmp_path / "*.jsonl"),
                                seed=9, epochs=2)
-    assert read_partitions(redis_server.url, spec) == expected_partitions(spec)
-    conflict = _cli(*args[:-4], "--seed", "10", "--epochs", "2", url=redis_server.url)
+    assert read_partitions(redis_target.url, spec) == expected_partitions(spec)
+    conflict = _cli(*args[:-4], "--seed", "10", "--epochs", "2", url=redis_target.url)
     assert conflict.returncode == 4 and "seed" in conflict.stderr
 
 
 def test_trainguard_ingest_stops_on_sigterm_with_exit_0_and_resumes(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """SIGTERM during ``trainguard ingest`` ends it with exit 0 after the batches in
     flight; running it again completes the dataset exactly as planned."""
     import signal
     import time
 
-    import redis as sync_redis
-
     from tests._ingest_util import total_len
 
     write_jsonl(tmp_path, 50_000, files=2)
     args = ["ingest", "--dataset", "term", "--source", str(tmp_path / "*.jsonl"),
             "--partitions", "4"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": redis_server.url}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": redis_target.url}
     proc = subprocess.Popen([sys.executable, "-m", "trainguard", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     spec = streams.DatasetSpec(name="term", partitions=4, source=str(tmp_path / "*.jsonl"))
-    client = sync_redis.Redis.from_url(redis_server.url)
+    client = trainer_redis.client(redis_target.url)
     try:
         while proc.poll() is None and total_len(client, spec) < 2000:
             time.sleep(0.005)
@@ -116,6 +115,6 @@ def test_trainguard_ingest_stops_on_sigterm_with_exit_0_and_resumes(
         client.close()
         if proc.poll() is None:
             proc.kill()
-    again = _cli(*args, url=redis_server.url)
+    again = _cli(*args, url=redis_target.url)
     assert again.returncode == 0, again.stderr
-    assert read_partitions(redis_server.url, spec) == expected_partitions(spec)
+    assert read_partitions(redis_target.url, spec) == expected_partitions(spec)

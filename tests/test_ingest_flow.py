@@ -76,7 +76,7 @@ async def _uncommitted(client: Redis, spec: streams.DatasetSpec, p: int, committ
 
 
 async def test_backpressure_pauses_at_the_bound_and_resumes_on_commit(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """With a bound of 50 entries per partition and a consumer group that commits
     slowly, the producer pauses each partition at the bound (recorded in the paused set
@@ -84,7 +84,7 @@ async def test_backpressure_pauses_at_the_bound_and_resumes_on_commit(
     resumes after every commit, and completes with exactly the planned entries."""
     write_jsonl(tmp_path, 1000)
     spec = streams.DatasetSpec(name="bp", partitions=2, source=str(tmp_path / "*.jsonl"))
-    client = ingest_redis.client(redis_server.url)
+    client = ingest_redis.client(redis_target.url)
     await client.sadd(streams.groups_key("bp"), "run1")
     metrics = IngestMetrics()
     limits = BacklogLimits(max_entries=50, poll_interval_s=0.01)
@@ -115,33 +115,33 @@ async def test_backpressure_pauses_at_the_bound_and_resumes_on_commit(
     assert _metric(metrics, "trainguard_ingest_pauses_total", dataset="bp") >= 2
     assert await client.smembers(streams.paused_key("bp")) == set()
     await client.aclose()
-    assert read_partitions(redis_server.url, spec) == expected_partitions(spec)
+    assert read_partitions(redis_target.url, spec) == expected_partitions(spec)
 
 
 async def test_retention_trims_only_below_the_smallest_floor_of_all_groups(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """Partition 0: two groups publish floors 1-40 and 1-90: trimmed to start at 1-40.
     Partition 1: only one group published a floor: not trimmed. A dataset without
     groups is not trimmed, unless max_len is set (then exactly max_len entries stay)."""
     write_jsonl(tmp_path, 400)
     spec = streams.DatasetSpec(name="ret", partitions=2, source=str(tmp_path / "*.jsonl"))
-    client = ingest_redis.client(redis_server.url)
+    client = ingest_redis.client(redis_target.url)
     await client.sadd(streams.groups_key("ret"), "old", "new")
     await client.hset(streams.floor_key("ret", "old"), mapping={"0": "1-40"})
     await client.hset(streams.floor_key("ret", "new"), mapping={"0": "1-90", "1": "1-150"})
     await Producer(client, spec, maintenance_interval_s=0.01).run()
     expected = expected_partitions(spec)
-    parts = read_partitions(redis_server.url, spec)
+    parts = read_partitions(redis_target.url, spec)
     assert parts[0] == [e for e in expected[0] if streams.parse_id(e[0]) >= (1, 40)]
     assert parts[1] == expected[1]
 
     plain = streams.DatasetSpec(name="plain", partitions=2, source=str(tmp_path / "*.jsonl"))
     await Producer(client, plain, maintenance_interval_s=0.01).run()
-    assert read_partitions(redis_server.url, plain) == expected_partitions(plain)
+    assert read_partitions(redis_target.url, plain) == expected_partitions(plain)
     capped = streams.DatasetSpec(name="capped", partitions=2, source=str(tmp_path / "*.jsonl"))
     await Producer(client, capped, limits=BacklogLimits(max_len=30)).run()
-    for p, entries in enumerate(read_partitions(redis_server.url, capped)):
+    for p, entries in enumerate(read_partitions(redis_target.url, capped)):
         assert entries == expected_partitions(capped)[p][-30:]
     await client.aclose()
 
@@ -175,7 +175,7 @@ async def test_deleting_a_dataset_stops_its_producer_without_recreating_it(
 
 
 async def test_memory_stays_bounded_with_many_partitions(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """24 MiB of 8 KiB records over 256 partitions (few records each, so no partition
     fills a batch) with max_inflight_bytes=2 MiB: the producer's traced memory peak
@@ -187,7 +187,7 @@ async def test_memory_stays_bounded_with_many_partitions(
     np.save(tmp_path / "tok.npy", np.arange(3072 * 8192, dtype=np.uint8))
     spec = streams.DatasetSpec(name="mem", partitions=256, source=str(tmp_path / "tok.npy"),
                                format="npy", sample_len=8192, shuffle_buffer=16)
-    client = ingest_redis.client(redis_server.url)
+    client = ingest_redis.client(redis_target.url)
     producer = Producer(client, spec, batch_bytes=256 * 1024, max_inflight_bytes=2 * 1024 * 1024)
     tracemalloc.start()
     try:

@@ -57,20 +57,20 @@ async def test_same_source_and_seed_give_identical_partitions(
 
 
 async def test_rerun_of_a_finished_dataset_appends_nothing(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """A finished dataset is recognised (progress hash) and not produced again; its
     ``end:<p>`` fields name each partition's last ID."""
     write_jsonl(tmp_path, 500)
     spec = _spec("d", tmp_path)
-    client = ingest_redis.client(redis_server.url)
+    client = ingest_redis.client(redis_target.url)
     await Producer(client, spec).run()
     again = Producer(client, spec)
     await again.run()
     progress = await client.hgetall(streams.progress_key("d"))
     await client.aclose()
     assert again.progress.records == 0 and again.progress.finished
-    parts = read_partitions(redis_server.url, spec)
+    parts = read_partitions(redis_target.url, spec)
     assert parts == expected_partitions(spec)
     for p, entries in enumerate(parts):
         assert progress[streams.progress_end_field(p)] == entries[-1][0]
@@ -85,30 +85,30 @@ def _check_exactly_once(url: str, spec: streams.DatasetSpec, total: int) -> None
 
 
 def test_kill_9_producer_ten_times_every_record_once_in_order(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """SIGKILL the producer process at 10 random points of a 50,000-record run and
     restart it each time: every record ends up exactly once, in planned order."""
     total = 50_000
     write_jsonl(tmp_path, total, files=4)
     spec = _spec("k", tmp_path)
-    landed = kill_at_random_points(redis_server.url, spec, total, 10)
+    landed = kill_at_random_points(redis_target.url, spec, total, 10)
     assert landed >= 8  # the kills really hit running producers
-    _check_exactly_once(redis_server.url, spec, total)
+    _check_exactly_once(redis_target.url, spec, total)
 
 
 @pytest.mark.chaos
 def test_kill_9_producer_fifty_times_over_two_epochs(
-    redis_server: RedisServer, tmp_path: Path
+    redis_target: RedisServer, tmp_path: Path
 ) -> None:
     """50 kills over 2 epochs of 50,000 records on 16 partitions: every record once per
     epoch, in planned order."""
     total = 50_000
     write_jsonl(tmp_path, total, files=5)
     spec = _spec("k50", tmp_path, partitions=16, epochs=2)
-    landed = kill_at_random_points(redis_server.url, spec, 2 * total, 50)
+    landed = kill_at_random_points(redis_target.url, spec, 2 * total, 50)
     assert landed >= 40
-    _check_exactly_once(redis_server.url, spec, total)
+    _check_exactly_once(redis_target.url, spec, total)
 
 
 

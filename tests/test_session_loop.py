@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis
 import torch
 from torch.utils.data import DataLoader
 
+from ingest_service import redis_client as ingest_redis
 from tests import _client_fill as cf
 from trainer_client import (
     Batch,
@@ -38,6 +38,7 @@ from trainer_client import (
     StreamingDataset,
     TrainingSession,
 )
+from trainer_client import redis_client as trainer_redis
 from trainguard.core import streams
 
 
@@ -86,7 +87,7 @@ def fill_epochs(url: str, spec: streams.DatasetSpec, n: int, epochs: int,
     ``i % P``), each with its source position ``src.npy:<8 i>``, then the producer's
     end marks."""
     P = spec.partitions
-    client = redis.Redis.from_url(url)
+    client = trainer_redis.client(url)
     pipe = client.pipeline(transaction=False)
     for e in range(epochs):
         for i in range(n):
@@ -105,13 +106,13 @@ def fill_epochs(url: str, spec: streams.DatasetSpec, n: int, epochs: int,
 # ----------------------------------------------------------------------- 1. RNG, Stateful
 
 
-def test_resume_restores_random_states_and_reading_leaves_them_alone(redis_server, tmp_path) -> None:
+def test_resume_restores_random_states_and_reading_leaves_them_alone(redis_target, tmp_path) -> None:
     """After restore(), torch's, NumPy's and Python's generators continue exactly as
     they would have after the checkpoint, the LR scheduler and a user's Stateful
     object are back, and iterating the DataLoader (2 workers) through batches() draws
     nothing from the global generator."""
-    spec = cf.create(redis_server.url, "tok", partitions=2)
-    cf.fill(redis_server.url, spec, 64)
+    spec = cf.create(redis_target.url, "tok", partitions=2)
+    cf.fill(redis_target.url, spec, 64)
 
     class Counter:  # any object with state_dict/load_state_dict
         def __init__(self) -> None:
@@ -123,7 +124,7 @@ def test_resume_restores_random_states_and_reading_leaves_them_alone(redis_serve
         def load_state_dict(self, d: dict[str, int]) -> None:
             self.n = d["n"]
 
-    a = _session(redis_server.url, tmp_path)
+    a = _session(redis_target.url, tmp_path)
     state, counter = _state(), Counter()
     state["counter"] = counter
     a.restore(state)
@@ -137,7 +138,7 @@ def test_resume_restores_random_states_and_reading_leaves_them_alone(redis_serve
     a.close()
 
     torch.manual_seed(123), np.random.seed(123), random.seed(123)  # a fresh process
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     state2, counter2 = _state(), Counter()
     state2["counter"] = counter2
     assert b.restore(state2) == 3
@@ -156,14 +157,14 @@ def test_resume_restores_random_states_and_reading_leaves_them_alone(redis_serve
 # ----------------------------------------------------------------------- 2. deterministic default
 
 
-def test_deterministic_is_the_default_and_resumes_batch_for_batch(redis_server, tmp_path) -> None:
+def test_deterministic_is_the_default_and_resumes_batch_for_batch(any_redis, tmp_path) -> None:
     """A session made without options is deterministic: a run stopped after 5 of its
     batches and resumed yields the batches an uninterrupted run yields, in order."""
-    spec = cf.create(redis_server.url, "tok", partitions=3)
-    cf.fill(redis_server.url, spec, 90)
+    spec = cf.create(any_redis.url, "tok", partitions=3)
+    cf.fill(any_redis.url, spec, 90)
 
     def run(name: str, stop: int | None) -> list[list[str]]:
-        s = _session(redis_server.url, tmp_path / name, run=name)
+        s = _session(any_redis.url, tmp_path / name, run=name)
         assert s.deterministic
         s.restore(_state())
         out = []
@@ -184,10 +185,10 @@ def test_deterministic_is_the_default_and_resumes_batch_for_batch(redis_server, 
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_iterating_the_loader_directly_is_refused(redis_server, tmp_path, workers: int) -> None:
+def test_iterating_the_loader_directly_is_refused(redis_target, tmp_path, workers: int) -> None:
     """The loop iterates the DataLoader instead of session.batches(loader): the first
     batch raises SessionBypassedError saying what to do, and nothing is committed."""
-    s, _ = _restored(redis_server.url, tmp_path, 40, 2)
+    s, _ = _restored(redis_target.url, tmp_path, 40, 2)
     loader = DataLoader(s.dataset(batch_size=4), batch_size=None, num_workers=workers)
     with pytest.raises(SessionBypassedError, match=r"session\.batches\(loader\)"):
         next(iter(loader))
@@ -195,19 +196,19 @@ def test_iterating_the_loader_directly_is_refused(redis_server, tmp_path, worker
     s.close()
 
 
-def test_checkpoint_after_reading_around_the_session_is_refused(redis_server, tmp_path) -> None:
+def test_checkpoint_after_reading_around_the_session_is_refused(redis_target, tmp_path) -> None:
     """Records read by a StreamingDataset the session did not make (same run and
     generation), with no batches() pass: checkpoint() raises SessionBypassedError and
     commits nothing; a restart then reads every record."""
-    s, state = _restored(redis_server.url, tmp_path, 40, 2)
-    ds = StreamingDataset(redis_server.url, "tok", "exp", batch_size=4, generation=s.generation or 0)
+    s, state = _restored(redis_target.url, tmp_path, 40, 2)
+    ds = StreamingDataset(redis_target.url, "tok", "exp", batch_size=4, generation=s.generation or 0)
     taken = [b for _, b in zip(range(3), iter(ds))]
     assert len(taken) == 3
     with pytest.raises(SessionBypassedError, match="checkpoint refused"):
         s.checkpoint(state, 3, blocking=True)
     s.close()
     assert s.checkpoints() == []
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     b.restore(_state())
     assert sorted(_recs(list(b.batches(DataLoader(b.dataset(batch_size=4), batch_size=None))))) == list(range(40))
     b.close()
@@ -217,14 +218,14 @@ def test_checkpoint_after_reading_around_the_session_is_refused(redis_server, tm
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_epochs_are_cut_flagged_and_counted(redis_server, tmp_path, deterministic: bool) -> None:
+def test_epochs_are_cut_flagged_and_counted(redis_target, tmp_path, deterministic: bool) -> None:
     """Two epochs of 30 records over 3 partitions, batches of 4, 2 workers: no batch
     holds two epochs, new_epoch marks exactly the first batch of each epoch, and
     progress() predicted the steps of an epoch before the first batch; at the end of
     epoch 0 it reports every record of it consumed, none remaining."""
-    spec = cf.create(redis_server.url, "tok", partitions=3, epochs=2)
-    fill_epochs(redis_server.url, spec, 30, 2)
-    s = _session(redis_server.url, tmp_path, deterministic=deterministic)
+    spec = cf.create(redis_target.url, "tok", partitions=3, epochs=2)
+    fill_epochs(redis_target.url, spec, 30, 2)
+    s = _session(redis_target.url, tmp_path, deterministic=deterministic)
     s.restore(_state())
     ds = s.dataset(batch_size=4)
     before = s.progress()
@@ -246,12 +247,12 @@ def test_epochs_are_cut_flagged_and_counted(redis_server, tmp_path, deterministi
     s.close()
 
 
-def test_progress_mid_epoch_and_after_a_restart(redis_server, tmp_path) -> None:
+def test_progress_mid_epoch_and_after_a_restart(redis_target, tmp_path) -> None:
     """Mid-epoch, progress() counts this epoch's batches and records and the records
     left; a restart from a checkpoint reports the same numbers."""
-    spec = cf.create(redis_server.url, "tok", partitions=2, epochs=2)
-    fill_epochs(redis_server.url, spec, 40, 2)
-    s = _session(redis_server.url, tmp_path)
+    spec = cf.create(redis_target.url, "tok", partitions=2, epochs=2)
+    fill_epochs(redis_target.url, spec, 40, 2)
+    s = _session(redis_target.url, tmp_path)
     state = _state()
     s.restore(state)
     it = iter(s.batches(DataLoader(s.dataset(batch_size=5), batch_size=None)))
@@ -261,30 +262,30 @@ def test_progress_mid_epoch_and_after_a_restart(redis_server, tmp_path) -> None:
     assert (p.epoch, p.batches, p.records, p.remaining, p.steps_per_epoch) == (1, 2, 10, 30, 8)
     s.checkpoint(state, 10, blocking=True)
     s.close()
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     b.dataset(batch_size=5)  # before restore: sizes an LR schedule from progress()
     b.restore(_state())
     assert b.progress() == p
     b.close()
 
 
-def test_drop_last_consumes_short_tails_without_training_them(redis_server, tmp_path) -> None:
+def test_drop_last_consumes_short_tails_without_training_them(redis_target, tmp_path) -> None:
     """drop_last: an epoch's short last batch is never yielded, yet counts as consumed
     (a restart does not read it again); straddle_epochs fills batches across epochs."""
-    spec = cf.create(redis_server.url, "tok", partitions=1, epochs=2)
-    fill_epochs(redis_server.url, spec, 10, 2)
-    s = _session(redis_server.url, tmp_path)
+    spec = cf.create(redis_target.url, "tok", partitions=1, epochs=2)
+    fill_epochs(redis_target.url, spec, 10, 2)
+    s = _session(redis_target.url, tmp_path)
     state = _state()
     s.restore(state)
     got = list(s.batches(DataLoader(s.dataset(batch_size=4, drop_last=True), batch_size=None)))
     assert [len(b) for b in got] == [4, 4, 4, 4] and s.progress().steps_per_epoch == 2
     s.checkpoint(state, 4, blocking=True)
     s.close()
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     b.restore(_state())
     assert list(b.batches(DataLoader(b.dataset(batch_size=4), batch_size=None))) == []
     b.close()
-    c = _session(redis_server.url, tmp_path / "c", run="c")
+    c = _session(redis_target.url, tmp_path / "c", run="c")
     c.restore(_state())
     straddled = list(c.batches(DataLoader(c.dataset(batch_size=4, straddle_epochs=True),
                                           batch_size=None)))
@@ -293,18 +294,18 @@ def test_drop_last_consumes_short_tails_without_training_them(redis_server, tmp_
 
 
 @pytest.mark.parametrize("kind", ["nd", "mp"])
-def test_every_batch_carries_source_positions(redis_server, tmp_path, kind: str) -> None:
+def test_every_batch_carries_source_positions(redis_target, tmp_path, kind: str) -> None:
     """Batch.pos lists each record's source position in the order of batch.data, for
     the NumPy fast path (one tensor) and for decoded records alike."""
-    spec = cf.create(redis_server.url, "tok", partitions=2)
-    client = redis.Redis.from_url(redis_server.url)
+    spec = cf.create(redis_target.url, "tok", partitions=2)
+    client = trainer_redis.client(redis_target.url)
     for i in range(12):
         value: Any = cf.record(i) if kind == "nd" else {"i": i}
         client.xadd(streams.partition_key("tok", i % 2),
                     streams.encode_record(value, pos=f"data/a.npy:{8 * i}"),
                     id=streams.make_id(0, i // 2))
     cf.mark_finished(client, spec, 12)
-    s = _session(redis_server.url, tmp_path)
+    s = _session(redis_target.url, tmp_path)
     s.restore(_state())
     for b in s.batches(DataLoader(s.dataset(batch_size=3), batch_size=None, num_workers=2)):
         rows = b.data[:, 0].tolist() if kind == "nd" else [r["i"] for r in b.data]
@@ -315,11 +316,11 @@ def test_every_batch_carries_source_positions(redis_server, tmp_path, kind: str)
 # ----------------------------------------------------------------------- 7. rollback
 
 
-def test_rollback_without_a_checkpoint_raises_and_changes_nothing(redis_server, tmp_path) -> None:
+def test_rollback_without_a_checkpoint_raises_and_changes_nothing(redis_target, tmp_path) -> None:
     """64 records, 1 partition: after 3 batches, rollback() with no committed
     checkpoint raises NoRollbackTargetError; weights and offsets stay, and finishing
     the run trains every record exactly once."""
-    s, state = _restored(redis_server.url, tmp_path, 64, 1)
+    s, state = _restored(redis_target.url, tmp_path, 64, 1)
     it = iter(s.batches(DataLoader(s.dataset(batch_size=8), batch_size=None)))
     first = [next(it) for _ in range(3)]
     weights = [p.detach().clone() for p in state["model"].parameters()]
@@ -336,11 +337,11 @@ def test_rollback_without_a_checkpoint_raises_and_changes_nothing(redis_server, 
 # ----------------------------------------------------------------------- 9. inspect
 
 
-def test_inspect_reads_a_checkpoint_without_fencing_the_trainer(redis_server, tmp_path) -> None:
+def test_inspect_reads_a_checkpoint_without_fencing_the_trainer(redis_target, tmp_path) -> None:
     """An evaluation script inspects the run's newest checkpoint while the trainer
     runs: it gets the weights and the session record, and the trainer goes on reading
     and checkpointing (no new generation was taken, nothing moved)."""
-    s, state = _restored(redis_server.url, tmp_path, 80, 2)
+    s, state = _restored(redis_target.url, tmp_path, 80, 2)
     it = iter(s.batches(DataLoader(s.dataset(batch_size=4), batch_size=None, num_workers=2)))
     for _ in range(4):
         _step(state, next(it))
@@ -365,7 +366,7 @@ def test_inspect_reads_a_checkpoint_without_fencing_the_trainer(redis_server, tm
 
 
 def test_the_trainer_asks_for_epochs_and_the_producer_writes_them_as_they_drain(
-    redis_server, tmp_path
+    redis_target, tmp_path
 ) -> None:
     """An endless npy dataset (ingested once, no epoch count), backlog bounded to one
     epoch: the real producer writes epochs only as the trainer commits, and
@@ -375,8 +376,6 @@ def test_the_trainer_asks_for_epochs_and_the_producer_writes_them_as_they_drain(
     dataset for more epochs than it has is a clear error."""
     import asyncio
     import threading
-
-    from redis.asyncio import Redis as AsyncRedis
 
     from ingest_service.backlog import BacklogLimits
     from ingest_service.datasets import create_dataset
@@ -388,21 +387,21 @@ def test_the_trainer_asks_for_epochs_and_the_producer_writes_them_as_they_drain(
                                format="npy", sample_len=8, epochs=None)
 
     async def register() -> None:
-        client = AsyncRedis.from_url(redis_server.url)
+        client = ingest_redis.client(redis_target.url)
         try:
             await create_dataset(client, spec)
         finally:
             await client.aclose()
 
     asyncio.run(register())
-    s = _session(redis_server.url, tmp_path, dataset="endless")
+    s = _session(redis_target.url, tmp_path, dataset="endless")
     state = _state()
     s.restore(state)  # the run's group exists before the producer starts
     producer_box: list[Producer] = []
     loop = asyncio.new_event_loop()
 
     async def produce() -> None:
-        redis_client = AsyncRedis.from_url(redis_server.url)
+        redis_client = ingest_redis.client(redis_target.url)
         producer = Producer(redis_client, spec, batch_records=8,
                             limits=BacklogLimits(max_entries=n // P, poll_interval_s=0.02),
                             maintenance_interval_s=0.05)
@@ -424,7 +423,7 @@ def test_the_trainer_asks_for_epochs_and_the_producer_writes_them_as_they_drain(
     s.checkpoint(state, step, blocking=True)
     assert sorted(seen) == sorted(list(range(n)) * 3)
     assert s.progress().epochs == 3
-    sync = redis.Redis.from_url(redis_server.url)
+    sync = trainer_redis.client(redis_target.url)
     produced = max(streams.parse_id(sync.xrevrange(streams.partition_key("endless", p), count=1)[0][0])[0]
                    for p in range(P))
     assert 3 <= produced <= 5, f"the producer ran {produced} epochs ahead of a 3-epoch trainer"
@@ -433,25 +432,25 @@ def test_the_trainer_asks_for_epochs_and_the_producer_writes_them_as_they_drain(
     s.close()
     sync.close()
 
-    finite = cf.create(redis_server.url, "two", partitions=1, epochs=2)
-    t = _session(redis_server.url, tmp_path / "t", dataset=finite.name)
+    finite = cf.create(redis_target.url, "two", partitions=1, epochs=2)
+    t = _session(redis_target.url, tmp_path / "t", dataset=finite.name)
     with pytest.raises(ValueError, match=r"epochs=3 is not available.*has 2 epochs"):
         t.dataset(batch_size=4, epochs=3)
     t.close()
 
 
-def test_random_augmentation_in_workers_is_the_same_on_a_resume(redis_server, tmp_path) -> None:
+def test_random_augmentation_in_workers_is_the_same_on_a_resume(redis_target, tmp_path) -> None:
     """A collate that adds random noise (drawn in the DataLoader workers) produces, in a
     resumed run, bitwise the batches of an uninterrupted run: workers draw from
     generators seeded per batch from the run seed, not from the worker's lineage."""
-    spec = cf.create(redis_server.url, "tok", partitions=3)
-    cf.fill(redis_server.url, spec, 90)
+    spec = cf.create(redis_target.url, "tok", partitions=3)
+    cf.fill(redis_target.url, spec, 90)
 
     def noisy(records: list[Any]) -> torch.Tensor:
         return torch.from_numpy(np.stack(records)).float() + torch.rand(len(records), 8)
 
     def run(name: str, stop: int | None, workers: int) -> list[torch.Tensor]:
-        s = _session(redis_server.url, tmp_path / name, run=name, seed=7)
+        s = _session(redis_target.url, tmp_path / name, run=name, seed=7)
         s.restore(_state())
         loader = DataLoader(s.dataset(batch_size=4, collate=noisy), batch_size=None,
                             num_workers=workers)
@@ -469,13 +468,13 @@ def test_random_augmentation_in_workers_is_the_same_on_a_resume(redis_server, tm
     assert len(whole) == len(resumed) and all(torch.equal(a, b) for a, b in zip(whole, resumed))
 
 
-def test_a_checkpoint_of_record_version_1_still_resumes(redis_server, tmp_path) -> None:
+def test_a_checkpoint_of_record_version_1_still_resumes(redis_target, tmp_path) -> None:
     """A checkpoint written before random states were saved (session record version
     1) restores: weights and offsets come back, the random states are left as they
     are, and the run then reads exactly the records after the offsets."""
     from checkpoint_store import CheckpointStore
 
-    s, state = _restored(redis_server.url, tmp_path, 40, 2)
+    s, state = _restored(redis_target.url, tmp_path, 40, 2)
     s.close()
     v1 = {"trainguard": {"version": 1, "dataset": "tok", "run": "exp", "partitions": 2,
                          "generation": 1, "commit": 1, "world_size": 1, "num_workers": 0,
@@ -485,7 +484,7 @@ def test_a_checkpoint_of_record_version_1_still_resumes(redis_server, tmp_path) 
     store = CheckpointStore(f"file://{tmp_path}/ckpt")
     store.save(state, step=5, extra=v1, blocking=True)
     store.close()
-    b = _session(redis_server.url, tmp_path)
+    b = _session(redis_target.url, tmp_path)
     target = _state()
     torch.manual_seed(5)
     before = torch.get_rng_state()

@@ -372,5 +372,5 @@ class Reader:
         keys: dict[Any, Any] = {
             streams.partition_key(self.ds.dataset, p): self.positions[p] for p in partitions
         }
-        self._retry(lambda c: c.xread(keys, count=1, block=self.ds.block_ms), reseek=True)
+        self._retry(lambda c: redis_client.wait_any(c, keys, self.ds.block_ms), reseek=True)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, cast
 
 import redis
@@ -11,7 +12,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from trainguard.core import redis_url
 
-__all__ = ["REPLICA_WAIT_MS", "client", "eval_per_node", "is_cluster"]
+__all__ = ["wait_any", "REPLICA_WAIT_MS", "client", "eval_per_node", "is_cluster"]
 
 
 def client(url: str, **kwargs: Any) -> redis.Redis:
@@ -72,3 +73,35 @@ def eval_per_node(
             cluster.nodes_manager.initialize()
         raise
     return out
+
+
+CLUSTER_WAIT_MS = 50
+"""On a cluster, how long one blocking read of one partition waits before the others
+are looked at again."""
+
+
+def wait_any(client: redis.Redis, keys: dict[Any, Any], block_ms: int) -> None:
+    """Return once one of ``keys`` (stream -> ID) has entries after its ID, or after
+    about ``block_ms``. One XREAD BLOCK on one server; on a cluster, where one XREAD
+    cannot span slots, a pipelined non-blocking XREAD per stream (per master), then
+    short blocking reads of one stream in turn, so entries on any stream are seen
+    within ``CLUSTER_WAIT_MS``."""
+    if not is_cluster(client):
+        client.xread(keys, count=1, block=block_ms)
+        return
+    order = list(keys)
+    deadline = time.monotonic() + block_ms / 1000
+    turn = 0
+    while True:
+        pipe = client.pipeline(transaction=False)
+        for key in order:
+            pipe.xread({key: keys[key]}, count=1)
+        if any(pipe.execute()):
+            return
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            return
+        key = order[turn % len(order)]
+        turn += 1
+        if client.xread({key: keys[key]}, count=1, block=min(left_ms, CLUSTER_WAIT_MS)):
+            return

@@ -127,6 +127,17 @@ def seq_key(dataset: str, partition: int) -> str:
     return f"{partition_key(dataset, partition)}:seq"
 
 
+def lease_key(dataset: str, partition: int) -> str:
+    """Which file producer writes the partition now: its owner id, with a TTL (in the
+    partition's slot)."""
+    return f"{partition_key(dataset, partition)}:lease"
+
+
+def producers_key(dataset: str) -> str:
+    """Hash of the dataset's live file producers: owner id -> expiry (ms, Redis time)."""
+    return f"{PREFIX}:{{{dataset}}}:producers"
+
+
 def fence_key(dataset: str, partition: int, group: str) -> str:
     return f"{partition_key(dataset, partition)}:fence:{group}"
 
@@ -279,6 +290,15 @@ when the partition received no record): a consumer at that offset has read every
 
 def progress_end_field(partition: int) -> bytes:
     return PROGRESS_END_PREFIX + str(partition).encode()
+
+
+PROGRESS_DONE_PREFIX = b"done:"
+"""``done:<p>`` -> ``1`` once partition ``p`` of a finite dataset holds its last record
+(producers sharing a dataset each mark their own; ``finished`` follows when all are)."""
+
+
+def progress_done_field(partition: int) -> bytes:
+    return PROGRESS_DONE_PREFIX + str(partition).encode()
 
 
 # --------------------------------------------------------------------------- dead letters

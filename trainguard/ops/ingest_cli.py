@@ -21,6 +21,9 @@ from trainguard.ops.exits import EXIT_INTERRUPTED, EXIT_OK
 
 __all__ = ["register"]
 
+_LEASE_HELP = ("several producers (ingest or serve processes) share a dataset's partitions "
+               "through leases: how long a killed one's stay leased before the others take "
+               "them over, in ms (default 5000)")
 _REDIS_HELP = f"Redis URL (default: ${settings.REDIS_URL_ENV} or {settings.DEFAULT_REDIS_URL})"
 
 
@@ -41,6 +44,7 @@ def register(subparsers: Any) -> None:
     ingest.add_argument("--sample-len", type=int, default=None, help="tokens per record (npy)")
     ingest.add_argument("--shuffle-buffer", type=int, default=4096)
     ingest.add_argument("--max-record-bytes", type=int, default=16 * 1024 * 1024)
+    ingest.add_argument("--lease-ms", type=int, default=None, help=_LEASE_HELP)
     tok = ingest.add_argument_group(
         "tokenize at ingest (text, jsonl, parquet, hf, webdataset; needs trainguard[hf])")
     tok.add_argument("--tokenizer", default=None,
@@ -67,6 +71,7 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help=_REDIS_HELP)
     parser.add_argument("--dataset", action="append", default=None,
                         help="produce only this dataset (repeatable; default: all registered)")
+    parser.add_argument("--lease-ms", type=int, default=None, help=_LEASE_HELP)
     parser.add_argument("--no-produce", action="store_true",
                         help="serve push and health only, run no file producers")
     parser.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
@@ -98,7 +103,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, host=args.host, port=args.port,
         datasets=tuple(args.dataset) if args.dataset else None, produce=not args.no_produce,
         allowed_hosts=tuple(args.allowed_host) if args.allowed_host else None,
-        push_limits=limits, insecure_local=args.insecure_local,
+        push_limits=limits, insecure_local=args.insecure_local, lease_ms=args.lease_ms,
     )
     return serve(config)
 
@@ -137,6 +142,7 @@ def _run_ingest(args: argparse.Namespace) -> int:
 async def _ingest(args: argparse.Namespace) -> int:
     from ingest_service import redis_client
     from ingest_service.datasets import create_dataset, describe_dataset
+    from ingest_service.leases import LEASE_MS
     from ingest_service.producer import Producer
 
     client = redis_client.client(settings.redis_url(args.redis_url))
@@ -145,7 +151,7 @@ async def _ingest(args: argparse.Namespace) -> int:
             spec = await create_dataset(client, _spec_from_args(args))
         else:
             spec = await describe_dataset(client, args.dataset)
-        producer = Producer(client, spec)
+        producer = Producer(client, spec, lease_ms=args.lease_ms or LEASE_MS)
         interrupted = False
 
         def on_signal(signum: int) -> None:
