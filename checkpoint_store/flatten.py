@@ -101,7 +101,10 @@ class _Flattener:
                 "dict); rename one of them"
             )
         self._paths.add(path)
-        t = t.detach()
+        if t.requires_grad:
+            # A new tensor object only where needed: each Python object a save keeps
+            # alive for its duration feeds the cyclic GC's full collections.
+            t = t.detach()
         if shard is None:
             shape = tuple(t.shape)
             self.leaves.append(TensorLeaf(path, t, shape, (0,) * len(shape), False))

@@ -117,7 +117,8 @@ def _merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 )
             m["shards"].append(e["shard"])
     for path, m in merged.items():
-        m["shards"] = unique_blocks(m["shards"])
+        if len(m["shards"]) > 1:  # one block is unique as it is (no new list and set)
+            m["shards"] = unique_blocks(m["shards"])
         # In-bounds blocks (Shard checks that) tile the tensor exactly when their
         # volumes add up to it and none overlaps; a sum that differs means a block
         # is missing or overlaps another, and the loader could not use them.
