@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import resource
 import shutil
@@ -103,8 +104,21 @@ def _cpu() -> float:
 @contextlib.contextmanager
 def _phase_timer() -> Iterator[dict[str, float]]:
     """Seconds spent in each of ``_PHASES`` while the block runs (the functions are
-    wrapped for the block only; the bench's own instrument, not a store feature)."""
+    wrapped for the block only; the bench's own instrument, not a store feature), and
+    in the cyclic garbage collector: ``gc`` (any collection, inside the phases too)
+    and ``full_gcs`` (how many full collections ran)."""
     acc: dict[str, float] = {label: 0.0 for label, _, _ in _PHASES}
+    acc |= {"gc": 0.0, "full_gcs": 0.0}
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        acc["gc"] += time.perf_counter() - started[0]
+        acc["full_gcs"] += info["generation"] == 2
+
+    gc.callbacks.append(on_gc)
     originals = [(owner, attr, getattr(owner, attr)) for _, owner, attr in _PHASES]
     for (label, owner, attr), (_, _, fn) in zip(_PHASES, originals):
         def timed(*a: Any, _fn: Any = fn, _label: str = label, **k: Any) -> Any:
@@ -117,6 +131,7 @@ def _phase_timer() -> Iterator[dict[str, float]]:
     try:
         yield acc
     finally:
+        gc.callbacks.remove(on_gc)
         for owner, attr, fn in originals:
             setattr(owner, attr, fn)
 
@@ -205,9 +220,11 @@ class Bench:
                 lambda: self._tg_save(self.many_store, self.many),
         }, rounds=self.args.rounds, before=self._cleanup)
 
-    def save_phases(self, saves: int = 3) -> dict[str, dict[str, float]]:
+    def save_phases(self, saves: int = 5) -> dict[str, dict[str, float]]:
         """Median ms per phase of a save, for each state (alternating, after the
-        rounds): where the 1,000-tensor save spends what the 20-tensor one does not."""
+        rounds): where the 1,000-tensor save spends what the 20-tensor one does not.
+        The garbage collector's time is lumpy (a full collection every few saves), so
+        ``gc`` and ``full_gcs`` are the totals over the saves."""
         states = {f"{self.args.tensors} tensors": (self.store, self.state),
                   f"{self.args.many} tensors": (self.many_store, self.many)}
         got: dict[str, list[dict[str, float]]] = {k: [] for k in states}
@@ -221,8 +238,13 @@ class Bench:
                     acc["cpu"] = _cpu() - c0
                 if i:
                     got[label].append(dict(acc))
-        return {label: {k: round(statistics.median(r[k] for r in runs) * 1e3, 1)
-                        for k in runs[0]} for label, runs in got.items()}
+        out: dict[str, dict[str, float]] = {}
+        for label, runs in got.items():
+            out[label] = {k: round(statistics.median(r[k] for r in runs) * 1e3, 1)
+                          for k in runs[0] if k not in ("gc", "full_gcs")}
+            out[label] |= {"gc_total": round(sum(r["gc"] for r in runs) * 1e3, 1),
+                           "full_gcs": sum(r["full_gcs"] for r in runs), "saves": len(runs)}
+        return out
 
     # -------------------------------------------------------------- load groups
     def _prepare_load_files(self) -> None:
@@ -339,12 +361,17 @@ def run(args: argparse.Namespace, base: Path) -> None:
     many = f"trainguard sync save, {args.many} tensors"
     few, lots = (f"{args.tensors} tensors", f"{args.many} tensors")
     extra_ms = phases[lots]["cpu"] - phases[few]["cpu"]
+    n_saves = phases[few]["saves"]
     phase_note = (
-        f"a save's phases, median ms of 3 ({args.tensors} -> {args.many} tensors): "
+        f"a save's phases, median ms of {n_saves} ({args.tensors} -> {args.many} tensors): "
         + ", ".join(f"{k} {phases[few][k]:.0f} -> {phases[lots][k]:.0f}"
-                    for k in phases[few] if k != "cpu")
+                    for k in ("prepare", "write", "commit", "retention", "total"))
         + f"; CPU {phases[few]['cpu']:.0f} -> {phases[lots]['cpu']:.0f} ms, i.e. "
-        f"{extra_ms * 1e3 / max(1, args.many - args.tensors):.0f} us per extra tensor")
+        f"{extra_ms * 1e3 / max(1, args.many - args.tensors):.0f} us per extra tensor; "
+        f"Python's cyclic GC over the {n_saves} saves: {phases[few]['gc_total']:.0f} -> "
+        f"{phases[lots]['gc_total']:.0f} ms ({phases[few]['full_gcs']:.0f} -> "
+        f"{phases[lots]['full_gcs']:.0f} full collections of a {len(gc.get_objects()):,}-"
+        "object heap)")
     disk = save.gib_per_s("dd write + fsync (disk)") or 0.0
     raw = save.gib_per_s("raw write + fsync") or 0.0
     ratios = [

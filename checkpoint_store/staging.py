@@ -47,7 +47,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         # tensor here). The view keeps the array, and the array the tensor, alive.
         # bfloat16/float8 (no numpy dtype), gradients, conj bits, strided or empty
         # tensors raise and take the general path below.
-        return memoryview(t.numpy()).cast("B")
+        return t.numpy().data.cast("B")
     except (TypeError, RuntimeError):
         pass
     flat = raw_view(t).contiguous().reshape(-1)
