@@ -183,7 +183,8 @@ def compare(paths: list[Path]) -> int:
         got = [v for v in vals if v is not None]
         mid = statistics.median(got)
         dev = max(abs(v / mid - 1) for v in got) if mid else 0.0
-        flag = "" if dev <= 0.15 else "  > 15 %"
+        flag = ("  missing from a run" if len(got) < len(docs)
+                else "" if dev <= 0.15 else "  > 15 %")
         if name.endswith(" [CPU]"):
             cpu_bad += dev > 0.15
         else:
