@@ -19,7 +19,7 @@ BENCH_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: test demo setup redis chromium lint chaos bench bench-readme gpu-check clean compose
+.PHONY: test demo setup redis chromium lint chaos bench bench-agreement bench-readme gpu-check clean compose
 
 setup: $(STAMP) redis chromium
 
@@ -86,9 +86,17 @@ compose: .env
 # All the benchmarks into one results file, bench/results/<host>-<UTC stamp>.json;
 # `make bench-readme` then regenerates README's performance section from the newest.
 bench: setup
-	export BENCH_STAMP=$$(date -u +%Y-%m-%dT%H%MZ) && \
+	export BENCH_STAMP=$${BENCH_STAMP:-$$(date -u +%Y-%m-%dT%H%MZ)} && \
 	$(PY) bench/checkpoint.py $(BENCH_ARGS) && $(PY) bench/ingest.py && $(PY) bench/consume.py && \
 	$(PY) bench/push.py && $(PY) bench/ingest_tokens.py
+
+# Three consecutive `make bench` runs, then the table of how far each headline ratio
+# moved between them (issue 18's acceptance: within +-15 % on every one).
+bench-agreement: setup
+	@for i in 1 2 3; do \
+	  BENCH_STAMP=$$(date -u +%Y-%m-%dT%H%M%SZ) $(MAKE) --no-print-directory bench || exit 1; \
+	done
+	$(PY) bench/report.py --agreement --newest 3
 
 bench-readme: setup
 	$(PY) bench/report.py --readme

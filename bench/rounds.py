@@ -3,8 +3,9 @@ machine's own limits, and the JSON results file.
 
 Why rounds: on a shared 2-core machine one measurement of A followed by one of B
 mostly measures which ran first and what else the machine was doing. So each round
-runs every contestant once, the order rotates from round to round (A B C, B C A,
-...), warm-up rounds are discarded, and a ratio is taken *within* a round (the two
+runs every contestant once, in an order that changes from round to round (a
+balanced Latin square: each contestant in every position, and right after every
+other one, equally often; see ``round_order``), warm-up rounds are discarded, and a ratio is taken *within* a round (the two
 sides shared the machine's mood) before the median over rounds is taken. The range of
 those per-round ratios is printed beside the median: a wide range says the machine
 was noisy, whatever the median says.
@@ -112,6 +113,28 @@ class Rounds:
                 for a, b in zip(self.samples[num], self.samples[den])]
 
 
+def round_order(n: int, r: int) -> list[int]:
+    """Contestant indices in round ``r``: a balanced Latin square (Williams design).
+
+    Rotating one order (A B C D, B C D A, ...) moves each contestant through every
+    position, but keeps its neighbours: B would always run right after A, so
+    whatever A leaves behind (dirty pages, a journal commit, a cold cache, freed
+    memory) would always land on B, round after round, and bias the B/A ratio the
+    same way every time. In a Williams square every contestant also follows every
+    other one equally often (over ``n`` rounds, ``2n`` for odd ``n``)."""
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = [(i + r) % n for i in first]
+    # Odd n: rows n..2n-1 are the first n reversed, which balances the neighbours.
+    return row[::-1] if n % 2 and (r // n) % 2 else row
+
+
 def run_rounds(
     contestants: Mapping[str, Callable[[], int | None]],
     *,
@@ -122,15 +145,16 @@ def run_rounds(
     server_pid: int | None = None,
     server_pids: Mapping[str, Sequence[int]] | None = None,
 ) -> Rounds:
-    """Run every contestant once per round, the order rotated each round; ``before``
-    and ``after`` (outside the measurement) prepare and clean up, e.g. drop caches.
-    With ``server_pid``, that process's CPU during each run is recorded too;
-    ``server_pids`` names the server processes per contestant instead (a cluster's)."""
+    """Run every contestant once per round, in the order of ``round_order`` (each
+    contestant in every position and after every other one); ``before`` and ``after``
+    (outside the measurement) prepare and clean up, e.g. drop caches. With
+    ``server_pid``, that process's CPU during each run is recorded too; ``server_pids``
+    names the server processes per contestant instead (a cluster's)."""
     names = list(contestants)
     out = Rounds({n: [] for n in names})
     for r in range(warmup + rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        # Measured rounds start at the first row, so whole squares are measured.
+        for name in (names[i] for i in round_order(len(names), r - warmup)):
             if before is not None:
                 before(name)
             pids = server_pids.get(name) if server_pids is not None else server_pid
@@ -166,7 +190,8 @@ class Ratio:
         tgt = f"  [target {self.target}]" if self.target else ""
         cpu = (f"  CPU {self.cpu_median:5.2f}x ({min(self.cpu_values):.2f}-"
                f"{max(self.cpu_values):.2f})" if self.cpu_median is not None else "")
-        return f"{self.name:58s} {self.median:6.2f}x  ({lo:.2f}-{hi:.2f}){cpu}{tgt}"
+        note = f"\n      ({self.note})" if self.note else ""
+        return f"{self.name:58s} {self.median:6.2f}x  ({lo:.2f}-{hi:.2f}){cpu}{tgt}{note}"
 
     def doc(self) -> dict[str, Any]:
         doc = {"median": round(self.median, 4), "min": round(min(self.values), 4),

@@ -101,7 +101,10 @@ class _Flattener:
                 "dict); rename one of them"
             )
         self._paths.add(path)
-        t = t.detach()
+        if t.requires_grad:
+            # A new tensor object only where needed: each Python object a save keeps
+            # alive for its duration feeds the cyclic GC's full collections.
+            t = t.detach()
         if shard is None:
             shape = tuple(t.shape)
             self.leaves.append(TensorLeaf(path, t, shape, (0,) * len(shape), False))
@@ -113,6 +116,10 @@ class _Flattener:
         return msgpack.ExtType(EXT_TENSOR, path.encode())
 
     def walk(self, value: Any, path: str) -> Any:
+        if type(value) is torch.Tensor:
+            # The common leaf first (exact type: a subclass such as DTensor is not a
+            # plain tensor); the checks below cost ~1 us per tensor of a large state.
+            return self._leaf(path, value, None)
         if value is None:
             return None
         # Subclasses (enums, numpy.float64) are stored as their base type.

@@ -43,7 +43,7 @@ from checkpoint_store.layout import (
     parse_manifest_name,
     uid_time_ns,
 )
-from checkpoint_store.manifest import Manifest, encode_manifest, parse_manifest
+from checkpoint_store.manifest import Manifest, TensorFragments, encode_manifest, parse_manifest
 from checkpoint_store.plan import RankPlan
 from checkpoint_store.reshard import unique_blocks
 from checkpoint_store.staging import Staged
@@ -118,7 +118,8 @@ def _merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 )
             m["shards"].append(e["shard"])
     for path, m in merged.items():
-        m["shards"] = unique_blocks(m["shards"])
+        if len(m["shards"]) > 1:  # one block is unique as it is (no new list and set)
+            m["shards"] = unique_blocks(m["shards"])
         # In-bounds blocks (Shard checks that) tile the tensor exactly when their
         # volumes add up to it and none overlaps; a sum that differs means a block
         # is missing or overlaps another, and the loader could not use them.
@@ -150,7 +151,10 @@ def _as_save_error(e: BaseException, step: int) -> BaseException:
 
 
 def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
-             own_inflight: set[str]) -> Manifest:
+             own_inflight: set[str], fragments: TensorFragments | None = None,
+             ) -> tuple[Manifest, bytes]:
+    """Run the protocol; returns the committed manifest and its exact bytes.
+    ``fragments``: the writer's encoded manifest entries of its previous save."""
     rank = comm.rank
     uid_doc: dict[str, Any] = {}
     parent: str | None = None
@@ -197,7 +201,8 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
         outcome: dict[str, Any] = {}
         manifest_bytes = b""
         if rank == 0:
-            outcome, manifest_bytes = _commit(backend, job, uid, parent, reports, comm.world_size)
+            outcome, manifest_bytes = _commit(backend, job, uid, parent, reports,
+                                              comm.world_size, fragments)
         outcome = broadcast_json(comm, outcome)
         manifest_bytes = comm.broadcast_bytes(manifest_bytes if rank == 0 else None)
     finally:
@@ -210,7 +215,7 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
         if outcome.get("errno"):
             raise CheckpointWriteError(outcome["errno"], outcome["error"])
         raise DistributedSaveError(outcome["error"])
-    return parse_manifest(outcome["name"], manifest_bytes)
+    return parse_manifest(outcome["name"], manifest_bytes), manifest_bytes
 
 
 def _landed(backend: Backend, name: str, raw: bytes) -> bool:
@@ -224,7 +229,8 @@ def _landed(backend: Backend, name: str, raw: bytes) -> bool:
 
 
 def _commit(backend: Backend, job: SaveJob, uid: str, parent: str | None,
-            reports: list[dict[str, Any]], world_size: int) -> tuple[dict[str, Any], bytes]:
+            reports: list[dict[str, Any]], world_size: int,
+            fragments: TensorFragments | None) -> tuple[dict[str, Any], bytes]:
     ddir = data_dir(uid)
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if not rep["ok"]]
     if failed:
@@ -244,6 +250,7 @@ def _commit(backend: Backend, job: SaveJob, uid: str, parent: str | None,
             step=job.step, uid=uid, created_at=time.time(), parent=parent,
             world_size=world_size, extra=job.extra, arrays=arrays,
             tensors=_merge_tensors([rep["tensors"] for rep in reports]), state=job.skeleton,
+            fragments=fragments,
         )
         try:
             backend.exclusive_create(manifest_path(name), raw)

@@ -42,6 +42,14 @@ class Staged:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU tensor, C-ordered (copies only if not contiguous)."""
+    try:
+        # One torch call instead of four (a save of 1,000 small tensors spent ~5 us per
+        # tensor here). The view keeps the array, and the array the tensor, alive.
+        # bfloat16/float8 (no numpy dtype), gradients, conj bits, strided or empty
+        # tensors raise and take the general path below.
+        return t.numpy().data.cast("B")
+    except (TypeError, RuntimeError):
+        pass
     flat = raw_view(t).contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")

@@ -29,7 +29,7 @@ from checkpoint_store.layout import (
     parse_manifest_name,
 )
 from checkpoint_store.loading import Applier
-from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.manifest import Manifest, TensorFragments, parse_manifest
 from checkpoint_store.plan import plan_rank
 from checkpoint_store.reader import ChunkReader, verify_data
 from checkpoint_store.retention import GcReport, apply_retention, choose_deletions, collect_garbage
@@ -101,6 +101,8 @@ class CheckpointStore:
         self._own_inflight: set[str] = set()
         # name -> (its bytes, parsed): retention re-reads every manifest after each save.
         self._parsed: dict[str, tuple[bytes, Manifest]] = {}
+        # Only the writer thread encodes manifests.
+        self._fragments = TensorFragments()
         self._closed = False
 
     @property
@@ -190,14 +192,18 @@ class CheckpointStore:
 
     def _run(self, handle: SaveHandle, job: SaveJob) -> None:
         try:
-            manifest = run_save(self._backend, self._comm, job, io_threads=self.io_threads,
-                                own_inflight=self._own_inflight)
+            manifest, raw = run_save(self._backend, self._comm, job,
+                                     io_threads=self.io_threads,
+                                     own_inflight=self._own_inflight,
+                                     fragments=self._fragments)
         except BaseException as e:
             with self._lock:
                 self._unreported = handle
             handle._finish(None, e)
             return
         if self.rank == 0:
+            # Retention reads every manifest: this one is parsed already.
+            self._remember(manifest.name, raw, manifest)
             try:
                 self._apply_retention(protect=manifest.name)
             except Exception:
@@ -239,10 +245,13 @@ class CheckpointStore:
             return dataclasses.replace(seen[1], pinned=pinned)
         manifest = parse_manifest(name, raw, pinned=pinned)
         if reuse:
-            if len(self._parsed) >= 256:
-                self._parsed.clear()
-            self._parsed[name] = (raw, manifest)
+            self._remember(name, raw, manifest)
         return manifest
+
+    def _remember(self, name: str, raw: bytes, manifest: Manifest) -> None:
+        if len(self._parsed) >= 256:
+            self._parsed.clear()
+        self._parsed[name] = (raw, manifest)
 
     def list(self) -> builtins.list[Manifest]:
         """Committed, readable manifests, oldest first (damaged ones are logged)."""

@@ -1,5 +1,5 @@
 """The benchmarks' shared machinery (``bench/rounds.py``, ``bench/report.py``): rounds
-rotate the order and drop the warm-up, ratios pair samples of one round, results
+run in a balanced order and drop the warm-up, ratios pair samples of one round, results
 files merge sections, and README's section is regenerated from a results file.
 
 No timing is asserted: wall-clock samples are built by hand where numbers matter.
@@ -20,9 +20,12 @@ import report  # noqa: E402
 import rounds as rd  # noqa: E402
 
 
-def test_rounds_rotate_the_order_and_discard_the_warm_up():
-    """Round r starts with contestant r mod n; warm-up samples are not kept; before and
-    after run around every contestant, outside its measurement."""
+def test_rounds_run_a_balanced_order_and_discard_the_warm_up():
+    """Measured rounds follow a Williams square (for three contestants: six rounds,
+    each in every position twice and right after each other one twice, so what one
+    leaves behind does not always land on the same other one); the warm-up round
+    runs before them and its samples are not kept; before and after run around every
+    contestant, outside its measurement."""
     calls: list[str] = []
 
     def make(name: str):
@@ -31,13 +34,16 @@ def test_rounds_rotate_the_order_and_discard_the_warm_up():
             return 10
         return run
 
-    r = rd.run_rounds({n: make(n) for n in "abc"}, rounds=3, warmup=1,
+    r = rd.run_rounds({n: make(n) for n in "abc"}, rounds=6, warmup=1,
                       before=lambda n: calls.append("<" + n),
                       after=lambda n: calls.append(n + ">"))
-    order = [c for c in calls if len(c) == 1]
-    assert order == list("abc" "bca" "cab" "abc")
-    assert calls[:3] == ["<a", "a", "a>"]
-    assert {n: len(v) for n, v in r.samples.items()} == {"a": 3, "b": 3, "c": 3}
+    order = "".join(c for c in calls if len(c) == 1)
+    measured = ["abc", "bca", "cab", "cba", "acb", "bac"]
+    assert order == "bac" + "".join(measured)  # warm-up: the last row of the squares
+    assert calls[:3] == ["<b", "b", "b>"]
+    assert {(row[i], row[i + 1]) for row in measured for i in range(2)} == {
+        (x, y) for x in "abc" for y in "abc" if x != y}
+    assert {n: len(v) for n, v in r.samples.items()} == {"a": 6, "b": 6, "c": 6}
     assert all(s.nbytes == 10 for v in r.samples.values() for s in v)
 
 
@@ -64,7 +70,7 @@ def test_results_file_merges_sections_and_feeds_readme_and_compare(tmp_path, cap
     path = tmp_path / "results" / "host-stamp.json"
     r = rd.Rounds({"tg": [rd.Sample(1.0, 0.2, 2**30)], "base": [rd.Sample(1.5, 0.1, 2**30)]})
     head = rd.speed_ratio(r, "tg", "base", name="load speed / dd read (cold cache)",
-                          target=">= 0.9x")
+                          target=">= 0.9x", note="the disk read 900 MiB/s")
     section = {"args": {"tensors": 20, "rounds": 1}, "state_mib": 256.0,
                "cold_cache_method": "posix_fadvise(DONTNEED)",
                "peak_rss_growth_mib": {"trainguard_load": 0.0, "torch_load": 256.0},
@@ -79,13 +85,23 @@ def test_results_file_merges_sections_and_feeds_readme_and_compare(tmp_path, cap
     assert ("| load speed / dd read (cold cache) | **1.50x** (1.50-1.50) (target >= 0.9x) | "
             "0.50x (0.50-0.50) |") in text
     assert "cold read 900.0 MiB/s" in text
+    assert "- load speed / dd read (cold cache): the disk read 900 MiB/s." in text
 
     other = tmp_path / "b.json"
     doc["benches"]["checkpoint"]["headlines"][head.name]["median"] = 1.0  # 20 % off 1.25
     other.write_text(json.dumps(doc))
     assert report.compare([path, path]) == 0
     assert report.compare([path, other]) == 1
-    assert "> 15 %" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "> 15 %" in out and "0 of 1 headline ratios agree" in out
+    # Only wall-time headlines count; CPU-time ratios are shown beside them.
+    doc["benches"]["checkpoint"]["headlines"][head.name] |= {"median": 1.5, "cpu_median": 9.0}
+    other.write_text(json.dumps(doc))
+    assert report.compare([path, other]) == 0
+    assert "1 of 1 headline ratios agree" in capsys.readouterr().out
+    del doc["benches"]["checkpoint"]["headlines"][head.name]
+    other.write_text(json.dumps(doc))
+    assert report.compare([path, other]) == 1  # missing from a run: not agreeing
 
 
 def test_dir_is_created_when_missing_and_cache_drop_names_its_method(tmp_path):
