@@ -15,7 +15,6 @@ any data directory seen without a live marker and without a manifest is debris.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from checkpoint_store.layout import (
     parse_manifest_name,
 )
 from checkpoint_store.manifest import Manifest
+from trainguard.core.process import pid_alive
 
 __all__ = ["GcReport", "apply_retention", "choose_deletions", "collect_garbage", "writer_alive"]
 
@@ -70,15 +70,7 @@ def apply_retention(backend: Backend, doomed: Sequence[Manifest]) -> list[str]:
 def writer_alive(marker: dict[str, object], *, stale_after_s: float) -> bool:
     if marker.get("host") == socket.gethostname():
         pid = marker.get("pid")
-        if not isinstance(pid, int):
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return isinstance(pid, int) and pid_alive(pid)
     started = marker.get("started_at")
     return isinstance(started, int | float) and time.time() - started < stale_after_s
 
@@ -86,15 +78,7 @@ def writer_alive(marker: dict[str, object], *, stale_after_s: float) -> bool:
 def _tmp_owner_alive(name: str) -> bool:
     # Local temp files are ".tmp-<final name>.<pid>", written by this host.
     pid_text = name.rsplit(".", 1)[-1]
-    if not pid_text.isdigit():
-        return False
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_text.isdigit() and pid_alive(int(pid_text))
 
 
 def collect_garbage(

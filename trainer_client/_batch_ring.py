@@ -46,6 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainguard.core.process import pid_alive
+
 __all__ = ["RING_SLOTS", "Slot", "claim", "is_ring_tensor", "reduce_data", "slot_of", "stats"]
 
 RING_SLOTS = 12
@@ -183,14 +185,7 @@ worker has exited (it sends nothing more); tensors still viewing it keep it mapp
 
 
 def _worker_alive(name: str) -> bool:
-    pid = int(name.split("-", 1)[0])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(int(name.split("-", 1)[0]))
 
 
 def _map(slot: Slot, fd: Any) -> mmap.mmap:
