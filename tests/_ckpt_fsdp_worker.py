@@ -42,6 +42,7 @@ from checkpoint_store import CheckpointStore
 from checkpoint_store import Shard as CkptShard
 from checkpoint_store._faults import CRASH_ENV
 from checkpoint_store.dcp import StorageReader, StorageWriter
+from tests._ckpt_helpers import claimed_in_place
 
 BATCH = 8
 DEVICE = os.environ.get("CKPT_DEVICE", "cpu")  # "cuda": one rank per GPU, NCCL for CUDA
@@ -235,22 +236,6 @@ def mode_dtensor(store: CheckpointStore, rank: int, world: int) -> dict[str, Any
             "layouts": {k: e.get("layout") for k, e in manifest.tensors.items()}}
 
 
-def _claimed(store: CheckpointStore, target: dict[str, Any]) -> list[str]:
-    """Keys of ``target`` the newest checkpoint's load reads in place on this rank."""
-    from checkpoint_store.direct import DirectLoad
-    from checkpoint_store.flatten import decode_skeleton
-    from checkpoint_store.layout import data_dir
-    from checkpoint_store.loading import Applier
-    from checkpoint_store.reader import ChunkReader
-
-    m = store.list()[-1]
-    reader = ChunkReader(store._backend, data_dir(m.uid), m.arrays, io_threads=2)
-    direct = DirectLoad(store._backend, data_dir(m.uid), m.arrays, io_threads=2)
-    applier = Applier(m.name, m.tensors, reader, direct)
-    applier.prepare(target, decode_skeleton(m.state), None)
-    return sorted(applier.claimed)
-
-
 def _damage(root: str, store: CheckpointStore, key: str, what: str) -> bytes:
     """Rank 0 damages the newest checkpoint's last chunk (or zarr.json) of the array
     holding ``key``'s last block (another rank's); returns the path and the original
@@ -279,7 +264,7 @@ def mode_inplace(store: CheckpointStore, rank: int, world: int, root: str) -> di
     out: dict[str, Any] = {"rank": rank, "claimed": {}, "diff": {}}
     for layout in ("a", "b"):
         target = {"d": dtensor_state(world, 0, layout)}
-        out["claimed"][layout] = _claimed(store, target)
+        out["claimed"][layout] = sorted(claimed_in_place(store, target))
         manifest = store.load(target)
         assert manifest is not None
         out["diff"][layout] = [manifest.step, same(full_state(target),

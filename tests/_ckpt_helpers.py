@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from checkpoint_store import CheckpointStore
+from checkpoint_store.direct import DirectLoad
 from checkpoint_store.dtypes import _BY_NAME, is_supported
+from checkpoint_store.flatten import decode_skeleton
+from checkpoint_store.layout import data_dir
+from checkpoint_store.loading import Applier
+from checkpoint_store.reader import ChunkReader
 
 SUPPORTED_DTYPES = sorted((d for d in _BY_NAME.values() if is_supported(d)), key=str)
 SHAPES: list[tuple[int, ...]] = [(), (0,), (0, 3), (7,), (3, 5), (2, 3, 4)]
@@ -100,3 +106,14 @@ def run_ranks(worker: str, mode: str, world: int, root: str, *extra: str,
         assert p.returncode == 0, err.decode()[-3000:]
         results.append(json.loads(out.decode().strip().splitlines()[-1]))
     return results
+
+
+def claimed_in_place(store: CheckpointStore, target: dict[str, object]) -> set[str]:
+    """Keys of ``target`` that a load of the newest checkpoint reads in place (the direct
+    path) on this rank; the others go through the staged reader."""
+    m = store.list()[-1]
+    reader = ChunkReader(store._backend, data_dir(m.uid), m.arrays, io_threads=2)
+    direct = DirectLoad(store._backend, data_dir(m.uid), m.arrays, io_threads=2)
+    applier = Applier(m.name, m.tensors, reader, direct)
+    applier.prepare(target, decode_skeleton(m.state), None)
+    return set(applier.claimed)

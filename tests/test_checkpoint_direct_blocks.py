@@ -20,11 +20,7 @@ import pytest
 import torch
 
 from checkpoint_store import CheckpointStore, CorruptCheckpointError, Shard
-from checkpoint_store.direct import DirectLoad
-from checkpoint_store.flatten import decode_skeleton
-from checkpoint_store.layout import data_dir
-from checkpoint_store.loading import Applier
-from checkpoint_store.reader import ChunkReader
+from tests._ckpt_helpers import claimed_in_place as claims
 from tests._ckpt_helpers import run_ranks
 
 WORKER = str(Path(__file__).resolve().parent / "_ckpt_dist_worker.py")
@@ -59,15 +55,6 @@ def row_blocks(world: int) -> list[tuple[int, int]]:
         start += len(part)
     out += [(ROWS, 0)] * (world - len(out))  # ranks past the end hold empty shards
     return out
-
-
-def claims(store: CheckpointStore, state: dict[str, object]) -> set[str]:
-    m = store.list()[-1]
-    reader = ChunkReader(store._backend, data_dir(m.uid), m.arrays, io_threads=2)
-    direct = DirectLoad(store._backend, data_dir(m.uid), m.arrays, io_threads=2)
-    applier = Applier(m.name, m.tensors, reader, direct)
-    applier.prepare(state, decode_skeleton(m.state), None)
-    return set(applier.claimed)
 
 
 @pytest.mark.parametrize("world", [4, 3, 2, 1])
