@@ -16,6 +16,7 @@ the oldest checkpoint they keep (``floor_key``).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -114,6 +115,16 @@ class Backlog:
         if self.entries == 0:
             return True  # a single batch over the bound must still get through
         return self.entries + count <= limits.max_entries and self.bytes + size <= limits.max_bytes
+
+    def room(self, sizes: list[int], limits: BacklogLimits) -> int:
+        """How many of the next records (their payload ``sizes``) fit under the bounds
+        now; at least one when the backlog is empty (a record over the bound must still
+        get through)."""
+        fit = min(len(sizes), limits.max_entries - self.entries)
+        left = limits.max_bytes - self.bytes
+        if fit > 0 and sum(sizes[:fit]) > left:
+            fit = bisect.bisect_right(list(itertools.accumulate(sizes[:fit])), left)
+        return max(fit, 1 if self.entries == 0 and sizes else 0)
 
     async def load(self, redis: Redis, key: str, after: streams.StreamId) -> None:
         """Rebuild from the stream: every entry after ``after`` (a restart forgot them)."""

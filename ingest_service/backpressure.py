@@ -68,15 +68,20 @@ class Backpressure:
         self.metrics.lag.labels(**labels).set(self.backlogs[p].entries)
         self.metrics.lag_bytes.labels(**labels).set(self.backlogs[p].bytes)
 
-    async def wait_room(self, p: int, count: int, size: int, stop: asyncio.Event) -> bool:
-        """True once ``p`` has room for ``count`` records of ``size`` bytes (pausing it
-        meanwhile); False if ``stop`` is set first."""
+    async def wait_room(self, p: int, sizes: list[int], stop: asyncio.Event) -> int:
+        """How many of the next records of ``p`` (their payload ``sizes``) may be
+        appended now: all that fit under the bounds, at least one (pausing the partition
+        until one fits); 0 if ``stop`` is set first.
+
+        Part of a batch, not all or nothing: a consumer commits only what it trained on,
+        so it may hold a few uncommitted entries while it waits for more. Waiting for
+        room for a whole batch would wait for those, and neither side would move."""
         backlog = self.backlogs[p]
-        if backlog.has_room(count, size, self.limits):
-            return True
+        if n := backlog.room(sizes, self.limits):
+            return n
         self.advance(p, await self.committed())
-        if backlog.has_room(count, size, self.limits):
-            return True
+        if n := backlog.room(sizes, self.limits):
+            return n
         await self.redis.sadd(streams.paused_key(self.spec.name), str(p))
         self.paused.add(p)
         self.metrics.pauses.labels(**self._labels).inc()
@@ -92,10 +97,10 @@ class Backpressure:
                     # Deleted (or Redis lost it) while paused: the sync tells which.
                     raise StreamLost(f"dataset {self.spec.name!r} is gone")
                 self.advance(p, await self.committed())
-                if backlog.has_room(count, size, self.limits):
+                if n := backlog.room(sizes, self.limits):
                     await self.redis.srem(streams.paused_key(self.spec.name), str(p))
-                    return True
-            return False
+                    return n
+            return 0
         finally:
             self.paused.discard(p)
             self.metrics.paused.labels(**self._labels).set(len(self.paused))

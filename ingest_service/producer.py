@@ -446,13 +446,17 @@ class Producer:
                     if p not in verified:
                         await self._verify(p, link)
                         verified.add(p)
-                    if await self._pressure.wait_room(p, len(batch), size, self._halt):
-                        await self._write(p, first, batch, epoch, size, link)
-                    else:
-                        # Halted while paused (stopped, or the leases changed): drop the
-                        # partition's batches from here (they are planned again) and
-                        # keep draining, so that the reader never waits for us.
-                        dropped.add(p)
+                    sizes = list(map(len, map(DATA, batch)))
+                    while batch:
+                        n = await self._pressure.wait_room(p, sizes, self._halt)
+                        if n == 0:
+                            # Halted while paused (stopped, or the leases changed): drop
+                            # the partition's batches from here (they are planned again)
+                            # and keep draining, so that the reader never waits for us.
+                            dropped.add(p)
+                            break
+                        await self._write(p, first, batch[:n], epoch, sum(sizes[:n]), link)
+                        first, batch, sizes = first + n, batch[n:], sizes[n:]
                 finally:
                     budget.give(size)
             broken = False

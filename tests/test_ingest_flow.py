@@ -118,6 +118,38 @@ async def test_backpressure_pauses_at_the_bound_and_resumes_on_commit(
     assert read_partitions(redis_target.url, spec) == expected_partitions(spec)
 
 
+async def test_a_consumer_holding_a_few_uncommitted_entries_is_never_starved(
+    redis_target: RedisServer, tmp_path: Path
+) -> None:
+    """A trainer commits only what it trained on: here it always keeps its last 5 entries
+    uncommitted and waits for more. With batches as large as the bound (50), the
+    producer must append the part of a batch that fits (45) instead of waiting for room
+    for the whole batch, which would wait for those 5 forever. It finishes, and no
+    partition ever holds more than 50 uncommitted entries."""
+    write_jsonl(tmp_path, 600)
+    spec = streams.DatasetSpec(name="starve", partitions=1, source=str(tmp_path / "*.jsonl"))
+    client = ingest_redis.client(redis_target.url)
+    await client.sadd(streams.groups_key("starve"), "run1")
+    limits = BacklogLimits(max_entries=50, poll_interval_s=0.01)
+    producer = Producer(client, spec, limits=limits, batch_records=50)
+    task = asyncio.create_task(producer.run())
+    key = streams.partition_key("starve", 0)
+    committed = b"0-0"
+    deadline = asyncio.get_running_loop().time() + 60
+    while not task.done():
+        rest = await client.xrange(key, min=b"(" + committed)
+        assert len(rest) <= 50
+        assert asyncio.get_running_loop().time() < deadline, \
+            f"the producer stalled with {len(rest)} uncommitted entries"
+        if len(rest) > 5:
+            committed = rest[-6][0]
+            await client.hset(streams.committed_key("starve", "run1"), "0", committed)
+        await asyncio.sleep(0.01)
+    await task
+    await client.aclose()
+    assert read_partitions(redis_target.url, spec) == expected_partitions(spec)
+
+
 async def test_retention_trims_only_below_the_smallest_floor_of_all_groups(
     redis_target: RedisServer, tmp_path: Path
 ) -> None:
