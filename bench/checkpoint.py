@@ -92,7 +92,7 @@ def raw_write(state: dict[str, torch.Tensor], path: Path) -> int:
 
 
 _PHASES = (("prepare", CheckpointStore, "_prepare"), ("write", _saving, "write_rank"),
-           ("commit", _saving, "_commit"), ("retention", CheckpointStore, "_apply_retention"))
+           ("commit", _saving, "_commit"), ("retention", CheckpointStore, "_retire"))
 """What ``_phase_timer`` times: the save's steps, looked up at call time."""
 
 

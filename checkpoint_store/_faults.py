@@ -24,7 +24,10 @@ PHASES = (
     "mid-manifest",
     "before-pointer",
     "after-pointer",
+    "retired",
 )
+"""... and ``retired``: committed, the handle finished, the manifests retention drops
+deleted, their data not yet."""
 CRASH_ENV = "TRAINGUARD_CKPT_CRASH_AT"
 FAIL_ENV = "TRAINGUARD_CKPT_FAIL_AT"
 STOP_ENV = "TRAINGUARD_CKPT_STOP_AT"

@@ -34,7 +34,10 @@ from checkpoint_store.layout import (
 from checkpoint_store.manifest import Manifest
 from trainguard.core.process import pid_alive
 
-__all__ = ["GcReport", "apply_retention", "choose_deletions", "collect_garbage", "writer_alive"]
+__all__ = [
+    "GcReport", "apply_retention", "choose_deletions", "collect_garbage", "remove_data", "retire",
+    "writer_alive",
+]
 
 
 @dataclass
@@ -58,12 +61,23 @@ def choose_deletions(
     return [m for m in manifests if m.name not in keep]
 
 
-def apply_retention(backend: Backend, doomed: Sequence[Manifest]) -> list[str]:
-    deleted = []
+def retire(backend: Backend, doomed: Sequence[Manifest]) -> list[str]:
+    """Delete the manifests of ``doomed``: from here they are no checkpoints. Their data
+    stays for :func:`remove_data`; a crash in between leaves it as debris for ``gc``."""
     for m in doomed:
         backend.remove(manifest_path(m.name))
+    return [m.name for m in doomed]
+
+
+def remove_data(backend: Backend, doomed: Sequence[Manifest]) -> None:
+    """Delete the data of retired checkpoints (every chunk file: the slow half)."""
+    for m in doomed:
         backend.remove_tree(data_dir(m.uid))
-        deleted.append(m.name)
+
+
+def apply_retention(backend: Backend, doomed: Sequence[Manifest]) -> list[str]:
+    deleted = retire(backend, doomed)
+    remove_data(backend, doomed)
     return deleted
 
 

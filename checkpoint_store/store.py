@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from checkpoint_store import _faults
 from checkpoint_store.backends import Backend, open_backend
 from checkpoint_store.direct import DirectLoad
 from checkpoint_store.dist import Comm, all_gather_json, make_comm
@@ -32,7 +33,14 @@ from checkpoint_store.loading import Applier
 from checkpoint_store.manifest import Manifest, TensorFragments, parse_manifest
 from checkpoint_store.plan import plan_rank
 from checkpoint_store.reader import ChunkReader, verify_data
-from checkpoint_store.retention import GcReport, apply_retention, choose_deletions, collect_garbage
+from checkpoint_store.retention import (
+    GcReport,
+    apply_retention,
+    choose_deletions,
+    collect_garbage,
+    remove_data,
+    retire,
+)
 from checkpoint_store.saving import SaveJob, latest_pointer, run_save
 from checkpoint_store.staging import BufferPool, Staged, direct_segments
 from trainguard.core import record
@@ -201,14 +209,24 @@ class CheckpointStore:
                 self._unreported = handle
             handle._finish(None, e)
             return
+        retired: builtins.list[Manifest] = []
         if self.rank == 0:
             # Retention reads every manifest: this one is parsed already.
             self._remember(manifest.name, raw, manifest)
             try:
-                self._apply_retention(protect=manifest.name)
+                retired = self._retire(protect=manifest.name)
             except Exception:
                 log.exception("retention after committing %s failed", manifest.name)
         handle._finish(manifest, None)
+        _faults.reached("retired")
+        # The save's caller goes on (training) while the retired checkpoints' data, the
+        # slow half of retention, is removed here, before this store's next save writes:
+        # the disk never holds more than it did with the removal inside the save.
+        try:
+            remove_data(self._backend, retired)
+        except Exception:
+            log.exception("removing the data of %s failed (gc removes it later)",
+                          [m.name for m in retired])
 
     def _raise_unreported(self) -> None:
         with self._lock:
@@ -433,12 +451,19 @@ class CheckpointStore:
         return manifest
 
     # ---------------------------------------------------------------- retention
-    def _apply_retention(self, protect: str | None = None) -> builtins.list[str]:
+    def _retire(self, protect: str | None = None) -> builtins.list[Manifest]:
+        """Delete the manifests retention drops; returns them (their data is left)."""
         manifests = self._list(reuse=True)
         doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
                                               keep_every=self.keep_every)
                   if m.name != protect]
-        return apply_retention(self._backend, doomed)
+        retire(self._backend, doomed)
+        return doomed
+
+    def _apply_retention(self) -> builtins.list[str]:
+        retired = self._retire()
+        remove_data(self._backend, retired)
+        return [m.name for m in retired]
 
     def gc(self) -> GcReport:
         """Remove debris of crashed saves and apply retention; a save in flight (here

@@ -21,7 +21,7 @@ from tests._ckpt_helpers import empty_state, state_for
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "_ckpt_worker.py"
 CHUNK = 4096  # the 64x64 float32 weight becomes 4 chunk files: "mid-data" is real
-COMMITTED_AFTER = {"before-pointer", "after-pointer"}
+COMMITTED_AFTER = {"before-pointer", "after-pointer", "retired"}
 
 
 def _spawn(url: str, step: int, env_extra: dict[str, str], options: dict | None = None):
@@ -74,6 +74,29 @@ def test_kill_9_at_each_phase_keeps_last_committed(tmp_path, phase):
         assert len(report.removed_data) == 1
     assert report.in_flight == []
     _assert_loads_step(store, committed)
+
+
+def test_kill_9_between_retiring_and_removing_data_leaves_debris_for_gc(tmp_path):
+    """keep_last=2, steps 1 and 2 committed; the save of step 3 is SIGKILLed after its
+    commit and after retention deleted step 1's manifest, before step 1's data went
+    (that removal runs after the save returned). Step 1 is no checkpoint any more, its
+    data is debris that gc removes, and step 3 loads."""
+    root = tmp_path / "ckpt"
+    url = f"file://{root}"
+    store = CheckpointStore(url, chunk_bytes=CHUNK, keep_last=2)
+    first = store.save(state_for(1, width=64), step=1, extra={"offsets": {"p0": "1-1"}})
+    store.save(state_for(2, width=64), step=2, extra={"offsets": {"p0": "1-2"}})
+
+    proc = _spawn(url, 3, {CRASH_ENV: "retired"})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+
+    assert [m.step for m in store.list()] == [2, 3]
+    assert (root / "data" / first.manifest.uid).is_dir()  # the data outlived the kill
+    report = store.gc()
+    assert report.removed_data == [f"data/{first.manifest.uid}"]
+    assert _local_debris(root, store) == set()
+    _assert_loads_step(store, 3)
 
 
 @pytest.mark.parametrize("phase", [
