@@ -26,8 +26,8 @@ PHASES = (
     "after-pointer",
     "retired",
 )
-"""... and ``retired``: committed, the handle finished, the manifests retention drops
-deleted, their data not yet."""
+"""A save's phases in order. ``retired`` comes after the save returned: the manifests
+retention drops are deleted, their data not yet."""
 CRASH_ENV = "TRAINGUARD_CKPT_CRASH_AT"
 FAIL_ENV = "TRAINGUARD_CKPT_FAIL_AT"
 STOP_ENV = "TRAINGUARD_CKPT_STOP_AT"
