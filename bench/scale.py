@@ -17,8 +17,9 @@ Starts its own redis-server and its own Redis Cluster (3 masters + 3 replicas: t
    every partition, a single read), and checkpoints after each round: the
    checkpoint's wall and CPU time, the loop's stall, the part spent acknowledging
    and publishing offsets (per partition), one rank's fence check, the session
-   record's bytes per partition and per rank, and from ``INFO commandstats`` the
-   partitions read per transaction.
+   record's bytes per partition and per rank, and the partitions per read (from
+   ``INFO commandstats`` and the reader's count of reads; a read is one round trip,
+   every server's XREADGROUPs written before any reply is read).
    Then deep reads, greedy and deterministic: ``StreamingDataset`` reading a few long
    partitions to their end (many entries per XREADGROUP, as a worker owning one
    partition or a few does): redis-server and reader CPU per MB, and the memory of
@@ -85,6 +86,7 @@ from trainer_client import (  # noqa: E402
 )
 from trainer_client import offsets as ofs  # noqa: E402
 from trainer_client._commit import gather_offsets  # noqa: E402
+from trainer_client._reader import Reader  # noqa: E402
 from trainguard.core import streams  # noqa: E402
 from trainguard.core.checkpoints import open_store  # noqa: E402
 from trainguard.core.record import RankState  # noqa: E402
@@ -158,6 +160,25 @@ class Target:
 def key_bytes(client: redis.Redis, keys: list[str]) -> int:
     """``MEMORY USAGE`` of ``keys`` (every element counted), summed; missing keys 0."""
     return sum(int(client.memory_usage(k, samples=0) or 0) for k in keys)
+
+
+class Reads:
+    """Counts the fenced reads of this process's readers around a block: each read is
+    one round trip (the XREADGROUPs of every server it touches written before any
+    reply is read)."""
+
+    def __enter__(self) -> Reads:
+        self.n, self._read = 0, Reader.read
+
+        def counted(reader: Reader, counts: dict[int, int]) -> Any:
+            self.n += 1
+            return self._read(reader, counts)
+
+        Reader.read = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Reader.read = self._read  # type: ignore[method-assign]
 
 
 class Clock:
@@ -235,7 +256,7 @@ def deep_read(t: Target, args: argparse.Namespace, *, deterministic: bool) -> di
     client = redis_client.client(t.url)
     keys = [streams.partition_key(DEEP, p) for p in range(args.deep_partitions)]
     mem0, calls0 = key_bytes(client, keys), t.calls()
-    with Clock(t) as c:
+    with Clock(t) as c, Reads() as reads:
         ds = StreamingDataset(t.url, DEEP, f"deep-{deterministic:d}", batch_size=args.batch,
                               deterministic=deterministic)
         records = sum(len(b) for b in ds)
@@ -250,7 +271,7 @@ def deep_read(t: Target, args: argparse.Namespace, *, deterministic: bool) -> di
         "client_cpu_s_per_mb": round(c.cpu_s / mb, 6),
         "server_cpu_s_per_mb": round(c.server_cpu_s / mb, 6),
         "entries_per_xreadgroup": round(records / max(1, calls.get("xreadgroup", 0)), 1),
-        "partitions_per_transaction": round(calls.get("xreadgroup", 0) / max(1, calls.get("exec", 0)), 2),
+        "partitions_per_read": round(calls.get("xreadgroup", 0) / max(1, reads.n), 2),
     }
 
 
@@ -290,11 +311,14 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
     publish: list[float] = []
     server: list[float] = []
     calls: dict[str, int] = {}
+    reads = 0
     for step in range(1, args.rounds + 1):
         # Only the reads count: a checkpoint's publish is a transaction too.
         calls0, cpu0, t0 = t.calls(), t.cpu_s(), time.perf_counter()
-        for _ in range(per_round):
-            records += len(next(it))
+        with Reads() as counted:
+            for _ in range(per_round):
+                records += len(next(it))
+        reads += counted.n
         read_s += time.perf_counter() - t0
         read_cpu += t.cpu_s() - cpu0
         for k, v in t.calls().items():
@@ -330,8 +354,8 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
         "read": {
             "records": records, "mb_s": round(records * args.record_bytes / 1e6 / read_s, 2),
             "server_cpu_s_per_mb": round(read_cpu / (records * args.record_bytes / 1e6), 6),
-            "transactions": calls.get("exec", 0), "xreadgroup": calls.get("xreadgroup", 0),
-            "partitions_per_transaction": round(calls.get("xreadgroup", 0) / max(1, calls.get("exec", 0)), 2),
+            "reads": reads, "xreadgroup": calls.get("xreadgroup", 0),
+            "partitions_per_read": round(calls.get("xreadgroup", 0) / max(1, reads), 2),
         },
         "commit": {
             "checkpoint_s": spread(ckpt), "stall_s": spread(stall), "publish_s": spread(publish),
@@ -473,14 +497,14 @@ def print_table(figures: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         ("memory per entry, MEMORY USAGE B", lambda f: f"{f['ingest']['memory_usage_bytes_per_entry']:.0f}"),
         ("memory per entry, used_memory B", lambda f: f"{f['ingest']['used_memory_bytes_per_entry']:.0f}"),
         ("memory per group per partition B", lambda f: f"{f['group']['memory_usage_bytes_per_partition']:.0f}"),
-        ("partitions read per transaction", lambda f: f"{f['read']['partitions_per_transaction']:.1f}"),
+        ("partitions per read (one round trip)", lambda f: f"{f['read']['partitions_per_read']:.1f}"),
         ("redis-server CPU s/MB read (masters)", lambda f: f"{f['read']['server_cpu_s_per_mb']:.4f}"),
         ("memory per pending (unacked) entry B", lambda f: f"{f['deep_read']['pending_bytes_per_entry']:.0f}"),
         ("deep read: entries per XREADGROUP", lambda f: f"{f['deep_read']['entries_per_xreadgroup']:.1f}"),
         ("  redis-server CPU s/MB read", lambda f: f"{f['deep_read']['server_cpu_s_per_mb']:.4f}"),
         ("  reader CPU s/MB", lambda f: f"{f['deep_read']['client_cpu_s_per_mb']:.4f}"),
-        ("deterministic deep read: partitions/transaction",
-         lambda f: f"{f['deep_read_deterministic']['partitions_per_transaction']:.1f}"),
+        ("deterministic deep read: partitions/read",
+         lambda f: f"{f['deep_read_deterministic']['partitions_per_read']:.1f}"),
         ("  redis-server CPU s/MB read",
          lambda f: f"{f['deep_read_deterministic']['server_cpu_s_per_mb']:.4f}"),
         ("  producer CPU s/MB (deep)", lambda f: f"{f['deep_ingest']['producer_cpu_s_per_mb']:.4f}"),

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+import redis
 import torch
 from torch.utils.data import DataLoader
 
@@ -20,7 +21,7 @@ from tests import _client_fill as cf
 from trainer_client import offsets as ofs
 from trainer_client import redis_client
 from trainer_client.dataset import Batch, StreamingDataset
-from trainer_client.errors import DatasetNotFoundError, FencedError
+from trainer_client.errors import DatasetNotFoundError, EvictionRefusedError, FencedError
 from trainguard.core import streams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,6 +185,89 @@ def test_reader_of_an_older_generation_is_fenced(any_redis) -> None:
     assert info.value.mine == 1 and info.value.current == 2
     for p in range(2):  # nothing was delivered to the zombie: no group was even made
         assert client.xinfo_groups(streams.partition_key("tok", p)) == []
+
+
+def _readers(url: str) -> list[str]:
+    """The names of the reading connections open on every server of ``url``."""
+    client = redis_client.client(url)
+    nodes = ([client.get_redis_connection(n) for n in client.get_nodes()]  # type: ignore[attr-defined]
+             if redis_client.is_cluster(client) else [client])
+    names = [c["name"] for n in nodes for c in n.client_list(_type="normal")
+             if c["name"].startswith("trainguard-reader|")]
+    client.close()
+    return sorted(names)
+
+
+def _group_positions(client, partitions: int) -> list[bytes]:
+    return [client.xinfo_groups(streams.partition_key("tok", p))[0]["last-delivered-id"]
+            for p in range(partitions)]
+
+
+def test_a_newer_generation_closes_the_open_connections_of_older_readers(any_redis) -> None:
+    """A reader of generation 1 reading with open connections (their fences checked when
+    they opened) when generation 2 takes over: the bump closes those connections, so
+    nothing the old reader sends afterwards runs, and the reader's next read is refused
+    with FencedError without moving the group."""
+    spec = cf.create(any_redis.url, "tok", partitions=4)
+    cf.fill(any_redis.url, spec, 400)
+    client = redis_client.client(any_redis.url)
+    assert ofs.bump_generation(client, "tok", "run", 4, floor=0) == 1
+    ds = StreamingDataset(any_redis.url, "tok", "run", batch_size=8, generation=1)
+    it = iter(ds)
+    next(it)
+    names = _readers(any_redis.url)
+    assert names and set(names) == {"trainguard-reader|tok|run|1"}
+    reader = it.gi_frame.f_locals["reader"]  # the pass's Reader, to reach its connections
+    conns = list(reader.node_conns.values())
+    before = _group_positions(client, 4)
+
+    assert ofs.bump_generation(client, "tok", "run", 4, floor=1) == 2
+    assert _readers(any_redis.url) == []
+    for conn in conns:  # a command the old reader sends now never runs
+        with pytest.raises(redis.exceptions.ConnectionError):
+            conn.send_command("XREADGROUP", "GROUP", "run", "r0w0", "COUNT", 10,
+                              "STREAMS", streams.partition_key("tok", 0), ">")
+            conn.read_response()
+    with pytest.raises(FencedError, match=r"read refused.*generation 2 has restored"):
+        for _ in range(100):
+            next(it)
+    assert _group_positions(client, 4) == before
+    client.close()
+
+
+def test_readers_of_the_current_generation_and_other_runs_stay_connected(redis_server) -> None:
+    """Eviction closes only older generations of the same run: the newest reader and
+    the readers of another run (another group) keep reading."""
+    spec = cf.create(redis_server.url, "tok", partitions=2)
+    cf.fill(redis_server.url, spec, 100)
+    client = redis_client.client(redis_server.url)
+    gen = ofs.bump_generation(client, "tok", "run", 2, floor=0)
+    ours = iter(StreamingDataset(redis_server.url, "tok", "run", batch_size=5, generation=gen))
+    other = iter(StreamingDataset(redis_server.url, "tok", "run2", batch_size=5))
+    got = [next(ours), next(other)]
+    assert ofs.evict_readers(client, "tok", "run", gen) == 0
+    assert ofs.evict_readers(client, "tok", "run", gen + 1) == 1  # ours, not run2's
+    assert _readers(redis_server.url) == ["trainguard-reader|tok|run2|0"]
+    got += list(other)
+    assert sorted(_ids(got[1:])) == list(range(100))
+    client.close()
+
+
+def test_a_restore_without_client_kill_rights_says_which_grant_is_missing(redis_server) -> None:
+    """Fencing readers needs CLIENT LIST and CLIENT KILL: a Redis user without them gets
+    an error naming the grant, and the fences it could write are in place."""
+    cf.create(redis_server.url, "tok", partitions=2)
+    admin = redis_client.client(redis_server.url)
+    admin.acl_setuser("trainer", enabled=True, passwords=["+trainer-password"], keys=["*"],
+                      commands=["+@all", "-client|kill"])
+    url = redis_server.url.replace("redis://", "redis://trainer:trainer-password@")
+    client = redis_client.client(url)
+    with pytest.raises(EvictionRefusedError, match=r"\+client\|kill") as info:
+        ofs.bump_generation(client, "tok", "run", 2, floor=0)
+    assert isinstance(info.value, PermissionError)
+    assert [admin.get(streams.fence_key("tok", p, "run")) for p in range(2)] == [b"1", b"1"]
+    client.close()
+    admin.close()
 
 
 def test_trainer_client_does_not_import_aiohttp() -> None:

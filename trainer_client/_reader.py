@@ -1,8 +1,9 @@
 """One DataLoader worker's (or one process's) fenced reads of its partitions.
 
-Each read is XREADGROUP of the worker's partitions in one MULTI, under WATCH of their
-fences (a trainer whose generation is no longer the newest reads nothing), with the
-producer's end marks refreshed in the same round trip. Connections are made in the
+Each read is XREADGROUP of the worker's partitions, pipelined on one connection per
+server, on connections that checked the partitions' fences when opened and that a newer
+trainer's restore closes (a trainer whose generation is no longer the newest reads
+nothing; see :meth:`Reader._fenced_read`). Connections are made in the
 reading process (after the DataLoader forks) and dropped when the pass ends; a lost
 connection reconnects through the breaker and retrier of
 :mod:`trainer_client.redis_retry` and first moves the group back to the last ID this
@@ -64,15 +65,16 @@ class Reader:
         self.partitions = partitions
         self.consumer = consumer
         self.client: redis.Redis | None = None
-        self.conn: redis.Connection | None = None
-        # On a cluster: one connection per partition, to the master of its slot (see
-        # _fenced_read_slots).
-        self.slot_conns: dict[int, redis.Connection] = {}
+        # One reading connection per server (the one, or each master the partitions
+        # live on), and the partitions whose fences each has checked (see _node).
+        self.node_conns: dict[tuple[str, int], redis.Connection] = {}
+        self.checked: dict[tuple[str, int], set[int]] = {}
+        self.where: dict[int, tuple[str, int]] = {}
         self.positions: dict[int, str] = {}
         self.parsed: dict[int, streams.StreamId] = {}
         self.batches: dict[int, int] = {}
         self.ends: dict[int, str | None] | None = None
-        self._commands: dict[tuple[tuple[int, int], ...], tuple[list[bytes], list[bytes]]] = {}
+        self._commands: dict[tuple[Any, ...], list[bytes]] = {}
         # Made here, in the process that reads (a DataLoader worker): one per reader.
         self.cluster = redis_url.parse(ds.redis_url).cluster
         self.breaker = trainer_redis_breaker(f"redis:{ds.group}:{consumer}")
@@ -94,12 +96,11 @@ class Reader:
         if self.client is not None:
             self.client.close()
             self.client = None
-        if self.conn is not None:
-            self.conn.disconnect()
-            self.conn = None
-        for conn in self.slot_conns.values():
+        for conn in self.node_conns.values():
             conn.disconnect()
-        self.slot_conns.clear()
+        self.node_conns.clear()
+        self.checked.clear()
+        self.where.clear()  # a slot may have moved (failover, resharding)
 
     def close(self) -> None:
         self._drop()
@@ -116,7 +117,8 @@ class Reader:
                 client = self._connect()
                 if lost and reseek and self.positions:
                     ofs.seek_group(
-                        client, self.ds.dataset, self.ds.group, self.ds.generation, self.positions
+                        client, self.ds.dataset, self.ds.group, self.ds.generation,
+                        self.positions, what="read",
                     )
                 return fn(client)
             except REDIS_RETRY_ON:
@@ -154,147 +156,132 @@ class Reader:
             self.parsed[p] = streams.parse_id(i)
             self.batches[p] = n
 
-    def _raw(self) -> redis.Connection:
-        if self.conn is None:
-            kw = redis.connection.parse_url(self.ds.redis_url)
-            self.conn = redis.Connection(
-                **kw, protocol=2, socket_timeout=30.0, socket_connect_timeout=5.0,
-                socket_read_size=_READ_SIZE, driver_info=DriverInfo(lib_version=LIB_VERSION),
-            )
-            self.conn.connect()
-        return self.conn
+    # ------------------------------------------------------------------ the read path
 
-    def _packed(self, conn: redis.Connection, counts: dict[int, int]) -> tuple[list[bytes], list[bytes]]:
-        """The packed commands of a fenced read of ``counts``: WATCH and MGET of the
-        fences, then MULTI, the XREADGROUPs and EXEC. They only depend on ``counts``,
-        and packing them costs more client CPU than reading a reply of small records,
-        so they are packed once per shape of read."""
-        key = tuple(counts.items())
+    def _node_of(self, p: int) -> tuple[str, int]:
+        """Where partition ``p`` is served: the one server, or its slot's master."""
+        addr = self.where.get(p)
+        if addr is None:
+            if self.cluster:
+                cluster: Any = self._connect()
+                node = cluster.get_node_from_key(streams.partition_key(self.ds.dataset, p))
+                addr = (node.host, node.port)
+            else:
+                addr = ("", 0)
+            self.where[p] = addr
+        return addr
+
+    def _open(self, addr: tuple[str, int]) -> redis.Connection:
+        """A reading connection to ``addr``, named for eviction (see offsets.evict_readers)."""
+        ds = self.ds
+        kw: dict[str, Any] = dict(
+            protocol=2, socket_timeout=30.0, socket_connect_timeout=5.0,
+            socket_read_size=_READ_SIZE, driver_info=DriverInfo(lib_version=LIB_VERSION),
+            client_name=ofs.reader_name(ds.dataset, ds.group, ds.generation),
+        )
+        if self.cluster:
+            cluster: Any = self._connect()
+            auth = cluster.get_connection_kwargs()
+            kw.update(host=addr[0], port=addr[1], username=auth.get("username"),
+                      password=auth.get("password"))
+        else:
+            kw.update(redis.connection.parse_url(ds.redis_url))
+        conn = redis.Connection(**kw)
+        conn.connect()
+        return conn
+
+    def _node(self, addr: tuple[str, int], partitions: list[int]) -> redis.Connection:
+        """The connection to ``addr``, its fences checked for ``partitions``.
+
+        A fence is checked once per connection, after the connection is named: a
+        connection opened before a newer trainer's restore is closed by it
+        (offsets.evict_readers) and one opened after sees the newer fence here, so a
+        read never runs on a connection of an older generation once the newer
+        trainer moved the group."""
+        ds = self.ds
+        while True:
+            conn = self.node_conns.get(addr)
+            if conn is not None and not conn.is_connected:
+                # Closed by an error raised elsewhere: redis-py would reconnect it on
+                # the next send, with its fences unchecked. Open a checked one.
+                del self.node_conns[addr]
+                conn = None
+            if conn is None:
+                conn = self.node_conns[addr] = self._open(addr)
+                self.checked[addr] = set()
+            checked = self.checked[addr]
+            todo = [p for p in partitions if p not in checked]
+            if not todo:
+                return conn
+            conn.send_packed_command(conn.pack_commands(
+                [("GET", streams.fence_key(ds.dataset, p, ds.group)) for p in todo]))
+            wrong = [p for p in todo if int(conn.read_response() or 0) != ds.generation]
+            if not wrong:
+                checked.update(todo)
+                return conn
+            # Raises FencedError when newer; re-asserts a fence Redis lost (then look again).
+            ofs.assert_generation(self._connect(), ds.dataset, ds.group, ds.generation, wrong)
+
+    def _packed(self, conn: redis.Connection, addr: tuple[str, int], counts: list[tuple[int, int]]) -> list[bytes]:
+        """The XREADGROUPs of one server's partitions, packed once per shape of read:
+        packing costs more client CPU than reading a reply of small records."""
+        key = (addr, *counts)
         got = self._commands.get(key)
         if got is None:
             ds = self.ds
-            fences = [streams.fence_key(ds.dataset, p, ds.group) for p in counts]
-            cmds: list[tuple[Any, ...]] = [("MULTI",)]
-            for p, n in counts.items():
-                cmds.append((
-                    "XREADGROUP", "GROUP", ds.group, self.consumer, "COUNT", n,
-                    "STREAMS", streams.partition_key(ds.dataset, p), ">",
-                ))
-            cmds.append(("EXEC",))
-            got = (conn.pack_commands([("WATCH", *fences), ("MGET", *fences)]),
-                   conn.pack_commands(cmds))
+            got = conn.pack_commands([
+                ("XREADGROUP", "GROUP", ds.group, self.consumer, "COUNT", n,
+                 "STREAMS", streams.partition_key(ds.dataset, p), ">")
+                for p, n in counts
+            ])
             if len(self._commands) >= 256:  # deterministic reads vary their counts
                 self._commands.clear()
             self._commands[key] = got
         return got
 
-    def _slot_conn(self, p: int) -> redis.Connection:
-        conn = self.slot_conns.get(p)
-        if conn is None:
-            cluster: Any = self._connect()
-            node = cluster.get_node_from_key(streams.partition_key(self.ds.dataset, p))
-            conn = redis.Connection(
-                host=node.host, port=node.port, username=cluster.get_connection_kwargs().get("username"),
-                password=cluster.get_connection_kwargs().get("password"), protocol=2,
-                socket_timeout=30.0, socket_connect_timeout=5.0, socket_read_size=_READ_SIZE,
-                driver_info=DriverInfo(lib_version=LIB_VERSION),
-            )
-            conn.connect()
-            self.slot_conns[p] = conn
-        return conn
+    def _fenced_read(self, counts: dict[int, int]) -> dict[int, list[Any]]:
+        """XREADGROUP of each partition, pipelined on one connection per server (every
+        server's commands written before any reply is read): one round trip.
 
-    def _fenced_read_slots(self, counts: dict[int, int]) -> dict[int, list[Any]]:
-        """The cluster's fenced read: a transaction may only touch one slot, so each
-        partition gets its own WATCH of its fence and its own MULTI/XREADGROUP/EXEC, on
-        its own connection to its slot's master. All partitions' commands are written
-        before any reply is read, so a read still costs two round trips, not two per
-        partition. A MOVED/ASK (the slot moved, a failover) is transient: the reader
-        drops every connection and looks the slots up again."""
+        Fenced by eviction, not per read: the connections carry our generation in
+        their name and checked their fences when opened (:meth:`_node`), and a newer
+        trainer's restore closes every older one before it moves the group. A
+        transaction per read (WATCH of the fences, then MULTI) would cost a round trip
+        more, and on a cluster a connection per partition (a transaction may touch one
+        slot only); a Lua script copies every reply into Lua values and back."""
         ds = self.ds
         out: dict[int, list[Any]] = {}
         pending = list(counts)
         while pending:
-            conns = {p: self._slot_conn(p) for p in pending}
-            for p, conn in conns.items():
-                fence = streams.fence_key(ds.dataset, p, ds.group)
-                conn.send_packed_command(conn.pack_commands([("WATCH", fence), ("GET", fence)]))
-            gens = {}
-            for p, conn in conns.items():
-                conn.read_response()
-                gens[p] = int(conn.read_response() or 0)
-            if any(g != ds.generation for g in gens.values()):
-                for conn in conns.values():
-                    conn.send_command("UNWATCH")
-                for conn in conns.values():
-                    conn.read_response()
-                ofs.assert_generation(self._connect(), ds.dataset, ds.group, ds.generation, pending)
-                continue
-            for p, conn in conns.items():
-                conn.send_packed_command(conn.pack_commands([
-                    ("MULTI",),
-                    ("XREADGROUP", "GROUP", ds.group, self.consumer, "COUNT", counts[p],
-                     "STREAMS", streams.partition_key(ds.dataset, p), ">"),
-                    ("EXEC",),
-                ]))
-            again, missing = [], {}
-            for p, conn in conns.items():
-                conn.read_response()
-                conn.read_response()
-                results = conn.read_response()
-                if results is None:
-                    again.append(p)  # its fence changed under WATCH: look again
-                    continue
-                (r,) = results
-                if isinstance(r, Exception):
-                    if "NOGROUP" not in str(r):
-                        raise r
-                    missing[p] = self.positions[p]
-                    again.append(p)
-                    continue
-                out[p] = r[0][1] if r else []
+            by_node: dict[tuple[str, int], list[tuple[int, int]]] = {}
+            for p in pending:
+                by_node.setdefault(self._node_of(p), []).append((p, counts[p]))
+            conns = {addr: self._node(addr, [p for p, _ in todo]) for addr, todo in by_node.items()}
+            for addr, todo in by_node.items():
+                conns[addr].send_packed_command(self._packed(conns[addr], addr, todo))
+            missing: dict[int, str] = {}
+            failed: Exception | None = None
+            for addr, todo in by_node.items():
+                conn = conns[addr]
+                for p, _ in todo:
+                    try:
+                        r = conn.read_response(disconnect_on_error=False)
+                    except redis.exceptions.ResponseError as e:
+                        if "NOGROUP" in str(e):
+                            missing[p] = self.positions[p]
+                        elif failed is None:
+                            failed = e  # raised once every reply is read
+                        continue
+                    out[p] = r[0][1] if r else []
+            if failed is not None:
+                # A MOVED/ASK (the slot moved, a failover) is transient: the retrier
+                # drops every connection and the slots are looked up again.
+                raise failed
             if missing:  # Redis lost the group (restart, failover): recreate it where we are
-                ofs.seek_group(self._connect(), ds.dataset, ds.group, ds.generation, missing)
-            pending = again
+                ofs.seek_group(self._connect(), ds.dataset, ds.group, ds.generation, missing,
+                               what="read")
+            pending = list(missing)
         return {p: out[p] for p in counts}
-
-    def _fenced_read(self, counts: dict[int, int]) -> dict[int, list[Any]]:
-        """XREADGROUP of each partition in one MULTI, under WATCH of the partitions'
-        fences: a trainer whose generation is no longer the newest reads nothing.
-
-        Optimistic instead of a Lua script because Lua copies every reply into Lua
-        values and back, which costs most of the throughput for large records.
-        """
-        if self.cluster:
-            return self._fenced_read_slots(counts)
-        ds = self.ds
-        order = list(counts)
-        while True:
-            conn = self._raw()
-            watch, read = self._packed(conn, counts)
-            conn.send_packed_command(watch)
-            conn.read_response()
-            gens = [int(g or 0) for g in conn.read_response()]
-            if max(gens) != ds.generation or min(gens) != ds.generation:
-                conn.send_command("UNWATCH")
-                conn.read_response()
-                # Raises FencedError when newer; re-asserts a fence Redis lost.
-                ofs.assert_generation(self._connect(), ds.dataset, ds.group, ds.generation, order)
-                continue
-            conn.send_packed_command(read)
-            for _ in range(len(order) + 1):
-                conn.read_response()  # OK, QUEUED...
-            results = conn.read_response()
-            if results is None:
-                continue  # a fence changed under WATCH: look again
-            missing = {p: self.positions[p] for p, r in zip(order, results)
-                       if isinstance(r, Exception) and "NOGROUP" in str(r)}
-            for r in results:
-                if isinstance(r, Exception) and "NOGROUP" not in str(r):
-                    raise r
-            if missing:  # Redis lost the group (restart): recreate it where we are
-                ofs.seek_group(self._connect(), ds.dataset, ds.group, ds.generation, missing)
-                continue
-            return {p: (r[0][1] if r else []) for p, r in zip(order, results)}
 
     def read(self, counts: dict[int, int]) -> dict[int, tuple[list[str], list[list[bytes]]]]:
         """Up to ``counts[p]`` new entries of each partition (possibly none), as their

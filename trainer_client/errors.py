@@ -20,6 +20,7 @@ __all__ = [
     "AllRoutesFailedError",
     "CheckpointMismatchError",
     "DatasetNotFoundError",
+    "EvictionRefusedError",
     "FencedError",
     "GpuCriticalError",
     "NoRollbackTargetError",
@@ -125,4 +126,21 @@ class FencedError(TrainerClientError, PermissionError):
             f"{what} refused for run {group!r}: this trainer holds fencing generation "
             f"{mine}, expected it to be the newest, but generation {current} has restored "
             "since. Another trainer of this run took over; stop this process."
+        )
+
+
+class EvictionRefusedError(TrainerClientError, PermissionError):
+    """A restore could not close the reading connections of older generations: the
+    Redis user may not run CLIENT LIST or CLIENT KILL. Without that, a zombie trainer's
+    open connections could keep reading after the restore."""
+
+    def __init__(self, *, node: str, group: str, refusal: str) -> None:
+        self.node = node
+        super().__init__(
+            f"restore of run {group!r} needs CLIENT LIST and CLIENT KILL on every Redis "
+            f"server, to close the reading connections of older trainers of the run; "
+            f"{node} refused: {refusal}. Grant them to the trainer's Redis user "
+            "(ACL SETUSER <user> +client|list +client|kill), then restore again. The "
+            "fences are already written: older trainers are refused on every new "
+            "connection."
         )

@@ -2,9 +2,11 @@
 fenced group-move protocol (:mod:`trainguard.core.groups`), run with a sync client.
 
 Every operation that moves a run's consumer group (seek, acknowledge) runs a fenced
-script on the partition's own keys; reads do the same check optimistically, with WATCH
-and MULTI (see ``trainer_client._reader``). A refusal is raised as
-:class:`FencedError`. The generation is bumped by ``TrainingSession.restore``. A plain
+script on the partition's own keys. Reads are fenced by eviction instead: a reading
+connection carries its generation in its name and checks the fences once, when opened;
+a bump closes every reading connection of an older generation (see
+``trainer_client._reader``). A refusal is raised as :class:`FencedError`. The
+generation is bumped by ``TrainingSession.restore``. A plain
 ``StreamingDataset`` without a session uses generation 0, which works as long as no
 session ever fenced the group.
 """
@@ -18,7 +20,7 @@ import redis
 import redis.exceptions
 
 from trainer_client import redis_client
-from trainer_client.errors import FencedError
+from trainer_client.errors import EvictionRefusedError, FencedError
 from trainguard.core import groups, streams
 from trainguard.core.groups import ACK_LUA, BUMP_LUA, SEEK_LUA, START_LUA, WRITE_SEEK_LUA
 
@@ -27,6 +29,8 @@ __all__ = [
     "assert_generation",
     "bump_generation",
     "current_generations",
+    "evict_readers",
+    "reader_name",
     "seek_group",
     "start_pass",
     "write_seek",
@@ -85,11 +89,14 @@ def seek_group(
     *,
     batches: Mapping[int, int] | None = None,
     write: bool = False,
+    what: str = "seek",
 ) -> None:
     """Move the group of each partition to its ID (XGROUP SETID, creating the group
-    when missing); with ``write``, also record the seek for the next loader pass."""
+    when missing); with ``write``, also record the seek for the next loader pass.
+    ``what`` names the refused operation in a FencedError (a reader's own seek is a
+    read)."""
     calls = groups.seek_calls(dataset, group, generation, positions, batches, "1" if write else "0")
-    _check(eval_many(client, SEEK_LUA, calls), group=group, mine=generation, what="seek")
+    _check(eval_many(client, SEEK_LUA, calls), group=group, mine=generation, what=what)
 
 
 def write_seek(
@@ -165,4 +172,51 @@ def bump_generation(client: redis.Redis, dataset: str, group: str, partitions: i
             raise r
         if int(r) != new:
             raise FencedError(group=group, mine=new, current=int(r), what="restore")
+    evict_readers(client, dataset, group, new)
     return new
+
+
+_READER = "trainguard-reader"
+_NO_CLIENT = 2**63 - 1
+
+
+def reader_name(dataset: str, group: str, generation: int) -> str:
+    """The client name of a reading connection (CLIENT SETNAME): what
+    :func:`evict_readers` finds it by. Names cannot hold '|' (streams.check_name)."""
+    return f"{_READER}|{dataset}|{group}|{generation}"
+
+
+def evict_readers(client: redis.Redis, dataset: str, group: str, generation: int) -> int:
+    """Close every reading connection of ``group`` on ``dataset`` whose generation is
+    below ``generation``, on every server (each node of a cluster, its slots looked up
+    first); returns how many. Called once the fences hold ``generation``: a reader of
+    an older generation then has no connection left, and any it opens checks the
+    fences first and is refused. Redis runs no command of a client after CLIENT KILL
+    returned, so nothing a zombie had pipelined moves the group afterwards.
+
+    Needs ``CLIENT LIST`` and ``CLIENT KILL`` for the trainer's Redis user."""
+    prefix = reader_name(dataset, group, 0)[:-1]
+    if redis_client.is_cluster(client):
+        cluster: Any = client
+        cluster.nodes_manager.initialize()  # a failover may have made new masters
+        nodes = [cluster.get_redis_connection(n) for n in cluster.get_nodes()]
+    else:
+        nodes = [client]
+    closed = 0
+    for node in nodes:
+        try:
+            stale = [c["id"] for c in node.client_list(_type="normal")
+                     if c.get("name", "").startswith(prefix)
+                     and int(c["name"][len(prefix):]) < generation]
+            pipe = node.pipeline(transaction=False)
+            # The first kill matches no client (IDs count up from 1): it checks the
+            # grant, so a missing one shows at the first restore, not at the one that
+            # meets a zombie.
+            for cid in [_NO_CLIENT, *stale]:
+                pipe.client_kill_filter(_id=cid)
+            closed += sum(int(n) for n in pipe.execute())
+        except redis.exceptions.NoPermissionError as e:
+            kw = node.get_connection_kwargs()
+            raise EvictionRefusedError(node=f"{kw.get('host')}:{kw.get('port')}", group=group,
+                                       refusal=str(e)) from e
+    return closed
