@@ -6,7 +6,9 @@ records of 8 KiB and of 128 KiB (NumPy uint8 arrays, the contract's ``nd`` kind)
 each size, every round runs (order rotated each round, first round discarded):
 
 1. raw: pipelined XRANGE of every partition, replies read but not decoded (the
-   limit of one process reading Redis);
+   limit of one process reading Redis); and raw XREADGROUP, the same pipelines
+   reading a new consumer group (the group read alone: what its bookkeeping adds,
+   and on a cluster its replication to the replicas);
 2. StreamingDataset iterated in this process (fenced XREADGROUP, batch tensors);
 3. baseline for the worker path: an in-memory ``IterableDataset`` yielding batch
    tensors of the same shape and bytes (a fresh tensor per batch, as any dataset
@@ -20,10 +22,10 @@ committing offsets, with a ``TrainingSession`` on a local checkpoint store. Merg
 ``consume`` section into the JSON results file.
 
 With ``--cluster`` the same contestants also run on a Redis Cluster (3 masters, 3
-replicas, started here) in the same rounds, raw meaning pipelined XRANGE to each
-partition's master (every master's commands written before any reply is read); the
-headlines add the cluster against its raw figure and against single Redis, and the
-offset commit is timed on both.
+replicas, started here) in the same rounds, raw meaning pipelined XRANGE (or
+XREADGROUP) to each partition's master (every master's commands written before any
+reply is read); the headlines add the cluster against its raw figures and against
+single Redis, and the offset commit is timed on both.
 
     .venv/bin/python bench/consume.py                   # 256 MiB per size, 6 rounds
     .venv/bin/python bench/consume.py --mb 512 --rounds 6
@@ -101,27 +103,39 @@ def masters(url: str, name: str, partitions: int) -> dict[int, tuple[str, int]]:
         client.close()
 
 
-def raw_read(where: dict[int, tuple[str, int]], name: str, chunk: int) -> int:
+def raw_read(where: dict[int, tuple[str, int]], name: str, chunk: int, group: str | None = None
+             ) -> int:
     """Bytes of record payload read with pipelined XRANGE (one pipeline per server,
     every server's commands written before any reply is read), replies parsed by
     hiredis but not turned into Python dicts (redis-py's response callbacks are
-    bypassed)."""
+    bypassed). With ``group``, XREADGROUP of that (new) consumer group instead, the
+    same way: the consumer-group read alone, without fences or batches (the group's
+    bookkeeping, and on a cluster its replication, is what XRANGE does not pay)."""
     conns = {}
     for addr in set(where.values()):
-        conns[addr] = redis.Connection(host=addr[0], port=addr[1])
+        conns[addr] = redis.Connection(host=addr[0], port=addr[1], protocol=2)
         conns[addr].connect()
+    if group is not None:
+        for p, addr in where.items():
+            conns[addr].send_command("XGROUP", "CREATE", streams.partition_key(name, p), group, "0")
+            conns[addr].read_response()
     starts = {p: "-" for p in where}
     total = 0
     while starts:
         order = list(starts)
         for addr, conn in conns.items():
             cmds = [("XRANGE", streams.partition_key(name, p), starts[p], "+", "COUNT", chunk)
+                    if group is None else
+                    ("XREADGROUP", "GROUP", group, "raw", "COUNT", chunk,
+                     "STREAMS", streams.partition_key(name, p), ">")
                     for p in order if where[p] == addr]
             if cmds:
                 conn.send_packed_command(conn.pack_commands(cmds))
         for addr, conn in conns.items():
             for p in (p for p in order if where[p] == addr):
                 entries = conn.read_response()
+                if group is not None:
+                    entries = entries[0][1] if entries else []
                 for _eid, flat in entries:
                     total += len(flat[3])  # k, kind, d, <payload>, ...
                 if len(entries) < chunk:
@@ -164,6 +178,9 @@ class Consume:
 
     def raw(self) -> int:
         return raw_read(self.where, self.name, self.batch)
+
+    def raw_group(self) -> int:
+        return raw_read(self.where, self.name, self.batch, self._group())
 
     def streaming(self, workers: int | None) -> int:
         ds = StreamingDataset(self.url, self.name, self._group(), batch_size=self.batch)
@@ -209,7 +226,7 @@ def commit_cost(url: str, name: str, store_dir: str, batch: int, rounds: int) ->
     return costs
 
 
-RAW, ONE, BASE, DL = ("raw XRANGE", "StreamingDataset, 1 process",
+RAW, RAW_GROUP, ONE, BASE, DL = ("raw XRANGE", "raw XREADGROUP", "StreamingDataset, 1 process",
                       f"in-memory IterableDataset, DataLoader({WORKERS} workers)",
                       f"StreamingDataset, DataLoader({WORKERS} workers)")
 
@@ -232,7 +249,8 @@ def measure_size(targets: dict[str, tuple[str, list[int]]], args: argparse.Names
         fill(url, name, args.partitions, size, count)
         c = Consume(url, name, args.partitions, size, count)
         runs: dict[str, Callable[[], int]] = {
-            RAW: c.raw, ONE: lambda c=c: c.streaming(None), DL: lambda c=c: c.streaming(WORKERS)}
+            RAW: c.raw, RAW_GROUP: c.raw_group, ONE: lambda c=c: c.streaming(None),
+            DL: lambda c=c: c.streaming(WORKERS)}
         if target == "single":
             runs[BASE] = c.in_memory
         for label, fn in runs.items():
@@ -254,6 +272,8 @@ def measure_size(targets: dict[str, tuple[str, list[int]]], args: argparse.Names
         rd.speed_ratio(r, ONE, RAW, name=f"{kib} KiB: 1-process StreamingDataset / raw XRANGE",
                        target=">= 0.8x" if kib == 128 else ""),
         rd.speed_ratio(r, DL, RAW, name=f"{kib} KiB: workers StreamingDataset / raw XRANGE"),
+        rd.speed_ratio(r, ONE, RAW_GROUP,
+                       name=f"{kib} KiB: 1-process StreamingDataset / raw XREADGROUP"),
     ]
     if "cluster" in targets:
         cl = "cluster"
@@ -262,6 +282,10 @@ def measure_size(targets: dict[str, tuple[str, list[int]]], args: argparse.Names
                            name=f"{kib} KiB cluster: 1-process StreamingDataset / raw XRANGE"),
             rd.speed_ratio(r, on(DL, cl), on(RAW, cl),
                            name=f"{kib} KiB cluster: workers StreamingDataset / raw XRANGE"),
+            rd.speed_ratio(r, on(ONE, cl), on(RAW_GROUP, cl),
+                           name=f"{kib} KiB cluster: 1-process StreamingDataset / raw XREADGROUP"),
+            rd.speed_ratio(r, on(RAW_GROUP, cl), on(RAW, cl),
+                           name=f"{kib} KiB cluster: raw XREADGROUP / raw XRANGE"),
             rd.speed_ratio(r, on(ONE, cl), ONE,
                            name=f"{kib} KiB: 1-process StreamingDataset, cluster / single"),
         ]

@@ -64,7 +64,6 @@ class Reader:
         self.ds = ds
         self.partitions = partitions
         self.consumer = consumer
-        self.client: redis.Redis | None = None
         # One reading connection per server (the one, or each master the partitions
         # live on), and the partitions whose fences each has checked (see _node).
         self.node_conns: dict[tuple[str, int], redis.Connection] = {}
@@ -81,21 +80,15 @@ class Reader:
         self.retrier = trainer_redis_retrier(self.breaker, ds.reconnect_timeout_s)
 
     def _connect(self) -> redis.Redis:
-        if self.client is None:
-            self.client = redis_client.client(
-                self.ds.redis_url,
-                socket_timeout=self.ds.block_ms / 1000 + 10.0,
-                socket_connect_timeout=5.0,
-                driver_info=DriverInfo(lib_version=LIB_VERSION),
-            )
-        return self.client
+        return self.ds.redis()
 
     def _drop(self) -> None:
         # A connection cut off mid-command may still have a reply in flight: never
         # reuse it (this is what makes an interrupted blocking read safe).
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self.ds.drop_redis()
+        self._close_nodes()
+
+    def _close_nodes(self) -> None:
         for conn in self.node_conns.values():
             conn.disconnect()
         self.node_conns.clear()
@@ -103,7 +96,9 @@ class Reader:
         self.where.clear()  # a slot may have moved (failover, resharding)
 
     def close(self) -> None:
-        self._drop()
+        """End of the pass: the reading connections go (the dataset's client stays for
+        the next pass)."""
+        self._close_nodes()
 
     def _retry(self, fn: Callable[[redis.Redis], Any], *, reseek: bool) -> Any:
         """Run ``fn`` against Redis through the reader's retrier (backoff and breaker

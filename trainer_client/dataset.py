@@ -2,7 +2,7 @@
 
 Each (rank, DataLoader worker) reads the partitions that
 :func:`trainguard.core.streams.assign_partitions` gives it, through the run's consumer
-group, with fenced Lua reads (see :mod:`trainer_client.offsets`). A pass starts where
+group, with fenced reads (see :mod:`trainer_client._reader`). A pass starts where
 the trainer's session says (the seek it writes before each pass), so batches that a
 previous pass prefetched but the loop never consumed are read again, and nothing the
 loop consumed is read twice.
@@ -16,6 +16,7 @@ the IDs of its records.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -175,18 +176,19 @@ class StreamingDataset(IterableDataset[Batch]):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.redis_url = redis_url
+        self.block_ms = block_ms
+        self._client: redis.Redis | None = None
+        self._client_pid = 0
         if spec is None:
-            client = redis_client.client(
-                redis_url, socket_timeout=10, driver_info=DriverInfo(lib_version=LIB_VERSION)
-            )
             call = trainer_redis_retrier(trainer_redis_breaker(f"redis:{group}"),
                                          reconnect_timeout_s).call
             try:
-                spec = call(load_spec, client, dataset)
-                call(client.sadd, streams.groups_key(dataset), group)
-            finally:
-                client.close()
-        self.redis_url = redis_url
+                spec = call(load_spec, self.redis(), dataset)
+                call(self.redis().sadd, streams.groups_key(dataset), group)
+            except BaseException:
+                self.drop_redis()
+                raise
         self.dataset = dataset
         self.group = group
         self.batch_size = batch_size
@@ -198,7 +200,6 @@ class StreamingDataset(IterableDataset[Batch]):
         self.drop_last = drop_last
         self.straddle_epochs = straddle_epochs
         self.generation = generation
-        self.block_ms = block_ms
         self.reconnect_timeout_s = reconnect_timeout_s
         if epochs is not None and (epochs < 1 or (spec.epochs is not None and epochs > spec.epochs)):
             raise ValueError(
@@ -221,6 +222,35 @@ class StreamingDataset(IterableDataset[Batch]):
         """``{partition: (last consumed ID, batches consumed)}`` where the next pass
         starts; set by ``TrainingSession.batches`` before each pass."""
         self._passes = 0
+
+    # ------------------------------------------------------------------ Redis
+
+    def redis(self) -> redis.Redis:
+        """This process's client of the dataset's Redis: made on first use and kept
+        across passes (on a cluster, making one costs about 10 ms: the slot map and
+        the command table). A DataLoader worker makes its own; a copy inherited by
+        fork is left alone (its connections are the parent's)."""
+        if self._client is None or self._client_pid != os.getpid():
+            self._client = redis_client.client(
+                self.redis_url,
+                socket_timeout=self.block_ms / 1000 + 10.0,
+                socket_connect_timeout=5.0,
+                driver_info=DriverInfo(lib_version=LIB_VERSION),
+            )
+            self._client_pid = os.getpid()
+        return self._client
+
+    def drop_redis(self) -> None:
+        """Close this process's client (after a connection error: a connection cut off
+        mid-command may still have a reply in flight, so none of it is reused)."""
+        if self._client is not None and self._client_pid == os.getpid():
+            self._client.close()
+        self._client = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_client"] = None  # a process makes its own (DataLoader workers, spawn)
+        return state
 
     # ------------------------------------------------------------------ iteration
 
