@@ -69,6 +69,10 @@ class Reader:
         self.node_conns: dict[tuple[str, int], redis.Connection] = {}
         self.checked: dict[tuple[str, int], set[int]] = {}
         self.where: dict[int, tuple[str, int]] = {}
+        # A read sent ahead (see _fenced_read): what went where, and entries it
+        # delivered that no read has returned yet.
+        self.inflight: dict[tuple[str, int], list[tuple[int, int]]] | None = None
+        self.stash: dict[int, list[Any]] = {}
         self.positions: dict[int, str] = {}
         self.parsed: dict[int, streams.StreamId] = {}
         self.batches: dict[int, int] = {}
@@ -94,6 +98,8 @@ class Reader:
         self.node_conns.clear()
         self.checked.clear()
         self.where.clear()  # a slot may have moved (failover, resharding)
+        self.inflight = None  # its replies die with the connections
+        self.stash.clear()
 
     def close(self) -> None:
         """End of the pass: the reading connections go (the dataset's client stays for
@@ -234,7 +240,47 @@ class Reader:
             self._commands[key] = got
         return got
 
-    def _fenced_read(self, counts: dict[int, int]) -> dict[int, list[Any]]:
+    def _send(self, counts: dict[int, int]) -> dict[tuple[str, int], list[tuple[int, int]]]:
+        """Write the XREADGROUPs of ``counts``, one pipeline per server; returns what was
+        sent where, for :meth:`_receive`."""
+        sent: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for p, n in counts.items():
+            sent.setdefault(self._node_of(p), []).append((p, n))
+        conns = {addr: self._node(addr, [p for p, _ in todo]) for addr, todo in sent.items()}
+        for addr, todo in sent.items():
+            conns[addr].send_packed_command(self._packed(conns[addr], addr, todo))
+        return sent
+
+    def _receive(self, sent: dict[tuple[str, int], list[tuple[int, int]]]) -> dict[int, list[Any]]:
+        """The replies of a :meth:`_send`, every one read before an error is raised (a
+        MOVED/ASK, the slot moved in a failover, is transient: the retrier drops every
+        connection and the slots are looked up again). A partition whose group Redis
+        lost (restart, failover) gets it back where we are, and is read again."""
+        ds = self.ds
+        out: dict[int, list[Any]] = {}
+        missing: dict[int, int] = {}
+        failed: Exception | None = None
+        for addr, todo in sent.items():
+            conn = self.node_conns[addr]
+            for p, n in todo:
+                try:
+                    r = conn.read_response(disconnect_on_error=False)
+                except redis.exceptions.ResponseError as e:
+                    if "NOGROUP" in str(e):
+                        missing[p] = n
+                    elif failed is None:
+                        failed = e
+                    continue
+                out[p] = r[0][1] if r else []
+        if failed is not None:
+            raise failed
+        if missing:
+            ofs.seek_group(self._connect(), ds.dataset, ds.group, ds.generation,
+                           {p: self.positions[p] for p in missing}, what="read")
+            out.update(self._receive(self._send(missing)))
+        return out
+
+    def _fenced_read(self, counts: dict[int, int], *, ahead: bool) -> dict[int, list[Any]]:
         """XREADGROUP of each partition, pipelined on one connection per server (every
         server's commands written before any reply is read): one round trip.
 
@@ -243,48 +289,45 @@ class Reader:
         trainer's restore closes every older one before it moves the group. A
         transaction per read (WATCH of the fences, then MULTI) would cost a round trip
         more, and on a cluster a connection per partition (a transaction may touch one
-        slot only); a Lua script copies every reply into Lua values and back."""
-        ds = self.ds
-        out: dict[int, list[Any]] = {}
-        pending = list(counts)
-        while pending:
-            by_node: dict[tuple[str, int], list[tuple[int, int]]] = {}
-            for p in pending:
-                by_node.setdefault(self._node_of(p), []).append((p, counts[p]))
-            conns = {addr: self._node(addr, [p for p, _ in todo]) for addr, todo in by_node.items()}
-            for addr, todo in by_node.items():
-                conns[addr].send_packed_command(self._packed(conns[addr], addr, todo))
-            missing: dict[int, str] = {}
-            failed: Exception | None = None
-            for addr, todo in by_node.items():
-                conn = conns[addr]
-                for p, _ in todo:
-                    try:
-                        r = conn.read_response(disconnect_on_error=False)
-                    except redis.exceptions.ResponseError as e:
-                        if "NOGROUP" in str(e):
-                            missing[p] = self.positions[p]
-                        elif failed is None:
-                            failed = e  # raised once every reply is read
-                        continue
-                    out[p] = r[0][1] if r else []
-            if failed is not None:
-                # A MOVED/ASK (the slot moved, a failover) is transient: the retrier
-                # drops every connection and the slots are looked up again.
-                raise failed
-            if missing:  # Redis lost the group (restart, failover): recreate it where we are
-                ofs.seek_group(self._connect(), ds.dataset, ds.group, ds.generation, missing,
-                               what="read")
-            pending = list(missing)
-        return {p: out[p] for p in counts}
+        slot only); a Lua script copies every reply into Lua values and back.
 
-    def read(self, counts: dict[int, int]) -> dict[int, tuple[list[str], list[list[bytes]]]]:
+        With ``ahead``, the same read of the partitions that filled their count is sent
+        again before returning, so the servers prepare it while this process builds
+        batches; its entries wait in ``stash`` and are what the next reads return
+        first. They are delivered to our consumer but not handed on, so a reconnect
+        (which moves the group back to ``positions``) drops them, as does the pass's
+        end: either way the group is moved back before they are read again."""
+        if self.inflight is not None:
+            sent, self.inflight = self.inflight, None
+            for p, entries in self._receive(sent).items():
+                if entries:
+                    self.stash[p] = entries
+        out: dict[int, list[Any]] = {}
+        need: dict[int, int] = {}
+        for p, n in counts.items():
+            held = self.stash.pop(p, None)
+            if held:
+                out[p] = held[:n]
+                if len(held) > n:
+                    self.stash[p] = held[n:]
+            else:
+                need[p] = n
+        if need:
+            out.update(self._receive(self._send(need)))
+        if ahead:
+            more = {p: n for p, n in counts.items() if len(out[p]) == n and p not in self.stash}
+            if more:
+                self.inflight = self._send(more)
+        return out
+
+    def read(self, counts: dict[int, int], *, ahead: bool = False
+             ) -> dict[int, tuple[list[str], list[list[bytes]]]]:
         """Up to ``counts[p]`` new entries of each partition (possibly none), as their
         IDs and flat field lists, with the producer's end marks refreshed in the same
-        round trip."""
+        round trip. ``ahead``: send the next read now (see :meth:`_fenced_read`)."""
 
         def call(c: redis.Redis) -> Any:
-            got = self._fenced_read(counts)
+            got = self._fenced_read(counts, ahead=ahead)
             if self.ds.finite:
                 self._refresh_ends(c)
             return got

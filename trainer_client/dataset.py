@@ -326,7 +326,7 @@ class StreamingDataset(IterableDataset[Batch]):
         active = list(reader.partitions)
         while active:
             per = max(1, -(-bs * _READ_BATCHES // len(active)))
-            got = reader.read({p: per for p in active})
+            got = reader.read({p: per for p in active}, ahead=True)
             for p in active:
                 ids, flats = got[p]
                 if ids:
