@@ -163,22 +163,22 @@ def key_bytes(client: redis.Redis, keys: list[str]) -> int:
 
 
 class Reads:
-    """Counts the fenced reads of this process's readers around a block: each read is
-    one round trip (the XREADGROUPs of every server it touches written before any
-    reply is read)."""
+    """Counts the reads this process's readers send around a block: each is one round
+    trip (the XREADGROUPs of every server it touches written before any reply is
+    read), whether a read returns its replies at once or sent them ahead of the next."""
 
     def __enter__(self) -> Reads:
-        self.n, self._read = 0, Reader.read
+        self.n, self._send = 0, Reader._send
 
         def counted(reader: Reader, counts: dict[int, int]) -> Any:
             self.n += 1
-            return self._read(reader, counts)
+            return self._send(reader, counts)
 
-        Reader.read = counted  # type: ignore[method-assign]
+        Reader._send = counted  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        Reader.read = self._read  # type: ignore[method-assign]
+        Reader._send = self._send  # type: ignore[method-assign]
 
 
 class Clock:

@@ -46,8 +46,9 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
         assert fig["deep_read_deterministic"]["partitions_per_read"] == 1
         read = fig["read"]
         assert read["records"] == ROUNDS * P
-        assert read["xreadgroup"] == ROUNDS * P  # one read per round, every partition in it
-        assert read["reads"] == ROUNDS
+        # Every read asks every partition (the first round's is also sent ahead once).
+        assert read["xreadgroup"] == read["reads"] * P
+        assert ROUNDS <= read["reads"] <= ROUNDS + 1
         assert read["partitions_per_read"] == P
         commit = fig["commit"]
         assert commit["offsets_in_manifest"] == commit["partitions_committed"] == P
