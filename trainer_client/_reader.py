@@ -294,9 +294,10 @@ class Reader:
         With ``ahead``, the same read of the partitions that filled their count is sent
         again before returning, so the servers prepare it while this process builds
         batches; its entries wait in ``stash`` and are what the next reads return
-        first. They are delivered to our consumer but not handed on, so a reconnect
-        (which moves the group back to ``positions``) drops them, as does the pass's
-        end: either way the group is moved back before they are read again."""
+        first. They are delivered to our consumer but not handed on: a reconnect
+        moves the group back to ``positions`` and drops them, and a pass that stops
+        early leaves them like the batches it read but did not yield (a session's
+        next pass starts at what the loop consumed, before them)."""
         if self.inflight is not None:
             sent, self.inflight = self.inflight, None
             for p, entries in self._receive(sent).items():
