@@ -52,6 +52,7 @@ class RedisServer:
         self.data_dir = data_dir
         self.persistence = persistence
         self.port = port or free_port()
+        self._may_move = port is None  # see start()
         self.proc: subprocess.Popen[bytes] | None = None
         data_dir.mkdir(parents=True, exist_ok=True)
 
@@ -91,9 +92,18 @@ class RedisServer:
                 self.proc.wait()
                 if attempt == 49:
                     raise
+                if self._may_move and attempt >= 2:
+                    # A port picked free can be taken since, for good: the kernel gives
+                    # the same range to outgoing connections as their local ports. Not
+                    # started yet, so nothing knows the port: pick others.
+                    self._pick_ports()
                 time.sleep(0.1)
+        self._may_move = False  # a restart keeps the port: clients know it now
         self._wait_loaded()
         return self
+
+    def _pick_ports(self) -> None:
+        self.port = free_port()
 
     def _wait_loaded(self) -> None:
         import redis
@@ -369,6 +379,10 @@ class _ClusterNode(RedisServer):
         super().__init__(data_dir)
         self.node_timeout_ms = node_timeout_ms
         # The bus port defaults to port + 10000, which a free port may exceed.
+        self.bus_port = free_port()
+
+    def _pick_ports(self) -> None:
+        super()._pick_ports()
         self.bus_port = free_port()
 
     def _args(self) -> list[str]:

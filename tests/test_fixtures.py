@@ -3,6 +3,8 @@ comes back the way a real one does."""
 
 from __future__ import annotations
 
+import socket
+
 import redis
 
 from tests.servers import RedisServer
@@ -51,3 +53,22 @@ def test_no_persistence_comes_back_empty(redis_factory) -> None:
 
 def test_servers_are_isolated_from_the_machine_redis(redis_server: RedisServer) -> None:
     assert redis_server.port != 6379
+
+
+def test_a_picked_port_taken_before_the_start_moves_and_a_restart_keeps_it(tmp_path) -> None:
+    """A free port picked for a server can be taken before it starts (an outgoing
+    connection's local port comes from the same range): the first start moves to
+    another port; a restart never moves (clients know the port by then)."""
+    server = RedisServer(tmp_path / "r")
+    taken = server.port
+    with socket.socket() as squatter:  # bound, not listening: like a connection's local port
+        squatter.bind(("127.0.0.1", taken))
+        server.start()
+        try:
+            assert server.port != taken
+            assert redis.Redis(port=server.port).ping()
+            moved = server.port
+            server.restart()
+            assert server.port == moved
+        finally:
+            server.kill()
