@@ -451,19 +451,21 @@ class CheckpointStore:
         return manifest
 
     # ---------------------------------------------------------------- retention
+    def _doomed(self, protect: str | None = None) -> builtins.list[Manifest]:
+        """The checkpoints retention drops (never ``protect``)."""
+        manifests = self._list(reuse=True)
+        return [m for m in choose_deletions(manifests, keep_last=self.keep_last,
+                                            keep_every=self.keep_every)
+                if m.name != protect]
+
     def _retire(self, protect: str | None = None) -> builtins.list[Manifest]:
         """Delete the manifests retention drops; returns them (their data is left)."""
-        manifests = self._list(reuse=True)
-        doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
-                                              keep_every=self.keep_every)
-                  if m.name != protect]
+        doomed = self._doomed(protect)
         retire(self._backend, doomed)
         return doomed
 
     def _apply_retention(self) -> builtins.list[str]:
-        retired = self._retire()
-        remove_data(self._backend, retired)
-        return [m.name for m in retired]
+        return apply_retention(self._backend, self._doomed())
 
     def gc(self) -> GcReport:
         """Remove debris of crashed saves and apply retention; a save in flight (here
