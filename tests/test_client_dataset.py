@@ -190,9 +190,7 @@ def test_reader_of_an_older_generation_is_fenced(any_redis) -> None:
 def _readers(url: str) -> list[str]:
     """The names of the reading connections open on every server of ``url``."""
     client = redis_client.client(url)
-    nodes = ([client.get_redis_connection(n) for n in client.get_nodes()]  # type: ignore[attr-defined]
-             if redis_client.is_cluster(client) else [client])
-    names = [c["name"] for n in nodes for c in n.client_list(_type="normal")
+    names = [c["name"] for n in redis_client.servers(client) for c in n.client_list(_type="normal")
              if c["name"].startswith("trainguard-reader|")]
     client.close()
     return sorted(names)

@@ -180,10 +180,15 @@ _READER = "trainguard-reader"
 _NO_CLIENT = 2**63 - 1
 
 
+def _reader_prefix(dataset: str, group: str) -> str:
+    # Names cannot hold '|' (streams.check_name): another run's prefix never matches.
+    return f"{_READER}|{dataset}|{group}|"
+
+
 def reader_name(dataset: str, group: str, generation: int) -> str:
     """The client name of a reading connection (CLIENT SETNAME): what
-    :func:`evict_readers` finds it by. Names cannot hold '|' (streams.check_name)."""
-    return f"{_READER}|{dataset}|{group}|{generation}"
+    :func:`evict_readers` finds it by."""
+    return f"{_reader_prefix(dataset, group)}{generation}"
 
 
 def evict_readers(client: redis.Redis, dataset: str, group: str, generation: int) -> int:
@@ -195,15 +200,9 @@ def evict_readers(client: redis.Redis, dataset: str, group: str, generation: int
     returned, so nothing a zombie had pipelined moves the group afterwards.
 
     Needs ``CLIENT LIST`` and ``CLIENT KILL`` for the trainer's Redis user."""
-    prefix = reader_name(dataset, group, 0)[:-1]
-    if redis_client.is_cluster(client):
-        cluster: Any = client
-        cluster.nodes_manager.initialize()  # a failover may have made new masters
-        nodes = [cluster.get_redis_connection(n) for n in cluster.get_nodes()]
-    else:
-        nodes = [client]
+    prefix = _reader_prefix(dataset, group)
     closed = 0
-    for node in nodes:
+    for node in redis_client.servers(client):
         try:
             stale = [c["id"] for c in node.client_list(_type="normal")
                      if c.get("name", "").startswith(prefix)
@@ -212,7 +211,7 @@ def evict_readers(client: redis.Redis, dataset: str, group: str, generation: int
             # The first kill matches no client (IDs count up from 1): it checks the
             # grant, so a missing one shows at the first restore, not at the one that
             # meets a zombie.
-            for cid in [_NO_CLIENT, *stale]:
+            for cid in [str(_NO_CLIENT), *stale]:
                 pipe.client_kill_filter(_id=cid)
             closed += sum(int(n) for n in pipe.execute())
         except redis.exceptions.NoPermissionError as e:

@@ -12,7 +12,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from trainguard.core import redis_url
 
-__all__ = ["wait_any", "REPLICA_WAIT_MS", "client", "eval_per_node", "is_cluster"]
+__all__ = ["wait_any", "REPLICA_WAIT_MS", "client", "eval_per_node", "is_cluster", "servers"]
 
 
 def client(url: str, **kwargs: Any) -> redis.Redis:
@@ -32,6 +32,16 @@ def client(url: str, **kwargs: Any) -> redis.Redis:
 
 def is_cluster(c: object) -> bool:
     return isinstance(c, RedisCluster)
+
+
+def servers(c: redis.Redis) -> list[redis.Redis]:
+    """A client of every server: the one, or every node of a cluster (masters and
+    replicas), its slots looked up again first (a failover may have made new masters)."""
+    if not is_cluster(c):
+        return [c]
+    cluster: Any = c
+    cluster.nodes_manager.initialize()
+    return [cluster.get_redis_connection(n) for n in cluster.get_nodes()]
 
 
 REPLICA_WAIT_MS = 1000
