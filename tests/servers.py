@@ -20,10 +20,20 @@ from pathlib import Path
 PERSISTENCE = ("none", "everysec", "always")
 
 
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now and never handed out before in this process: the kernel may
+    return a port it just returned, so the ports of servers picked before any of them
+    starts (a cluster's nodes and bus ports) could otherwise repeat."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _given:
+            _given.add(port)
+            return port
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
@@ -85,6 +95,7 @@ class RedisServer:
             )
             try:
                 _wait_port(self.port, self.proc, 10.0, f"redis-server :{self.port}")
+                self._check_owner()
                 break
             except RuntimeError:
                 # After kill -9 the port can linger a moment; try again briefly.
@@ -104,6 +115,24 @@ class RedisServer:
 
     def _pick_ports(self) -> None:
         self.port = free_port()
+
+    def _check_owner(self) -> None:
+        """The server answering on our port is our process, not another that holds the
+        port while ours failed to bind it."""
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=5)
+        try:
+            pid = int(client.info("server")["process_id"])
+        except redis.exceptions.BusyLoadingError:
+            pid = None  # loading: answered by a server, whose pid we learn below
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise RuntimeError(f"redis-server :{self.port} is not answering: {e}") from e
+        finally:
+            client.close()
+        if pid is not None and self.proc is not None and pid != self.proc.pid:
+            raise RuntimeError(f"port {self.port} is served by pid {pid}, not by our "
+                               f"redis-server (pid {self.proc.pid})")
 
     def _wait_loaded(self) -> None:
         import redis

@@ -72,3 +72,21 @@ def test_a_picked_port_taken_before_the_start_moves_and_a_restart_keeps_it(tmp_p
             assert server.port == moved
         finally:
             server.kill()
+
+
+def test_a_picked_port_served_by_another_redis_is_not_taken_for_ours(tmp_path) -> None:
+    """Our redis-server failing to bind a port that another redis-server serves must not
+    pass for started (the other one answers PING): the start checks the pid and moves."""
+    other = RedisServer(tmp_path / "other").start()
+    try:
+        server = RedisServer(tmp_path / "r")
+        server.port = other.port  # as if the kernel had handed out the same port twice
+        server.start()
+        try:
+            assert server.port != other.port
+            info = redis.Redis(port=server.port).info("server")
+            assert info["process_id"] == server.pid
+        finally:
+            server.kill()
+    finally:
+        other.kill()
