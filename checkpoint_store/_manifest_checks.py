@@ -12,7 +12,7 @@ readers can walk without further checks. Messages name the field, never byte val
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 from checkpoint_store.dtypes import dtype_from_name, is_supported
 from trainguard.core.checkpoints import CorruptCheckpointError
@@ -41,11 +41,11 @@ def _bad(name: str, what: str) -> CorruptCheckpointError:
     )
 
 
-def _count(value: Any) -> bool:
+def _count(value: Any) -> TypeGuard[int]:
     return type(value) is int and value >= 0
 
 
-def _dims(value: Any) -> bool:
+def _dims(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(_count(d) for d in value)
 
 

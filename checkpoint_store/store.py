@@ -275,6 +275,21 @@ class CheckpointStore:
         """Committed, readable manifests, oldest first (damaged ones are logged)."""
         return self._list(reuse=False)
 
+    def manifest_names(self) -> builtins.list[str]:
+        """The manifest names, in commit order, from one listing (nothing is read):
+        with :meth:`read_manifest`, how a reader caching manifests (they are never
+        rewritten under a name) lists at the cost of what changed."""
+        return [n.name for n in self._names()]
+
+    def pinned_names(self) -> set[str]:
+        """The names of the pinned manifests (one listing)."""
+        return self._pins()
+
+    def read_manifest(self, name: str, *, pinned: bool = False) -> Manifest:
+        """One manifest, read and verified; raises NoCheckpointError when it is gone,
+        CorruptCheckpointError when it is damaged."""
+        return self._read_manifest(name, {name} if pinned else set())
+
     def _list(self, *, reuse: bool) -> builtins.list[Manifest]:
         pins = self._pins()
         out = []

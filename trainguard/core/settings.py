@@ -14,6 +14,10 @@ variable                       what                          default
                                ``trainguard.core.redis_url``)
 ``TRAINGUARD_ADMIN_TOKEN``     bearer token of mutating      unset: mutations refused
                                admin routes
+``TRAINGUARD_READ_TOKEN``      bearer token every read       unset: reads open
+                               route needs (the admin token  (names and figures
+                               passes too); shows private    only)
+                               fields (manifest extra)
 ``TRAINGUARD_PUSH_TOKENS``     producer tokens of push,      unset: push refused
                                scoped to datasets and        (unless the service
                                producer_ids                  runs --insecure-local)
@@ -39,12 +43,14 @@ __all__ = [
     "DEFAULT_REDIS_URL",
     "PROBES_ENV",
     "PUSH_TOKENS_ENV",
+    "READ_TOKEN_ENV",
     "REDIS_URL_ENV",
     "TOKENIZE_PROCESSES_ENV",
     "admin_token",
     "checkpoint_stores",
     "probes",
     "push_tokens",
+    "read_token",
     "redis_url",
     "tokenize_processes",
 ]
@@ -55,6 +61,7 @@ ADMIN_TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
 CHECKPOINT_STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
 PROBES_ENV = "TRAINGUARD_PROBES"
 PUSH_TOKENS_ENV = "TRAINGUARD_PUSH_TOKENS"
+READ_TOKEN_ENV = "TRAINGUARD_READ_TOKEN"
 TOKENIZE_PROCESSES_ENV = "TRAINGUARD_TOKENIZE_PROCESSES"
 
 
@@ -66,6 +73,11 @@ def redis_url(explicit: str | None = None) -> str:
 def admin_token() -> str | None:
     """``$TRAINGUARD_ADMIN_TOKEN``, or None when unset or empty."""
     return os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def read_token() -> str | None:
+    """``$TRAINGUARD_READ_TOKEN``, or None when unset or empty."""
+    return os.environ.get(READ_TOKEN_ENV) or None
 
 
 def checkpoint_stores() -> str:
