@@ -53,6 +53,7 @@ from trainguard.core.urls import redact_url, redact_values
 
 __all__ = [
     "ADMIN_CONFIG",
+    "READ_REDIS_KEY",
     "STORES_KEY",
     "AdminConfig",
     "StoreRoot",
@@ -92,6 +93,13 @@ class AdminConfig:
 
 ADMIN_CONFIG = web.AppKey("trainguard_admin_config", AdminConfig)
 _REDIS = web.AppKey("trainguard_admin_redis", aioredis.Redis)
+_REDIS_MUTATIONS = web.AppKey("trainguard_admin_redis_mutations", aioredis.Redis)
+READ_REDIS_KEY = _REDIS
+"""The admin reads' Redis client (a pool that queues), for other read-route modules."""
+READ_CONNECTIONS = 64
+MUTATION_CONNECTIONS = 16
+POOL_QUEUE_TIMEOUT_S = 10.0
+"""How long a request waits for a free Redis connection before its 503."""
 _STORES = web.AppKey("trainguard_admin_stores", StoreSet)
 STORES_KEY = _STORES
 """The configured checkpoint stores, for other route modules (run history)."""
@@ -241,7 +249,7 @@ async def _groups(request: web.Request) -> web.Response:
 async def _seek(request: web.Request) -> web.Response:
     require_token(request)
     body = await read_json_object(request)
-    r = request.app[_REDIS]
+    r = request.app[_REDIS_MUTATIONS]
     dataset, group = request.match_info["dataset"], request.match_info["group"]
     force = body.pop("force", False)
     if not isinstance(force, bool):
@@ -360,12 +368,20 @@ def setup_admin(app: web.Application, config: AdminConfig | None = None, *,
         app.router.add_route(method, path, handler)
 
     async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
-        client = redis_client.client(config.redis_url, socket_timeout=10)
-        app[_REDIS] = client
+        # Reads and mutations each have a pool of their own that queues (a burst of
+        # anonymous reads waits its turn, and never takes the connections a seek needs).
+        reads = redis_client.client(config.redis_url, socket_timeout=10,
+                                    max_connections=READ_CONNECTIONS,
+                                    queue_timeout_s=POOL_QUEUE_TIMEOUT_S)
+        writes = redis_client.client(config.redis_url, socket_timeout=10,
+                                     max_connections=MUTATION_CONNECTIONS,
+                                     queue_timeout_s=POOL_QUEUE_TIMEOUT_S)
+        app[_REDIS], app[_REDIS_MUTATIONS] = reads, writes
         try:
             yield
         finally:
-            await client.aclose()
+            await reads.aclose()
+            await writes.aclose()
             await asyncio.to_thread(app[_STORES].close)
 
     app.cleanup_ctx.append(_lifecycle)

@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from ingest_service import inspection
-from ingest_service.admin import STORES_KEY
+from ingest_service.admin import READ_REDIS_KEY, STORES_KEY
 from ingest_service.admin_checkpoints import Catalog, StoreRoot, StoreSet
 from ingest_service.catalog import Cancel
 from ingest_service.config import METRICS_KEY, REDIS_KEY
@@ -225,7 +225,7 @@ async def run_detail(r: aioredis.Redis, stores: StoreSet, group: str, dataset: s
 async def _list(request: web.Request) -> web.Response:
     offset, limit = page(request, default_limit=RUNS_PAGE)
     errors: dict[str, str] = {}
-    runs = await until_gone(request, collect_runs(request.app[REDIS_KEY],
+    runs = await until_gone(request, collect_runs(request.app[READ_REDIS_KEY],
                                                   request.app[STORES_KEY], errors=errors))
     return web.json_response({"runs": [summary(h) for h in runs[offset:offset + limit]],
                               "total": len(runs), "offset": offset, "limit": limit,
@@ -234,13 +234,13 @@ async def _list(request: web.Request) -> web.Response:
 
 async def _show(request: web.Request) -> web.Response:
     return web.json_response(await until_gone(request, run_detail(
-        request.app[REDIS_KEY], request.app[STORES_KEY], request.match_info["group"],
+        request.app[READ_REDIS_KEY], request.app[STORES_KEY], request.match_info["group"],
         request.query.get("dataset"))))
 
 
 async def _detail(request: web.Request) -> web.Response:
     return web.json_response(await dataset_detail(
-        request.app[REDIS_KEY], request.match_info["dataset"], request.app[SAMPLER_KEY]))
+        request.app[READ_REDIS_KEY], request.match_info["dataset"], request.app[SAMPLER_KEY]))
 
 
 async def _health(request: web.Request) -> web.Response:
