@@ -279,7 +279,11 @@ class CheckpointStore:
         """The manifest names, in commit order, from one listing (nothing is read):
         with :meth:`read_manifest`, how a reader caching manifests (they are never
         rewritten under a name) lists at the cost of what changed."""
-        return [n.name for n in self._names()]
+        parsed = [p for p in map(parse_manifest_name, self._backend.listdir(MANIFEST_DIR)) if p]
+        # ManifestName's own order, by a tuple key: sorting the dataclasses compares
+        # them in Python, the bulk of a warm listing's cost at a thousand manifests.
+        parsed.sort(key=lambda p: (p.uid, p.step))
+        return [p.name for p in parsed]
 
     def pinned_names(self) -> set[str]:
         """The names of the pinned manifests (one listing)."""
