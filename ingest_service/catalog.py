@@ -84,13 +84,15 @@ class Flights:
         finally:
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.future.done():
+                log.info("%s: every request waiting for it has gone; stopping it", key)
                 flight.cancel.set()
 
     def _done(self, key: str, flight: _Flight, future: asyncio.Future[Any]) -> None:
         if self._running.get(key) is flight:
             del self._running[key]
-        if not future.cancelled():
-            future.exception()  # retrieved: an abandoned flight's error is no one's
+        # Retrieved here: an abandoned flight's outcome is no one's.
+        if not future.cancelled() and isinstance(future.exception(), Abandoned):
+            log.info("%s: stopped early, abandoned", key)
 
 
 class ManifestCache:

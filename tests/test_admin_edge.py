@@ -9,10 +9,12 @@ import asyncio
 import base64
 import json
 import logging
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import fsspec
 import pytest
 import redis.asyncio as aioredis
@@ -51,6 +53,37 @@ class CountingFS(LocalFileSystem):
 
 
 fsspec.register_implementation("countfile", CountingFS, clobber=True)
+
+
+class GatedFS(CountingFS):
+    """Counting local files under ``gatedfile://``; reading the file named ``gate``
+    sets ``entered`` and waits for ``release`` (a slow disk, held for the test)."""
+
+    protocol = ("gatedfile",)
+    gate = ""
+    entered = threading.Event()
+    release = threading.Event()
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        return LocalFileSystem._strip_protocol(str(path).removeprefix("gatedfile://"))
+
+    def cat_file(self, path: Any, start: Any = None, end: Any = None, **kw: Any) -> bytes:
+        if GatedFS.gate and str(path).endswith(GatedFS.gate):
+            GatedFS.entered.set()
+            GatedFS.release.wait(60)
+        return super().cat_file(path, start, end, **kw)
+
+
+fsspec.register_implementation("gatedfile", GatedFS, clobber=True)
+
+
+async def _until(check: Any, what: str) -> None:
+    for _ in range(600):  # a bound on polls, not a deadline asserted
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
 
 
 def _save_runs(url: str, runs: dict[str, list[int]], *, dataset: str = "toy",
@@ -308,3 +341,67 @@ async def test_verify_of_a_forged_manifest_is_an_answer_not_a_500(
             listed = await (await client.get("/admin/checkpoints/main")).json()
     assert two.status == 404 and one["valid"] is True
     assert [r["step"] for r in listed["checkpoints"]] == [1]
+
+
+async def test_an_abandoned_runs_request_stops_reading_manifests(
+        redis_server, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A client asks for /admin/runs and goes away while the service reads the second
+    of six manifests: the catalog work stops there (manifests three to six are never
+    read), and the next request reads only those four, each once."""
+    root = tmp_path / "ck"
+    _save_runs(str(root), {"a": [1, 2, 3, 4, 5, 6]})
+    names = sorted(p.name for p in (root / "manifests").iterdir())
+    GatedFS.gate, GatedFS.entered, GatedFS.release = names[1], threading.Event(), \
+        threading.Event()
+    CountingFS.reads.clear()
+    caplog.set_level(logging.INFO, logger="ingest_service.catalog")
+    roots = {"main": StoreRoot("main", f"gatedfile://{root}")}
+    app = service_app(AdminConfig(redis_server.url, TOKEN, roots))
+    try:
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            session = aiohttp.ClientSession()
+            request = asyncio.ensure_future(session.get(client.make_url("/admin/runs")))
+            await _until(GatedFS.entered.is_set, "the service reads the second manifest")
+            request.cancel()
+            await session.close()
+            await _until(lambda: "every request waiting for it has gone" in caplog.text,
+                         "the service sees its client gone")
+            GatedFS.release.set()
+            await _until(lambda: "stopped early" in caplog.text, "the work stops")
+            read = {Path(p).name for p in CountingFS.reads if "/manifests/" in p}
+            assert read == set(names[:2])
+            body = await (await client.get("/admin/runs")).json()
+            assert [(r["run"], r["checkpoints"]) for r in body["runs"]] == [("a", 6)]
+            assert {Path(p).name: n for p, n in CountingFS.reads.items()
+                    if "/manifests/" in p} == dict.fromkeys(names, 1)
+    finally:
+        GatedFS.release.set()
+        GatedFS.gate = ""
+
+
+def test_the_cli_refuses_a_store_url_with_credentials_and_never_prints_them(capsys) -> None:
+    """`trainguard ckpt ls s3://KEY:SECRET@bucket/run` is a usage error (exit 2) that
+    says where credentials go, and neither stdout nor stderr holds the secret."""
+    from trainguard.ops.cli import main
+
+    code = main(["ckpt", "ls", "s3://AKIAKEY:wJalr/XUtn@bucket/run"])
+    out = capsys.readouterr()
+    assert code == 2 and "AWS_ACCESS_KEY_ID" in out.err
+    assert "wJalr" not in out.out + out.err
+
+
+def test_runs_ls_names_an_unreadable_store_and_lists_the_others(
+        redis_server, tmp_path: Path, capsys) -> None:
+    """`trainguard runs ls` with one store that cannot be read: the good store's runs
+    are listed (exit 0) and stderr names the bad store, without its path."""
+    from trainguard.ops.cli import main
+
+    good = tmp_path / "good"
+    _save_runs(str(good), {"a": [1]})
+    broken = tmp_path / "a-file"
+    broken.write_text("not a directory")
+    code = main(["runs", "ls", "--json", "--redis-url", redis_server.url,
+                 "--stores", f"good={good},broken={broken}"])
+    out = capsys.readouterr()
+    assert code == 0 and [r["run"] for r in json.loads(out.out)] == ["a"]
+    assert "broken" in out.err and str(tmp_path) not in out.err
