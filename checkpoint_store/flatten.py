@@ -199,7 +199,7 @@ def flatten(state: Mapping[str, Any]) -> tuple[list[TensorLeaf], bytes]:
     return f.leaves, skeleton
 
 
-MAX_SKELETON_CONTAINERS = 4_000_000
+MAX_SKELETON_CONTAINERS = 1_000_000
 """Lists and maps a skeleton may decode to: a container costs ~60 bytes of memory and
 one byte of msgpack, so a bound on the bytes alone lets a small state blow up."""
 MAX_EXT_DEPTH = 32

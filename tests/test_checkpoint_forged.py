@@ -99,8 +99,9 @@ FORGERIES: dict[str, Callable[[dict[str, Any]], None]] = {
     "dtype=object": _object_dtype,
     "data_type=V1000000": _unknown_data_type,
     "shard outside its array": _shard_outside_array,
-    # Five million empty lists: 5 MB of msgpack, ~400 MB of Python objects.
-    "state of many containers": _state_of({"step": 2, "pad": [[]] * 5_000_000}),
+    # 1.5 million empty lists: 1.5 MB of msgpack, ~100 MB of Python objects (a
+    # bomb of 15 MB cost 2 GB); the bound is a million lists and maps.
+    "state of many containers": _state_of({"step": 2, "pad": [[]] * 1_500_000}),
     # Each level of an extension value is decoded from a copy of its bytes.
     "state of deeply nested tuples": _state_of({"step": 2, "pad": _nested_tuples(200)}),
 }
