@@ -58,8 +58,9 @@ from typing import Any
 import torch
 
 from trainer_client.dataset import Batch
-from trainer_client.errors import GpuCriticalError, NoRollbackTargetError
+from trainer_client.errors import GpuCriticalError, NoRollbackTargetError, PeerGpuCriticalError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport
+from trainer_client.health.leave import leave_node
 from trainer_client.session import TrainingSession
 from trainer_client.spikes import (
     STATE_VERSION,
@@ -247,14 +248,23 @@ class GuardedTraining:
         return self.session.health(self.monitor, probe=self._probe)
 
     def check_health(self) -> None:
-        """Raise GpuCriticalError once the monitor saw a CRITICAL report."""
-        if self.monitor is not None:
+        """Raise GpuCriticalError once the monitor saw a CRITICAL report. With several
+        ranks this is left to the session's per-step all-reduce (a rank raising alone
+        would leave the others in the checkpoint's collective without it)."""
+        if self.monitor is not None and self.session.world_size == 1:
             self.monitor.check()
 
     @contextlib.contextmanager
     def exit_on_gpu_critical(self) -> Iterator[None]:
         """On GpuCriticalError inside: blocking checkpoint of the current step, then
-        ``SystemExit`` with the error's exit code (75): the orchestrator replaces the node."""
+        ``SystemExit`` with the error's exit code (75): the orchestrator replaces the node.
+
+        With several ranks, every rank gets here at the same step boundary (the
+        session's all-reduce, see :meth:`batches`) and the checkpoint is taken by all of
+        them. The bad rank then quarantines its node and stops its torchrun agent
+        (:func:`~trainer_client.health.leave.leave_node`) before exiting with 75; the
+        healthy ranks exit with 76 (PeerGpuCriticalError) so that their agents
+        rendezvous again without the bad node."""
         try:
             yield
         except GpuCriticalError as exc:
@@ -268,6 +278,10 @@ class GuardedTraining:
                 # and the last committed checkpoint is restored there.
                 log.exception("checkpoint after the CRITICAL health report failed; exiting "
                               "with code %d anyway", exc.exit_code)
+            if not isinstance(exc, PeerGpuCriticalError):
+                report = exc.report if isinstance(exc.report, HealthReport) else None
+                leave_node(self.session.redis_url, str(exc),
+                           report=report.to_dict() if report is not None else None)
             raise SystemExit(exc.exit_code) from exc
 
     # ------------------------------------------------------------------ the loop
@@ -282,7 +296,7 @@ class GuardedTraining:
         """``session.batches(loader)`` without the offending batches. The health check
         runs before each batch is taken from the session, so a checkpoint made on
         GpuCriticalError never includes a batch that was not trained."""
-        inner = self.session.batches(loader)
+        inner = self.session.batches(loader, health=self.monitor)
         try:
             while True:
                 self.check_health()

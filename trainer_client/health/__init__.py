@@ -42,7 +42,7 @@ not stop the monitor.
 The NVML module is a constructor parameter so that tests without a GPU pass a fake.
 """
 
-from trainer_client.health.exit import EXIT_GPU_CRITICAL, exit_if_not_handled
+from trainer_client.health.exit import EXIT_GPU_CRITICAL, EXIT_PEER_CRITICAL, exit_if_not_handled
 from trainer_client.health.monitor import HealthMonitor, NodeHealth
 from trainer_client.health.probe import HealthProbe
 from trainer_client.health.report import (
@@ -65,6 +65,7 @@ __all__ = [
     "CLOCKS_SW_THERMAL",
     "DEFAULT_CRITICAL_XIDS",
     "EXIT_GPU_CRITICAL",
+    "EXIT_PEER_CRITICAL",
     "Check",
     "GpuReport",
     "HealthMonitor",
