@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,11 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     node = os.environ["TRAINGUARD_NODE_ID"]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     bad = os.environ.get("HEAL_BAD") == "1" and restart == 0
-    print(f"START {node} {rank} {world} {restart}", flush=True)
+    print(f"START {node} {rank} {world} {restart} {time.time():.1f}", flush=True)
 
     gpu = FakeGpu()
     monitor = HealthMonitor(HealthProbe(nvml=FakeNvml([gpu])), interval_s=3600.0)
     monitor.probe_now()
+    torch.manual_seed(0)  # every rank starts from the same weights, as under DDP
     state, model, opt = make_state(args.records)
     sess = session(args.redis, args.store, rank=rank, world_size=world)
     guarded = GuardedTraining(sess, state, optimizer=opt, monitor=monitor)

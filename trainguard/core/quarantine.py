@@ -39,6 +39,7 @@ from trainguard.core.errors import TrainguardError
 from trainguard.core.streams import PREFIX, ContractError, check_name
 
 __all__ = [
+    "DELETE_IF_UNCHANGED",
     "QUARANTINE_VERSION",
     "NodeQuarantinedError",
     "QuarantinePolicy",
@@ -47,14 +48,18 @@ __all__ = [
     "clear",
     "failures_key",
     "list_quarantined",
+    "node_id",
     "quarantine",
     "quarantine_key",
     "record_failure",
     "server_time",
+    "sort_entries",
 ]
 
 QUARANTINE_VERSION = 1
 SOURCES = ("probe", "trainer", "failures")
+"""Who wrote a record: the gate's probe, the trainer on a CRITICAL report, the
+failure count."""
 
 
 def quarantine_key() -> str:
@@ -189,12 +194,14 @@ def _read(r: Any, node: str, now: float) -> QuarantineRecord | None:
     return None
 
 
-_DELETE_IF = ("if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
+# Lua (KEYS[1] the hash, ARGV node and value): delete a field only if it still holds
+# the value read, so that removing an expired record never removes a newer one.
+DELETE_IF_UNCHANGED = ("if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
               "return redis.call('HDEL', KEYS[1], ARGV[1]) end return 0")
 
 
 def _delete_if_unchanged(r: Any, node: str, raw: Any) -> None:
-    r.eval(_DELETE_IF, 1, quarantine_key(), node, raw)
+    r.eval(DELETE_IF_UNCHANGED, 1, quarantine_key(), node, raw)
 
 
 def check_admission(r: Any, node: str) -> None:
@@ -231,6 +238,18 @@ def quarantine(
     return rec
 
 
+# Lua (KEYS[1] the node's failures; ARGV now, a unique member, the window's start,
+# the key's TTL): add this failure, forget those before the window, count the rest.
+# One script, so concurrent reports of one node never lose a count (and it runs on
+# one slot of a Redis Cluster, where a MULTI over keys may not).
+_COUNT_FAILURE = """
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
 def record_failure(
     r: Any, node: str, reason: str, *, policy: QuarantinePolicy | None = None
 ) -> tuple[int, QuarantineRecord | None]:
@@ -240,12 +259,8 @@ def record_failure(
     policy = policy or QuarantinePolicy.from_env()
     key = failures_key(node)
     now = server_time(r)
-    pipe = r.pipeline(transaction=True)
-    pipe.zadd(key, {f"{now:.6f}:{uuid.uuid4().hex[:8]}": now})
-    pipe.zremrangebyscore(key, "-inf", f"({now - policy.window_s}")
-    pipe.zcard(key)
-    pipe.expire(key, max(1, math.ceil(policy.window_s)))
-    count = int(pipe.execute()[2])
+    count = int(r.eval(_COUNT_FAILURE, 1, key, now, f"{now:.6f}:{uuid.uuid4().hex[:8]}",
+                       now - policy.window_s, max(1, math.ceil(policy.window_s))))
     if count < policy.max_failures:
         return count, None
     rec = quarantine(r, node, f"{count} failures within {policy.window_s:g} s, the last: "
@@ -255,29 +270,40 @@ def record_failure(
     return count, rec
 
 
-def list_quarantined(r: Any) -> list[QuarantineRecord]:
-    """Every record that holds now, by node id (expired ones are removed)."""
-    now = server_time(r)
-    out = []
-    for field, raw in sorted((r.hgetall(quarantine_key()) or {}).items()):
+def sort_entries(
+    entries: Mapping[Any, Any], now: float
+) -> tuple[list[QuarantineRecord], list[tuple[str, Any]]]:
+    """The quarantine hash's ``entries`` (field -> stored JSON) at ``now``: the
+    records that hold, by node id, and the (field, raw value) of the expired ones (to
+    delete with :data:`DELETE_IF_UNCHANGED`). An unreadable value is listed as a record
+    of source ``unreadable`` (an operator must see it, and clear it)."""
+    holding, expired = [], []
+    for field, raw in sorted(entries.items()):
         try:
             rec = QuarantineRecord.parse(raw)
         except ContractError:
-            # Shown as it is: an operator must see (and clear) a record nobody can read.
-            out.append(QuarantineRecord(node=_text(field), reason=f"unreadable record {raw!r:.80}",
-                                        source="?", created_at=0.0, expires_at=math.inf))
+            holding.append(QuarantineRecord(
+                node=_text(field), reason=f"unreadable record {raw!r:.80}", source="unreadable",
+                created_at=0.0, expires_at=0.0))
             continue
         if rec.holds(now):
-            out.append(rec)
+            holding.append(rec)
         else:
-            _delete_if_unchanged(r, _text(field), raw)
-    return out
+            expired.append((_text(field), raw))
+    return holding, expired
+
+
+def list_quarantined(r: Any) -> list[QuarantineRecord]:
+    """Every record that holds now, by node id (expired ones are removed)."""
+    holding, expired = sort_entries(r.hgetall(quarantine_key()) or {}, server_time(r))
+    for field, raw in expired:
+        _delete_if_unchanged(r, field, raw)
+    return holding
 
 
 def clear(r: Any, node: str) -> bool:
     """Remove ``node``'s record and failure count; True if a record was there."""
     check_name("node", node)
-    pipe = r.pipeline(transaction=True)
-    pipe.hdel(quarantine_key(), node)
-    pipe.delete(failures_key(node))
-    return bool(pipe.execute()[0])
+    removed = bool(r.hdel(quarantine_key(), node))
+    r.delete(failures_key(node))
+    return removed
