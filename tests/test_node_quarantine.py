@@ -193,3 +193,36 @@ def test_admin_routes_list_and_clear_with_the_token(redis_server):
     finally:
         server.stop()
         r.close()
+
+
+def test_dashboard_shows_a_quarantined_node_and_clears_it(redis_server) -> None:
+    """The overview (Debian's chromium) lists the quarantined node with its source
+    and reason; its clear button, with the admin token set in the tab, clears the
+    record: the row disappears and the node is admitted again."""
+    from tests._dashboard import DESKTOP, Page, browser
+    from tests.admin_helpers import TOKEN
+
+    r = redis_client.client(redis_server.url)
+    qr.quarantine(r, "gpu-03", "GPU health CRITICAL: gpu 0: XID events [79]",
+                  source="trainer", policy=POLICY)
+    server = ThreadedServer(service_app(AdminConfig(redis_server.url, TOKEN, {}))).start()
+    errors: list[str] = []
+    try:
+        with browser() as b:
+            page = Page(b, server.url, DESKTOP, errors)
+            page.open("/")
+            row = 'tr[data-quarantined="gpu-03"]'
+            page.page.wait_for_selector(row, timeout=30_000)
+            assert page.values(row) == {
+                "source": "trainer", "reason": "GPU health CRITICAL: gpu 0: XID events [79]",
+                "created_at": page.value(f"{row} [data-k=created_at]"),
+                "remaining_s": page.value(f"{row} [data-k=remaining_s]")}
+            page.page.evaluate(f"sessionStorage.setItem('trainguard-token', '{TOKEN}')")
+            page.page.locator(f"{row} button").click()
+            page.page.wait_for_selector("text=no quarantined nodes", timeout=30_000)
+            qr.check_admission(r, "gpu-03")
+            page.close()
+    finally:
+        server.stop()
+        r.close()
+    assert errors == []
