@@ -99,6 +99,10 @@ def test_n_failures_within_the_window_quarantine_and_older_ones_do_not_count(
     """With 3 failures per window: failures that left the window are not counted; the
     3rd within it quarantines the node (`node fail` exits 4, the record's source is
     `failures`); a healthy rank's exit 76 (another node's GPU) is never counted."""
+    from trainer_client.health import EXIT_PEER_CRITICAL
+    from trainguard.ops import exits
+
+    assert exits.EXIT_PEER_CRITICAL == EXIT_PEER_CRITICAL == 76  # the CLI knows the trainer's
     url = redis_server.url
     r = redis_client.client(url)
     short = qr.QuarantinePolicy(max_failures=3, window_s=0.5)

@@ -23,18 +23,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core import settings
-from trainguard.ops.exits import EXIT_GPU_CRITICAL, EXIT_OK, EXIT_REFUSED
+from trainguard.ops.exits import EXIT_GPU_CRITICAL, EXIT_OK, EXIT_PEER_CRITICAL, EXIT_REFUSED
 from trainguard.ops.output import emit, table
 
 if TYPE_CHECKING:
     from trainer_client.health import HealthProbe
     from trainguard.core.quarantine import QuarantinePolicy
 
-__all__ = ["EXIT_PEER_CRITICAL", "gate", "register"]
-
-EXIT_PEER_CRITICAL = 76
-"""A healthy rank's code after another node's GPU turned CRITICAL
-(``trainer_client.health.EXIT_PEER_CRITICAL``): not this node's failure."""
+__all__ = ["gate", "register"]
 
 
 def _client(args: argparse.Namespace) -> Any:
