@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from tests._fake_nvml import FakeGpu, FakeNvml
 from tests._guard_train import make_state, session
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", required=True)
     ap.add_argument("--records", type=int, required=True)
     ap.add_argument("--critical-at", type=int, required=True)
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     args = ap.parse_args(argv)
 
     dist.init_process_group("gloo")
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return torch.tensor(1.0)
 
     def after_step() -> None:
-        print(f"STEP {guarded.step}", flush=True)
+        print(f"STEP {guarded.step} {time.time():.2f}", flush=True)
         if bad and guarded.step == args.critical_at:
             gpu.ecc_uncorrected = 1  # the GPU fails; the monitor's next probe sees it
             monitor.probe_now()
@@ -68,13 +70,23 @@ def main(argv: list[str] | None = None) -> int:
     opt.register_step_post_hook(lambda *_: after_step())
     guarded.restore()
     try:
-        step = guarded.run(sess.dataset(batch_size=8), train_step, checkpoint_every=1000)
+        loader = DataLoader(sess.dataset(batch_size=8), batch_size=None,
+                            num_workers=args.workers)
+        step = guarded.run(loader, train_step, checkpoint_every=1000)
     finally:
         sess.close()
-    print(f"DONE {step}", flush=True)
+    print(f"DONE {step} {time.time():.2f}", flush=True)
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except SystemExit as exc:  # GuardedTraining's exit: 75 on the bad node, 76 on the other
+        code = int(exc.code or 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is committed and closed by now; skip the interpreter's teardown of
+    # torch (seconds on a loaded machine): the agent only reads the exit code.
+    os._exit(code)

@@ -9,12 +9,13 @@ bad node's NVML (tests/_fake_nvml.py).
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis
-import torch
 from torch.distributed import TCPStore
 
 from checkpoint_store import CheckpointStore
@@ -31,16 +32,17 @@ N, P, CRITICAL_AT = 320, 4, 6
 RDZV_CONF = "is_host=false,last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=2"
 
 
-def _agent(node: str, *, bad: bool, rdzv_port: int, redis_url: str, store: str,
-           log: Path) -> subprocess.Popen[bytes]:
+def _agent(node: str, *, bad: bool, rdzv_port: int, redis_url: str, store: str, log: Path,
+           nnodes: str = "1:2", n: int = N, critical_at: int = CRITICAL_AT,
+           workers: int = 0) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TRAINGUARD_NODE_ID": node,
-           "HEAL_BAD": "1" if bad else "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+           "HEAL_BAD": "1" if bad else "0", "LOGLEVEL": "INFO"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv_port}", "--rdzv-id=heal",
            f"--rdzv-conf={RDZV_CONF}", "--max-restarts=2", "--monitor-interval=0.2",
            "-m", "tests._heal_train", "--redis", redis_url, "--store", store,
-           "--records", str(N), "--critical-at", str(CRITICAL_AT)]
+           "--records", str(n), "--critical-at", str(critical_at), "--workers", str(workers)]
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -48,6 +50,74 @@ def _agent(node: str, *, bad: bool, rdzv_port: int, redis_url: str, store: str,
 def _lines(log: Path, word: str) -> list[list[str]]:
     return [line.split() for line in log.read_text(errors="replace").splitlines()
             if line.startswith(word + " ")]
+
+
+def _run_job(tmp_path: Path, redis_url: str, store: str, nodes: dict[str, bool], *,
+             n: int, critical_at: int, workers: int = 0) -> tuple[dict[str, int], dict[str, Path]]:
+    """One torchrun agent per node (``{name: bad}``), all started at once; their exit
+    codes and logs once all ended."""
+    cf.fill(redis_url, cf.create(redis_url, gt.DATASET, partitions=P), n)
+    rdzv_port = free_port()
+    # The rendezvous store's host: this test process (it outlives every node).
+    rdzv = TCPStore("127.0.0.1", rdzv_port, is_master=True, multi_tenant=True,
+                    wait_for_workers=False)
+    logs = {name: tmp_path / f"{name}.log" for name in nodes}
+    agents = {name: _agent(name, bad=bad, rdzv_port=rdzv_port, redis_url=redis_url,
+                           store=store, log=logs[name], nnodes=f"1:{len(nodes)}", n=n,
+                           critical_at=critical_at, workers=workers)
+              for name, bad in nodes.items()}
+    try:
+        codes = {name: a.wait(timeout=300) for name, a in agents.items()}
+    finally:
+        for a in agents.values():
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+        del rdzv
+    return codes, logs
+
+
+def _check_healed(redis_url: str, store: str, codes: dict[str, int], logs: dict[str, Path],
+                  *, bad: str, n: int, critical_at: int) -> None:
+    """The bad node trained steps 1..critical_at, was never restarted, and is
+    quarantined by its trainer; every other node ran once with everyone and once
+    without it, and finished; the checkpoint of critical_at was taken by every rank;
+    the final one, without the bad node, has each of the n records trained once."""
+    text = {name: log.read_text(errors="replace")[-4000:] for name, log in logs.items()}
+    world = len(logs)
+    assert codes[bad] != 0, text[bad]  # its agent was stopped, not finished
+    starts = {name: [(int(w), int(r)) for _, _, _, w, r, *_ in _lines(log, "START")]
+              for name, log in logs.items()}
+    assert starts[bad] == [(world, 0)], text[bad]  # never restarted on the bad node
+    steps = [int(s) for _, s, *_ in _lines(logs[bad], "STEP")]
+    assert steps == list(range(1, critical_at + 1)), text[bad]
+    done = []
+    for name in logs.keys() - {bad}:
+        assert codes[name] == 0, text[name]
+        assert starts[name] == [(world, 0), (world - 1, 1)], text[name]
+        done += [int(d) for _, d, *_ in _lines(logs[name], "DONE")]
+    assert len(set(done)) == 1 and len(done) == world - 1
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        records = qr.list_quarantined(client)
+    finally:
+        client.close()
+    assert [(r.node, r.source) for r in records] == [(bad, "trainer")]
+    assert "uncorrected ECC" in records[0].reason
+    assert records[0].report is not None and records[0].report["status"] == "CRITICAL"
+
+    cs = CheckpointStore(store)
+    try:
+        by_step = {int(m.step): m.extra["trainguard"]["world_size"] for m in cs.list()}
+        state, model, _ = gt.make_state(n)
+        final = cs.load(state)
+    finally:
+        cs.close()
+    assert by_step[critical_at] == world  # the checkpoint every rank took together
+    assert final is not None and int(final.step) == done[0]
+    assert final.extra["trainguard"]["world_size"] == world - 1
+    assert_each_once(model.counts.detach())
 
 
 def test_critical_gpu_is_decided_by_all_ranks_and_the_healthy_node_finishes_alone(
@@ -60,55 +130,26 @@ def test_critical_gpu_is_decided_by_all_ranks_and_the_healthy_node_finishes_alon
     its worker is never restarted there; the healthy agent restarts its worker, which
     rendezvous alone (world size 1), resumes from step 6 and finishes the dataset.
     The final checkpoint's ledger: every record trained exactly once."""
-    cf.fill(redis_server.url, cf.create(redis_server.url, gt.DATASET, partitions=P), N)
     store = f"file://{tmp_path}/ckpt"
-    rdzv_port = free_port()
-    # The rendezvous store's host: this test process (it outlives both nodes).
-    rdzv = TCPStore("127.0.0.1", rdzv_port, is_master=True, multi_tenant=True,
-                    wait_for_workers=False)
-    logs = {"good": tmp_path / "good.log", "bad": tmp_path / "bad.log"}
-    agents = {name: _agent(name, bad=name == "bad", rdzv_port=rdzv_port,
-                           redis_url=redis_server.url, store=store, log=logs[name])
-              for name in ("good", "bad")}
-    try:
-        codes = {name: a.wait(timeout=240) for name, a in agents.items()}
-    finally:
-        for a in agents.values():
-            if a.poll() is None:
-                a.kill()
-                a.wait()
-        del rdzv
-    text = {name: log.read_text(errors="replace")[-4000:] for name, log in logs.items()}
-    assert codes["good"] == 0, text["good"]
-    assert codes["bad"] != 0, text["bad"]  # its agent was stopped, not finished
+    codes, logs = _run_job(tmp_path, redis_server.url, store, {"good": False, "bad": True},
+                           n=N, critical_at=CRITICAL_AT)
+    _check_healed(redis_server.url, store, codes, logs, bad="bad", n=N,
+                  critical_at=CRITICAL_AT)
 
-    starts = {name: [(int(w), int(r)) for _, _, _, w, r, *_ in _lines(log, "START")]
-              for name, log in logs.items()}
-    assert starts["bad"] == [(2, 0)], text["bad"]  # never restarted on the bad node
-    assert starts["good"] == [(2, 0), (1, 1)], text["good"]
-    steps = {name: [int(s) for _, s in _lines(log, "STEP")] for name, log in logs.items()}
-    assert steps["bad"] == list(range(1, CRITICAL_AT + 1)), text["bad"]
-    done = _lines(logs["good"], "DONE")
-    assert len(done) == 1
 
-    client = redis.Redis.from_url(redis_server.url)
-    try:
-        records = qr.list_quarantined(client)
-    finally:
-        client.close()
-    assert [(r.node, r.source) for r in records] == [("bad", "trainer")]
-    assert "uncorrected ECC" in records[0].reason
-    assert records[0].report is not None and records[0].report["status"] == "CRITICAL"
-
-    cs = CheckpointStore(store)
-    try:
-        by_step = {int(m.step): m.extra["trainguard"]["world_size"] for m in cs.list()}
-        state, model, _ = gt.make_state(N)
-        final = cs.load(state)
-    finally:
-        cs.close()
-    assert by_step[CRITICAL_AT] == 2  # the checkpoint both ranks took together
-    assert final is not None and int(final.step) == int(done[0][1])
-    assert final.extra["trainguard"]["world_size"] == 1
-    assert_each_once(model.counts.detach())
-    assert torch.equal(model.counts.detach(), torch.ones(N))
+@pytest.mark.chaos
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_three_nodes_one_turns_critical_at_a_random_step(redis_server, tmp_path: Path,
+                                                         seed: int) -> None:
+    """Three torchrun agents with two DataLoader workers each; a node picked at random
+    turns CRITICAL after a random step: the other two checkpoint with it, rendezvous
+    again as two and finish; every record trained exactly once."""
+    rng = random.Random(seed)
+    names = ["n0", "n1", "n2"]
+    bad = rng.choice(names)
+    n, critical_at = 480, rng.randint(1, 12)
+    store = f"file://{tmp_path}/ckpt"
+    codes, logs = _run_job(tmp_path, redis_server.url, store,
+                           {name: name == bad for name in names}, n=n,
+                           critical_at=critical_at, workers=2)
+    _check_healed(redis_server.url, store, codes, logs, bad=bad, n=n, critical_at=critical_at)
