@@ -54,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     guarded = GuardedTraining(sess, state, optimizer=opt, monitor=monitor)
 
     def train_step(batch: Batch) -> torch.Tensor:
-        idx = batch.data[:, 0].long()
-        (-model.counts[idx].sum() + 0 * model.lin(batch.data.float()).sum()).backward()
+        if len(batch):
+            idx = batch.data[:, 0].long()
+            (-model.counts[idx].sum() + 0 * model.lin(batch.data.float()).sum()).backward()
+        else:  # out of data while a peer is not: a zero step, the all-reduce still matches
+            (0 * model.counts.sum() + 0 * sum(p.sum() for p in model.lin.parameters())).backward()
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)

@@ -148,9 +148,13 @@ class GuardedTraining:
     multiply the scheduled rate by :attr:`lr_scale` yourself. ``monitor`` is checked
     between steps; without one, :meth:`health` probes on demand.
 
-    Tested on one rank. With several ranks, report the all-reduced loss so that every
-    rank decides the same (``session.rollback`` is collective); each rank drops its own
-    batches, and the manifest lists rank 0's.
+    With several ranks, report the all-reduced loss so that every rank decides the
+    same (``session.rollback`` is collective); each rank drops its own batches, and the
+    manifest lists rank 0's. A rank out of data gets join mode's empty batches
+    (``len(batch) == 0``) until every rank is: ``train_step`` steps on them as its peers
+    do (a zero loss, so that a gradient all-reduce still matches). A CRITICAL GPU on
+    one rank is decided by all of them at one step boundary (see
+    :meth:`exit_on_gpu_critical`).
     """
 
     def __init__(
@@ -292,7 +296,7 @@ class GuardedTraining:
         if self.guard.is_skipped(bid):
             return True
         mine = _ranges(bid)
-        return any(_overlap(mine, _ranges(str(s))) for s in self.guard.skipped_batch_ids)
+        return any(_overlap(mine, _ranges(str(s))) for s in self.guard.skipped_batch_ids if s)
 
     def batches(self, loader: Iterable[Batch]) -> Iterator[Batch]:
         """``session.batches(loader)`` without the offending batches. The health check
@@ -305,6 +309,11 @@ class GuardedTraining:
                 batch = next(inner, None)
                 if batch is None:
                     return
+                if not batch.ids:
+                    # Join mode's empty batch (this rank ran out, another has not):
+                    # nothing in it to drop; the loop steps on it like its peers.
+                    yield batch
+                    continue
                 bid = batch_id(batch)
                 if self._offending(bid):
                     # The session already recorded its offsets: consumed, never trained.
@@ -331,7 +340,10 @@ class GuardedTraining:
         before the spike is left to roll back to."""
         value = float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss)
         gn = None if grad_norm is None else float(grad_norm)
-        decision = self.guard.observe(self.step + 1, value, batch_id=batch_id(batch), grad_norm=gn)
+        # An empty batch (join mode) is judged too: with the all-reduced loss every rank
+        # must take the same decision, or one would roll back (a collective) alone.
+        bid = batch_id(batch) if batch.ids else ""
+        decision = self.guard.observe(self.step + 1, value, batch_id=bid, grad_norm=gn)
         if decision.action is Action.CONTINUE:
             self.step += 1
             return True
