@@ -77,6 +77,30 @@ def test_critical_gate_quarantines_and_the_node_stays_out_until_cleared(redis_ta
     r.close()
 
 
+def test_probe_daemon_callback_quarantines_on_the_first_critical_report(redis_server) -> None:
+    """The `trainguard probe --quarantine` callback on a monitor: OK and WARN reports
+    write nothing; the first CRITICAL one (a hardware XID) writes the node's record
+    with the probe report, and the node is refused."""
+    from trainer_client.health import HealthMonitor
+    from trainer_client.health.leave import quarantine_on_critical
+
+    r = redis_client.client(redis_server.url)
+    nvml = FakeNvml([FakeGpu(temperature_c=90)])
+    monitor = HealthMonitor(HealthProbe(nvml=nvml),
+                            on_critical=quarantine_on_critical(redis_server.url, node="n9"))
+    monitor.probe_now()
+    qr.check_admission(r, "n9")  # WARN (warm) is no reason
+    nvml.emit_xid(0, 79)
+    monitor.probe_now()
+    with pytest.raises(qr.NodeQuarantinedError) as refused:
+        qr.check_admission(r, "n9")
+    rec = refused.value.record
+    assert rec.source == "probe" and "79" in rec.reason
+    assert rec.report is not None and rec.report["status"] == "CRITICAL"
+    monitor.probe.close()
+    r.close()
+
+
 def test_an_expired_record_admits_the_node_and_is_removed(redis_server, capsys):
     """A record holds until its expiry on the Redis server's clock, then it is no
     record: admission passes, `nodes ls` is empty and the hash field is gone."""

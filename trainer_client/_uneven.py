@@ -79,7 +79,9 @@ def in_step(
                 f"{criticals} of {world} ranks reported GPU health CRITICAL at this step "
                 "boundary; this rank's GPU is fine. Checkpoint with every rank now, then "
                 f"exit with code {EXIT_PEER_CRITICAL} so this node's agent rendezvous "
-                "again without the bad node.", ranks=criticals, exit_code=EXIT_PEER_CRITICAL)
+                "again without the bad node (it waits there until torchrun's --nnodes "
+                "minimum of nodes joined; `trainguard nodes ls` shows the quarantined "
+                "ones).", ranks=criticals, exit_code=EXIT_PEER_CRITICAL)
         if have == 0 or (mode == "stop" and have < world):
             return
         yield batch if batch is not None else Batch(data=None, ids={}, offsets={})

@@ -27,7 +27,12 @@ critical XID it stays CRITICAL for the life of the probe (the node needs a reset
 Exit code: a trainer whose GPU turns CRITICAL checkpoints and exits with
 :data:`EXIT_GPU_CRITICAL` (75, ``EX_TEMPFAIL`` in sysexits.h: "temporary failure,
 retry later"), which tells the orchestrator to replace the node and restart the run
-from the checkpoint; ``trainguard probe --once`` uses the same code.
+from the checkpoint; ``trainguard probe --once`` uses the same code. With several
+ranks the verdict travels in ``session.batches()``' per-step all-reduce: every rank
+learns it at the same step boundary and checkpoints, the bad rank quarantines its
+node and stops its torchrun agent (:mod:`trainer_client.health.leave`) before exiting
+with 75, the others exit with :data:`EXIT_PEER_CRITICAL` (76) to rendezvous again
+without it.
 
 :class:`HealthMonitor` probes in a background thread every ``interval_s``. Wire it
 into the training loop with :meth:`HealthMonitor.check` between steps (raises

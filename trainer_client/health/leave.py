@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainer_client import redis_client
+from trainer_client.health.report import HealthReport
 from trainguard.core import quarantine as qr
 
-__all__ = ["leave_node", "stop_agent"]
+__all__ = ["leave_node", "quarantine_on_critical", "stop_agent"]
 
 log = logging.getLogger("trainer_client.health")
 
@@ -80,3 +81,25 @@ def leave_node(
         log.critical("stopped this node's torchrun agent (pid %d): it must not restart the "
                      "worker here", agent)
     return rec
+
+
+def quarantine_on_critical(
+    redis_url: str, *, node: str | None = None, policy: qr.QuarantinePolicy | None = None
+) -> Callable[[HealthReport], None]:
+    """An ``on_critical`` callback for a :class:`~trainer_client.health.HealthMonitor`
+    (the ``trainguard probe --quarantine`` daemon): the first CRITICAL report writes
+    this node's quarantine record (source ``probe``), so that the node's next gate or
+    rendezvous join is refused even when no trainer runs on it."""
+    node = qr.node_id(node)
+
+    def on_critical(report: HealthReport) -> None:
+        client = redis_client.client(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        try:
+            rec = qr.quarantine(client, node, "GPU health CRITICAL: " + "; ".join(
+                report.problems()), source="probe", report=report.to_dict(), policy=policy)
+        finally:
+            client.close()
+        if rec is not None:
+            log.critical("%s", rec.describe())
+
+    return on_critical
