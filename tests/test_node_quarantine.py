@@ -254,3 +254,13 @@ def test_dashboard_shows_a_quarantined_node_and_clears_it(redis_server) -> None:
         server.stop()
         r.close()
     assert errors == []
+
+
+@pytest.mark.parametrize("argv", [("node",), ("node", "gate"), ("node", "fail"), ("nodes",),
+                                  ("nodes", "ls"), ("nodes", "clear")])
+def test_node_commands_have_help(argv, capsys) -> None:
+    """`trainguard node|nodes ... --help` exits 0 with its usage line."""
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    assert "usage: trainguard " + " ".join(argv) in capsys.readouterr().out
