@@ -5,7 +5,7 @@ Each torchrun node runs one worker (gloo on CPU). The ledger is tests/_guard_tra
 batch; the gradients are summed over ranks (as DDP would), so every rank holds the
 same counts and the checkpoint (saved from rank 0) has every rank's records.
 
-The node whose environment has ``HEAL_BAD=1`` has a fake NVML whose GPU reports an
+The node whose environment has ``HEAL_BAD=1`` (or the rank ``--bad-rank``) has a fake NVML whose GPU reports an
 uncorrected ECC error (CRITICAL) right after step ``--critical-at`` of its first
 worker. Prints ``START <node> <rank> <world> <restart count>`` on start, ``STEP
 <step>`` after each applied step and ``DONE <step>`` at the end.
@@ -36,13 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records", type=int, required=True)
     ap.add_argument("--critical-at", type=int, required=True)
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    ap.add_argument("--bad-rank", type=int, default=-1,
+                    help="this rank's GPU fails (without torchrun: no node to pick by env)")
     args = ap.parse_args(argv)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    node = os.environ["TRAINGUARD_NODE_ID"]
+    node = os.environ.get("TRAINGUARD_NODE_ID") or f"node{rank}"
+    os.environ["TRAINGUARD_NODE_ID"] = node
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    bad = os.environ.get("HEAL_BAD") == "1" and restart == 0
+    bad = (os.environ.get("HEAL_BAD") == "1" or rank == args.bad_rank) and restart == 0
     print(f"START {node} {rank} {world} {restart} {time.time():.1f}", flush=True)
 
     gpu = FakeGpu()

@@ -21,8 +21,9 @@ from torch.distributed import TCPStore
 from checkpoint_store import CheckpointStore
 from tests import _client_fill as cf
 from tests import _guard_train as gt
-from tests._client_ledger import assert_each_once
+from tests._client_ledger import assert_each_once, zygote
 from tests.servers import free_port
+from trainer_client.health import EXIT_GPU_CRITICAL, EXIT_PEER_CRITICAL
 from trainguard.core import quarantine as qr
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +137,46 @@ def test_critical_gpu_is_decided_by_all_ranks_and_the_healthy_node_finishes_alon
                            n=N, critical_at=CRITICAL_AT)
     _check_healed(redis_server.url, store, codes, logs, bad="bad", n=N,
                   critical_at=CRITICAL_AT)
+
+
+def test_a_rank_out_of_data_still_takes_part_in_the_critical_verdict(redis_server,
+                                                                    tmp_path: Path) -> None:
+    """Two ranks with uneven data under GuardedTraining (3 partitions: rank 1 runs out
+    after step 6 and steps on join mode's empty batches). Rank 1's GPU turns CRITICAL
+    after step 9, while it has no data: both ranks raise at the same step boundary,
+    checkpoint step 9 together, rank 1 exits 75 (its node quarantined), rank 0 exits
+    76. A one-rank restart resumes at step 9 and finishes: every record once."""
+    n, store = 144, f"file://{tmp_path}/ckpt"
+    cf.fill(redis_server.url, cf.create(redis_server.url, gt.DATASET, partitions=3), n)
+    args = ["--redis", redis_server.url, "--store", store, "--records", str(n),
+            "--critical-at", "9"]
+    with zygote(tmp_path / "job.log", "tests._heal_train") as z:
+        job = z.spawn([*args, "--bad-rank", "1"], 2)
+        while len(job.exits) < 2:
+            assert job.next_line(120) is not None, job.seen[-20:]
+        assert job.exits == {0: EXIT_PEER_CRITICAL, 1: EXIT_GPU_CRITICAL}
+        cs = CheckpointStore(store)
+        try:
+            assert {int(m.step): m.extra["trainguard"]["world_size"] for m in cs.list()}[9] == 2
+        finally:
+            cs.close()
+        job = z.spawn(args, 1)
+        while not job.exits:
+            assert job.next_line(120) is not None, job.seen[-20:]
+        assert job.exits == {0: 0}, (tmp_path / "job.log").read_text()[-3000:]
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        assert [(r.node, r.source) for r in qr.list_quarantined(client)] == [("node1", "trainer")]
+    finally:
+        client.close()
+    cs = CheckpointStore(store)
+    try:
+        state, model, _ = gt.make_state(n)
+        final = cs.load(state)
+    finally:
+        cs.close()
+    assert final is not None and final.extra["trainguard"]["world_size"] == 1
+    assert_each_once(model.counts.detach())
 
 
 @pytest.mark.chaos

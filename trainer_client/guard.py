@@ -284,7 +284,7 @@ class GuardedTraining:
                               "with code %d anyway", exc.exit_code)
             if not isinstance(exc, PeerGpuCriticalError):
                 report = exc.report if isinstance(exc.report, HealthReport) else None
-                reason = ("GPU health CRITICAL: " + "; ".join(report.problems())
+                reason = ("GPU health " + "; ".join(report.problems())
                           if report is not None else str(exc))
                 leave_node(self.session.redis_url, reason,
                            report=report.to_dict() if report is not None else None)

@@ -95,7 +95,7 @@ def quarantine_on_critical(
     def on_critical(report: HealthReport) -> None:
         client = redis_client.client(redis_url, socket_timeout=10, socket_connect_timeout=5)
         try:
-            rec = qr.quarantine(client, node, "GPU health CRITICAL: " + "; ".join(
+            rec = qr.quarantine(client, node, "GPU health " + "; ".join(
                 report.problems()), source="probe", report=report.to_dict(), policy=policy)
         finally:
             client.close()

@@ -69,7 +69,7 @@ def gate(r: Any, node: str, *, probe: HealthProbe | None, policy: QuarantinePoli
             _say(f"node {node!r} admitted, GPU health {report.status.name}"
                  + (" (no GPU)" if report.no_gpu else ""))
             return EXIT_OK
-        rec = qr.quarantine(r, node, "GPU health CRITICAL: " + "; ".join(report.problems()),
+        rec = qr.quarantine(r, node, "GPU health " + "; ".join(report.problems()),
                             source="probe", report=report.to_dict(), policy=policy)
         _say(rec.describe() if rec is not None else
              f"node {node!r} GPU health CRITICAL ({'; '.join(report.problems())}); "
