@@ -151,6 +151,8 @@ def test_n_failures_within_the_window_quarantine_and_older_ones_do_not_count(
     assert refused.value.record.source == "failures"
     assert "torchrun exited 1" in refused.value.record.reason
     assert r.exists(qr.failures_key("n3")) == 0  # the count starts over
+    assert qr.clear(r, "n3") is True and qr.clear(r, "n3") is False
+    qr.check_admission(r, "n3")
     r.close()
 
 

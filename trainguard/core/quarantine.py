@@ -197,7 +197,7 @@ def _read(r: Any, node: str, now: float) -> QuarantineRecord | None:
 # Lua (KEYS[1] the hash, ARGV node and value): delete a field only if it still holds
 # the value read, so that removing an expired record never removes a newer one.
 DELETE_IF_UNCHANGED = ("if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
-              "return redis.call('HDEL', KEYS[1], ARGV[1]) end return 0")
+                       "return redis.call('HDEL', KEYS[1], ARGV[1]) end return 0")
 
 
 def _delete_if_unchanged(r: Any, node: str, raw: Any) -> None:
@@ -206,7 +206,9 @@ def _delete_if_unchanged(r: Any, node: str, raw: Any) -> None:
 
 def check_admission(r: Any, node: str) -> None:
     """The admission callable: None when ``node`` may join, else raises
-    :class:`NodeQuarantinedError` (which record, why, until when, how to clear)."""
+    :class:`NodeQuarantinedError` (which record, why, until when, how to clear). A
+    record that does not parse refuses too (ContractError, naming how to clear it):
+    a node is never admitted on a record nobody can read. Redis errors propagate."""
     check_name("node", node)
     now = server_time(r)
     rec = _read(r, node, now)
