@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointStoreAPI",
     "CheckpointWriteError",
+    "CheckpointExistsError",
     "CommitConflictError",
     "CorruptCheckpointError",
     "DistributedSaveError",
@@ -165,6 +166,11 @@ class CheckpointWriteError(CheckpointError, OSError):
 
 class CommitConflictError(CheckpointError, FileExistsError):
     """The manifest name already exists: another writer committed the same record."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A checkpoint of the step already exists and the save was asked not to add one
+    (DCP's ``overwrite=False``)."""
 
 
 class DistributedSaveError(CheckpointError, RuntimeError):
