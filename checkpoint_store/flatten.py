@@ -141,8 +141,8 @@ class _Flattener:
         if isinstance(value, Shard):
             return self._leaf(path, value.tensor, value)
         if isinstance(value, Shards):
-            for i, block in enumerate(value.blocks):
-                ref = self._leaf(path, block.tensor, block, more_of=i > 0)
+            for i, one in enumerate(value.blocks):
+                ref = self._leaf(path, one.tensor, one, more_of=i > 0)
             return ref
         if isinstance(value, io.BytesIO):
             return msgpack.ExtType(EXT_BYTESIO, value.getvalue())

@@ -147,12 +147,12 @@ class _Walker:
                 )
             # Several blocks of one path: through the staged reads (the in-place path
             # claims one target per key path).
-            for block in target.blocks:
-                self._check(path, entry, block.tensor, tuple(block.tensor.shape))
-                data = self.region(entry, block.offsets, tuple(block.tensor.shape), path)
+            for one in target.blocks:
+                self._check(path, entry, one.tensor, tuple(one.tensor.shape))
+                data = self.region(entry, one.offsets, tuple(one.tensor.shape), path)
                 if data is not None:
                     with torch.no_grad():
-                        raw_view(block.tensor).copy_(raw_view(data))
+                        raw_view(one.tensor).copy_(raw_view(data))
             return target
         if isinstance(target, Shard):
             if target.global_shape != global_shape:

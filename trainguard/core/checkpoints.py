@@ -34,6 +34,8 @@ __all__ = [
     "CommitConflictError",
     "CorruptCheckpointError",
     "DistributedSaveError",
+    "ExportError",
+    "ExportExistsError",
     "ManifestView",
     "NoCheckpointError",
     "PinnedCheckpointError",
@@ -171,6 +173,15 @@ class CommitConflictError(CheckpointError, FileExistsError):
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A checkpoint of the step already exists and the save was asked not to add one
     (DCP's ``overwrite=False``)."""
+
+
+class ExportError(CheckpointError, ValueError):
+    """An export cannot be written as asked (no tensors under the key, names that
+    collide once a prefix is stripped)."""
+
+
+class ExportExistsError(CheckpointError, FileExistsError):
+    """The export's output file already exists; it is replaced only when forced."""
 
 
 class DistributedSaveError(CheckpointError, RuntimeError):
