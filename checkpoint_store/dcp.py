@@ -9,20 +9,23 @@ dcp.load(state, storage_reader=StorageReader(store))             # newest checkp
 
 Saving: DCP's planners decide who writes what (each DTensor/FSDP2 shard by its owner,
 each replicated item by one rank); ``write_data`` hands that rank's items to
-``CheckpointStore.save`` as ``Shard`` blocks keyed by DCP's flat names (FQNs), so the
-save is an ordinary trainguard checkpoint: Zarr arrays with CRC-32C chunks, the
-manifest commit (only when every rank wrote), LATEST, retention. ``finish`` has
-nothing left to do: the manifest was committed inside ``write_data``.
+``CheckpointStore.save`` as ``Shard`` blocks (``Shards`` where the rank holds several
+chunks of one tensor), nested along DCP's key paths (``_dcp_tree``), so the save is
+an ordinary trainguard checkpoint of the state DCP was given: Zarr arrays with CRC-32C
+chunks, the manifest commit (only when every rank wrote), LATEST, retention.
+``finish`` has nothing left to do: the manifest was committed inside ``write_data``.
 
-Non-tensor items (an optimizer's ``param_groups``, a step counter) are given by DCP to
-any rank, not only rank 0. They are never pickled: ``write_data`` encodes each with the
-checkpoint's msgpack types (FORMAT.md, "State skeleton") and every rank gathers them,
-so rank 0's skeleton holds them all. A value msgpack cannot hold (an arbitrary Python
-object, or a tensor nested inside a non-tensor value) is refused with
-UnsupportedValueError naming it, and nothing is committed.
+Non-tensor items (an optimizer's ``param_groups``, a step counter, an ``io.BytesIO``)
+are given by DCP to any rank, not only rank 0. They are never pickled: ``write_data``
+encodes each with the checkpoint's msgpack types (FORMAT.md, "State skeleton") and
+every rank gathers them, so rank 0's skeleton holds them all. A value msgpack cannot
+hold (an arbitrary Python object, or a tensor nested inside a non-tensor value) is
+refused with UnsupportedValueError naming it, and nothing is committed.
 
 Loading: ``read_metadata`` builds DCP's ``Metadata`` from the manifest (rank 0 chooses
-the checkpoint, every rank uses that one), and ``read_data`` fills each requested
+the checkpoint, every rank uses that one), with ``planner_data`` (each name's key
+path: what ``_load_state_dict_from_keys`` and ``dcp_to_torch_save`` rebuild a nested
+state from) and ``storage_data`` (each chunk's tensor in the manifest); and ``read_data`` fills each requested
 block through the same resharding plan and CRC-verified reads as
 ``CheckpointStore.load``, every byte of the rank's plan verified before any target
 changes. DCP's planner API takes non-tensor items as a ``torch.save`` stream, so the
