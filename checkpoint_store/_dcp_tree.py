@@ -35,7 +35,9 @@ from checkpoint_store.reshard import unique_blocks
 from checkpoint_store.shard import Shard, Shards
 from trainguard.core.checkpoints import CheckpointError, CorruptCheckpointError
 
-__all__ = ["KeyPath", "dcp_metadata", "dcp_names", "key_paths", "nest", "tensor_path"]
+__all__ = [
+    "KeyPath", "dcp_metadata", "dcp_names", "key_paths", "nest", "plain_value", "tensor_path",
+]
 
 KeyPath = tuple[str | int, ...]
 
@@ -122,19 +124,25 @@ def dcp_names(manifest: Manifest, skeleton: Any) -> dict[str, tuple[KeyPath, Any
     if not isinstance(skeleton, dict):
         raise CorruptCheckpointError(f"the state of {manifest.name} is not a mapping")
     names = _names_of(skeleton)
-    for path, value in names.values():
-        if isinstance(value, TensorRef):
-            if value.path not in manifest.tensors:
-                raise CorruptCheckpointError(
-                    f"manifest {manifest.name} references tensor {value.path!r} but has no "
-                    "index entry")
-        elif _holds_ref(value):
-            raise CheckpointError(
-                f"checkpoint {manifest.name} holds tensors inside the tuple at "
-                f"{tensor_path(path)!r}, which DCP cannot address; load it with "
-                "CheckpointStore.load"
-            )
+    for value in (v for _, v in names.values() if isinstance(v, TensorRef)):
+        if value.path not in manifest.tensors:
+            raise CorruptCheckpointError(
+                f"manifest {manifest.name} references tensor {value.path!r} but has no "
+                "index entry")
     return names
+
+
+def plain_value(manifest: Manifest, names: Mapping[str, tuple[KeyPath, Any]], name: str) -> Any:
+    """The stored value of a bytes item: refused where tensors sit inside it (a tuple
+    of tensors that CheckpointStore.save kept; DCP names none of its items)."""
+    path, value = names[name]
+    if _holds_ref(value):
+        raise CheckpointError(
+            f"checkpoint {manifest.name} holds tensors inside the tuple at "
+            f"{tensor_path(path)!r}, which DCP cannot address; load that key with "
+            "CheckpointStore.load"
+        )
+    return value
 
 
 def dcp_metadata(manifest: Manifest, names: Mapping[str, tuple[KeyPath, Any]]) -> Metadata:

@@ -62,6 +62,7 @@ from checkpoint_store._dcp_tree import (
     dcp_names,
     key_paths,
     nest,
+    plain_value,
     tensor_path,
 )
 from checkpoint_store.dist import broadcast_json
@@ -312,6 +313,9 @@ class StorageReader(tdcp.StorageReader):
                                                item.storage_offsets))
             return entry, start or (0,) * len(item.lengths), tuple(item.lengths)
 
+        # Every bytes item first: a refusal leaves the targets untouched.
+        values = {i.storage_index.fqn: plain_value(m, self._names, i.storage_index.fqn)
+                  for i in plan.items if i.type == LoadItemType.BYTE_IO}
         walker.dry = True
         for item in tensors:
             walker.region(*block(item), item.storage_index.fqn)
@@ -326,7 +330,7 @@ class StorageReader(tdcp.StorageReader):
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 buf = io.BytesIO()
-                torch.save(self._names[item.storage_index.fqn][1], buf)
+                torch.save(values[item.storage_index.fqn], buf)
                 buf.seek(0)
                 planner.load_bytes(item, buf)
         return _done(None)

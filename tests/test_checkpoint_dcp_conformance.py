@@ -189,3 +189,41 @@ def test_overwrite_maps_onto_newer_commits_and_false_refuses(tmp_path):
     assert after == before
     _save(store, {"w": torch.full((4,), 3.0)}, 6, overwrite=False)
     assert [m.step for m in store.list()] == [5, 5, 6]
+
+
+def test_shards_hold_several_blocks_of_one_tensor_in_one_process(tmp_path):
+    """checkpoint_store.Shards (what the DCP writer gives the store for a rank's
+    chunks): both blocks are saved as blocks of one tensor, load into other blocks
+    bit for bit, and blocks that disagree on the tensor are refused when built."""
+    from checkpoint_store import Shard, Shards
+
+    whole = torch.arange(6 * 4, dtype=torch.float64).reshape(6, 4)
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save({"t": Shards((Shard(whole[4:].clone(), (6, 4), (4, 0)),
+                             Shard(whole[:4].clone(), (6, 4), (0, 0))))}, step=1)
+    manifest = store.latest()
+    assert manifest is not None
+    assert [s["offsets"] for s in manifest.tensors["t"]["shards"]] == [[4, 0], [0, 0]]
+    target = Shards((Shard(torch.zeros(6, 1, dtype=torch.float64), (6, 4), (0, 3)),
+                     Shard(torch.zeros(3, 2, dtype=torch.float64), (6, 4), (2, 1))))
+    store.load({"t": target})
+    assert same_bits(target.blocks[0].tensor, whole[:, 3:]) and same_bits(
+        target.blocks[1].tensor, whole[2:5, 1:3])
+    with pytest.raises(ValueError, match="share global shape and dtype"):
+        Shards((Shard(torch.zeros(1, 4), (6, 4), (0, 0)), Shard(torch.zeros(1, 4), (7, 4), (0, 0))))
+
+
+def test_a_checkpoint_dcp_cannot_address_is_refused_saying_what_to_do(tmp_path):
+    """Tensors inside a tuple (CheckpointStore.save keeps tuples; DCP names none of
+    their items): a dcp.load that asks for that key is refused, naming the key path
+    and CheckpointStore.load, with the targets untouched (on main it handed DCP the
+    tensor references as the value); a load of the other keys works."""
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save({"pair": (torch.ones(2), torch.zeros(2)), "w": torch.ones(1)}, step=1)
+    target: dict[str, Any] = {"pair": (torch.zeros(2), torch.zeros(2)), "w": torch.zeros(1)}
+    with pytest.raises(CheckpointException, match=r"tuple at 'pair'.*CheckpointStore\.load"):
+        dcp.load(target, storage_reader=StorageReader(store))
+    assert torch.equal(target["w"], torch.zeros(1))
+    only = {"w": torch.zeros(1)}
+    dcp.load(only, storage_reader=StorageReader(store))
+    assert torch.equal(only["w"], torch.ones(1))
