@@ -98,6 +98,8 @@ class CheckpointStore:
         self.chunk_bytes = chunk_bytes
         self.io_threads = io_threads
         self.stale_after_s = stale_after_s
+        self._storage_options = storage_options
+        self._process_group = process_group
         self._backend: Backend = open_backend(url, storage_options)
         self._comm: Comm = make_comm(process_group)
         self._pool = BufferPool()
@@ -112,6 +114,19 @@ class CheckpointStore:
         # Only the writer thread encodes manifests.
         self._fragments = TensorFragments()
         self._closed = False
+
+    def _reopen_args(self) -> dict[str, Any]:
+        """What opens this store again in another process (DCP's process-based
+        ``async_save``, whose process has only the default group)."""
+        if self._process_group is not None:
+            raise CheckpointError(
+                f"the store {self.url} runs over a process_group of its own, which DCP's "
+                "checkpoint process cannot rebuild; use the thread-based async_save, or a "
+                "store over the default group"
+            )
+        return {"url": self.url, "keep_last": self.keep_last, "keep_every": self.keep_every,
+                "storage_options": self._storage_options, "chunk_bytes": self.chunk_bytes,
+                "io_threads": self.io_threads, "stale_after_s": self.stale_after_s}
 
     @property
     def rank(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ingest_service.nodes_openapi import nodes_paths
 from ingest_service.push import PROBE_SEQ
 from ingest_service.push_body import BodyLimits
 from ingest_service.runs_openapi import PAGE_FIELDS, PAGE_PARAMETERS, runs_paths
@@ -429,7 +430,7 @@ def openapi_document() -> dict[str, Any]:
                                "Authorization: Bearer <TRAINGUARD_ADMIN_TOKEN>, pushes a "
                                "producer token of TRAINGUARD_PUSH_TOKENS.",
             },
-            "paths": {**_paths(), **runs_paths()},
+            "paths": {**_paths(), **runs_paths(), **nodes_paths()},
             "components": {
                 "schemas": _SCHEMAS,
                 "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
