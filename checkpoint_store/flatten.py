@@ -209,26 +209,67 @@ def flatten(state: Mapping[str, Any]) -> tuple[list[TensorLeaf], bytes]:
     return f.leaves, skeleton
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code == EXT_TENSOR:
-        return TensorRef(data.decode())
-    if code == EXT_TUPLE:
-        return tuple(_unpackb(data))
-    if code == EXT_NDARRAY:
-        dtype, shape, raw = _unpackb(data)
-        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
-    if code == EXT_NPSCALAR:
-        dtype, raw = _unpackb(data)
-        return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
-    if code == EXT_BIGINT:
-        return int.from_bytes(data, "big", signed=True)
-    if code == EXT_BYTESIO:
-        return io.BytesIO(data)
-    raise CorruptCheckpointError(f"unknown msgpack extension type {code} in checkpoint state")
+MAX_SKELETON_CONTAINERS = 1_000_000
+"""Lists and maps a skeleton may decode to: a container costs ~60 bytes of memory and
+one byte of msgpack, so a bound on the bytes alone lets a small state blow up."""
+MAX_EXT_DEPTH = 32
+"""Extension values (tuples, arrays) nested in each other: each level is decoded from a
+copy of its bytes, so deep nesting costs time and memory in the square of its size."""
+
+
+class _Decoder:
+    """One skeleton's decode, within a budget of containers and extension nesting."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.containers = 0
+        self.depth = 0
+        # A skeleton's extension payloads are copied out once per nesting level.
+        self.ext_bytes_left = 8 * nbytes + (1 << 20)
+
+    def _spent(self, value: Any) -> Any:
+        self.containers += 1
+        if self.containers > MAX_SKELETON_CONTAINERS:
+            raise CorruptCheckpointError(
+                f"the checkpoint's msgpack state holds more than {MAX_SKELETON_CONTAINERS} "
+                "lists and maps: it is not a state skeleton this store wrote")
+        return value
+
+    def ext(self, code: int, data: bytes) -> Any:
+        self.ext_bytes_left -= len(data)
+        if self.depth >= MAX_EXT_DEPTH or self.ext_bytes_left < 0:
+            raise CorruptCheckpointError(
+                "the checkpoint's msgpack state nests its extension values deeper or larger "
+                "than any state this store writes")
+        self.depth += 1
+        try:
+            return self._ext(code, data)
+        finally:
+            self.depth -= 1
+
+    def _ext(self, code: int, data: bytes) -> Any:
+        if code == EXT_TENSOR:
+            return TensorRef(data.decode())
+        if code == EXT_TUPLE:
+            return tuple(self.unpack(data))
+        if code == EXT_NDARRAY:
+            dtype, shape, raw = self.unpack(data)
+            return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+        if code == EXT_NPSCALAR:
+            dtype, raw = self.unpack(data)
+            return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
+        if code == EXT_BIGINT:
+            return int.from_bytes(data, "big", signed=True)
+        if code == EXT_BYTESIO:
+            return io.BytesIO(data)
+        raise CorruptCheckpointError(f"unknown msgpack extension type {code} in checkpoint state")
+
+    def unpack(self, data: bytes) -> Any:
+        return msgpack.unpackb(data, ext_hook=self.ext, strict_map_key=False, raw=False,
+                               list_hook=self._spent, object_hook=self._spent)
 
 
 def _unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False, raw=False)
+    return _Decoder(len(data)).unpack(data)
 
 
 def decode_skeleton(data: bytes) -> Any:

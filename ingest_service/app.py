@@ -39,6 +39,7 @@ from ingest_service.push_route import setup_push
 from ingest_service.runs import setup_runs
 from ingest_service.supervisor import Supervisor
 from ingest_service.ui import setup_ui
+from trainguard.core.urls import redact_text
 
 __all__ = ["PUSH_KEY", "SUPERVISOR_KEY", "create_app"]
 
@@ -60,7 +61,10 @@ async def readyz(request: web.Request) -> web.Response:
     try:
         await asyncio.wait_for(app[REDIS_KEY].ping(), 2.0)
     except (redis_errors.RedisError, OSError, TimeoutError) as exc:
-        return web.json_response({"ready": False, "reason": f"redis: {exc}"}, status=503)
+        # Anonymous: the error's type only (its text names hosts); the rest to the log.
+        log.warning("not ready: redis: %s", redact_text(f"{type(exc).__name__}: {exc}"))
+        return web.json_response({"ready": False, "reason": f"redis: {type(exc).__name__}"},
+                                 status=503)
     return web.json_response({"ready": True})
 
 

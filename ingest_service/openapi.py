@@ -13,7 +13,7 @@ from typing import Any
 from ingest_service.nodes_openapi import nodes_paths
 from ingest_service.push import PROBE_SEQ
 from ingest_service.push_body import BodyLimits
-from ingest_service.runs_openapi import runs_paths
+from ingest_service.runs_openapi import PAGE_FIELDS, PAGE_PARAMETERS, runs_paths
 from trainguard import __version__
 
 __all__ = ["openapi_document"]
@@ -274,12 +274,13 @@ def _paths() -> dict[str, Any]:
         "/admin/checkpoints/{store}": {
             "get": {
                 "operationId": "listCheckpoints",
-                "summary": "Checkpoints of a store, oldest first",
-                "parameters": [_STORE],
+                "summary": "Checkpoints of a store, oldest first, a page at a time",
+                "parameters": [_STORE, *PAGE_PARAMETERS],
                 "responses": {
                     "200": _json({"type": "object", "properties": {
                         "store": {"type": "string"},
-                        "checkpoints": {"type": "array", "items": _ref("Checkpoint")}}},
+                        "checkpoints": {"type": "array", "items": _ref("Checkpoint")},
+                        **PAGE_FIELDS}},
                         "checkpoints", links={
                             op: {"operationId": op, "parameters": {
                                 "store": "$request.path.store",
@@ -294,7 +295,8 @@ def _paths() -> dict[str, Any]:
         "/admin/checkpoints/{store}/{step}": {
             "get": {
                 "operationId": "showCheckpoint",
-                "summary": "A checkpoint's manifest",
+                "summary": "A checkpoint's list row; with a read or admin token its whole "
+                           "manifest (extra, tensor index, random states)",
                 "parameters": [_STORE, _STEP],
                 "responses": {"200": _json({"type": "object"}, "the manifest"),
                               **_errors(*_READ_ERRORS)},

@@ -24,7 +24,7 @@ from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.record import RecordError, SessionRecord
 from trainguard.core.timing import SaveTime, TimingError, TimingRecord
 
-__all__ = ["RunKey", "history", "run_keys"]
+__all__ = ["RunKey", "histories", "history", "run_keys"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,20 @@ def run_keys(manifests: Iterable[ManifestView]) -> set[RunKey]:
         if rec is not None and rec.run:
             out.add(RunKey(rec.dataset, rec.run))
     return out
+
+
+def histories(manifests: Iterable[ManifestView], *,
+              policy: IntervalPolicy | None = None) -> list[dict[str, Any]]:
+    """The history of every run ``manifests`` carry, ordered by (run, dataset): one
+    pass sorts the manifests by run, then each run's history reads only its own (a
+    root of R runs and M manifests costs O(M), not O(R x M))."""
+    by_run: dict[RunKey, list[ManifestView]] = {}
+    for m in manifests:
+        rec = _record(m)
+        if rec is not None and rec.run:
+            by_run.setdefault(RunKey(rec.dataset, rec.run), []).append(m)
+    return [history(by_run[k], dataset=k.dataset, run=k.run, policy=policy)
+            for k in sorted(by_run, key=lambda k: (k.run, k.dataset))]
 
 
 def _created(m: ManifestView) -> float | None:

@@ -14,6 +14,10 @@ variable                       what                          default
                                ``trainguard.core.redis_url``)
 ``TRAINGUARD_ADMIN_TOKEN``     bearer token of mutating      unset: mutations refused
                                admin routes
+``TRAINGUARD_READ_TOKEN``      bearer token every read       unset: reads open
+                               route needs (the admin token  (names and figures
+                               passes too); shows private    only)
+                               fields (manifest extra)
 ``TRAINGUARD_PUSH_TOKENS``     producer tokens of push,      unset: push refused
                                scoped to datasets and        (unless the service
                                producer_ids                  runs --insecure-local)
@@ -49,6 +53,7 @@ __all__ = [
     "PROBES_ENV",
     "PUSH_TOKENS_ENV",
     "QUARANTINE_ENVS",
+    "READ_TOKEN_ENV",
     "REDIS_URL_ENV",
     "TOKENIZE_PROCESSES_ENV",
     "admin_token",
@@ -57,6 +62,7 @@ __all__ = [
     "probes",
     "push_tokens",
     "quarantine",
+    "read_token",
     "redis_url",
     "tokenize_processes",
 ]
@@ -67,6 +73,7 @@ ADMIN_TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
 CHECKPOINT_STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
 PROBES_ENV = "TRAINGUARD_PROBES"
 PUSH_TOKENS_ENV = "TRAINGUARD_PUSH_TOKENS"
+READ_TOKEN_ENV = "TRAINGUARD_READ_TOKEN"
 TOKENIZE_PROCESSES_ENV = "TRAINGUARD_TOKENIZE_PROCESSES"
 NODE_ID_ENV = "TRAINGUARD_NODE_ID"
 QUARANTINE_ENVS = ("TRAINGUARD_QUARANTINE_S", "TRAINGUARD_QUARANTINE_FAILURES",
@@ -82,6 +89,11 @@ def redis_url(explicit: str | None = None) -> str:
 def admin_token() -> str | None:
     """``$TRAINGUARD_ADMIN_TOKEN``, or None when unset or empty."""
     return os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def read_token() -> str | None:
+    """``$TRAINGUARD_READ_TOKEN``, or None when unset or empty."""
+    return os.environ.get(READ_TOKEN_ENV) or None
 
 
 def checkpoint_stores() -> str:

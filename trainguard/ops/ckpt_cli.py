@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import record
+from trainguard.core.urls import has_password, redact_url
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 from trainguard.ops.output import Progress, emit, table
 
@@ -38,6 +39,12 @@ def _store(args: argparse.Namespace) -> Any:
         kwargs["keep_last"] = args.keep_last
     if getattr(args, "keep_every", None) is not None:
         kwargs["keep_every"] = args.keep_every
+    if has_password(args.url):
+        # Backend errors quote the URL, without its scheme (botocore: "KEY:SECRET@bucket").
+        raise ValueError(
+            f"the store URL {redact_url(args.url)!r} carries user:password@: give the "
+            "credentials to the backend instead (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+            "or a profile for s3://, or --storage-options) and drop them from the URL")
     return CheckpointStore(args.url, **kwargs)
 
 

@@ -174,7 +174,12 @@ async function overview() {
         cell("generation", r.generation), cell("restarts", r.restarts), cell("rollbacks", r.rollbacks),
         cell("lag", r.lag), cell("current_s", r.current_s, fmtS(r.current_s)),
         cell("recommended_s", r.recommended_s, fmtS(r.recommended_s)))))
-      : h("p", { class: "muted" }, "no runs")),
+      : h("p", { class: "muted" }, "no runs"),
+      // /admin/runs is paged: the overview shows the first page and says so.
+      runs.total > runs.runs.length
+        ? h("p", { class: "muted" }, `showing ${runs.runs.length} of ${runs.total} runs`) : "",
+      ...Object.entries(runs.store_errors || {}).map(([store, why]) =>
+        h("p", { class: "pill bad", "data-store-error": store }, `store ${store}: ${why}`))),
   ];
 }
 
