@@ -42,10 +42,14 @@ from ingest_service.backlog import Backlog, BacklogLimits, min_committed
 from ingest_service.datasets import spec_from_hash
 from ingest_service.errors import (
     BacklogFullError,
+    BatchMismatchError,
     MalformedPushError,
+    PushDataLostError,
     PushOutOfOrderError,
     WrongDatasetKindError,
 )
+from ingest_service.push_body import BatchDigest
+from ingest_service.push_ledger import ACKED_FIELD, AckLedger
 from trainguard.core import groups, streams
 
 __all__ = [
@@ -81,6 +85,8 @@ class PushResult:
     first_id: str | None
     last_id: str | None
     mark: int
+    acked: int = 0
+    """The partition's count of whole batches after this one (0: not known)."""
 
 
 def parse_uint(name: str, text: str, maximum: int) -> int:
@@ -142,6 +148,10 @@ class PushIngest:
         self.retry_after_s = retry_after_s
         self.wait_replicas = wait_replicas
         self.wait_ms = wait_ms
+        self.wait_aof = False
+        """Wait for the local append-only file (``WAITAOF``) when no replica takes a
+        push: set by :class:`~ingest_service.durability.DurabilityWatch`."""
+        self.ledger = AckLedger()
         self._confirm_sha = groups.script_sha(_lua.PUSH_CONFIRM).encode()
         self._backlogs: dict[tuple[str, int], Backlog] = {}
         # The spec of each existing dataset last seen, beside the hash it was read from.
@@ -174,6 +184,18 @@ class PushIngest:
         for key in [k for k in self._backlogs if k[0] == dataset]:
             del self._backlogs[key]
 
+    async def _check_ledger(self, name: str, p: int, producer_id: str, mark: int | None,
+                            acked: object) -> None:
+        """Against what this service acknowledged: raises PushDataLostError when the
+        producer's mark went back (and drops the marker of the lost batch under way,
+        so the producer can go on from its mark)."""
+        self.ledger.check_partition(name, p, int(acked or 0))  # type: ignore[call-overload]
+        try:
+            self.ledger.check_mark(name, producer_id, mark)
+        except PushDataLostError:
+            await self.redis.hdel(streams.seq_key(name, p), f"{producer_id}:inflight")
+            raise
+
     async def admit(self, name: str, producer_id: str, seq: int,
                     known: list[streams.DatasetSpec] | None = None
                     ) -> tuple[streams.DatasetSpec, int | None]:
@@ -195,10 +217,12 @@ class PushIngest:
             pipe.hgetall(streams.meta_key(name))
             pipe.smembers(streams.groups_key(name))
             if guess is not None:
-                pipe.hget(streams.seq_key(name, guess), producer_id)
+                pipe.hmget(streams.seq_key(name, guess), [producer_id, ACKED_FIELD])
             raw_spec, raw_groups, *raw_mark = await pipe.execute()
         if not raw_spec:
             self._specs.pop(name, None)
+            self.ledger.missing_dataset(name)
+            self.ledger.check_mark(name, producer_id, None)
         if seen is not None and seen[0] == raw_spec:
             spec = seen[1]
         else:
@@ -209,8 +233,10 @@ class PushIngest:
         check_push_dataset(spec)
         p = choose_partition(producer_id, spec.partitions)
         if p != guess:
-            raw_mark = [await self.redis.hget(streams.seq_key(name, p), producer_id)]
-        mark = None if raw_mark[0] is None else int(raw_mark[0])
+            raw_mark = [await self.redis.hmget(streams.seq_key(name, p), [producer_id, ACKED_FIELD])]
+        raw, acked = raw_mark[0]
+        mark = None if raw is None else int(raw)
+        await self._check_ledger(name, p, producer_id, mark, acked)
         if mark is not None and seq <= mark:
             if self.wait_replicas != 0:
                 # The batch is in, but it is acknowledged only once a replica has it (as
@@ -220,7 +246,9 @@ class PushIngest:
                 await call_packed_script(self.redis, _lua.PUSH_CONFIRM, self._confirm_sha,
                                          [streams.seq_key(name, p).encode()],
                                          [producer_id.encode()],
-                                         replicas=self.wait_replicas, wait_ms=self.wait_ms)
+                                         replicas=self.wait_replicas, wait_ms=self.wait_ms,
+                                         wait_aof=self.wait_aof)
+            self.ledger.acknowledged(name, p, producer_id, mark, 0)
             return spec, mark
         if seq != (0 if mark is None else mark + 1):
             raise _out_of_order(seq, mark)
@@ -268,9 +296,11 @@ class PushIngest:
         )
 
     async def append(self, spec: streams.DatasetSpec, producer_id: str, seq: int,
-                     records: list[dict[bytes, bytes]], sizes: list[int] | None = None
-                     ) -> PushResult:
-        """Append a batch in slices (``sizes``: each record's entry size, when known)."""
+                     records: list[dict[bytes, bytes]], sizes: list[int] | None = None,
+                     digest: str | None = None) -> PushResult:
+        """Append a batch in slices (``sizes``: each record's entry size, ``digest``:
+        its :class:`BatchDigest`, when known). Raises BatchMismatchError (409) when
+        another batch is partly in under ``seq``."""
         check_push_dataset(spec)
         p = choose_partition(producer_id, spec.partitions)
         if seq == PROBE_SEQ:
@@ -280,7 +310,10 @@ class PushIngest:
         if sizes is None:
             sizes = [streams.record_size(f) for f in records]
         slices = _slices(sizes)
-        head = [producer_id.encode(), b"%d" % seq, b"", b"%d" % len(records), b""]
+        if digest is None:
+            digest = BatchDigest.of(records)
+        head = [producer_id.encode(), b"%d" % seq, b"", b"%d" % len(records), b"",
+                digest.encode()]
         calls: list[list[bytes]] = []
         for start, end in slices:
             head[2], head[4] = b"%d" % start, b"%d" % (end - start)
@@ -288,23 +321,30 @@ class PushIngest:
         # All slices pipelined on one connection to the partition's master; acknowledged
         # only once a replica has them (when there is one): see NotReplicatedError.
         replies = await call_packed_scripts(self.redis, _lua.PUSH_SLICE, _SLICE_SHA, keys, calls,
-                                            replicas=self.wait_replicas, wait_ms=self.wait_ms)
-        return self._outcome(spec, p, seq, records, slices, replies)  # type: ignore[arg-type]
+                                            replicas=self.wait_replicas, wait_ms=self.wait_ms,
+                                            wait_aof=self.wait_aof)
+        result = self._outcome(spec, p, seq, records, slices, replies,  # type: ignore[arg-type]
+                               digest)
+        self.ledger.acknowledged(spec.name, p, producer_id, result.mark, result.acked)
+        return result
 
     def _outcome(self, spec: streams.DatasetSpec, p: int, seq: int,
                  records: list[dict[bytes, bytes]], slices: list[tuple[int, int]],
-                 replies: list[list[object]]) -> PushResult:
+                 replies: list[list[object]], digest: str) -> PushResult:
         status = int(replies[0][0])  # type: ignore[call-overload]
         if status == 0:
             return PushResult(p, seq, False, 0, None, None, int(_text(replies[0][1])))
         if status == -1:
             mark_text = _text(replies[0][1])
             raise _out_of_order(seq, int(mark_text) if mark_text else None)
+        if status == -3:
+            raise _mismatch(seq, len(records), digest, replies[0])
         backlog = self._backlogs.get((spec.name, p))
-        count, first, last = 0, None, None
+        count, first, last, acked = 0, None, None, 0
         for (_, end), reply in zip(slices, replies, strict=True):
             if int(reply[0]) != 1:  # type: ignore[call-overload]
                 continue  # a concurrent request for the same batch finished it
+            acked = max(acked, int(reply[4]))  # type: ignore[call-overload]
             a, b = _text(reply[1]), _text(reply[2])
             if not a:
                 continue
@@ -317,7 +357,18 @@ class PushIngest:
             count += added
             first = first or a
             last = b
-        return PushResult(p, seq, count > 0, count, first, last, seq)
+        return PushResult(p, seq, count > 0, count, first, last, seq, acked)
+
+
+def _mismatch(seq: int, count: int, digest: str, reply: list[object]) -> BatchMismatchError:
+    done = int(_text(reply[1]))
+    their_count, _, their_digest = _text(reply[2]).partition(":")
+    return BatchMismatchError(
+        f"seq {seq} of this producer is partly appended ({done} of {their_count} records) "
+        f"from another batch (digest {their_digest}); this request's batch is {count} "
+        f"records, digest {digest}: nothing was appended. Resend the batch first sent "
+        f"under seq {seq}, whole, to complete it; send new records under the next seq",
+        appended=done, count=int(their_count), digest=their_digest)
 
 
 def _out_of_order(seq: int, mark: int | None) -> PushOutOfOrderError:

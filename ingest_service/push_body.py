@@ -27,6 +27,8 @@ of digits), nesting deeper than the decoders allow, and undecodable text are 400
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import time
 from collections.abc import Generator
@@ -43,6 +45,7 @@ from ingest_service.errors import (
     PushTooLargeError,
     PushTooSlowError,
 )
+from ingest_service.push_bounds import BoundsOverflow, MsgpackBounds, needs_scan, scan_json
 from trainguard.core import streams
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "JSON_TYPE",
     "MSGPACK_TYPES",
     "NDJSON_TYPE",
+    "BatchDigest",
     "BodyLimits",
     "ByteBudget",
     "ParsedBatch",
@@ -74,6 +78,10 @@ class BodyLimits:
     big_body_share: float = 0.25
     max_inflight_bytes: int = 64 * 1024 * 1024
     """All push bodies in memory at once; past it a request is answered 503 (busy)."""
+    max_record_containers: int = 10_000
+    """Lists and maps in one record (413 past it, before the rest is decoded)."""
+    max_record_depth: int = 64
+    """How deep one record's lists and maps may nest (413 past it)."""
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 or self.max_records < 1:
@@ -186,6 +194,8 @@ class ParsedBatch:
     """Per record, its entry's bytes (field names and values): what bounds a slice."""
     data_bytes: int
     """The payloads' bytes (the ``d`` fields), as the backlog counts them."""
+    digest: str
+    """:class:`BatchDigest` of the records: what tells this batch from another."""
 
 
 def _label(kind: str, where: int) -> str:
@@ -255,6 +265,32 @@ class _Pacer:
         return False
 
 
+class BatchDigest:
+    """A batch's identity: blake2b of its entries' fields, each length-prefixed, so the
+    same records give the same digest whatever the body's encoding, and two batches
+    that differ anywhere (a record, the order, the count) give different ones."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+
+    def add(self, fields: dict[bytes, bytes]) -> None:
+        h = self._h
+        for k, v in fields.items():
+            h.update(b"%d:%b%d:" % (len(k), k, len(v)))
+            h.update(v)
+        h.update(b";")
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+    @classmethod
+    def of(cls, records: list[dict[bytes, bytes]]) -> str:
+        digest = cls()
+        for fields in records:
+            digest.add(fields)
+        return digest.hexdigest()
+
+
 class _Entries:
     """Each decoded record encoded into its stream entry as soon as it is decoded, so a
     big body's decoded values (lists, dicts) are garbage at once. Kept until the end
@@ -266,12 +302,14 @@ class _Entries:
         self.records: list[dict[bytes, bytes]] = []
         self.sizes: list[int] = []
         self.data_bytes = 0
+        self.digest = BatchDigest()
 
     def add(self, value: object, where: int) -> None:
         if len(self.records) >= self.limits.max_records:
             raise _too_many(self.limits, f"more than {self.limits.max_records}")
         fields, size = _encode(value, self.kind, where, self.max_record_bytes)
         self.records.append(fields)
+        self.digest.add(fields)
         self.sizes.append(size)
         self.data_bytes += len(fields[streams.F_DATA])
 
@@ -282,6 +320,7 @@ Steps = Generator[None, None, None]
 
 def _ndjson(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
     pacer = _Pacer(_SLICE_TEXT)
+    shape = (out.limits.max_record_containers, out.limits.max_record_depth)
     pos, lineno = 0, 0
     while pos < len(body):
         end = body.find(b"\n", pos)
@@ -293,7 +332,10 @@ def _ndjson(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise MalformedPushError(f"line {lineno} is not UTF-8 text: {exc}") from exc
-        value, stop = _json_value(decoder, line, _skip_ws(line, 0), f"line {lineno}")
+        start = _skip_ws(line, 0)
+        if line[start:start + 1] in ("[", "{") and needs_scan(line, *shape):
+            yield from scan_json(line, start, f"line {lineno}", *shape)
+        value, stop = _json_value(decoder, line, start, f"line {lineno}")
         if _skip_ws(line, stop) != len(line):
             raise MalformedPushError(f"line {lineno} holds more than one JSON value")
         out.add(value, lineno)
@@ -310,12 +352,17 @@ def _json_array(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
     if i == len(text) or text[i] != "[":
         raise MalformedPushError("an application/json body must be one array of records: [r0, r1, ...]")
     pacer = _Pacer(_SLICE_TEXT)
+    shape = (out.limits.max_record_containers, out.limits.max_record_depth)
+    # The body's own array is one container more, one level deeper.
+    scan = needs_scan(text, shape[0] + 1, shape[1] + 1)
     i = _skip_ws(text, i + 1)
     if i < len(text) and text[i] == "]":
         i += 1
     else:
         while True:
             start, n = i, len(out.records)
+            if scan and text[i:i + 1] in ("[", "{"):
+                yield from scan_json(text, i, _label("record", n), *shape)
             value, i = _json_value(decoder, text, i, _label("record", n))
             out.add(value, n)
             i = _skip_ws(text, i)
@@ -332,20 +379,36 @@ def _json_array(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
         raise MalformedPushError("the body holds more after the JSON array")
 
 
-def _msgpack(body: bytes, out: _Entries) -> Steps:
-    limits = out.limits
+_UNSET = object()
+
+
+def _unpacker(body: bytes, limits: BodyLimits, bounds: MsgpackBounds) -> msgpack.Unpacker:
     items = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1),
                              max_array_len=limits.max_records, max_map_len=limits.max_records,
-                             strict_map_key=True)
+                             strict_map_key=True, list_hook=bounds.list_hook,
+                             object_hook=bounds.object_hook)
     items.feed(body)
+    return items
+
+
+def _msgpack(body: bytes, out: _Entries) -> Steps:
+    limits = out.limits
     count = _msgpack_array_len(body[:5])
     if count is not None and count > limits.max_records:
         raise _too_many(limits, str(count))
+    # The whole body of a small one within the bounds of one record (and one level
+    # more, the body's array), else record by record, each within its own.
+    bounds = MsgpackBounds(limits.max_record_containers, limits.max_record_depth + 1)
+    n = 0
     try:
+        array: object = _UNSET
         if len(body) <= _SLICE_CHARS:
+            items = _unpacker(body, limits, bounds)
+            with contextlib.suppress(BoundsOverflow):  # then record by record: which one?
+                array = items.unpack()
+        if array is not _UNSET:
             # One slice's worth: the array decoded in one call (item by item cost 20x as
             # much); encoded in slices of 256 records (a 100-record batch in one turn).
-            array = items.unpack()
             if not isinstance(array, list):
                 raise MalformedPushError(
                     f"the msgpack body is a {type(array).__name__}, not an array of records")
@@ -354,19 +417,24 @@ def _msgpack(body: bytes, out: _Entries) -> Steps:
                 if (n + 1) % _ENCODE_SLICE_RECORDS == 0:
                     yield
         else:
+            items = _unpacker(body, limits, bounds)
             count = items.read_array_header()
             pacer = _Pacer(_SLICE_CHARS)
             for n in range(count):
                 before = items.tell()
+                bounds.reset(limits.max_record_containers, limits.max_record_depth)
                 out.add(items.unpack(), n)
                 if pacer.due(items.tell() - before):
                     yield
     except PushRejectedError:
         raise  # a record refused (400, 413): not a decoding error
+    except BoundsOverflow as exc:
+        raise bounds.error(exc, _label("record", n)) from None
+    except msgpack.StackError:  # deeper than the decoder's own stack: past ours too
+        raise bounds.error(BoundsOverflow(True), _label("record", n)) from None
     except msgpack.OutOfData as exc:
         raise MalformedPushError("the msgpack body ends inside its array") from exc
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
-            msgpack.StackError) as exc:
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
         raise MalformedPushError(
             f"body is not valid msgpack, or not an array of records ({type(exc).__name__}: {exc})"
         ) from exc
@@ -387,7 +455,7 @@ def _parse(body: bytes, content_type: str, max_record_bytes: int,
         yield from _ndjson(body, json.JSONDecoder(), out)
     if not out.records:
         raise MalformedPushError("the body holds no record: expected at least one")
-    return ParsedBatch(out.records, out.sizes, out.data_bytes)
+    return ParsedBatch(out.records, out.sizes, out.data_bytes, out.digest.hexdigest())
 
 
 async def parse_records_sliced(body: bytes, content_type: str, max_record_bytes: int,

@@ -35,10 +35,12 @@ from ingest_service.config import CONFIG_KEY, METRICS_KEY
 from ingest_service.errors import (
     AdminError,
     BacklogFullError,
+    BatchMismatchError,
     DatasetNotFoundError,
     Forbidden,
     MalformedPushError,
     NotReplicatedError,
+    PushDataLostError,
     PushOutOfOrderError,
     PushRejectedError,
     PushTooLargeError,
@@ -103,6 +105,12 @@ async def push_records(request: web.Request) -> web.StreamResponse:
         response = await _push(request, app[PUSH_KEY], known)
     except PushOutOfOrderError as exc:
         response = error_response(409, "out_of_order", str(exc), details={"mark": exc.mark})
+    except BatchMismatchError as exc:
+        response = error_response(409, "batch_mismatch", str(exc), details={
+            "appended": exc.appended, "count": exc.count, "digest": exc.digest})
+    except PushDataLostError as exc:
+        response = error_response(409, "lost_acknowledged_data", str(exc), details={
+            "mark": exc.mark, "acknowledged": exc.acknowledged})
     except BacklogFullError as exc:
         response = error_response(429, "backlog_full", str(exc),
                                   {"Retry-After": str(exc.retry_after_s)})
@@ -172,7 +180,8 @@ async def _push(request: web.Request, route: PushRoute,
         route.budget.give(len(body))
         del body
     await route.ingest.check_room(spec, producer_id, seq, len(batch.records), batch.data_bytes)
-    result = await route.ingest.append(spec, producer_id, seq, batch.records, batch.sizes)
+    result = await route.ingest.append(spec, producer_id, seq, batch.records, batch.sizes,
+                                       batch.digest)
     if result.count:
         metrics = app[METRICS_KEY]
         metrics.records.labels(dataset=name).inc(result.count)
