@@ -3,9 +3,12 @@
 Routes::
 
     GET  /healthz                          200 while the process serves
-    GET  /readyz                           200 when Redis answers, else 503 (JSON reasons)
+    GET  /readyz                           200 when Redis answers, else 503 (JSON reasons);
+                                           with ``durability`` and ``lost_acknowledged_data``
     GET  /metrics                          Prometheus text (this app's own registry)
     POST /v1/datasets/{name}/records       push a batch: ?producer_id=..&seq=..
+    GET  /v1/push/durability               whether Redis keeps acknowledged pushes, and
+                                           what it lost (:mod:`ingest_service.durability`)
 
 The push route and its answers are :mod:`ingest_service.push_route`'s; who may push
 is :mod:`ingest_service.auth`'s. Every error of every route is JSON of one shape
@@ -31,6 +34,7 @@ from ingest_service import redis_client
 from ingest_service.admin import AdminConfig, setup_admin
 from ingest_service.auth import host_check_middleware
 from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY, IngestConfig
+from ingest_service.durability import DURABILITY_KEY, DurabilityWatch, setup_durability
 from ingest_service.http_errors import json_errors
 from ingest_service.metrics import IngestMetrics
 from ingest_service.push import PushIngest
@@ -59,8 +63,10 @@ async def readyz(request: web.Request) -> web.Response:
     try:
         await asyncio.wait_for(app[REDIS_KEY].ping(), 2.0)
     except (redis_errors.RedisError, OSError, TimeoutError) as exc:
-        return web.json_response({"ready": False, "reason": f"redis: {exc}"}, status=503)
-    return web.json_response({"ready": True})
+        return web.json_response({"ready": False, "reason": f"redis: {exc}",
+                                  **app[DURABILITY_KEY].report()}, status=503)
+    # Ready even when Redis lost acknowledged pushes: the service serves on, and says so.
+    return web.json_response({"ready": True, **app[DURABILITY_KEY].report()})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -92,6 +98,8 @@ def create_app(config: IngestConfig) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     setup_push(app, app[PUSH_KEY], app[_STOPPING])
+    setup_durability(app, DurabilityWatch(client, app[PUSH_KEY],
+                                          interval_s=config.durability_interval_s))
     app.on_shutdown.append(_on_shutdown)
     app.cleanup_ctx.append(_background)
 
@@ -112,6 +120,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     task: asyncio.Task[None] | None = None
     if app[CONFIG_KEY].produce:
         task = asyncio.create_task(supervisor.run(), name="trainguard-ingest-supervisor")
+    watch = asyncio.create_task(app[DURABILITY_KEY].run(app[_STOPPING]),
+                                name="trainguard-ingest-durability")
     try:
         yield
     finally:
@@ -119,4 +129,5 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         supervisor.stop()
         if task is not None:
             await task
+        await watch
         await app[REDIS_KEY].aclose()

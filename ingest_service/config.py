@@ -64,6 +64,9 @@ class IngestConfig:
     push_wait_ms: int = 1000
     """How long a push waits for its replicas before it answers 503 (retry)."""
     maintenance_interval_s: float = 1.0
+    durability_interval_s: float = 1.0
+    """How often the service reads Redis' INFO: a restarted Redis is assessed and
+    checked against what was acknowledged (:mod:`ingest_service.durability`)."""
     lease_ms: int = LEASE_MS
     """Partition leases of the file producers (several services share a dataset)."""
     shutdown_timeout_s: float = 30.0

@@ -184,6 +184,14 @@ class PushIngest:
         for key in [k for k in self._backlogs if k[0] == dataset]:
             del self._backlogs[key]
 
+    async def spec(self, name: str) -> streams.DatasetSpec | None:
+        """The dataset's spec as last seen, else read (None: no such dataset)."""
+        seen = self._specs.get(name)
+        if seen is not None:
+            return seen[1]
+        raw = await self.redis.hgetall(streams.meta_key(name))
+        return spec_from_hash(name, raw) if raw else None
+
     async def _check_ledger(self, name: str, p: int, producer_id: str, mark: int | None,
                             acked: object) -> None:
         """Against what this service acknowledged: raises PushDataLostError when the

@@ -70,10 +70,8 @@ class AckLedger:
 
     def forget(self, dataset: str) -> None:
         """The dataset was deleted on purpose: what it held is not a loss."""
-        for key in [k for k in self._batches if k[0] == dataset]:
-            del self._batches[key]
-        for key in [k for k in self._marks if k[0] == dataset]:
-            del self._marks[key]
+        self._batches = {k: v for k, v in self._batches.items() if k[0] != dataset}
+        self._marks = {k: v for k, v in self._marks.items() if k[0] != dataset}
         self.losses.pop(dataset, None)
 
     def acknowledged(self, dataset: str, partition: int, producer_id: str, seq: int,
