@@ -104,6 +104,7 @@ class DurabilityWatch:
     async def audit(self) -> None:
         """Every partition and producer the ledger remembers, against Redis now."""
         ledger = self.ingest.ledger
+        read_at = ledger.tick()
         parts = ledger.partitions()
         datasets = sorted({d for d, _ in parts})
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -115,10 +116,10 @@ class DurabilityWatch:
         present = dict(zip(datasets, replies[:len(datasets)], strict=True))
         for (d, p), found in zip(parts, replies[len(datasets):], strict=True):
             if present[d]:
-                ledger.check_partition(d, p, int(found or 0))
+                ledger.check_partition(d, p, int(found or 0), read_at)
         for d in datasets:
             if not present[d]:
-                ledger.missing_dataset(d)
+                ledger.missing_dataset(d, read_at)
                 continue
             spec = await self.ingest.spec(d)
             if spec is None:
@@ -130,7 +131,7 @@ class DurabilityWatch:
                 marks = await pipe.execute()
             for pid, mark in zip(producers, marks, strict=True):
                 with contextlib.suppress(PushDataLostError):  # logged, kept for /readyz
-                    ledger.check_mark(d, pid, None if mark is None else int(mark))
+                    ledger.check_mark(d, pid, None if mark is None else int(mark), read_at)
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():

@@ -193,13 +193,14 @@ class PushIngest:
         return spec_from_hash(name, raw) if raw else None
 
     async def _check_ledger(self, name: str, p: int, producer_id: str, mark: int | None,
-                            acked: object) -> None:
+                            acked: object, read_at: int) -> None:
         """Against what this service acknowledged: raises PushDataLostError when the
         producer's mark went back (and drops the marker of the lost batch under way,
         so the producer can go on from its mark)."""
-        self.ledger.check_partition(name, p, int(acked or 0))  # type: ignore[call-overload]
+        self.ledger.check_partition(name, p, int(acked or 0),  # type: ignore[call-overload]
+                                    read_at)
         try:
-            self.ledger.check_mark(name, producer_id, mark)
+            self.ledger.check_mark(name, producer_id, mark, read_at)
         except PushDataLostError:
             await self.redis.hdel(streams.seq_key(name, p), f"{producer_id}:inflight")
             raise
@@ -221,6 +222,7 @@ class PushIngest:
         atomically."""
         seen = self._specs.get(name)
         guess = None if seen is None else choose_partition(producer_id, seen[1].partitions)
+        read_at = self.ledger.tick()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(streams.meta_key(name))
             pipe.smembers(streams.groups_key(name))
@@ -229,8 +231,8 @@ class PushIngest:
             raw_spec, raw_groups, *raw_mark = await pipe.execute()
         if not raw_spec:
             self._specs.pop(name, None)
-            self.ledger.missing_dataset(name)
-            self.ledger.check_mark(name, producer_id, None)
+            self.ledger.missing_dataset(name, read_at)
+            self.ledger.check_mark(name, producer_id, None, read_at)
         if seen is not None and seen[0] == raw_spec:
             spec = seen[1]
         else:
@@ -244,7 +246,7 @@ class PushIngest:
             raw_mark = [await self.redis.hmget(streams.seq_key(name, p), [producer_id, ACKED_FIELD])]
         raw, acked = raw_mark[0]
         mark = None if raw is None else int(raw)
-        await self._check_ledger(name, p, producer_id, mark, acked)
+        await self._check_ledger(name, p, producer_id, mark, acked, read_at)
         if mark is not None and seq <= mark:
             if self.wait_replicas != 0:
                 # The batch is in, but it is acknowledged only once a replica has it (as

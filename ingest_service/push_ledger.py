@@ -64,9 +64,18 @@ class AckLedger:
     found against them."""
 
     def __init__(self) -> None:
-        self._batches: dict[tuple[str, int], int] = {}
-        self._marks: dict[tuple[str, str], int] = {}
+        # Each remembered value with the tick it was raised at: a read of Redis issued
+        # before that tick may predate the write (a concurrent push), so only reads
+        # issued after it are compared with it.
+        self._batches: dict[tuple[str, int], tuple[int, int]] = {}
+        self._marks: dict[tuple[str, str], tuple[int, int]] = {}
+        self._ticks = 0
         self.losses: dict[str, DatasetLoss] = {}
+
+    def tick(self) -> int:
+        """Taken before a read of Redis, passed to the checks of what it read."""
+        self._ticks += 1
+        return self._ticks
 
     def forget(self, dataset: str) -> None:
         """The dataset was deleted on purpose: what it held is not a loss."""
@@ -79,15 +88,11 @@ class AckLedger:
         """A batch is answered 200: ``batches`` is the partition's count after it (0:
         not known, the batch was found in already)."""
         key = (dataset, producer_id)
-        if seq > self._marks.get(key, -1):
-            self._marks[key] = seq
+        if seq > self._marks.get(key, (-1, 0))[0]:
+            self._marks[key] = (seq, self.tick())
         part = (dataset, partition)
-        if batches > self._batches.get(part, 0):
-            self._batches[part] = batches
-
-    def known(self, dataset: str) -> bool:
-        return any(k[0] == dataset for k in self._batches) or \
-            any(k[0] == dataset for k in self._marks)
+        if batches > self._batches.get(part, (0, 0))[0]:
+            self._batches[part] = (batches, self.tick())
 
     def _loss(self, dataset: str) -> DatasetLoss:
         loss = self.losses.get(dataset)
@@ -95,30 +100,34 @@ class AckLedger:
             loss = self.losses[dataset] = DatasetLoss(detected_at=time.time())
         return loss
 
-    def check_partition(self, dataset: str, partition: int, found: int) -> None:
-        """Redis says the partition holds ``found`` whole batches."""
-        remembered = self._batches.get((dataset, partition), 0)
-        if found >= remembered:
+    def check_partition(self, dataset: str, partition: int, found: int, read_at: int) -> None:
+        """Redis says the partition holds ``found`` whole batches (read after tick
+        ``read_at``)."""
+        remembered, raised_at = self._batches.get((dataset, partition), (0, 0))
+        if found >= remembered or raised_at >= read_at:
             return
         self._loss(dataset).partitions[partition] = (remembered, found)
-        self._batches[(dataset, partition)] = found
+        self._batches[(dataset, partition)] = (found, self.tick())
         log.error("Redis lost acknowledged pushes: partition %d of dataset %r holds %d "
                   "whole batches, this service acknowledged %d (Redis restarted from an "
                   "older snapshot or without persistence); the dataset is marked "
                   "lost_acknowledged_data", partition, dataset, found, remembered)
 
-    def check_mark(self, dataset: str, producer_id: str, mark: int | None) -> None:
-        """Redis says the producer's mark is ``mark``; raises PushDataLostError (once)
-        when it is below what this service acknowledged."""
+    def check_mark(self, dataset: str, producer_id: str, mark: int | None, read_at: int) -> None:
+        """Redis says the producer's mark is ``mark`` (read after tick ``read_at``);
+        raises PushDataLostError (once) when it is below what this service
+        acknowledged."""
         key = (dataset, producer_id)
-        acked = self._marks.get(key)
-        if acked is None or (mark is not None and mark >= acked):
+        remembered = self._marks.get(key)
+        if remembered is None or (mark is not None and mark >= remembered[0]) \
+                or remembered[1] >= read_at:
             return
+        acked = remembered[0]
         self._loss(dataset).producers[producer_id] = (acked, mark)
         if mark is None:
             del self._marks[key]
         else:
-            self._marks[key] = mark
+            self._marks[key] = (mark, self.tick())
         first = 0 if mark is None else mark + 1
         log.error("Redis lost acknowledged pushes: producer %r of dataset %r has mark %s, "
                   "this service acknowledged up to seq %d: seqs %d..%d are lost",
@@ -141,13 +150,13 @@ class AckLedger:
         """``{dataset: loss}`` for /readyz and the admin API."""
         return {name: loss.as_json() for name, loss in sorted(self.losses.items())}
 
-    def missing_dataset(self, dataset: str) -> None:
-        """Redis has no such dataset, although this service acknowledged pushes to it
-        (a Redis restarted empty)."""
-        if not self.known(dataset):
+    def missing_dataset(self, dataset: str, read_at: int) -> None:
+        """Redis has no such dataset (read after tick ``read_at``), although this
+        service acknowledged pushes to it (a Redis restarted empty)."""
+        if not any(d == dataset and t < read_at for (d, _), (_, t) in self._batches.items()):
             return
         loss = self._loss(dataset)
-        for (d, p), n in list(self._batches.items()):
+        for (d, p), (n, _) in list(self._batches.items()):
             if d == dataset:
                 loss.partitions[p] = (n, 0)
                 del self._batches[(d, p)]
