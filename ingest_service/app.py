@@ -30,7 +30,7 @@ import redis.exceptions as redis_errors
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ingest_service import redis_client
+from ingest_service import push_pool, redis_client
 from ingest_service.admin import AdminConfig, setup_admin
 from ingest_service.auth import host_check_middleware
 from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY, IngestConfig
@@ -88,8 +88,13 @@ def create_app(config: IngestConfig) -> web.Application:
     app[CONFIG_KEY] = config
     app[REDIS_KEY] = client
     app[METRICS_KEY] = metrics_
+    # Pushes on their own bounded, trimmed pool (ingest_service.push_pool).
+    push_client = push_pool.push_client(
+        config.redis_url, max_connections=config.push_pool_connections,
+        timeout_s=config.push_pool_wait_s, idle_s=config.push_pool_idle_s,
+        socket_timeout=30, socket_connect_timeout=5)
     app[PUSH_KEY] = PushIngest(
-        client, config.limits, retry_after_s=config.push_retry_after_s,
+        push_client, config.limits, retry_after_s=config.push_retry_after_s,
         wait_replicas=config.push_wait_replicas, wait_ms=config.push_wait_ms,
     )
     app[SUPERVISOR_KEY] = Supervisor(client, config, metrics_)
@@ -122,6 +127,9 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(supervisor.run(), name="trainguard-ingest-supervisor")
     watch = asyncio.create_task(app[DURABILITY_KEY].run(app[_STOPPING]),
                                 name="trainguard-ingest-durability")
+    push_client = app[PUSH_KEY].redis
+    trim = asyncio.create_task(push_pool.run_trim(push_client, app[_STOPPING]),
+                               name="trainguard-ingest-push-pool")
     try:
         yield
     finally:
@@ -130,4 +138,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         if task is not None:
             await task
         await watch
+        await trim
+        if push_client is not app[REDIS_KEY]:
+            await push_client.aclose()
         await app[REDIS_KEY].aclose()

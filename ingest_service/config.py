@@ -63,6 +63,12 @@ class IngestConfig:
     the partition's master has a replica (a cluster, a replicated Redis), else none."""
     push_wait_ms: int = 1000
     """How long a push waits for its replicas before it answers 503 (retry)."""
+    push_pool_connections: int = 64
+    """Redis connections of the push route at most; a push past them waits for one."""
+    push_pool_wait_s: float = 5.0
+    """How long a push waits for a connection before it answers 503 (retry)."""
+    push_pool_idle_s: float = 10.0
+    """Push connections idle this long are closed (four are kept)."""
     maintenance_interval_s: float = 1.0
     durability_interval_s: float = 1.0
     """How often the service reads Redis' INFO: a restarted Redis is assessed and

@@ -1,16 +1,14 @@
-"""A push body: read within limits while it streams, then parsed into stream entries.
+"""A push body's limits (:class:`BodyLimits`), and the body parsed into stream entries.
 
-Reading (:func:`read_body`, on the event loop) counts bytes as they arrive and, for
-NDJSON and msgpack, records too (newlines; a msgpack array's header), so an oversized
-request is refused (413) as soon as it passes a limit, not after it was buffered.
-Each chunk must arrive within ``chunk_timeout_s`` and the whole body within
-``total_timeout_s`` (408): a body trickled a byte at a time does not hold a slot.
+(Reading it within those limits is :mod:`ingest_service.push_read`'s.)
 
 Parsing (:func:`parse_records_sliced`) runs on the event loop in slices: it decodes
 record by record (one JSON line, one element of a JSON array, one msgpack item per
 call) and hands the loop back after every 64 records or 32 KiB of JSON (about a
 millisecond) or 128 KiB of msgpack, so other requests are served between slices; a
-msgpack body of at most 128 KiB is decoded in one call. Each record is encoded into its
+msgpack body of at most 128 KiB is decoded in one call. A record's containers and
+nesting are bounded while it is decoded (:mod:`ingest_service.push_bounds`: 413), so
+no one record holds the loop either. Each record is encoded into its
 stream entry as soon as it is decoded (decoded values do not pile up for the garbage
 collector). Bodies over ``big_body_bytes`` (1 MiB; an RL batch is a fraction of that) parse one at a time and rest between slices, together taking at most
 a quarter of the loop: a client sending the worst case in a loop slows itself, not the
@@ -21,7 +19,9 @@ added up to seconds.)
 Content types: ``application/x-ndjson`` (one JSON value per line), ``application/json``
 (one array of records), ``application/msgpack`` (one array; ``bin`` items stay raw
 bytes). Anything else is 415. Malformed numbers (integers over 64 bits or thousands
-of digits), nesting deeper than the decoders allow, and undecodable text are 400.
+of digits) and undecodable text are 400; a record of more than
+``max_record_containers`` lists and maps, or nested deeper than ``max_record_depth``,
+is 413.
 """
 
 from __future__ import annotations
@@ -33,17 +33,13 @@ import json
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
-from aiohttp import StreamReader
 
 from ingest_service.errors import (
     MalformedPushError,
-    PushBusyError,
     PushRejectedError,
     PushTooLargeError,
-    PushTooSlowError,
 )
 from ingest_service.push_bounds import BoundsOverflow, MsgpackBounds, needs_scan, scan_json
 from trainguard.core import streams
@@ -55,10 +51,10 @@ __all__ = [
     "NDJSON_TYPE",
     "BatchDigest",
     "BodyLimits",
-    "ByteBudget",
     "ParsedBatch",
     "parse_records_sliced",
-    "read_body",
+    "too_many",
+    "msgpack_array_len",
 ]
 
 NDJSON_TYPE = "application/x-ndjson"
@@ -77,7 +73,15 @@ class BodyLimits:
     """Bodies above this parse one at a time, at ``big_body_share`` of the loop."""
     big_body_share: float = 0.25
     max_inflight_bytes: int = 64 * 1024 * 1024
-    """All push bodies in memory at once; past it a request is answered 503 (busy)."""
+    """All push bodies in memory at once, from reading until appended; past it a request
+    is answered 503 (busy)."""
+    token_share: float = 0.25
+    """The share of ``max_inflight_bytes`` one producer token may hold (at least one
+    body of ``max_bytes``): one token's slow bodies cannot hold all the room."""
+    min_rate_bytes_s: int = 128 * 1024
+    """After ``min_rate_grace_s``, a body must have arrived at this rate on average, else
+    408: a body trickled to hold room gives it back within seconds."""
+    min_rate_grace_s: float = 2.0
     max_record_containers: int = 10_000
     """Lists and maps in one record (413 past it, before the rest is decoded)."""
     max_record_depth: int = 64
@@ -91,16 +95,23 @@ class BodyLimits:
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must hold at least one body of "
                 f"max_bytes ({self.max_bytes})"
             )
+        if not 0 < self.token_share <= 1 or self.min_rate_bytes_s < 0:
+            raise ValueError(f"token_share must be in (0, 1] and min_rate_bytes_s >= 0, got {self}")
+
+    @property
+    def token_inflight_bytes(self) -> int:
+        """What one producer token may hold of ``max_inflight_bytes``."""
+        return max(self.max_bytes, int(self.max_inflight_bytes * self.token_share))
 
 
-def _too_many(limits: BodyLimits, found: str) -> PushTooLargeError:
+def too_many(limits: BodyLimits, found: str) -> PushTooLargeError:
     return PushTooLargeError(
         f"the batch holds {found} records: the limit is {limits.max_records} per request; "
         "send smaller batches"
     )
 
 
-def _msgpack_array_len(head: bytes) -> int | None:
+def msgpack_array_len(head: bytes) -> int | None:
     """The element count of a msgpack array from its first bytes (None: not yet known
     or not an array; the parser reports the latter)."""
     if not head:
@@ -112,77 +123,6 @@ def _msgpack_array_len(head: bytes) -> int | None:
     if size is None or len(head) < 1 + size:
         return None
     return int.from_bytes(head[1:1 + size], "big")
-
-
-class ByteBudget:
-    """Bytes of push bodies held in memory by all requests together, shown by
-    ``gauge`` (anything with ``set(value)``) when given."""
-
-    def __init__(self, limit: int, gauge: Any = None) -> None:
-        self.limit, self.used, self._gauge = limit, 0, gauge
-
-    def take(self, n: int) -> None:
-        if self.used + n > self.limit:
-            raise PushBusyError(
-                f"the service holds {self.used} bytes of push bodies, its bound is {self.limit}: "
-                "retry after Retry-After seconds"
-            )
-        self.used += n
-        if self._gauge is not None:
-            self._gauge.set(self.used)
-
-    def give(self, n: int) -> None:
-        self.used -= n
-        if self._gauge is not None:
-            self._gauge.set(self.used)
-
-
-async def read_body(content: StreamReader, content_type: str, limits: BodyLimits,
-                    budget: ByteBudget) -> bytes:
-    """The whole body, refused with 413 as soon as it passes a limit, or with 503 when
-    the bodies of all requests together would pass ``budget``. The bytes stay taken
-    from ``budget``: the caller gives back ``len(body)`` when done with it."""
-    chunks: list[bytes] = []
-    size = newlines = 0
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limits.total_timeout_s
-    head = b""
-    try:
-        # One timer for the whole body, moved at each chunk (wait_for per chunk made a
-        # task and a timer per chunk: a tenth of a small push's cost).
-        async with asyncio.timeout(None) as window:
-            while True:
-                window.reschedule(min(loop.time() + limits.chunk_timeout_s, deadline))
-                chunk = await content.readany()
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > limits.max_bytes:
-                    raise PushTooLargeError(
-                        f"the body is over {limits.max_bytes} bytes: the limit per request; "
-                        "send smaller batches"
-                    )
-                if content_type == NDJSON_TYPE:
-                    newlines += chunk.count(b"\n")
-                    if newlines > limits.max_records:
-                        raise _too_many(limits, f"more than {limits.max_records}")
-                elif content_type in MSGPACK_TYPES and len(head) < 5:
-                    head += chunk[:5]
-                    count = _msgpack_array_len(head)
-                    if count is not None and count > limits.max_records:
-                        raise _too_many(limits, str(count))
-                budget.take(len(chunk))
-                chunks.append(chunk)
-    except TimeoutError as exc:
-        budget.give(sum(len(c) for c in chunks))
-        raise PushTooSlowError(
-            f"the body did not arrive in time (each chunk within {limits.chunk_timeout_s} "
-            f"s, the whole body within {limits.total_timeout_s} s); send it at once"
-        ) from exc
-    except BaseException:
-        budget.give(sum(len(c) for c in chunks))
-        raise
-    return b"".join(chunks)
 
 
 @dataclass(frozen=True)
@@ -306,7 +246,7 @@ class _Entries:
 
     def add(self, value: object, where: int) -> None:
         if len(self.records) >= self.limits.max_records:
-            raise _too_many(self.limits, f"more than {self.limits.max_records}")
+            raise too_many(self.limits, f"more than {self.limits.max_records}")
         fields, size = _encode(value, self.kind, where, self.max_record_bytes)
         self.records.append(fields)
         self.digest.add(fields)
@@ -393,9 +333,9 @@ def _unpacker(body: bytes, limits: BodyLimits, bounds: MsgpackBounds) -> msgpack
 
 def _msgpack(body: bytes, out: _Entries) -> Steps:
     limits = out.limits
-    count = _msgpack_array_len(body[:5])
+    count = msgpack_array_len(body[:5])
     if count is not None and count > limits.max_records:
-        raise _too_many(limits, str(count))
+        raise too_many(limits, str(count))
     # The whole body of a small one within the bounds of one record (and one level
     # more, the body's array), else record by record, each within its own.
     bounds = MsgpackBounds(limits.max_record_containers, limits.max_record_depth + 1)
