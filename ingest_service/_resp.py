@@ -138,7 +138,13 @@ _ROLE_TTL_S = 10.0
 _replica_counts: dict[tuple[str, str], tuple[float, int]] = {}
 
 
+_AOF_WAIT_MS = 2500
+"""At least this long for the local fsync: with appendfsync everysec it comes within
+about a second."""
+
+
 async def _wait_aof(conn: Any, wait_ms: int) -> None:
+    wait_ms = max(wait_ms, _AOF_WAIT_MS)
     await conn.send_command("WAITAOF", 1, 0, wait_ms)
     local, _ = await conn.read_response()
     if int(local) < 1:

@@ -104,7 +104,8 @@ def create_app(config: IngestConfig) -> web.Application:
     app.router.add_get("/metrics", metrics)
     setup_push(app, app[PUSH_KEY], app[_STOPPING])
     setup_durability(app, DurabilityWatch(client, app[PUSH_KEY],
-                                          interval_s=config.durability_interval_s))
+                                          interval_s=config.durability_interval_s,
+                                          wait_aof=config.push_wait_aof))
     app.on_shutdown.append(_on_shutdown)
     app.cleanup_ctx.append(_background)
 

@@ -73,8 +73,10 @@ class DurabilityWatch:
     """Reads INFO every ``interval_s``; on a new server, assesses it and checks what it
     holds against the ledger."""
 
-    def __init__(self, redis: Redis, ingest: PushIngest, *, interval_s: float = 1.0) -> None:
+    def __init__(self, redis: Redis, ingest: PushIngest, *, interval_s: float = 1.0,
+                 wait_aof: bool | None = None) -> None:
         self.redis, self.ingest, self.interval_s = redis, ingest, interval_s
+        self.wait_aof = wait_aof
         self.run_id: str | None = None
         self.state: dict[str, object] = {"acknowledged_pushes_survive_restart": None,
                                          "reason": "not yet known: Redis not asked yet"}
@@ -94,7 +96,9 @@ class DurabilityWatch:
         first = self.run_id is None
         self.run_id = run_id
         self.state = assess(info, self.ingest.wait_replicas)
-        self.ingest.wait_aof = bool(self.state["waitaof"])
+        wanted = self.wait_aof
+        self.ingest.wait_aof = bool(self.state["waitaof"]) and wanted is not False
+        self.state["waitaof"] = self.ingest.wait_aof
         if not self.state["acknowledged_pushes_survive_restart"]:
             log.warning("%s %s", "Redis at start:" if first else "Redis restarted:",
                         self.state["reason"])
