@@ -13,7 +13,13 @@ The client's contract (what :class:`trainguard.push.Producer` does):
   and the mark, never acknowledged in silence: the client resends from ``mark + 1``.
 - Every error other than 4xx (a 503 while Redis is down, a broken connection, a
   timeout) may leave the batch partly appended: resend the same batch with the same
-  seq until it is answered 200; it is completed, never duplicated.
+  seq until it is answered 200; it is completed, never duplicated. Another batch
+  under that seq is refused with 409 ``batch_mismatch``: a batch is known by its record
+  count and digest (:class:`~ingest_service.push_body.BatchDigest`), kept in the
+  in-flight marker.
+- A Redis that lost batches this service acknowledged is caught against its memory
+  (:mod:`ingest_service.push_ledger`): the producer's next push is answered 409
+  ``lost_acknowledged_data`` with the seqs lost, once.
 
 Appending: the records go in slices (at most ``SLICE_RECORDS`` records and
 ``SLICE_BYTES`` bytes each), each one Lua call, so no Redis call runs long enough to

@@ -16,7 +16,12 @@ or a service or Redis restart never loses or duplicates it. On a 409 the service
 its mark: when the producer starts (or restarts) it asks the mark with an empty probe
 and continues from ``mark + 1`` (:meth:`Producer.resume`), so a restarted worker does
 not resend what is in. Retries wait with jittered exponential backoff, honouring
-``Retry-After`` (429 backlog full, 503 Redis down).
+``Retry-After`` (429 backlog full, 503 Redis down). A batch that was never
+acknowledged (``send`` raised :class:`PushError`) is kept and resent whole, under its
+seq, before the next records are taken: a seq never carries two batches (the service
+refuses that with 409 ``batch_mismatch``). When Redis lost batches the service had
+acknowledged (restarted from an older snapshot, or empty), ``send`` raises
+:class:`PushDataLostError` naming their seqs, then goes on from the service's mark.
 
 Depends only on the standard library and msgpack: no aiohttp, redis or torch.
 """
