@@ -242,6 +242,10 @@ class PushIngest:
         if seen is not None and seen[0] == raw_spec:
             spec = seen[1]
         else:
+            if seen is not None and raw_spec:
+                # Recreated with another spec: on purpose, what it held is not a loss (a
+                # Redis come back older has the spec it had).
+                self.ledger.forget(name)
             spec = spec_from_hash(name, raw_spec)
             self._specs[name] = (raw_spec, spec)
         if known is not None:

@@ -262,18 +262,20 @@ def _ndjson(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
     pacer = _Pacer(_SLICE_TEXT)
     shape = (out.limits.max_record_containers, out.limits.max_record_depth)
     pos, lineno = 0, 0
+    view = memoryview(body)  # lines decoded from it: no copy of each line's bytes first
     while pos < len(body):
         end = body.find(b"\n", pos)
         end = len(body) if end < 0 else end
-        raw, pos, lineno = body[pos:end], end + 1, lineno + 1
-        if not raw.strip():
-            continue
+        start, pos, lineno = pos, end + 1, lineno + 1
         try:
-            line = raw.decode("utf-8")
+            line = str(view[start:end], "utf-8")
         except UnicodeDecodeError as exc:
             raise MalformedPushError(f"line {lineno} is not UTF-8 text: {exc}") from exc
+        if not line or line.isspace():
+            continue
         start = _skip_ws(line, 0)
         if line[start:start + 1] in ("[", "{") and needs_scan(line, *shape):
+            yield  # a line long enough to need a scan took its time to decode already
             yield from scan_json(line, start, f"line {lineno}", *shape)
         value, stop = _json_value(decoder, line, start, f"line {lineno}")
         if _skip_ws(line, stop) != len(line):
@@ -293,8 +295,11 @@ def _json_array(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
         raise MalformedPushError("an application/json body must be one array of records: [r0, r1, ...]")
     pacer = _Pacer(_SLICE_TEXT)
     shape = (out.limits.max_record_containers, out.limits.max_record_depth)
+    yield  # decoding a big body took milliseconds already: the loop's turn
     # The body's own array is one container more, one level deeper.
     scan = needs_scan(text, shape[0] + 1, shape[1] + 1)
+    if scan:
+        yield
     i = _skip_ws(text, i + 1)
     if i < len(text) and text[i] == "]":
         i += 1

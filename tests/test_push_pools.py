@@ -109,7 +109,7 @@ async def test_one_token_holds_at_most_its_share_of_the_body_budget(
     limits = BodyLimits(max_bytes=1000, max_inflight_bytes=4000, token_share=0.25)
     held = b'"' + b"x" * 898 + b"\n"  # 900 bytes of a 1,000-byte body
     async with service(redis_server, push_limits=limits) as client:
-        reader, writer = await _start_push(client.port, T1, "rl", "a-1", 1000, held)
+        _reader, writer = await _start_push(client.port, T1, "rl", "a-1", 1000, held)
         for _ in range(1000):
             metrics = await (await client.get("/metrics")).text()
             if "trainguard_ingest_push_body_bytes 900.0" in metrics:
