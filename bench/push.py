@@ -70,6 +70,9 @@ from tests.servers import RedisServer, free_port  # noqa: E402
 from trainguard.core import streams  # noqa: E402
 
 TOKEN = "bench-producer-token-0123456789"
+OTHER_TOKEN = "bench-hostile-token-0123456789"
+"""The worst-case and bomb clients' own token: each token has its share of the body
+budget, and these clients are not the producers'."""
 DATASET, PARTITIONS = "rollouts", 16
 
 
@@ -192,7 +195,7 @@ class Bench:
                     async with session.post(
                         f"{self.base}/v1/datasets/{self.dataset}/records",
                         params={"producer_id": "attacker", "seq": "0"}, data=body,
-                        headers={"Authorization": f"Bearer {TOKEN}",
+                        headers={"Authorization": f"Bearer {OTHER_TOKEN}",
                                  "Content-Type": "application/x-ndjson"},
                     ) as resp:
                         await resp.read()
@@ -261,7 +264,7 @@ def bombs(bench: Bench, args: argparse.Namespace, base: str) -> None:
         await create_dataset(r, streams.DatasetSpec(name=name, partitions=PARTITIONS,
                                                     format="push"))
         await r.aclose()
-        return await bomb_phase(base, name, TOKEN, args.bomb_seconds)
+        return await bomb_phase(base, name, OTHER_TOKEN, args.bomb_seconds)
 
     print(f"5. the loop beside decoding bombs ({args.bomb_seconds:.0f} s each, one bomb "
           "client, /healthz probed one after the other)")
@@ -289,7 +292,7 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": server.url,
-           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}-*:*"}
+           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}-*:*;{OTHER_TOKEN}:{DATASET}-*:*"}
     proc = subprocess.Popen([sys.executable, "-m", "trainguard", "serve", "--port", str(port),
                              "--no-produce"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -76,8 +76,9 @@ class BodyLimits:
     """All push bodies in memory at once, from reading until appended; past it a request
     is answered 503 (busy)."""
     token_share: float = 0.25
-    """The share of ``max_inflight_bytes`` one producer token may hold (at least one
-    body of ``max_bytes``): one token's slow bodies cannot hold all the room."""
+    """The share of ``max_inflight_bytes`` one producer token may hold (at least two
+    bodies of ``max_bytes``, at most all): one token's slow bodies cannot hold all the
+    room, and one big body does not stop the token's other producers."""
     min_rate_bytes_s: int = 128 * 1024
     """After ``min_rate_grace_s``, a body must have arrived at this rate on average, else
     408: a body trickled to hold room gives it back within seconds."""
@@ -101,7 +102,8 @@ class BodyLimits:
     @property
     def token_inflight_bytes(self) -> int:
         """What one producer token may hold of ``max_inflight_bytes``."""
-        return max(self.max_bytes, int(self.max_inflight_bytes * self.token_share))
+        return min(self.max_inflight_bytes,
+                   max(2 * self.max_bytes, int(self.max_inflight_bytes * self.token_share)))
 
 
 def too_many(limits: BodyLimits, found: str) -> PushTooLargeError:

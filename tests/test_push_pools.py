@@ -101,32 +101,35 @@ async def _start_push(port: int, token: str, dataset: str, producer: str, length
 
 async def test_one_token_holds_at_most_its_share_of_the_body_budget(
         redis_server: RedisServer) -> None:
-    """Budget 4,000 bytes, a token's share a quarter (1,000): token one's unfinished
-    900-byte body leaves its token no room for another (503 busy naming the per-token
-    bound), while token two's push to another dataset goes in (200)."""
+    """Budget 16,000 bytes, a token's share an eighth (2,000: two bodies of the 1,000-byte
+    limit): token one's two unfinished 900-byte bodies leave its token no room for a
+    third (503 busy naming the per-token bound), while token two's push to another
+    dataset goes in (200)."""
     r = Redis.from_url(redis_server.url)
     await _datasets(r)
-    limits = BodyLimits(max_bytes=1000, max_inflight_bytes=4000, token_share=0.25)
+    limits = BodyLimits(max_bytes=1000, max_inflight_bytes=16_000, token_share=0.125)
     held = b'"' + b"x" * 898 + b"\n"  # 900 bytes of a 1,000-byte body
     async with service(redis_server, push_limits=limits) as client:
-        _reader, writer = await _start_push(client.port, T1, "rl", "a-1", 1000, held)
+        writers = [(await _start_push(client.port, T1, "rl", f"a-{i}", 1000, held))[1]
+                   for i in range(2)]
         for _ in range(1000):
             metrics = await (await client.get("/metrics")).text()
-            if "trainguard_ingest_push_body_bytes 900.0" in metrics:
+            if "trainguard_ingest_push_body_bytes 1800.0" in metrics:
                 break
             await asyncio.sleep(0.01)
-        assert "trainguard_ingest_push_body_bytes 900.0" in metrics
-        busy = await client.post(URL.format("rl"), params={"producer_id": "a-2", "seq": "0"},
+        assert "trainguard_ingest_push_body_bytes 1800.0" in metrics
+        busy = await client.post(URL.format("rl"), params={"producer_id": "a-3", "seq": "0"},
                                  headers={**NDJSON, "Authorization": f"Bearer {T1}"},
-                                 data=b'"' + b"y" * 200 + b'"\n')
+                                 data=b'"' + b"y" * 300 + b'"\n')
         error = (await busy.json())["error"]
         assert busy.status == 503 and error["code"] == "busy", error
-        assert "bound per token is 1000" in error["message"]
+        assert "bound per token is 2000" in error["message"]
         other = await client.post(URL.format("evals"), params={"producer_id": "b-1", "seq": "0"},
                                   headers={**NDJSON, "Authorization": f"Bearer {T2}"},
-                                  data=b'"' + b"z" * 200 + b'"\n')
+                                  data=b'"' + b"z" * 300 + b'"\n')
         assert other.status == 200, await other.text()
-        writer.close()
+        for writer in writers:
+            writer.close()
     assert await r.xlen(streams.partition_key("evals", 0)) == 1
     await r.aclose()
 
