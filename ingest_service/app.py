@@ -37,6 +37,7 @@ from ingest_service.config import CONFIG_KEY, METRICS_KEY, REDIS_KEY, IngestConf
 from ingest_service.durability import DURABILITY_KEY, DurabilityWatch, setup_durability
 from ingest_service.http_errors import json_errors
 from ingest_service.metrics import IngestMetrics
+from ingest_service.nodes import setup_nodes
 from ingest_service.push import PushIngest
 from ingest_service.push_route import setup_push
 from ingest_service.runs import setup_runs
@@ -113,6 +114,7 @@ def create_app(config: IngestConfig) -> web.Application:
     setup_admin(app, AdminConfig.from_env(config.redis_url), verify_threads=config.verify_threads)
     # The operator's view: run history, dataset detail (read-only JSON) and /ui.
     setup_runs(app)
+    setup_nodes(app)
     setup_ui(app)
     return app
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ingest_service.nodes_openapi import nodes_paths
 from ingest_service.push import PROBE_SEQ
 from ingest_service.push_body import BodyLimits
 from ingest_service.push_openapi import PUSH_409_FIELDS, push_paths
@@ -435,7 +436,7 @@ def openapi_document() -> dict[str, Any]:
                                "Authorization: Bearer <TRAINGUARD_ADMIN_TOKEN>, pushes a "
                                "producer token of TRAINGUARD_PUSH_TOKENS.",
             },
-            "paths": {**_paths(), **runs_paths(), **push_paths()},
+            "paths": {**_paths(), **runs_paths(), **nodes_paths(), **push_paths()},
             "components": {
                 "schemas": _SCHEMAS,
                 "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

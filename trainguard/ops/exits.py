@@ -13,8 +13,11 @@ code  meaning
       any other error trainguard raised on purpose)
 2     bad usage or input (a value that does not parse or fit)
 3     not found (dataset, group, store, checkpoint, file)
-4     refused (conflict, not allowed: pinned, exists, fenced, active group)
+4     refused (conflict, not allowed: pinned, exists, fenced, active group,
+      the node is quarantined)
 75    GPU health CRITICAL: replace the node (sysexits ``EX_TEMPFAIL``)
+76    (a trainer's, not the command's) another node's GPU turned CRITICAL: this
+      node is fine, restart its worker without the bad node
 130   interrupted (Ctrl-C)
 ====  =====================================================================
 """
@@ -33,6 +36,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
+    "EXIT_PEER_CRITICAL",
     "EXIT_REFUSED",
     "EXIT_USAGE",
     "describe",
@@ -43,6 +47,10 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
 EXIT_GPU_CRITICAL = 75
 """The code a trainer exits with on a CRITICAL GPU (``trainer_client.health``'s, which
 ``GpuCriticalError.exit_code`` carries; ``test_cli_exit_codes`` pins that they agree)."""
+EXIT_PEER_CRITICAL = 76
+"""A healthy rank's code after another node's GPU turned CRITICAL and the job
+checkpointed (``trainer_client.health.EXIT_PEER_CRITICAL``): ``trainguard node fail``
+does not count it against the node."""
 EXIT_INTERRUPTED = 130
 
 _TABLE: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
@@ -63,8 +71,10 @@ EPILOG = """exit codes:
   1    the operation failed (damaged checkpoint, Redis or storage failure)
   2    bad usage or input
   3    not found (dataset, group, store, checkpoint, file)
-  4    refused (conflict or not allowed: pinned, exists, fenced, active group)
+  4    refused (conflict or not allowed: pinned, exists, fenced, active group,
+       the node is quarantined)
   75   GPU health CRITICAL: replace the node
+  76   (a trainer's) another node's GPU was CRITICAL: restart without it
   130  interrupted"""
 
 
