@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import re
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -176,6 +177,9 @@ def _json_value(decode: json.JSONDecoder, text: str, start: int, where: str) -> 
         raise MalformedPushError(f"{where} is not valid JSON: {exc}") from exc
 
 
+_WS = re.compile(rb"[ \t\r\n]*")
+
+
 def _skip_ws(text: str, i: int) -> int:
     while i < len(text) and text[i] in " \t\r\n":
         i += 1
@@ -189,6 +193,8 @@ _SLICE_TEXT = 32 * 1024
 """Characters of JSON per slice: about a millisecond to decode (a 15 MiB body of
 integer arrays in slices of 128 KiB held the loop 3 ms at a time)."""
 _ENCODE_SLICE_RECORDS = 256
+_SCAN_ALWAYS = 1024 * 1024
+"""Characters of a JSON array body from which each record is scanned, uncounted."""
 
 
 class _Pacer:
@@ -269,17 +275,20 @@ def _ndjson(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
         end = body.find(b"\n", pos)
         end = len(body) if end < 0 else end
         start, pos, lineno = pos, end + 1, lineno + 1
+        first = _WS.match(body, start, end).end()  # type: ignore[union-attr]
+        if first == end:
+            continue  # a blank line
+        # Its bytes scanned before they are decoded: a bomb is never decoded at all. (A
+        # long line is scanned without counting its brackets first: the count is a pass
+        # over it in one slice, the scan yields.)
+        if body[first:first + 1] in (b"[", b"{") and (
+                end - first > _SLICE_TEXT or needs_scan(body, *shape, first, end)):
+            yield from scan_json(body, first, f"line {lineno}", *shape, end=end)
         try:
-            line = str(view[start:end], "utf-8")
+            line = str(view[first:end], "utf-8")
         except UnicodeDecodeError as exc:
             raise MalformedPushError(f"line {lineno} is not UTF-8 text: {exc}") from exc
-        if not line or line.isspace():
-            continue
-        start = _skip_ws(line, 0)
-        if line[start:start + 1] in ("[", "{") and needs_scan(line, *shape):
-            yield  # a line long enough to need a scan took its time to decode already
-            yield from scan_json(line, start, f"line {lineno}", *shape)
-        value, stop = _json_value(decoder, line, start, f"line {lineno}")
+        value, stop = _json_value(decoder, line, 0, f"line {lineno}")
         if _skip_ws(line, stop) != len(line):
             raise MalformedPushError(f"line {lineno} holds more than one JSON value")
         out.add(value, lineno)
@@ -298,10 +307,9 @@ def _json_array(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
     pacer = _Pacer(_SLICE_TEXT)
     shape = (out.limits.max_record_containers, out.limits.max_record_depth)
     yield  # decoding a big body took milliseconds already: the loop's turn
-    # The body's own array is one container more, one level deeper.
-    scan = needs_scan(text, shape[0] + 1, shape[1] + 1)
-    if scan:
-        yield
+    # The body's own array is one container more, one level deeper. (A big body is
+    # scanned without counting first, as a long NDJSON line is.)
+    scan = len(text) > _SCAN_ALWAYS or needs_scan(text, shape[0] + 1, shape[1] + 1)
     i = _skip_ws(text, i + 1)
     if i < len(text) and text[i] == "]":
         i += 1

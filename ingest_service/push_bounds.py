@@ -106,39 +106,49 @@ class MsgpackBounds:
                 else _too_many(where, self.max_containers))
 
 
-def needs_scan(text: str, max_containers: int, max_depth: int) -> bool:
-    """Whether a JSON text may hold a record past a bound: not when all its brackets
-    together (counted in C) are within both."""
-    opened = text.count("[") + text.count("{")
+def needs_scan(text: str | bytes, max_containers: int, max_depth: int, start: int = 0,
+               end: int | None = None) -> bool:
+    """Whether a JSON text (or ``text[start:end]``) may hold a record past a bound: not
+    when all its brackets together (counted in C, no copy) are within both."""
+    end = len(text) if end is None else end
+    if isinstance(text, bytes):
+        opened = text.count(b"[", start, end) + text.count(b"{", start, end)
+    else:
+        opened = text.count("[", start, end) + text.count("{", start, end)
     return opened > min(max_containers, max_depth)
 
 
-_TOKEN = re.compile(r'[\[\]{}"]')
-_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_TOKENS: dict[type, Any] = {str: re.compile(r'[\[\]{}"]'), bytes: re.compile(rb'[\[\]{}"]')}
+_STRING_RESTS: dict[type, Any] = {str: re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.S),
+                 bytes: re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.S)}
+_KINDS: dict[str | bytes, int] = {'"': 0, b'"': 0, "[": 1, b"[": 1, "{": 1, b"{": 1,
+                                  "]": 2, b"]": 2, "}": 2, b"}": 2}
 _SCAN_TOKENS = 4096
 """Brackets and strings read per slice of a scan (a millisecond or two)."""
 
 
-def scan_json(text: str, start: int, where: str, max_containers: int, max_depth: int
-              ) -> Generator[None, None, None]:
-    """Read the JSON value at ``text[start]`` (a ``[`` or ``{``) as far as its end,
-    yielding every few thousand tokens; raises RecordShapeError once it holds more
-    than ``max_containers`` containers or nests deeper than ``max_depth``. A value
-    that is not well-formed is left for the decoder to report."""
+def scan_json(text: str | bytes, start: int, where: str, max_containers: int, max_depth: int,
+              end: int | None = None) -> Generator[None, None, None]:
+    """Read the JSON value at ``text[start]`` (a ``[`` or ``{``; text or UTF-8 bytes)
+    as far as its end (or ``end``), yielding every few thousand tokens; raises
+    RecordShapeError once it holds more than ``max_containers`` containers or nests
+    deeper than ``max_depth``. A value that is not well-formed is left for the decoder
+    to report."""
     depth = containers = 0
     pos, budget = start, _SCAN_TOKENS
-    search, rest = _TOKEN.search, _STRING_REST.match
+    end = len(text) if end is None else end
+    search, rest = _TOKENS[type(text)].search, _STRING_RESTS[type(text)].match
     while True:
-        m = search(text, pos)
+        m = search(text, pos, end)
         if m is None:
             return
-        c, pos = m.group(), m.end()
-        if c == '"':
-            s = rest(text, pos)
+        kind, pos = _KINDS[m.group()], m.end()
+        if kind == 0:
+            s = rest(text, pos, end)
             if s is None:
                 return
             pos = s.end()
-        elif c == "[" or c == "{":
+        elif kind == 1:
             depth += 1
             containers += 1
             if containers > max_containers:
