@@ -28,12 +28,14 @@ FAST_CONF = "join_timeout=120,close_timeout=10"
 
 
 def agent_command(backend: str, endpoint: str, run_id: str, nnodes: str, job_args: list[str],
-                  *, max_restarts: int = 3, conf: str = FAST_CONF) -> list[str]:
+                  *, max_restarts: int = 3, conf: str | None = FAST_CONF,
+                  entry: tuple[str, ...] = ("-m", "tests._client_train")) -> list[str]:
+    """torchrun's command line for one node; ``conf`` None: torch's defaults."""
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
         "--nproc-per-node=1", f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}", f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-        f"--rdzv-conf={conf}", "-m", "tests._client_train",
+        *([f"--rdzv-conf={conf}"] if conf else []), *entry,
         # "--": torchrun would read the job's --run as an abbreviation of its --run-path.
         "--", *job_args,
     ]
@@ -70,7 +72,7 @@ def _descendants(pid: int) -> list[int]:
 class Agent:
     """One node: a torchrun agent and its worker. ``lines`` holds what both print
     (the ledger job's ``<rank>: WORD step`` lines and the agent's log), each with
-    the monotonic time it was read."""
+    the wall-clock time it was read (bench/rdzv_recovery.py lays phases on it)."""
 
     def __init__(self, name: str, command: list[str], log: Path) -> None:
         self.name = name
@@ -86,7 +88,7 @@ class Agent:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            now = time.monotonic()
+            now = time.time()
             self.log.write(line)
             self.log.flush()
             with self._lock:
