@@ -7,10 +7,10 @@ agents on this machine (``--nproc-per-node=1``, gloo, ``--max-restarts=3``), eac
 training the ledger job (tests/_client_train.py, through bench/_rdzv_job.py, which
 prints when its process was created and when its imports were done) against a fresh
 redis-server. Once the job has committed a checkpoint, the node whose worker has
-the highest rank is killed (kill -9 of the agent and its worker); c10d's TCPStore
-lives on another agent, so c10d can survive this kill (killing the first node ends a
-c10d job, which this bench reports once per round as ``c10d-first``, without a
-recovery time, when ``--c10d-first`` is given). torch's backend runs with its
+the highest rank that does not serve c10d's TCPStore (found by its listening port)
+is killed (kill -9 of the agent and its worker), so c10d can survive the kill;
+killing the store's node ends a c10d job, which this bench reports once per round as
+``c10d-first`` when ``--c10d-first`` is given. torch's backend runs with its
 defaults, as users meet it; trainguard's with its own defaults.
 
 The time from the kill to the first step a survivor trains after it is split, from
@@ -35,7 +35,9 @@ with its range, and merges an ``rdzv_recovery`` section into the results file of
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +67,23 @@ def _first(agent: Agent, needle: str, after: float) -> float | None:
     return next((t for t, x in agent.seen(needle) if t >= after), None)
 
 
+def _store_host(agents: list[Agent], endpoint: str) -> Agent | None:
+    """The agent serving c10d's TCPStore: the one listening on the endpoint's port
+    (every agent here may host it: they all run on the endpoint's machine)."""
+    port = endpoint.rsplit(":", 1)[1]
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True,
+                         text=True).stdout
+    pids = {int(p) for p in re.findall(r"pid=(\d+)", out)}
+    return next((a for a in agents if a.proc.pid in pids), None)
+
+
+def _why(agents: list[Agent]) -> str:
+    """What the survivors last said that looks like a reason."""
+    lines = [x for a in agents for _, x in a.lines
+             if "Error" in x or "FAILED" in x or "timed out" in x]
+    return " | ".join(x[:200] for x in lines[-3:])
+
+
 def _last(agent: Agent, needle: str, before: float) -> float:
     return max(t for t, _ in agent.seen(needle) if t <= before)
 
@@ -87,15 +106,18 @@ def one_job(backend: str, work: Path, nodes: int, kill_first: bool = False
             entry=(str(ROOT / "bench" / "_rdzv_job.py"),))
         agents = [Agent(f"n{i}", command, work / f"{backend}-n{i}.log") for i in range(nodes)]
         wait_for(agents, "COMMITTED", timeout_s=300)
-        rank = 0 if kill_first else nodes - 1
-        victim = next(a for a in agents if a.seen(f"{rank}: READY"))
+        host = _store_host(agents, endpoint) if backend == "c10d" else None
+        by_rank = sorted((a for a in agents if a is not host),
+                         key=lambda a: int(a.seen(": READY")[0][1].split(":")[0]))
+        victim = host if kill_first and host is not None else (
+            by_rank[0] if kill_first else by_rank[-1])
         killed_at = time.time()
         victim.kill()
         rest = [a for a in agents if a is not victim]
         try:
             wait_for(rest, "READY", count=2 * len(rest), timeout_s=240)
         except AssertionError:
-            return {"recovered": False}
+            return {"recovered": False, "why": _why(rest)}
         ready_at = max(t for a in rest for t, _ in a.seen("READY")[1:2])
         deadline = time.monotonic() + 120
         while not any(_first(a, "STEP", ready_at) for a in rest):
@@ -139,7 +161,7 @@ def main() -> int:
             print(f"round {r} {backend:10s} " + (
                 f"{got['total_s']:6.1f} s  " + "  ".join(
                     f"{k} {v:.1f}" for k, v in got["phases_s"].items())
-                if got["recovered"] else "did not recover"), flush=True)
+                if got["recovered"] else f"did not recover: {got['why']}"), flush=True)
         if args.c10d_first:
             with tempfile.TemporaryDirectory(prefix="rdzv-c10d-first-") as work:
                 got = one_job("c10d", Path(work), args.nodes, kill_first=True)

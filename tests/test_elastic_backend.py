@@ -87,34 +87,6 @@ def test_a_stale_token_never_writes_and_no_token_writes_only_a_new_state(
         conn.close()
 
 
-def test_a_write_lost_in_a_failover_fences_its_writer(
-        redis_cluster_factory: Callable[[], RedisCluster]) -> None:
-    """A's newest write is lost when the master is killed (replication cut first, so
-    it surely is). B, who read the surviving state, writes on it; A, still holding
-    the token of its lost write, must then be refused: a counter would have handed B
-    the same token A holds, and A would overwrite B's state unseen."""
-    cluster = redis_cluster_factory()
-    a_conn, b_conn = Connection(cluster.url), Connection(cluster.url)
-    a, b = RedisRendezvousBackend(a_conn, "lost"), RedisRendezvousBackend(b_conn, "lost")
-    try:
-        first = a.set_state(b"s1")
-        assert first is not None and first[2]
-        cluster.wait_replicated()
-        cluster.cut_replication(keys.state_key("lost"))
-        lost = a.set_state(b"s2-lost", first[1])
-        assert lost is not None and lost[2]
-        cluster.kill_master(keys.state_key("lost"))
-        seen = b.get_state()
-        assert seen is not None and seen[0] == b"s1"  # the write was lost
-        b_write = b.set_state(b"s3-from-b", seen[1])
-        assert b_write is not None and b_write[2]
-        a_write = a.set_state(b"s4-from-a", lost[1])
-        assert a_write is not None and not a_write[2] and a_write[0] == b"s3-from-b"
-    finally:
-        a_conn.close()
-        b_conn.close()
-
-
 def test_store_does_what_torch_asks_of_a_store(redis_server: RedisServer) -> None:
     """set/get, add (a decimal counter), compare_set (TCPStore's answers), check,
     wait, delete_key, num_keys, multi_get/multi_set and a PrefixStore over it; a get of
@@ -191,12 +163,20 @@ def _shutdown(handlers: list[Any]) -> None:
         h._conn.close()
 
 
-def test_a_round_survives_the_failover_of_the_master_holding_the_state(
+def test_on_a_cluster_rounds_survive_failovers_and_lost_writes_fence_their_writer(
         redis_cluster_factory: Callable[[], RedisCluster]) -> None:
-    """Node A joins a 2-node round and waits; the master holding the state (and the
-    store) is killed; node B joins after the failover: both complete the round, as
-    ranks 0 and 1 of a world of 2, and read the same MASTER_ADDR/PORT from the Redis
-    store (written by rank 0 after the failover)."""
+    """One cluster, two master kills (one cluster start: they cost seconds).
+
+    A round: node A joins a 2-node round and waits; the master holding the state
+    (and the store) is killed; node B joins after the failover: both complete the
+    round, as ranks 0 and 1 of a world of 2, and read the same MASTER_ADDR/PORT from
+    the Redis store (written by rank 0 after the failover).
+
+    A lost write: writer C's newest write is lost when its master is killed
+    (replication cut first, so it surely is). D, who read the surviving state, writes
+    on it; C, still holding the token of its lost write, must then be refused: a
+    counter would have handed D the same token C holds, and C would overwrite D's
+    state unseen."""
     cluster = redis_cluster_factory()
     a = create_handler(_params(cluster.url, "fo", 2, 2))
     b = create_handler(_params(cluster.url, "fo", 2, 2))
@@ -222,6 +202,30 @@ def test_a_round_survives_the_failover_of_the_master_holding_the_state(
         assert len(stores) == 1
     finally:
         _shutdown([a, b])
+
+    # A run whose master still has a replica (not the one promoted above).
+    promoted = cluster.master_of(keys.state_key("fo")).port
+    run = next(r for r in (f"lost{i}" for i in range(64))
+               if cluster.master_of(keys.state_key(r)).port != promoted)
+    c_conn, d_conn = Connection(cluster.url), Connection(cluster.url)
+    c, d = RedisRendezvousBackend(c_conn, run), RedisRendezvousBackend(d_conn, run)
+    try:
+        first = c.set_state(b"s1")
+        assert first is not None and first[2]
+        cluster.wait_replicated()
+        cluster.cut_replication(keys.state_key(run))
+        lost = c.set_state(b"s2-lost", first[1])
+        assert lost is not None and lost[2]
+        cluster.kill_master(keys.state_key(run))
+        seen = d.get_state()
+        assert seen is not None and seen[0] == b"s1"  # the write was lost
+        d_write = d.set_state(b"s3-from-d", seen[1])
+        assert d_write is not None and d_write[2]
+        c_write = c.set_state(b"s4-from-c", lost[1])
+        assert c_write is not None and not c_write[2] and c_write[0] == b"s3-from-d"
+    finally:
+        c_conn.close()
+        d_conn.close()
 
 
 def test_a_re_rendezvous_closes_once_every_live_node_joined(redis_server: RedisServer) -> None:

@@ -77,10 +77,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Defaults measured on a 2-core machine running 3 agents (bench/rdzv_recovery.py):
-# the agents of one job start within ~2 s of each other, a keep-alive write takes
-# milliseconds, and an agent under load was seen to stall up to ~1 s. A dead node is
-# declared after KEEP_ALIVE_S * ATTEMPTS = 3 s without keep-alive (torch: 15 s).
+# Defaults from runs on a shared 2-core machine (tests/test_elastic_torchrun.py,
+# bench/rdzv_recovery.py, 3 agents, load average 4-9): the agents of a job began to
+# rendezvous within 0.6 s of each other, well inside a 3 s first-round last call; a
+# keep-alive (one compare-and-set) takes milliseconds, so one a second costs nothing,
+# and 3 missed ones (3 s: torch's default is 15 s) was never a live agent here. With
+# these, a re-rendezvous after a kill took 1.7-3.0 s (bench), most of it waiting
+# for the dead node's keep-alive to expire.
 DEFAULT_LAST_CALL_S = 3.0
 """First round only (later rounds close when every live node joined): torch's 30 s."""
 DEFAULT_CLOSE_S = 10.0
