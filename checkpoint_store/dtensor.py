@@ -11,6 +11,7 @@ reductions) and ``_StridedShard`` (blocks that are not boxes) are refused.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +21,11 @@ from trainguard.core.checkpoints import UnsupportedValueError
 
 __all__ = ["LocalBlock", "is_dtensor", "local_block"]
 
-_AVAILABLE = torch.distributed.is_available()
-if _AVAILABLE:
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor import Shard as ShardPlacement
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
+# torch.distributed.tensor is imported only when a DTensor is met: it costs most of
+# this package's import time (0.5 s idle, seconds on a busy node), which every
+# worker pays at each (re)start, and a value can only be a DTensor once that module
+# is loaded, so its absence from sys.modules answers is_dtensor without importing it.
+_DTENSOR_MODULE = "torch.distributed.tensor"
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,15 @@ class LocalBlock:
 
 
 def is_dtensor(value: Any) -> bool:
-    return _AVAILABLE and isinstance(value, DTensor)
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def _placement_name(p: Any, path: str) -> str:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as ShardPlacement
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     if isinstance(p, _StridedShard) or not isinstance(p, ShardPlacement | Replicate):
         raise UnsupportedValueError(
             f"cannot checkpoint the DTensor at {path!r}: placement {p} is not supported "
@@ -63,6 +68,8 @@ def _local_shape_and_offset(global_shape: tuple[int, ...], mesh: Any,
     equal to an earlier one on another rank never reuses its answer). Cached: a
     model's state repeats a few shapes many times (each layer, each optimizer moment),
     and torch's computation was most of a save's blocked time outside the copy."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     return tuple(shape), tuple(offsets)
 

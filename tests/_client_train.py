@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         batch = next(it, None)
         local = torch.zeros(args.n)
-        if batch is not None:
+        # An empty batch: this rank ran out while another still trains (uneven ranks,
+        # e.g. after a restore on another world size); it steps along on nothing.
+        trains = batch is not None and len(batch) > 0
+        if trains:
             idx = batch.data[:, 0].long()
             local.index_add_(0, idx, torch.ones(len(idx)))
         if world > 1:
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_reduce(local)
         elif batch is None:
             break
-        if batch is not None:
+        if trains:
             x = batch.data.float() / args.n
             loss = model.lin(x).pow(2).mean()
             opt.zero_grad()

@@ -1,0 +1,282 @@
+"""The trainguard rendezvous: torch's ``DynamicRendezvousHandler`` on Redis.
+
+``torchrun --rdzv-backend=trainguard --rdzv-endpoint=redis://host:6379/0
+--rdzv-id=JOB ...`` makes every agent keep the rendezvous in Redis: the state in
+:class:`~trainguard.elastic.backend.RedisRendezvousBackend` (compare-and-set, keep-
+alives and rounds as torch's handler does them), the store in
+:class:`~trainguard.elastic.store.RedisStore`. No agent hosts anything the others
+need, so any node, the first one included, may die.
+
+What this handler changes in torch's:
+
+- **Fast close.** A round closes as soon as every node known to be alive (a fresh
+  keep-alive in the state: the survivors of the last round and the nodes waiting)
+  has joined it, instead of waiting out ``last_call_timeout``. torch's join op does
+  the closing: when the condition holds, the locally synced state's last-call
+  deadline is moved to now, and torch's handler marks the round complete and writes
+  it with the compare-and-set, as it would after the deadline. The first round (no
+  node known yet) still waits ``last_call_timeout`` for stragglers.
+- **No agent TCPStore.** torch 2.13 by default serves the workers' store from a
+  TCPStore inside the first round's rank-0 agent, and keeps using it in later rounds
+  (so the death of that node kills the job, pytorch/pytorch#135712). Here the
+  handler runs torch's own opt-out (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, set in
+  the agent's environment when the handler is made): each round's rank-0 agent
+  publishes a fresh ``MASTER_ADDR``/``MASTER_PORT`` in the Redis store, and the
+  round's rank-0 worker serves the worker group's store. A re-formed group never
+  looks for a store on a node of an earlier round.
+- **Admission.** Before each join the handler asks ``admit`` (optional) whether this
+  node may join; a refusal makes the node leave the rendezvous (its participation in
+  the last round withdrawn, so the others do not wait for its keep-alive to expire)
+  and its agent exit through torch's graceful-exit path. This is the one place where
+  the rendezvous asks "may this node join?" (a quarantine check plugs in here).
+
+Options (``--rdzv-conf key=value,...``; seconds may be fractional):
+``join_timeout`` (600), ``last_call_timeout`` (``DEFAULT_LAST_CALL_S``),
+``close_timeout`` (``DEFAULT_CLOSE_S``), ``heartbeat_timeout``
+(``DEFAULT_HEARTBEAT_S``), ``keep_alive_interval`` (``DEFAULT_KEEP_ALIVE_S``),
+``keep_alive_max_attempt`` (``DEFAULT_KEEP_ALIVE_ATTEMPTS``), ``fast_close``
+(true), ``redis_retry_timeout`` (60), ``state_ttl`` and ``store_ttl`` (seconds),
+``admit`` (``module:function``, see :data:`Admission`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+    _RendezvousExitOp,
+    _RendezvousState,
+    _RendezvousStateHolder,
+)
+
+from trainguard.elastic._redis import Connection
+from trainguard.elastic.backend import DEFAULT_STATE_TTL_S, RedisRendezvousBackend
+from trainguard.elastic.errors import ElasticConfigError, NodeRefusedError
+from trainguard.elastic.store import DEFAULT_KEY_TTL_S, RedisStore
+
+__all__ = [
+    "DEFAULT_CLOSE_S",
+    "DEFAULT_HEARTBEAT_S",
+    "DEFAULT_KEEP_ALIVE_ATTEMPTS",
+    "DEFAULT_KEEP_ALIVE_S",
+    "DEFAULT_LAST_CALL_S",
+    "Admission",
+    "JoinRequest",
+    "TrainguardRendezvousHandler",
+    "create_handler",
+]
+
+log = logging.getLogger(__name__)
+
+# Defaults from runs on a shared 2-core machine (tests/test_elastic_torchrun.py,
+# bench/rdzv_recovery.py, 3 agents, load average 4-9): the agents of a job began to
+# rendezvous within 0.6 s of each other, well inside a 3 s first-round last call; a
+# keep-alive (one compare-and-set) takes milliseconds, so one a second costs nothing,
+# and 3 missed ones (3 s: torch's default is 15 s) was never a live agent here. With
+# these, a re-rendezvous after a kill took 1.7-3.0 s (bench), most of it waiting
+# for the dead node's keep-alive to expire.
+DEFAULT_LAST_CALL_S = 3.0
+"""First round only (later rounds close when every live node joined): torch's 30 s."""
+DEFAULT_CLOSE_S = 10.0
+DEFAULT_HEARTBEAT_S = 5.0
+DEFAULT_KEEP_ALIVE_S = 1.0
+DEFAULT_KEEP_ALIVE_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """What the admission check is asked about: node ``addr`` (the agent's
+    ``--local-addr``, else its FQDN; one per machine in practice) joining round
+    ``round`` of rendezvous ``run_id``."""
+
+    run_id: str
+    addr: str
+    round: int
+
+
+Admission = Callable[[JoinRequest], str | None]
+"""May this node join? ``None`` admits it; a string refuses it, and says why (the
+reason goes into the error its agent exits with)."""
+
+
+def _close_when_all_joined(state: _RendezvousState, min_nodes: int) -> bool:
+    """Whether round ``state.round`` may close now: it has ``min_nodes`` participants
+    and every node with a live keep-alive is one of them. Round 0 never closes early:
+    nobody is known yet, so a node alone would close it at once."""
+    if state.complete or state.closed or state.round == 0 or state.deadline is None:
+        return False
+    if len(state.participants) < min_nodes:
+        return False
+    return all(node in state.participants for node in state.last_heartbeats)
+
+
+class _FastCloseStateHolder(_RendezvousStateHolder):
+    """torch's state holder, with the last-call deadline of a round every live node
+    has joined moved to now (in the local copy only: torch's join op then marks the
+    round complete and writes that with the compare-and-set; a concurrent change
+    makes the write fail and the op look again)."""
+
+    def __init__(self, inner: _RendezvousStateHolder, min_nodes: int) -> None:
+        self._inner = inner
+        self._min_nodes = min_nodes
+
+    @property
+    def state(self) -> _RendezvousState:
+        return self._inner.state
+
+    def sync(self) -> bool | None:
+        result = self._inner.sync()
+        state = self._inner.state
+        if _close_when_all_joined(state, self._min_nodes):
+            now = datetime.now(UTC)
+            assert state.deadline is not None
+            if state.deadline > now:
+                state.deadline = now - timedelta(microseconds=1)
+        return result
+
+    def mark_dirty(self) -> None:
+        self._inner.mark_dirty()
+
+
+class TrainguardRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous with the admission check before each join and
+    without the agent-hosted TCPStore (see the module docstring)."""
+
+    admit: Admission | None = None
+    _conn: Connection | None = None
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self.admit is not None:
+            request = JoinRequest(self._settings.run_id, self._this_node.addr,
+                                  self._state_holder.state.round)
+            reason = self.admit(request)
+            if reason is not None:
+                self._withdraw()
+                raise NodeRefusedError(
+                    f"node {request.addr!r} may not join rendezvous {request.run_id!r}: "
+                    f"{reason}; its agent leaves, the other nodes go on without it"
+                )
+        return super().next_rendezvous()
+
+    def _withdraw(self) -> None:
+        """Leave the last round (if this node was in it) so that the others need not
+        wait for its keep-alive to expire."""
+        self._stop_heartbeats()
+        deadline = self._get_deadline(self._settings.timeout.close)
+        try:
+            self._op_executor.run(_RendezvousExitOp(), deadline)
+        except Exception:  # the refusal is what matters; an expiry removes it too
+            log.warning("could not withdraw node %s from rendezvous %s", self._this_node,
+                        self._settings.run_id, exc_info=True)
+
+    def shutdown(self) -> bool:
+        try:
+            return super().shutdown()
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+
+
+def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
+    raw = params.get(key, None)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = -1.0
+    if value <= 0:
+        raise ElasticConfigError(
+            f"--rdzv-conf {key}={raw!r}: expected a positive number of seconds"
+        )
+    return value
+
+
+def _attempts(params: RendezvousParameters) -> int:
+    raw = params.get("keep_alive_max_attempt", None)
+    if raw is None or raw == "":
+        return DEFAULT_KEEP_ALIVE_ATTEMPTS
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = 0
+    if value < 1:
+        raise ElasticConfigError(
+            f"--rdzv-conf keep_alive_max_attempt={raw!r}: expected an integer >= 1"
+        )
+    return value
+
+
+def load_admission(spec: str) -> Admission:
+    """The admission callable named ``module:function``."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ElasticConfigError(
+            f"--rdzv-conf admit={spec!r}: expected module:function (e.g. "
+            "mypkg.quarantine:may_join)"
+        )
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ElasticConfigError(f"--rdzv-conf admit={spec!r}: cannot load it: {e}") from e
+    if not callable(fn):
+        raise ElasticConfigError(f"--rdzv-conf admit={spec!r} names a {type(fn).__name__}, "
+                                 "not a function")
+    return fn  # type: ignore[no-any-return]
+
+
+def create_handler(params: RendezvousParameters, *, admit: Admission | None = None
+                   ) -> TrainguardRendezvousHandler:
+    """The handler of ``params`` (what torchrun builds from its ``--rdzv-*`` flags):
+    the endpoint is the Redis URL, the run id the rendezvous id. ``admit`` (or the
+    ``admit`` option) is the admission check; none admits every node."""
+    endpoint = params.endpoint
+    if "://" not in endpoint:
+        raise ElasticConfigError(
+            f"--rdzv-endpoint {endpoint!r}: the trainguard rendezvous needs a Redis URL, "
+            "e.g. redis://10.0.0.5:6379/0 or redis+cluster://10.0.0.5:7000,10.0.0.6:7000"
+        )
+    if admit is None and params.get("admit", None):
+        admit = load_admission(str(params.get("admit")))
+    fast_close = params.get_as_bool("fast_close", True)
+    timeout = RendezvousTimeout(
+        join=timedelta(seconds=_seconds(params, "join_timeout", 600.0)),
+        last_call=timedelta(seconds=_seconds(params, "last_call_timeout", DEFAULT_LAST_CALL_S)),
+        close=timedelta(seconds=_seconds(params, "close_timeout", DEFAULT_CLOSE_S)),
+        heartbeat=timedelta(seconds=_seconds(params, "heartbeat_timeout", DEFAULT_HEARTBEAT_S)),
+    )
+    # torch's opt-out of the agent-hosted TCPStore (see the module docstring): read by
+    # torch's handler in this process, inherited by the workers it starts.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    conn = Connection(endpoint, retry_timeout_s=_seconds(params, "redis_retry_timeout", 60.0))
+    backend = RedisRendezvousBackend(
+        conn, params.run_id, state_ttl_s=_seconds(params, "state_ttl", DEFAULT_STATE_TTL_S))
+    store = RedisStore(conn, params.run_id,
+                       key_ttl_s=_seconds(params, "store_ttl", DEFAULT_KEY_TTL_S))
+    handler: Any = TrainguardRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes,
+        params.local_addr, timeout,
+        keep_alive_interval=_seconds(params, "keep_alive_interval",
+                                     DEFAULT_KEEP_ALIVE_S),  # type: ignore[arg-type]
+        keep_alive_max_attempt=_attempts(params),
+    )
+    if fast_close:
+        handler._state_holder = _FastCloseStateHolder(handler._state_holder, params.min_nodes)
+        # torch's op executor holds the holder too: give it the same one.
+        handler._op_executor._state_holder = handler._state_holder
+    handler.admit = admit
+    handler._conn = conn
+    return handler  # type: ignore[no-any-return]
