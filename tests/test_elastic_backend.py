@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from tests.servers import RedisCluster, RedisServer
 from trainer_client import redis_client
+from trainguard.core import quarantine
 from trainguard.elastic import keys
 from trainguard.elastic._redis import Connection
 from trainguard.elastic.backend import RedisRendezvousBackend
@@ -275,3 +276,32 @@ def test_a_refused_node_leaves_and_the_others_go_on(redis_server: RedisServer) -
         assert (alone.rank, alone.world_size) == (0, 1)
     finally:
         _shutdown([a, b])
+
+
+def test_a_quarantined_node_is_refused_by_default_and_quarantine_false_admits_it(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an ``admit`` option the rendezvous checks this node's quarantine record
+    in its own Redis before every join: a node a record holds is refused with the
+    record's reason (and how to clear it), whatever restarted its agent; cleared, it
+    joins again; ``quarantine=false`` turns the check off."""
+    monkeypatch.setenv("TRAINGUARD_NODE_ID", "node-bad")
+    r = redis_client.client(redis_server.url)
+    conf = {"last_call_timeout": "1", "join_timeout": "60"}
+    handlers: list[Any] = []
+    try:
+        quarantine.quarantine(r, "node-bad", "GPU health CRITICAL: ECC", source="probe",
+                              policy=quarantine.QuarantinePolicy(quarantine_s=600))
+        handlers.append(create_handler(_params(redis_server.url, "q", 1, 1, **conf)))
+        with pytest.raises(NodeRefusedError, match=r"GPU health CRITICAL: ECC.*nodes clear"):
+            handlers[-1].next_rendezvous()
+        handlers.append(create_handler(_params(redis_server.url, "q-off", 1, 1,
+                                               quarantine="false", **conf)))
+        (info,) = _join_all(handlers[-1:])
+        assert info.world_size == 1
+        assert quarantine.clear(r, "node-bad")
+        handlers.append(create_handler(_params(redis_server.url, "q", 1, 1, **conf)))
+        (info,) = _join_all(handlers[-1:])
+        assert info.world_size == 1
+    finally:
+        _shutdown(handlers)
+        r.close()

@@ -24,11 +24,12 @@ What this handler changes in torch's:
   publishes a fresh ``MASTER_ADDR``/``MASTER_PORT`` in the Redis store, and the
   round's rank-0 worker serves the worker group's store. A re-formed group never
   looks for a store on a node of an earlier round.
-- **Admission.** Before each join the handler asks ``admit`` (optional) whether this
-  node may join; a refusal makes the node leave the rendezvous (its participation in
+- **Admission.** Before each join the handler asks ``admit`` whether this node may
+  join (by default :class:`~trainguard.elastic.admission.QuarantineAdmission`: no
+  quarantine record of this node in the rendezvous' Redis); a refusal makes the node leave the rendezvous (its participation in
   the last round withdrawn, so the others do not wait for its keep-alive to expire)
   and its agent exit through torch's graceful-exit path. This is the one place where
-  the rendezvous asks "may this node join?" (a quarantine check plugs in here).
+  the rendezvous asks "may this node join?".
 
 Options (``--rdzv-conf key=value,...``; seconds may be fractional):
 ``join_timeout`` (600), ``last_call_timeout`` (``DEFAULT_LAST_CALL_S``),
@@ -36,7 +37,8 @@ Options (``--rdzv-conf key=value,...``; seconds may be fractional):
 (``DEFAULT_HEARTBEAT_S``), ``keep_alive_interval`` (``DEFAULT_KEEP_ALIVE_S``),
 ``keep_alive_max_attempt`` (``DEFAULT_KEEP_ALIVE_ATTEMPTS``), ``fast_close``
 (true), ``redis_retry_timeout`` (60), ``state_ttl`` and ``store_ttl`` (seconds),
-``admit`` (``module:function``, see :data:`Admission`).
+``admit`` (``module:function``, see :data:`Admission`), ``quarantine`` (true: the
+default admission; false admits every node when no ``admit`` is given).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from trainguard.elastic._redis import Connection
+from trainguard.elastic.admission import QuarantineAdmission
 from trainguard.elastic.backend import DEFAULT_STATE_TTL_S, RedisRendezvousBackend
 from trainguard.elastic.errors import ElasticConfigError, NodeRefusedError
 from trainguard.elastic.store import DEFAULT_KEY_TTL_S, RedisStore
@@ -242,15 +245,14 @@ def create_handler(params: RendezvousParameters, *, admit: Admission | None = No
                    ) -> TrainguardRendezvousHandler:
     """The handler of ``params`` (what torchrun builds from its ``--rdzv-*`` flags):
     the endpoint is the Redis URL, the run id the rendezvous id. ``admit`` (or the
-    ``admit`` option) is the admission check; none admits every node."""
+    ``admit`` option) is the admission check; without one, the quarantine records in
+    this Redis are (``quarantine=false`` in ``--rdzv-conf`` admits every node)."""
     endpoint = params.endpoint
     if "://" not in endpoint:
         raise ElasticConfigError(
             f"--rdzv-endpoint {endpoint!r}: the trainguard rendezvous needs a Redis URL, "
             "e.g. redis://10.0.0.5:6379/0 or redis+cluster://10.0.0.5:7000,10.0.0.6:7000"
         )
-    if admit is None and params.get("admit", None):
-        admit = load_admission(str(params.get("admit")))
     fast_close = params.get_as_bool("fast_close", True)
     timeout = RendezvousTimeout(
         join=timedelta(seconds=_seconds(params, "join_timeout", 600.0)),
@@ -277,6 +279,11 @@ def create_handler(params: RendezvousParameters, *, admit: Admission | None = No
         handler._state_holder = _FastCloseStateHolder(handler._state_holder, params.min_nodes)
         # torch's op executor holds the holder too: give it the same one.
         handler._op_executor._state_holder = handler._state_holder
+    if admit is None and params.get("admit", None):
+        admit = load_admission(str(params.get("admit")))
+    if admit is None and params.get_as_bool("quarantine", True):
+        # The quarantine kept in this Redis is checked before every join by default.
+        admit = QuarantineAdmission(conn)
     handler.admit = admit
     handler._conn = conn
     return handler  # type: ignore[no-any-return]
