@@ -25,6 +25,7 @@ __all__ = [
     "GpuCriticalError",
     "NoRollbackTargetError",
     "PartitionCountError",
+    "RestartLoopError",
     "RollbackLimitError",
     "RouteRejectedError",
     "SessionBypassedError",
@@ -57,6 +58,18 @@ class GpuCriticalError(TrainerClientError, RuntimeError):
     def __init__(self, message: str, *, report: object, exit_code: int) -> None:
         super().__init__(message)
         self.report = report
+        self.exit_code = exit_code
+
+
+class RestartLoopError(TrainerClientError, RuntimeError):
+    """The same failure came back after every remedy the restart-loop breaker tried
+    (or the breaker already stopped this run and the agent restarted it). Not
+    retryable: the process exits with ``exit_code``
+    (:data:`trainguard.core.incidents.EXIT_RESTART_LOOP`, 87); the run's last
+    incident says what was tried and where to look."""
+
+    def __init__(self, message: str, *, exit_code: int) -> None:
+        super().__init__(message)
         self.exit_code = exit_code
 
 

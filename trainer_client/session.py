@@ -36,15 +36,19 @@ the fence on every read, acknowledgement and checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from trainer_client import _rng, redis_client
 from trainer_client import offsets as ofs
+from trainer_client._attempts import AttemptLog
+from trainer_client._batch_ids import batch_id, overlaps
 from trainer_client._checks import check_not_bypassed, warn_divergent
 from trainer_client._commit import OffsetCommitter, gather_offsets
 from trainer_client._consumed import Consumed
@@ -56,7 +60,8 @@ from trainer_client.dataset import Batch, StreamingDataset, in_worker_order, loa
 from trainer_client.errors import FencedError, NoRollbackTargetError, TrainerClientError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport, NodeHealth
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
-from trainguard.core import record, streams
+from trainer_client.watchdog import Watchdog, WatchdogConfig
+from trainguard.core import record, settings, streams
 from trainguard.core.checkpoints import (
     CheckpointStoreAPI,
     CorruptCheckpointError,
@@ -64,6 +69,7 @@ from trainguard.core.checkpoints import (
     SaveHandleView,
     open_store,
 )
+from trainguard.core.incidents import LoopPolicy
 from trainguard.core.interval import Advice, IntervalPolicy
 from trainguard.core.record import RankState, SessionRecord
 from trainguard.core.timing import TIMING_KEY
@@ -86,6 +92,14 @@ class TrainingSession:
     ``dist.init_process_group`` first (gloo works on CPU); every rank then calls
     ``restore``, ``checkpoint`` and ``rollback`` in the same order, and ``batches``
     keeps the ranks in step.
+
+    ``watchdog`` (a :class:`~trainer_client.watchdog.WatchdogConfig`; False: off;
+    default ``$TRAINGUARD_WATCHDOG``) exits a process that makes no progress (exit 86)
+    and tightens the collective timeout; ``loop_breaker`` (a
+    :class:`~trainguard.core.incidents.LoopPolicy`; False: off; default
+    ``$TRAINGUARD_LOOP_BREAKER``) answers a failure that repeats after restores (older
+    checkpoint, skipped batches, then exit 87). Every attempt and failure is recorded
+    in Redis (:mod:`trainguard.core.incidents`); :meth:`close` marks the attempt ok.
     """
 
     def __init__(
@@ -107,6 +121,8 @@ class TrainingSession:
         redis_timeout_s: float = 900.0,
         health_monitor: HealthMonitor | None = None,
         interval: IntervalPolicy | None = None,
+        watchdog: WatchdogConfig | bool | None = None,
+        loop_breaker: LoopPolicy | bool | None = None,
     ) -> None:
         streams.check_name("dataset", dataset)
         streams.check_name("run", run)
@@ -154,6 +170,59 @@ class TrainingSession:
         self.health_monitor = health_monitor
         self._health = NodeHealth(health_monitor)
         self._clock = SaveClock(interval)
+        self._start_healing(watchdog, loop_breaker)
+
+    def _start_healing(self, watchdog: WatchdogConfig | bool | None,
+                       loop_breaker: LoopPolicy | bool | None) -> None:
+        """The attempt record, the restart-loop breaker's remedy and the watchdog."""
+        cfg = (WatchdogConfig.from_env() if watchdog is None or watchdog is True
+               else watchdog if isinstance(watchdog, WatchdogConfig)
+               else WatchdogConfig(enabled=False))
+        policy = (LoopPolicy.from_env(settings.loop_breaker())
+                  if loop_breaker is None or loop_breaker is True
+                  else loop_breaker if isinstance(loop_breaker, LoopPolicy)
+                  else LoopPolicy(enabled=False))
+        self._attempts = AttemptLog(self.redis_url, dataset=self.dataset_name, run=self.run,
+                                    rank=self.rank, world_size=self.world_size,
+                                    call=self._call, broadcast=self._broadcast, policy=policy)
+        try:
+            self._attempts.start()
+        except BaseException:
+            self._attempts.close()
+            self._redis.close()
+            raise
+        extra = {"heartbeat_s": cfg.heartbeat_s, "kill_stalled_peers": cfg.kill_stalled_peers}
+        self._watchdog = Watchdog(cfg, beat=self._attempts.heartbeat,
+                                  fire=lambda rep: self._attempts.hang({**rep, **extra}))
+        wd = self._watchdog
+        self._attempts.step_of = lambda: (wd.step, wd.batch, wd.phase_name)
+        self._pg_timeout_s: float | None = None
+        self._loop_step = 0  # restored step + batches handed out: the step in flight
+        self._records = 0
+        self._handed = 0
+        self._skips: list[str] = []  # skipped batches carried into every manifest
+        self._skip_ids: set[str] = set()  # the breaker's: batches to skip on sight
+
+    def watch(self, phase: str, limit_s: float) -> contextlib.AbstractContextManager[None]:
+        """A block between steps (evaluation, a long log write) that may run for up to
+        ``limit_s`` seconds without the watchdog taking it for a hang."""
+        return self._watchdog.phase(phase, limit_s)
+
+    def collective_timeout(self) -> timedelta:
+        """The collective timeout the watchdog's figures give now (the session applies
+        it to ``process_group`` itself; for other groups the script makes)."""
+        return timedelta(seconds=self._watchdog.collective_timeout_s())
+
+    def _retime(self) -> None:
+        # The main thread's, between collectives: never changed under a running one.
+        if self.world_size == 1 or not self._watchdog.config.enabled:
+            return
+        seconds = self._watchdog.collective_timeout_s()
+        old = self._pg_timeout_s
+        if old is None or abs(seconds - old) > 0.25 * old:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds),
+                                                  self.process_group)
+            self._pg_timeout_s = seconds
 
     # ------------------------------------------------------------------ helpers
 
@@ -188,7 +257,8 @@ class TrainingSession:
         ``rollback(state, to_step)`` loads the first of them with that step."""
         return record.newest_first(self.store.list())
 
-    def _load(self, state: Any, to_step: int | None) -> ManifestView | None:
+    def _load(self, state: Any, to_step: int | None, *,
+              skip_newest: bool = False) -> ManifestView | None:
         """Load the newest valid manifest (or ``to_step``) into ``state`` in place.
 
         Rank 0 chooses the candidates (newest first) and every rank tries them in that
@@ -200,6 +270,11 @@ class TrainingSession:
                 cands = [m for m in self.checkpoints() if to_step is None or m.step == to_step]
                 if to_step is not None and not cands:
                     raise LookupError(f"no checkpoint of step {to_step} for run {self.run!r}")
+                if skip_newest and len(cands) > 1:
+                    log.warning("restart-loop breaker: the failure recurred after restoring "
+                                "step %s: restoring the checkpoint before it, step %s",
+                                cands[0].step, cands[1].step)
+                    cands = cands[1:]
                 if cands:
                     self._check(cands[0])
                 plan = {"steps": [int(m.step) for m in cands]}
@@ -241,10 +316,33 @@ class TrainingSession:
         checkpoint without taking the run over, use :meth:`inspect`.
         """
         self._committer.raise_background()
-        manifest = self._load(state, None)
-        self._apply_offsets(self._record(manifest), new_generation=True)
+        self._attempts.stop_if_looping()
+        remedy = self._attempts.remedy.action
+        with self._watchdog.phase("restore"):
+            self._retime()
+            manifest = self._load(state, None, skip_newest=remedy == "older_checkpoint")
+            rec = self._record(manifest)
+            self._apply_offsets(rec, new_generation=True)
         self._clock.restored(manifest, self.generation)
-        return int(manifest.step) if manifest is not None else 0
+        self._clock.count_failures(self._attempts.failures)
+        step = int(manifest.step) if manifest is not None else 0
+        self._restarted_at(step, rec)
+        return step
+
+    def _restarted_at(self, step: int, rec: SessionRecord | None) -> None:
+        self._loop_step, self._records, self._handed = step, 0, 0
+        failed_at = (self._attempts.incident or {}).get("step")
+        self._catch_up = failed_at if failed_at is not None and failed_at > step else None
+        self._skips = list(rec.skipped or ()) if rec is not None else []
+        skip = self._attempts.skipped_batch()
+        if skip is not None:
+            log.warning("restart-loop breaker: the failure recurred at step %s with batch %s "
+                        "in flight: skipping it (consumed, never trained, listed in the "
+                        "manifests' skipped batches)", self._attempts.remedy, skip)
+            self._skip_ids.add(skip)
+        self._watchdog.step = step
+        self._attempts.restored(step, self.generation)
+        self._watchdog.enter("startup")
 
     def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
         return None if manifest is None else self._check(manifest)
@@ -309,7 +407,8 @@ class TrainingSession:
         ``to_step`` exists."""
         self.wait()
         self._committer.raise_background()
-        manifest = self._load(state, to_step)
+        with self._watchdog.phase("restore"):
+            manifest = self._load(state, to_step)
         if manifest is None:
             raise NoRollbackTargetError(
                 f"rollback of run {self.run!r} found no committed checkpoint to go back to: "
@@ -458,10 +557,12 @@ class TrainingSession:
                     source = in_step(source, mode=uneven, group=self.process_group)
                 for batch in source:
                     self._consumed.record(batch)
-                    yield batch
+                    if self._handing(batch):
+                        yield batch
                     if self._reseek:
                         break
                 else:
+                    self._loop_ended()
                     return
             finally:
                 # Close the abandoned pass's generators now: their frames hold the
@@ -480,6 +581,36 @@ class TrainingSession:
                     if shutdown is not None:
                         shutdown()
                 del it
+
+    def _handing(self, batch: Batch) -> bool:
+        """The loop asks for its next batch: the step before it ended. False: the
+        breaker skips this batch (its offsets are consumed, its ID goes in manifests)."""
+        bid = batch_id(batch) if batch.ids else None
+        if bid is not None and any(overlaps(bid, s) for s in self._skip_ids):
+            if bid not in self._skips:
+                self._skips.append(bid)
+            return False
+        self._handed += 1
+        self._loop_step += 1
+        self._records += len(batch)
+        self._watchdog.progress(self._loop_step, bid, self._records)
+        if self._handed == 2:
+            self._attempts.first_step()
+        if self._catch_up is not None and self._loop_step >= self._catch_up:
+            # Every rank is at this loop step together (batches() keeps them in step):
+            # the records all of them trained again up to the failed step.
+            self._catch_up = None
+            counts = [self._records]
+            if self.world_size > 1:
+                counts = [0] * self.world_size
+                dist.all_gather_object(counts, self._records, group=self.process_group)
+            self._attempts.caught_up(sum(counts))
+        self._retime()
+        return True
+
+    def _loop_ended(self) -> None:
+        self._attempts.first_step()
+        self._watchdog.enter("idle")
 
     def progress(self) -> Progress:
         """Where this rank stands in the current epoch: the epoch, the batches and
@@ -528,12 +659,25 @@ class TrainingSession:
         gen = self._gen()
         self._check_fence(gen)
         now = self._consumed.snapshot()
-        offsets, batches = now.offsets, now.batches
+        offsets = now.offsets
         mine = RankState(rng=_rng.capture(), epoch=now.epoch, epoch_batches=now.epoch_batches)
         if now.passes == 0:
             owned = sorted(p for ps in self._owned(self._num_workers).values() for p in ps)
             self._call(check_not_bypassed, self._redis, self.dataset_name, self.run,
                        {p: offsets[p] for p in owned})
+        with self._watchdog.phase("checkpoint"):
+            self._retime()
+            handle = self._save(state, step, now, mine, blocking=blocking, extra=extra,
+                                skipped=skipped)
+        self._retime()
+        return handle
+
+    def _save(self, state: Any, step: int, now: Any, mine: RankState, *, blocking: bool,
+              extra: Mapping[str, Any] | None, skipped: Sequence[str] | None) -> SaveHandleView:
+        gen = self._gen()
+        offsets, batches = now.offsets, now.batches
+        if self._skips:
+            skipped = [*self._skips, *(b for b in skipped or () if b not in self._skips)]
         ranks = {self.rank: mine}
         if self.world_size > 1:
             if isinstance(state, Mapping):
@@ -591,7 +735,8 @@ class TrainingSession:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Wait until every checkpoint started here committed and acknowledged."""
-        self._committer.wait(timeout_s)
+        with self._watchdog.phase("checkpoint"):
+            self._committer.wait(timeout_s)
 
     def close(self) -> None:
         """Wait for in-flight checkpoints, then release connections (and the store
@@ -599,7 +744,10 @@ class TrainingSession:
         try:
             self.wait()
             self._committer.raise_background()
+            self._attempts.closed()
         finally:
+            self._watchdog.stop()
+            self._attempts.close()
             self._health.close()
             if self._owns_store:
                 self.store.close()

@@ -67,9 +67,12 @@ def _median(values: list[float]) -> float | None:
 
 
 def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
-            policy: IntervalPolicy | None = None) -> dict[str, Any]:
+            policy: IntervalPolicy | None = None, failures: int | None = None
+            ) -> dict[str, Any]:
     """The history of ``run`` on ``dataset`` from ``manifests`` (any order, any runs:
-    the others are ignored), as JSON-ready data."""
+    the others are ignored), as JSON-ready data. ``failures``: the failed attempts
+    Redis recorded (:mod:`trainguard.core.incidents`; those that died before their
+    first checkpoint left no manifest): the failure count is at least that."""
     mine = []
     for m in manifests:
         rec = _record(m)
@@ -128,7 +131,7 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
     return {
         "dataset": dataset, "run": run, "checkpoints": checkpoints, "restarts": restarts,
         "rollbacks": rollbacks, "world": world,
-        **_advice(mine, restarts, policy),
+        **_advice(mine, restarts, policy, failures or 0),
     }
 
 
@@ -156,7 +159,8 @@ def _resumed_guess(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | 
 
 
 def _advice(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
-            restarts: list[dict[str, Any]], policy: IntervalPolicy | None) -> dict[str, Any]:
+            restarts: list[dict[str, Any]], policy: IntervalPolicy | None,
+            recorded: int) -> dict[str, Any]:
     timed = [t for _, _, t in mine if t is not None]
     saves = _saves(mine)
     blocked = _median([s.blocked_s for s in saves])
@@ -167,6 +171,7 @@ def _advice(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
     else:
         times = [c for c in (_created(m) for m, _, _ in mine) if c is not None]
         failures, observed = len(restarts), (max(times) - min(times)) if times else 0.0
+    failures = max(failures, recorded)
     totals = {"failures": failures, "observed_s": observed,
               "rollbacks": timed[-1].totals.rollbacks if timed else None}
     if blocked is None:

@@ -26,6 +26,11 @@ variable                       what                          default
 ``TRAINGUARD_TOKENIZE_PROCESSES`` processes that tokenize    one per core beyond
                                text at ingest (0: in the     two, else 0
                                producer's own process)
+``TRAINGUARD_WATCHDOG``        the trainer's hang watchdog:  on, with the defaults
+                               ``off`` or ``key=value,...``  of ``WatchdogConfig``
+                               (``trainer_client.watchdog``)
+``TRAINGUARD_LOOP_BREAKER``    the restart-loop breaker:     on, ``max_tries=3``
+                               ``off`` or ``max_tries=N``
 ============================== ============================= =======================
 """
 
@@ -40,13 +45,17 @@ __all__ = [
     "PROBES_ENV",
     "PUSH_TOKENS_ENV",
     "REDIS_URL_ENV",
+    "LOOP_BREAKER_ENV",
     "TOKENIZE_PROCESSES_ENV",
+    "WATCHDOG_ENV",
     "admin_token",
     "checkpoint_stores",
     "probes",
     "push_tokens",
     "redis_url",
+    "loop_breaker",
     "tokenize_processes",
+    "watchdog",
 ]
 
 REDIS_URL_ENV = "TRAINGUARD_REDIS_URL"
@@ -56,6 +65,8 @@ CHECKPOINT_STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
 PROBES_ENV = "TRAINGUARD_PROBES"
 PUSH_TOKENS_ENV = "TRAINGUARD_PUSH_TOKENS"
 TOKENIZE_PROCESSES_ENV = "TRAINGUARD_TOKENIZE_PROCESSES"
+WATCHDOG_ENV = "TRAINGUARD_WATCHDOG"
+LOOP_BREAKER_ENV = "TRAINGUARD_LOOP_BREAKER"
 
 
 def redis_url(explicit: str | None = None) -> str:
@@ -94,3 +105,13 @@ def tokenize_processes(cores: int) -> int:
     if not raw.isdigit():
         raise ValueError(f"{TOKENIZE_PROCESSES_ENV}={raw!r}: expected a number of processes >= 0")
     return int(raw)
+
+
+def watchdog() -> str:
+    """``$TRAINGUARD_WATCHDOG`` as written (parsed by ``WatchdogConfig.from_env``)."""
+    return os.environ.get(WATCHDOG_ENV, "")
+
+
+def loop_breaker() -> str:
+    """``$TRAINGUARD_LOOP_BREAKER`` as written (parsed by ``LoopPolicy.from_env``)."""
+    return os.environ.get(LOOP_BREAKER_ENV, "")

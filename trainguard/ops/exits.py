@@ -15,6 +15,12 @@ code  meaning
 3     not found (dataset, group, store, checkpoint, file)
 4     refused (conflict, not allowed: pinned, exists, fenced, active group)
 75    GPU health CRITICAL: replace the node (sysexits ``EX_TEMPFAIL``)
+86    a trainer hung: its watchdog saw no progress within its budget, dumped
+      every thread's stack into the run's incident and exited so that the
+      torchrun agent restarts the group (retryable)
+87    restart loop: the same failure came back after every remedy of the
+      restart-loop breaker; not retryable (every further restart by the agent
+      exits 87 at once): read ``trainguard runs show RUN``
 130   interrupted (Ctrl-C)
 ====  =====================================================================
 """
@@ -24,16 +30,20 @@ from __future__ import annotations
 from trainguard.core import settings
 from trainguard.core.checkpoints import CorruptCheckpointError
 from trainguard.core.errors import TrainguardError
+from trainguard.core.incidents import EXIT_HUNG as _HUNG
+from trainguard.core.incidents import EXIT_RESTART_LOOP as _RESTART_LOOP
 from trainguard.core.urls import redact_text
 
 __all__ = [
     "EPILOG",
     "EXIT_FAILED",
     "EXIT_GPU_CRITICAL",
+    "EXIT_HUNG",
     "EXIT_INTERRUPTED",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
     "EXIT_REFUSED",
+    "EXIT_RESTART_LOOP",
     "EXIT_USAGE",
     "describe",
     "exit_code",
@@ -43,6 +53,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
 EXIT_GPU_CRITICAL = 75
 """The code a trainer exits with on a CRITICAL GPU (``trainer_client.health``'s, which
 ``GpuCriticalError.exit_code`` carries; ``test_cli_exit_codes`` pins that they agree)."""
+EXIT_HUNG = _HUNG
+"""A trainer's watchdog fired (``trainer_client.watchdog``): retryable."""
+EXIT_RESTART_LOOP = _RESTART_LOOP
+"""The restart-loop breaker stopped the run (``RestartLoopError.exit_code``): not
+retryable. The values live in :mod:`trainguard.core.incidents`, which the trainer
+imports; this module is where operators read them."""
 EXIT_INTERRUPTED = 130
 
 _TABLE: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
@@ -65,6 +81,8 @@ EPILOG = """exit codes:
   3    not found (dataset, group, store, checkpoint, file)
   4    refused (conflict or not allowed: pinned, exists, fenced, active group)
   75   GPU health CRITICAL: replace the node
+  86   a trainer hung (watchdog): the agent restarts it
+  87   restart loop stopped by the breaker: not retryable, see `runs show`
   130  interrupted"""
 
 

@@ -1,0 +1,222 @@
+"""The job heals itself (issue #24, parts 2, 4, 5), through torchrun's own agent:
+
+- a worker stopped with SIGSTOP is noticed by its peer's watchdog (from the measured
+  step times), which reports the hang with every thread's stack, kills the stopped
+  rank and exits 86; the agent restarts the group and every record is trained once;
+- a crash at the same step after every restore climbs the restart-loop breaker's
+  ladder (restore, older checkpoint, skip the batch in flight) and stops the run with
+  exit 87 and an incident saying what was tried; the agent's further restarts are
+  refused at once; nothing was trained twice;
+- an attempt that dies before its first checkpoint counts as a failure in
+  ``trainguard runs show`` and in the interval advice.
+
+Jobs: tests/_heal_job.py (a ledger: each step adds 1 per record of its batch to a
+buffer saved in the checkpoint). Runs use ``torchrun --standalone``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from tests import _client_fill as cf
+from tests._client_ledger import final_counts
+from trainguard.core import incidents as inc
+from trainguard.core.process import pid_alive
+from trainguard.ops.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 4
+
+
+class Torchrun:
+    """``torchrun --standalone`` of the heal job, its lines collected as they come."""
+
+    def __init__(self, nproc: int, max_restarts: int, args: list[str], log: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+             "--monitor-interval=0.1", "-m", "tests._heal_job", *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"),  # noqa: SIM115
+            text=True, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def wait_for(self, line: str, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while line not in self.seen:
+            try:
+                self.seen.append(self.lines.get(timeout=max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(f"no {line!r} in {timeout_s} s: {self.seen[-20:]}") from None
+
+    def pid(self, rank: int, nth: int = 1) -> int:
+        pids = [int(x.split()[2]) for x in self.seen if x.startswith(f"{rank}: PID ")]
+        return pids[nth - 1]
+
+    def finish(self, timeout_s: float = 240) -> int:
+        """Wait for torchrun's exit (killing its session past ``timeout_s``)."""
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return rc
+
+
+def _docs(url: str, key: str) -> list[dict[str, Any]]:
+    r = redis.Redis.from_url(url)
+    try:
+        raw = r.hgetall(key)
+    finally:
+        r.close()
+    docs = [inc.loads(v) for k, v in raw.items() if k != b"seq"]
+    return sorted(docs, key=lambda d: d["attempt"])
+
+
+def _job(redis_server: Any, tmp_path: Path, n: int, partitions: int) -> list[str]:
+    spec = cf.create(redis_server.url, "heal", partitions=partitions)
+    cf.fill(redis_server.url, spec, n)
+    return ["--redis", redis_server.url, "--store", f"file://{tmp_path}/ckpt", "--records", str(n),
+            "--batch-size", str(BATCH)]
+
+
+def test_sigstopped_rank_is_detected_and_the_job_recovers_training_each_record_once(
+        redis_server: Any, tmp_path: Path) -> None:
+    """Two ranks; rank 1 is stopped with SIGSTOP at step 8. Rank 0's watchdog fires
+    (no step within k x p99, floor 1.5 s), names rank 1 as the rank whose heartbeat
+    stopped, kills it and exits 86; torchrun restarts both and the job finishes.
+    Every record is trained exactly once (the ledger in the final checkpoint); the
+    incident is one ``hang`` detected by the watchdog, with rank 0's stacks (waiting
+    in the collective), the steps and records redone (a full batch per rank per
+    step) and the time to the next step by phase."""
+    n = 2 * BATCH * 25
+    run = Torchrun(2, 1, [*_job(redis_server, tmp_path, n, 2), "--sleep-ms", "20"],
+                   tmp_path / "torchrun.log")
+    stopped = 0
+    try:
+        run.wait_for("1: STEP 8")
+        stopped = run.pid(1)
+        os.kill(stopped, signal.SIGSTOP)
+        rc = run.finish()
+    finally:
+        if stopped and pid_alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+        run.finish(10)
+    assert rc == 0, (run.seen[-20:], (tmp_path / "torchrun.log").read_text()[-3000:])
+    assert f"0: DONE {n // (2 * BATCH)}" in run.seen
+    counts, _ = final_counts(f"file://{tmp_path}/ckpt", n)
+    assert torch.equal(counts, torch.ones(n)), "a record was lost or trained twice"
+
+    found = _docs(redis_server.url, inc.incidents_key("heal", "job"))
+    assert [i["cause"] for i in found] == ["hang"]
+    hang = found[0]
+    assert hang["detected_by"] == "watchdog" and hang["world_before"] == 2
+    (report,) = hang["reports"]
+    assert report["rank"] == 0 and report["suspects"] == [1] and report["phase"] == "train"
+    assert report["limit_s"] == 1.5 and report["stalled_s"] > 1.5
+    assert any("all_reduce" in "".join(frames) for frames in report["stacks"].values())
+    assert hang["detection_latency_s"] >= 1.5
+    rec = hang["recovery"]
+    assert rec["world_after"] == 2 and rec["attempt"] == 2
+    assert rec["steps_redone"] == hang["step"] - rec["restored_step"] >= 1
+    assert rec["records_redone"] == 2 * BATCH * rec["steps_redone"]
+    assert set(rec["phases_s"]) == {"detect", "restart", "imports", "session", "restore",
+                                    "first_step"}
+    assert all(v is not None and v >= 0 for v in rec["phases_s"].values()), rec
+    tried = _docs(redis_server.url, inc.attempts_key("heal", "job"))
+    assert [(a["attempt"], a["outcome"], a["restart_count"]) for a in tried] == [
+        (1, "failed", 0), (2, "ok", 1)]
+
+
+def test_a_crash_at_the_same_step_after_every_restore_is_stopped_with_what_was_tried(
+        redis_server: Any, tmp_path: Path) -> None:
+    """A bug at step 12 (checkpoints every 5 steps): attempt 2 restores step 10 and
+    crashes again, attempt 3 restores the checkpoint before it (step 5), attempt 4
+    skips the batch in flight at step 12 - and still crashes; attempt 5 stops the run
+    with exit 87 and a restart_loop incident listing the three remedies; attempt 6
+    (torchrun's last restart) is refused at once. No record was trained twice: the
+    newest checkpoint (step 10) counts steps 1-10's records once, none after."""
+    n = BATCH * 20
+    run = Torchrun(1, 5, [*_job(redis_server, tmp_path, n, 1), "--crash-at", "12",
+                          "--sleep-ms", "0"],
+                   tmp_path / "torchrun.log")
+    rc = run.finish()
+    assert rc != 0, run.seen[-20:]
+    log = (tmp_path / "torchrun.log").read_text()
+    assert "exitcode  : 87" in log, log[-3000:]
+    found = _docs(redis_server.url, inc.incidents_key("heal", "job"))
+    assert [(i["attempt"], i["cause"], (i["remedy"] or {}).get("action")) for i in found] == [
+        (1, "crash", "restore"), (2, "crash", "older_checkpoint"), (3, "crash", "skip_batches"),
+        (4, "crash", "stop"), (5, "restart_loop", "stop")]
+    assert len({i["signature"] for i in found[:4]}) == 1
+    assert "RuntimeError" in found[0]["signature"] and "step=12" in found[0]["signature"]
+    stop = found[4]
+    assert stop["tried"] == ["restore", "older_checkpoint", "skip_batches"]
+    assert stop["repeats"] == 4 and "step 12" in stop["look_at"]
+    assert "deterministic bug at step 12" in stop["look_at"]
+    readies = [x for x in run.seen if x.startswith("0: READY")]
+    assert readies == ["0: READY 0", "0: READY 10", "0: READY 5", "0: READY 10"]
+    tried = _docs(redis_server.url, inc.attempts_key("heal", "job"))
+    assert [a["outcome"] for a in tried] == ["failed"] * 4 + ["stopped", "refused"]
+    counts, _ = final_counts(f"file://{tmp_path}/ckpt", n)
+    assert torch.equal(counts, torch.tensor([1.0] * (10 * BATCH) + [0.0] * (10 * BATCH)))
+
+
+def test_an_attempt_that_dies_before_its_first_checkpoint_counts_in_runs_show(
+        redis_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first attempt is SIGKILLed after one step, before any checkpoint; the
+    second trains the dataset. ``trainguard runs show`` counts one failure (the
+    advice's too) and shows the incident: ``killed``, detected by the next attempt."""
+    n = BATCH * 6
+    args = _job(redis_server, tmp_path, n, 1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run([sys.executable, "-m", "tests._heal_job", *args,
+                            "--die-before-checkpoint"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    second = subprocess.run([sys.executable, "-m", "tests._heal_job", *args], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-2000:]
+    counts, _ = final_counts(f"file://{tmp_path}/ckpt", n)
+    assert torch.equal(counts, torch.ones(n))
+
+    common = ["--redis-url", redis_server.url, "--stores", f"main=file://{tmp_path}/ckpt"]
+    assert main(["runs", "show", "job", *common, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["totals"]["failures"] == 1 and shown["failures"] == 1
+    assert shown["advice"]["failures"] == 1
+    assert [a["outcome"] for a in shown["attempts"]] == ["failed", "ok"]
+    (killed,) = shown["incidents"]
+    assert (killed["cause"], killed["detected_by"], killed["step"]) == ("killed",
+                                                                        "next attempt", 1)
+    assert killed["recovery"]["restored_step"] == 0
+    assert main(["runs", "show", "job", *common]) == 0
+    text = capsys.readouterr().out
+    assert "attempts: 2 (1 failed, 2 ok)" in text
+    assert main(["runs", "ls", *common, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["restarts"], row["attempts"], row["last_incident"]) == (1, 2, "killed")
