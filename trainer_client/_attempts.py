@@ -43,6 +43,8 @@ IMPORTED_AT = time.time()
 """When ``trainer_client`` finished importing (torch with it): the end of "imports"."""
 
 _HOST = socket.gethostname()
+STALE_S = 5.0
+"""A heartbeat older than this (and never less than three beats) is a stopped rank's."""
 
 
 class AttemptLog:
@@ -111,8 +113,14 @@ class AttemptLog:
         prev = self._load_hash(akey).get(str(n - 1))
         incident = None
         if prev is not None and prev.get("outcome") == "running":
-            incident = self._assemble(prev)
-            self._call(r.hset, akey, str(n - 1), inc.dumps({**prev, "outcome": "failed"}))
+            if self._still_running(prev):
+                # A takeover, not a failure: the older trainer lives on (a zombie, fenced
+                # by this restore) and reports nothing; the breaker must not count it.
+                self._call(r.hset, akey, str(n - 1),
+                           inc.dumps({**prev, "outcome": "superseded"}))
+            else:
+                incident = self._assemble(prev)
+                self._call(r.hset, akey, str(n - 1), inc.dumps({**prev, "outcome": "failed"}))
         ordered = [incidents[k] for k in sorted(incidents, key=int)]
         fresh = restart in (None, "0")
         if incident is not None:
@@ -130,6 +138,16 @@ class AttemptLog:
         failures = sum(1 for i in ordered if i.get("cause") != inc.RESTART_LOOP)
         return {"attempt": n, "remedy": remedy.to_json(), "incident": incident,
                 "failures": failures}
+
+    def _still_running(self, prev: dict[str, Any]) -> bool:
+        """Whether the previous attempt's rank 0 still runs: its process on this host,
+        or a heartbeat of it fresher than a few seconds (from another host)."""
+        if prev.get("host") == _HOST and pid_alive(int(prev.get("pid") or 0)) and (
+                int(prev.get("pid") or 0) != 0):
+            return True
+        beat = self._load_hash(self._k(inc.alive_key)).get("0") or {}
+        return (beat.get("attempt") == prev.get("attempt")
+                and time.time() - float(beat.get("alive_at") or 0.0) < STALE_S)
 
     def _assemble(self, prev: dict[str, Any]) -> dict[str, Any]:
         n = int(prev["attempt"])
@@ -254,7 +272,10 @@ class AttemptLog:
         with contextlib.suppress(redis.RedisError, inc.IncidentError):
             for k, raw in (self._quick.hgetall(self._k(inc.alive_key)) or {}).items():
                 beats[int(k)] = inc.loads(raw)
-        stale_after = 3 * float(report.get("heartbeat_s") or 1.0) + 1.0
+        # A live rank (waiting in the collective) beats every heartbeat_s; a stopped
+        # one stopped beating when the stall began, stalled_s ago.
+        stale_after = max(2 * float(report.get("heartbeat_s") or 1.0),
+                          0.5 * float(report.get("stalled_s") or 0.0))
         suspects = [r for r, b in sorted(beats.items())
                     if r != self.rank and b.get("attempt") == self.attempt
                     and time.time() - float(b.get("alive_at") or 0.0) > stale_after]

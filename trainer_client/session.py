@@ -47,11 +47,10 @@ import torch.distributed as dist
 
 from trainer_client import _rng, redis_client
 from trainer_client import offsets as ofs
-from trainer_client._attempts import AttemptLog
-from trainer_client._batch_ids import batch_id, overlaps
 from trainer_client._checks import check_not_bypassed, warn_divergent
 from trainer_client._commit import OffsetCommitter, gather_offsets
-from trainer_client._consumed import Consumed
+from trainer_client._consumed import Consumed, Snapshot
+from trainer_client._healing import Healing
 from trainer_client._progress import EpochSizes, Progress, measure
 from trainer_client._restore import REFUSALS, check_record, warn_if_reshaped
 from trainer_client._timing import SaveClock
@@ -60,8 +59,8 @@ from trainer_client.dataset import Batch, StreamingDataset, in_worker_order, loa
 from trainer_client.errors import FencedError, NoRollbackTargetError, TrainerClientError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport, NodeHealth
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
-from trainer_client.watchdog import Watchdog, WatchdogConfig
-from trainguard.core import record, settings, streams
+from trainer_client.watchdog import WatchdogConfig
+from trainguard.core import record, streams
 from trainguard.core.checkpoints import (
     CheckpointStoreAPI,
     CorruptCheckpointError,
@@ -170,59 +169,24 @@ class TrainingSession:
         self.health_monitor = health_monitor
         self._health = NodeHealth(health_monitor)
         self._clock = SaveClock(interval)
-        self._start_healing(watchdog, loop_breaker)
-
-    def _start_healing(self, watchdog: WatchdogConfig | bool | None,
-                       loop_breaker: LoopPolicy | bool | None) -> None:
-        """The attempt record, the restart-loop breaker's remedy and the watchdog."""
-        cfg = (WatchdogConfig.from_env() if watchdog is None or watchdog is True
-               else watchdog if isinstance(watchdog, WatchdogConfig)
-               else WatchdogConfig(enabled=False))
-        policy = (LoopPolicy.from_env(settings.loop_breaker())
-                  if loop_breaker is None or loop_breaker is True
-                  else loop_breaker if isinstance(loop_breaker, LoopPolicy)
-                  else LoopPolicy(enabled=False))
-        self._attempts = AttemptLog(self.redis_url, dataset=self.dataset_name, run=self.run,
-                                    rank=self.rank, world_size=self.world_size,
-                                    call=self._call, broadcast=self._broadcast, policy=policy)
         try:
-            self._attempts.start()
+            self._heal = Healing(redis_url, dataset=dataset, run=run, rank=rank,
+                                 world_size=world_size, call=self._call,
+                                 broadcast=self._broadcast, process_group=process_group,
+                                 watchdog=watchdog, loop_breaker=loop_breaker)
         except BaseException:
-            self._attempts.close()
             self._redis.close()
             raise
-        extra = {"heartbeat_s": cfg.heartbeat_s, "kill_stalled_peers": cfg.kill_stalled_peers}
-        self._watchdog = Watchdog(cfg, beat=self._attempts.heartbeat,
-                                  fire=lambda rep: self._attempts.hang({**rep, **extra}))
-        wd = self._watchdog
-        self._attempts.step_of = lambda: (wd.step, wd.batch, wd.phase_name)
-        self._pg_timeout_s: float | None = None
-        self._loop_step = 0  # restored step + batches handed out: the step in flight
-        self._records = 0
-        self._handed = 0
-        self._skips: list[str] = []  # skipped batches carried into every manifest
-        self._skip_ids: set[str] = set()  # the breaker's: batches to skip on sight
 
     def watch(self, phase: str, limit_s: float) -> contextlib.AbstractContextManager[None]:
         """A block between steps (evaluation, a long log write) that may run for up to
         ``limit_s`` seconds without the watchdog taking it for a hang."""
-        return self._watchdog.phase(phase, limit_s)
+        return self._heal.phase(phase, limit_s)
 
     def collective_timeout(self) -> timedelta:
-        """The collective timeout the watchdog's figures give now (the session applies
-        it to ``process_group`` itself; for other groups the script makes)."""
-        return timedelta(seconds=self._watchdog.collective_timeout_s())
-
-    def _retime(self) -> None:
-        # The main thread's, between collectives: never changed under a running one.
-        if self.world_size == 1 or not self._watchdog.config.enabled:
-            return
-        seconds = self._watchdog.collective_timeout_s()
-        old = self._pg_timeout_s
-        if old is None or abs(seconds - old) > 0.25 * old:
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds),
-                                                  self.process_group)
-            self._pg_timeout_s = seconds
+        """The collective timeout from the watchdog's figures now: the session sets it
+        on ``process_group`` itself; use it for the groups the script makes."""
+        return self._heal.collective_timeout()
 
     # ------------------------------------------------------------------ helpers
 
@@ -316,33 +280,16 @@ class TrainingSession:
         checkpoint without taking the run over, use :meth:`inspect`.
         """
         self._committer.raise_background()
-        self._attempts.stop_if_looping()
-        remedy = self._attempts.remedy.action
-        with self._watchdog.phase("restore"):
-            self._retime()
-            manifest = self._load(state, None, skip_newest=remedy == "older_checkpoint")
+        with self._heal.phase("restore"):
+            older = self._heal.restoring()
+            manifest = self._load(state, None, skip_newest=older)
             rec = self._record(manifest)
             self._apply_offsets(rec, new_generation=True)
         self._clock.restored(manifest, self.generation)
-        self._clock.count_failures(self._attempts.failures)
+        self._clock.count_failures(self._heal.failures)
         step = int(manifest.step) if manifest is not None else 0
-        self._restarted_at(step, rec)
+        self._heal.restored(step, rec, self.generation)
         return step
-
-    def _restarted_at(self, step: int, rec: SessionRecord | None) -> None:
-        self._loop_step, self._records, self._handed = step, 0, 0
-        failed_at = (self._attempts.incident or {}).get("step")
-        self._catch_up = failed_at if failed_at is not None and failed_at > step else None
-        self._skips = list(rec.skipped or ()) if rec is not None else []
-        skip = self._attempts.skipped_batch()
-        if skip is not None:
-            log.warning("restart-loop breaker: the failure recurred at step %s with batch %s "
-                        "in flight: skipping it (consumed, never trained, listed in the "
-                        "manifests' skipped batches)", self._attempts.remedy, skip)
-            self._skip_ids.add(skip)
-        self._watchdog.step = step
-        self._attempts.restored(step, self.generation)
-        self._watchdog.enter("startup")
 
     def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
         return None if manifest is None else self._check(manifest)
@@ -407,7 +354,7 @@ class TrainingSession:
         ``to_step`` exists."""
         self.wait()
         self._committer.raise_background()
-        with self._watchdog.phase("restore"):
+        with self._heal.phase("restore"):
             manifest = self._load(state, to_step)
         if manifest is None:
             raise NoRollbackTargetError(
@@ -557,12 +504,12 @@ class TrainingSession:
                     source = in_step(source, mode=uneven, group=self.process_group)
                 for batch in source:
                     self._consumed.record(batch)
-                    if self._handing(batch):
+                    if self._heal.handing(batch):
                         yield batch
                     if self._reseek:
                         break
                 else:
-                    self._loop_ended()
+                    self._heal.loop_ended()
                     return
             finally:
                 # Close the abandoned pass's generators now: their frames hold the
@@ -581,36 +528,6 @@ class TrainingSession:
                     if shutdown is not None:
                         shutdown()
                 del it
-
-    def _handing(self, batch: Batch) -> bool:
-        """The loop asks for its next batch: the step before it ended. False: the
-        breaker skips this batch (its offsets are consumed, its ID goes in manifests)."""
-        bid = batch_id(batch) if batch.ids else None
-        if bid is not None and any(overlaps(bid, s) for s in self._skip_ids):
-            if bid not in self._skips:
-                self._skips.append(bid)
-            return False
-        self._handed += 1
-        self._loop_step += 1
-        self._records += len(batch)
-        self._watchdog.progress(self._loop_step, bid, self._records)
-        if self._handed == 2:
-            self._attempts.first_step()
-        if self._catch_up is not None and self._loop_step >= self._catch_up:
-            # Every rank is at this loop step together (batches() keeps them in step):
-            # the records all of them trained again up to the failed step.
-            self._catch_up = None
-            counts = [self._records]
-            if self.world_size > 1:
-                counts = [0] * self.world_size
-                dist.all_gather_object(counts, self._records, group=self.process_group)
-            self._attempts.caught_up(sum(counts))
-        self._retime()
-        return True
-
-    def _loop_ended(self) -> None:
-        self._attempts.first_step()
-        self._watchdog.enter("idle")
 
     def progress(self) -> Progress:
         """Where this rank stands in the current epoch: the epoch, the batches and
@@ -665,19 +582,17 @@ class TrainingSession:
             owned = sorted(p for ps in self._owned(self._num_workers).values() for p in ps)
             self._call(check_not_bypassed, self._redis, self.dataset_name, self.run,
                        {p: offsets[p] for p in owned})
-        with self._watchdog.phase("checkpoint"):
-            self._retime()
+        with self._heal.phase("checkpoint"):
+            self._heal.retime()
             handle = self._save(state, step, now, mine, blocking=blocking, extra=extra,
-                                skipped=skipped)
-        self._retime()
+                                skipped=self._heal.skipped(skipped))
+        self._heal.retime()
         return handle
 
-    def _save(self, state: Any, step: int, now: Any, mine: RankState, *, blocking: bool,
+    def _save(self, state: Any, step: int, now: Snapshot, mine: RankState, *, blocking: bool,
               extra: Mapping[str, Any] | None, skipped: Sequence[str] | None) -> SaveHandleView:
         gen = self._gen()
         offsets, batches = now.offsets, now.batches
-        if self._skips:
-            skipped = [*self._skips, *(b for b in skipped or () if b not in self._skips)]
         ranks = {self.rank: mine}
         if self.world_size > 1:
             if isinstance(state, Mapping):
@@ -735,7 +650,7 @@ class TrainingSession:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Wait until every checkpoint started here committed and acknowledged."""
-        with self._watchdog.phase("checkpoint"):
+        with self._heal.phase("checkpoint"):
             self._committer.wait(timeout_s)
 
     def close(self) -> None:
@@ -744,10 +659,9 @@ class TrainingSession:
         try:
             self.wait()
             self._committer.raise_background()
-            self._attempts.closed()
+            self._heal.closed()
         finally:
-            self._watchdog.stop()
-            self._attempts.close()
+            self._heal.close()
             self._health.close()
             if self._owns_store:
                 self.store.close()

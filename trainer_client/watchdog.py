@@ -186,6 +186,7 @@ class Watchdog:
         self.records = 0
         self.batch: str | None = None
         self._stop = threading.Event()
+        self._failing = False  # the last callback failed (logged once per streak)
         self._thread = threading.Thread(target=self._run, name="trainguard-watchdog",
                                         daemon=True)
         if config.enabled:
@@ -270,8 +271,13 @@ class Watchdog:
     def _call(self, fn: Callable[[Any], None], arg: Any) -> None:
         try:
             fn(arg)
-        except Exception:  # a failing write must not stop the watching
-            log.exception("watchdog callback %s failed", getattr(fn, "__name__", fn))
+        except Exception as exc:  # a failing write must not stop the watching
+            if not self._failing:
+                log.warning("watchdog: %s failed (%s: %s); retrying every beat",
+                            getattr(fn, "__name__", fn), type(exc).__name__, exc)
+            self._failing = True
+        else:
+            self._failing = False
 
     def _fire_now(self, phase: str, limit: float, stalled: float) -> None:
         beat = self.heartbeat()

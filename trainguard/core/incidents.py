@@ -162,9 +162,8 @@ def assemble(attempt: Mapping[str, Any], reports: Sequence[Mapping[str, Any]],
     failed_at = (last_progress if cause == HANG else last_alive) or detected_at
     if first is not None and cause == CRASH:
         failed_at = detected_at
+    # Only what the ranks said as they failed: a heartbeat's batch may be a step old.
     batches = {str(r["rank"]): r.get("batch") for r in reports if r.get("batch")}
-    if not batches:
-        batches = {str(h["rank"]): h.get("batch") for h in beats if h.get("batch")}
     return {
         "attempt": attempt.get("attempt"), "cause": cause, "detected_by": detected_by,
         "detected_at": detected_at, "failed_at": failed_at,
@@ -261,15 +260,19 @@ def decide(incidents: Sequence[Mapping[str, Any]], policy: LoopPolicy, *,
     """The remedy for the newest of ``incidents`` (oldest first).
 
     A run of failures with one signature climbs :data:`LADDER` one rung per failure
-    (a skip only where the failure had batches in flight); past ``max_tries`` rungs it
-    stops. Once stopped, a restart by the agent is refused (``refuse``); a fresh
+    (a skip only where every rank reported its batch in flight); past ``max_tries`` rungs it
+    stops. Only failures that reported themselves (a crash's exception, a watchdog's
+    hang) climb: a ``killed`` one is restored plainly. Once stopped, a restart by the agent is refused (``refuse``); a fresh
     launch (a person or a scheduler started the job again) starts over."""
     if not incidents:
         return Remedy("restore", 0)
     newest = incidents[-1]
     if newest.get("cause") == RESTART_LOOP:
         return Remedy("restore", 0) if fresh_launch else Remedy("refuse", 0)
-    if not policy.enabled:
+    if not policy.enabled or newest.get("cause") == KILLED:
+        # A silent death (SIGKILL, the OOM killer, a lost node) is counted, but climbs
+        # no ladder: its step is a heartbeat's guess and its cause may lie outside
+        # the job, so skipping data or rewinding on it would be a guess too.
         return Remedy("restore", 1)
     sig = newest.get("signature")
     run: list[Mapping[str, Any]] = []
@@ -278,7 +281,10 @@ def decide(incidents: Sequence[Mapping[str, Any]], policy: LoopPolicy, *,
             break
         run.append(inc)
     tried = tuple(str((i.get("remedy") or {}).get("action")) for i in reversed(run[1:]))
-    ladder = [r for r in LADDER if r != "skip_batches" or newest.get("batches")]
+    # A skip needs every rank's batch in flight: skipping on some ranks only would
+    # put the ranks out of step.
+    whole = len(newest.get("batches") or {}) == int(newest.get("world_before") or 1)
+    ladder = [r for r in LADDER if r != "skip_batches" or whole]
     rung = len(run) - 1
     if rung >= min(policy.max_tries, len(ladder)):
         return Remedy("stop", len(run), tried)
