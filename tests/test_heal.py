@@ -62,17 +62,21 @@ class Torchrun:
         for line in self.proc.stdout:
             self.lines.put(line.strip())
 
-    def wait_for(self, line: str, timeout_s: float = 120) -> None:
+    def wait_for(self, line: str, timeout_s: float = 120, *, start: int = 0) -> str:
+        """Wait for a line starting with ``line`` among those from ``start`` on."""
         deadline = time.monotonic() + timeout_s
-        while line not in self.seen:
+        while True:
+            got = next((x for x in self.seen[start:] if x.startswith(line)), None)
+            if got is not None:
+                return got
             try:
                 self.seen.append(self.lines.get(timeout=max(0.01, deadline - time.monotonic())))
             except queue.Empty:
                 raise AssertionError(f"no {line!r} in {timeout_s} s: {self.seen[-20:]}") from None
 
-    def pid(self, rank: int, nth: int = 1) -> int:
-        pids = [int(x.split()[2]) for x in self.seen if x.startswith(f"{rank}: PID ")]
-        return pids[nth - 1]
+    def pid(self, rank: int) -> int:
+        """The newest PID that ``rank`` printed."""
+        return [int(x.split()[2]) for x in self.seen if x.startswith(f"{rank}: PID ")][-1]
 
     def finish(self, timeout_s: float = 240) -> int:
         """Wait for torchrun's exit (killing its session past ``timeout_s``)."""
@@ -220,3 +224,69 @@ def test_an_attempt_that_dies_before_its_first_checkpoint_counts_in_runs_show(
     assert main(["runs", "ls", *common, "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert (row["restarts"], row["attempts"], row["last_incident"]) == (1, 2, "killed")
+
+
+@pytest.mark.chaos
+def test_a_poisoned_record_is_skipped_after_the_ladder_and_every_other_record_trains_once(
+        redis_server: Any, tmp_path: Path) -> None:
+    """A record that makes its step raise (record 46, in the batch of step 12): attempt
+    2 restores step 10, attempt 3 the checkpoint before it (5), attempt 4 skips the
+    batch in flight and finishes. The ledger: records 44-47 never trained, every other
+    record exactly once; the final manifest lists that batch as skipped (consumed,
+    never trained), so nothing is silently lost."""
+    from trainguard.core.record import SessionRecord
+
+    n = BATCH * 20
+    run = Torchrun(1, 4, [*_job(redis_server, tmp_path, n, 1), "--poison", "46",
+                          "--sleep-ms", "0"], tmp_path / "torchrun.log")
+    assert run.finish() == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    found = _docs(redis_server.url, inc.incidents_key("heal", "job"))
+    assert [(i["cause"], i["remedy"]["action"]) for i in found] == [
+        ("crash", "restore"), ("crash", "older_checkpoint"), ("crash", "skip_batches")]
+    assert found[0]["batches"] == {"0": "0:1-44..1-47"}
+    counts, extra = final_counts(f"file://{tmp_path}/ckpt", n)
+    expected = torch.ones(n)
+    expected[44:48] = 0
+    assert torch.equal(counts, expected)
+    rec = SessionRecord.from_extra(extra)
+    assert rec.skipped == ("0:1-44..1-47",)
+
+
+@pytest.mark.chaos
+def test_repeated_sigstops_of_either_rank_each_heal_and_every_record_trains_once(
+        redis_server: Any, tmp_path: Path) -> None:
+    """Four rounds: each attempt of a two-rank job has one of its ranks stopped with
+    SIGSTOP at a random step; each time the other rank's watchdog reports the hang
+    and torchrun restarts the group. Every record is trained exactly once, and there
+    is one ``hang`` incident per stop, each naming the stopped rank."""
+    import random
+
+    rng = random.Random(7)
+    n = 2 * BATCH * 60
+    rounds = 4
+    run = Torchrun(2, rounds, [*_job(redis_server, tmp_path, n, 2), "--sleep-ms", "20"],
+                   tmp_path / "torchrun.log")
+    victims = []
+    try:
+        mark = 0
+        for _ in range(rounds):
+            rank = rng.randrange(2)
+            ready = run.wait_for(f"{rank}: READY ", start=mark)
+            at = int(ready.split()[2]) + rng.randint(4, 8)
+            run.wait_for(f"{rank}: STEP {at}", start=mark)
+            pid = run.pid(rank)
+            os.kill(pid, signal.SIGSTOP)
+            victims.append((rank, pid))
+            mark = len(run.seen)
+        rc = run.finish(600)
+    finally:
+        for _, pid in victims:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        run.finish(10)
+    assert rc == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    counts, _ = final_counts(f"file://{tmp_path}/ckpt", n)
+    assert torch.equal(counts, torch.ones(n))
+    found = _docs(redis_server.url, inc.incidents_key("heal", "job"))
+    assert [i["cause"] for i in found] == ["hang"] * rounds
+    assert [i["reports"][0]["suspects"] for i in found] == [[r] for r, _ in victims]

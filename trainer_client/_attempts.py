@@ -43,8 +43,6 @@ IMPORTED_AT = time.time()
 """When ``trainer_client`` finished importing (torch with it): the end of "imports"."""
 
 _HOST = socket.gethostname()
-STALE_S = 5.0
-"""A heartbeat older than this (and never less than three beats) is a stopped rank's."""
 
 
 class AttemptLog:
@@ -140,14 +138,20 @@ class AttemptLog:
                 "failures": failures}
 
     def _still_running(self, prev: dict[str, Any]) -> bool:
-        """Whether the previous attempt's rank 0 still runs: its process on this host,
-        or a heartbeat of it fresher than a few seconds (from another host)."""
-        if prev.get("host") == _HOST and pid_alive(int(prev.get("pid") or 0)) and (
-                int(prev.get("pid") or 0) != 0):
-            return True
+        """Whether the previous attempt's rank 0 still runs: its process, on this host;
+        on another, a heartbeat that moves on while we wait two beats."""
+        pid = int(prev.get("pid") or 0)
+        if prev.get("host") == _HOST:
+            return pid > 0 and pid_alive(pid)  # our own pid too: a session made twice
         beat = self._load_hash(self._k(inc.alive_key)).get("0") or {}
-        return (beat.get("attempt") == prev.get("attempt")
-                and time.time() - float(beat.get("alive_at") or 0.0) < STALE_S)
+        if beat.get("attempt") != prev.get("attempt"):
+            return False
+        every = float(beat.get("every_s") or 1.0)
+        if time.time() - float(beat.get("alive_at") or 0.0) > 3 * every:
+            return False
+        time.sleep(2 * every)
+        again = self._load_hash(self._k(inc.alive_key)).get("0") or {}
+        return float(again.get("alive_at") or 0.0) > float(beat.get("alive_at") or 0.0)
 
     def _assemble(self, prev: dict[str, Any]) -> dict[str, Any]:
         n = int(prev["attempt"])

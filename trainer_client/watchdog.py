@@ -252,7 +252,7 @@ class Watchdog:
     def heartbeat(self) -> dict[str, Any]:
         with self._lock:
             return {"phase": self._phase, "step": self.step, "records": self.records,
-                    "batch": self.batch,
+                    "batch": self.batch, "every_s": self.config.heartbeat_s,
                     "progress_at": self._progress_at, "alive_at": time.time()}
 
     def _run(self) -> None:
