@@ -290,3 +290,34 @@ def test_repeated_sigstops_of_either_rank_each_heal_and_every_record_trains_once
     found = _docs(redis_server.url, inc.incidents_key("heal", "job"))
     assert [i["cause"] for i in found] == ["hang"] * rounds
     assert [i["reports"][0]["suspects"] for i in found] == [[r] for r, _ in victims]
+
+
+def test_settings_parse_or_say_what_was_expected_and_the_exit_codes_are_documented() -> None:
+    """``$TRAINGUARD_WATCHDOG`` and ``$TRAINGUARD_LOOP_BREAKER``: ``off``, or key=value
+    of the config's fields; anything else is refused naming the variable, the field
+    and what it expected. A RestartLoopError maps to exit 87, and ``trainguard
+    --help`` documents 86 and 87."""
+    from trainer_client import RestartLoopError, WatchdogConfig
+    from trainguard.core.incidents import LoopPolicy
+    from trainguard.ops import exits
+
+    assert not WatchdogConfig.from_env("off").enabled
+    assert WatchdogConfig.from_env("") == WatchdogConfig()
+    cfg = WatchdogConfig.from_env("k=5, floor_s=2,min_steps=4,kill_stalled_peers=false")
+    assert (cfg.k, cfg.floor_s, cfg.min_steps, cfg.kill_stalled_peers) == (5.0, 2.0, 4, False)
+    assert cfg.step_limit_s(0.1) == 2.0 and cfg.step_limit_s(1.0) == 5.0
+    assert cfg.step_limit_s(None) == cfg.startup_s
+    with pytest.raises(ValueError, match=r"TRAINGUARD_WATCHDOG: k='fast' is not a float"):
+        WatchdogConfig.from_env("k=fast")
+    with pytest.raises(ValueError, match=r"'floor=3' is not key=value of \[.*'floor_s'"):
+        WatchdogConfig.from_env("floor=3")
+    with pytest.raises(ValueError, match="k > 1 and 0 < floor_s <= ceiling_s"):
+        WatchdogConfig.from_env("floor_s=100,ceiling_s=10")
+    assert not LoopPolicy.from_env("off").enabled
+    assert LoopPolicy.from_env("max_tries=2").max_tries == 2
+    with pytest.raises(ValueError, match="expected 'off' or 'max_tries=N'"):
+        LoopPolicy.from_env("tries=2")
+    err = RestartLoopError("stopped", exit_code=inc.EXIT_RESTART_LOOP)
+    assert exits.exit_code(err) == exits.EXIT_RESTART_LOOP == 87
+    assert exits.EXIT_HUNG == 86
+    assert "\n  86 " in exits.EPILOG and "\n  87 " in exits.EPILOG

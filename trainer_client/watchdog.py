@@ -257,9 +257,18 @@ class Watchdog:
 
     def _run(self) -> None:
         last_beat = 0.0
-        while not self._stop.wait(min(0.25, self.config.heartbeat_s / 2)):
+        poll = min(0.25, self.config.heartbeat_s / 2)
+        tick = time.monotonic()
+        while not self._stop.wait(poll):
             now = time.monotonic()
+            gap, tick = now - tick, now
             with self._lock:
+                if gap > 20 * poll + 1.0:
+                    # This thread did not run for a long while: the whole process was
+                    # stopped (SIGSTOP, a suspended job, a debugger), not the loop
+                    # alone. That pause is no stall of ours: restart the clock (the
+                    # peers judge it from their side).
+                    self._since += gap
                 phase, limit, stalled = self._phase, self._limit, now - self._since
             if now - last_beat >= self.config.heartbeat_s:
                 last_beat = now
