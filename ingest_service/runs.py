@@ -143,7 +143,8 @@ def _without_stacks(incident: dict[str, Any]) -> dict[str, Any]:
                 "threads": len(rep.get("stacks") or {}),
                 "error": {"type": (rep.get("error") or {}).get("type")}}
                for rep in incident.get("reports") or ()]
-    return {**incident, "reports": reports}
+    return {**incident, "reports": reports, "look_at": None if incident.get("look_at") is None
+            else "see `trainguard runs show` (it quotes the error)"}
 
 
 async def _store_histories(stores: StoreSet, policy: IntervalPolicy | None,

@@ -64,6 +64,7 @@ class AttemptLog:
         self._first_step_done = False
         self._redone: int | None = None
         self._hook_prev: Any = None
+        self._pid = os.getpid()
 
     # ------------------------------------------------------------------ keys
 
@@ -266,8 +267,10 @@ class AttemptLog:
     def report(self, doc: dict[str, Any]) -> None:
         full = {**doc, "attempt": self.attempt, "rank": self.rank, "pid": os.getpid(),
                 "host": _HOST}
-        self._quick.hset(self._k(inc.reports_key), f"{self.attempt}:{self.rank}",
-                         inc.dumps(full))
+        # The first word of a rank wins: after the watchdog fired (and killed a stopped
+        # peer), the main thread's collective fails too, and must not overwrite it.
+        self._quick.hsetnx(self._k(inc.reports_key), f"{self.attempt}:{self.rank}",
+                           inc.dumps(full))
 
     def hang(self, report: dict[str, Any]) -> None:
         """The watchdog fired: name the ranks whose heartbeat stopped, write the report
@@ -304,6 +307,10 @@ class AttemptLog:
 
     def _excepthook(self, kind: type[BaseException], exc: BaseException,
                     tb: TracebackType | None) -> None:
+        if os.getpid() != self._pid:
+            # A forked child (a DataLoader worker) inherited the hook, not the attempt.
+            (self._hook_prev or sys.__excepthook__)(kind, exc, tb)
+            return
         frames = traceback.extract_tb(tb)
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
         step, batch, phase = self.step_of()

@@ -123,6 +123,11 @@ class Healing:
         self.attempts.restored(step, generation)
         self.watchdog.enter("startup")
 
+    def rolled_back(self, step: int) -> None:
+        """A rollback went back to ``step``: the loop counts on from there."""
+        self._step = step
+        self.watchdog.step = step
+
     # ------------------------------------------------------------------ the loop
 
     def handing(self, batch: Batch) -> bool:

@@ -88,7 +88,9 @@ class TrainingSession:
     restored checkpoint's seed wins). ``health_monitor`` (optional) answers
     :meth:`health`. ``interval`` tunes the checkpoint interval advisor behind
     :meth:`should_checkpoint`. With ``world_size > 1``, call
-    ``dist.init_process_group`` first (gloo works on CPU); every rank then calls
+    ``dist.init_process_group`` first (gloo works on CPU; or
+    :func:`trainer_client.init_process_group`, with the watchdog's collective
+    timeout); every rank then calls
     ``restore``, ``checkpoint`` and ``rollback`` in the same order, and ``batches``
     keeps the ranks in step.
 
@@ -365,6 +367,7 @@ class TrainingSession:
         self._apply_offsets(self._record(manifest), new_generation=False)
         self._reseek = True
         self._clock.rolled_back(int(manifest.step), self.generation)
+        self._heal.rolled_back(int(manifest.step))
         return int(manifest.step)
 
     @staticmethod

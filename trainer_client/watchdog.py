@@ -185,6 +185,7 @@ class Watchdog:
         self.step = 0
         self.records = 0
         self.batch: str | None = None
+        self._warm = False
         self._stop = threading.Event()
         self._failing = False  # the last callback failed (logged once per streak)
         self._thread = threading.Thread(target=self._run, name="trainguard-watchdog",
@@ -224,8 +225,10 @@ class Watchdog:
         """A step ended (the loop asked for the next batch): learn its duration."""
         now = time.monotonic()
         with self._lock:
-            if self._phase == "train":
+            if self._phase == "train" and self._warm:
                 self.times.add(now - self._since)
+            # The first step (compilation, caches, workers starting) is start-up's.
+            self._warm = self._phase == "train"
             self.step, self.batch, self.records = step, batch, records
             self._progress_at = time.time()
             self._set("train", self._limit_of("train"))
