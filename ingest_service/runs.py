@@ -124,7 +124,9 @@ async def _docs(r: aioredis.Redis, key: str) -> list[dict[str, Any]]:
             out.append(inc.loads(raw))
         except inc.IncidentError:
             continue
-    return sorted(out, key=lambda d: int(d.get("attempt") or 0))
+    # An attempt's rollbacks came before the failure that ended it.
+    return sorted(out, key=lambda d: (int(d.get("attempt") or 0),
+                                      float(d.get("detected_at") or 0.0)))
 
 
 async def attempts(r: aioredis.Redis, dataset: str, run: str) -> dict[str, Any]:
@@ -133,7 +135,7 @@ async def attempts(r: aioredis.Redis, dataset: str, run: str) -> dict[str, Any]:
     tried = await _docs(r, inc.attempts_key(dataset, run))
     found = await _docs(r, inc.incidents_key(dataset, run))
     return {"attempts": tried, "incidents": found,
-            "failures": sum(1 for i in found if i.get("cause") != inc.RESTART_LOOP)}
+            "failures": sum(1 for i in found if i.get("cause") not in inc.NOT_FAILURES)}
 
 
 def _without_stacks(incident: dict[str, Any]) -> dict[str, Any]:

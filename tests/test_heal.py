@@ -321,3 +321,34 @@ def test_settings_parse_or_say_what_was_expected_and_the_exit_codes_are_document
     assert exits.exit_code(err) == exits.EXIT_RESTART_LOOP == 87
     assert exits.EXIT_HUNG == 86
     assert "\n  86 " in exits.EPILOG and "\n  87 " in exits.EPILOG
+
+
+def test_a_loss_spike_rollback_is_an_incident_and_no_failure(redis_server: Any,
+                                                              tmp_path: Path) -> None:
+    """GuardedTraining rolls back once (a spike at the batch of step 26, back to step
+    25): the run's incidents hold one ``rollback`` by the loss spike guard, from step
+    26 to 25, with the guard's verdict; the attempt ended ok and no failure is
+    counted (the advice's failure rate stays true)."""
+    from tests import _guard_train as gt
+    from trainer_client.spikes import SpikeConfig
+
+    n, parts = 400, 4
+    cf.fill(redis_server.url, cf.create(redis_server.url, gt.DATASET, partitions=parts), n)
+    seen: list[int] = []
+
+    def inject(batch: Any, step: int) -> float | None:
+        if 205 in gt.records(batch) and not seen:
+            seen.append(step)
+            return 1e6
+        return None
+
+    res = gt.train(redis_server.url, f"file://{tmp_path}/ckpt", n, inject=inject,
+                   spike=SpikeConfig(window=10, warmup_steps=5))
+    assert len(res.rollbacks) == 1
+    found = _docs(redis_server.url, inc.incidents_key(gt.DATASET, gt.RUN))
+    assert [(i["cause"], i["detected_by"], i["step"], i["to_step"]) for i in found] == [
+        ("rollback", "loss spike guard", 26, 25)]
+    assert found[0]["reason"].startswith("loss spike at step 26 (")
+    assert found[0]["recovery"]["steps_redone"] == 1
+    tried = _docs(redis_server.url, inc.attempts_key(gt.DATASET, gt.RUN))
+    assert [a["outcome"] for a in tried] == ["ok"]

@@ -63,6 +63,7 @@ class AttemptLog:
         self.step_of: Callable[[], tuple[int, str | None, str]] = lambda: (0, None, "startup")
         self._first_step_done = False
         self._redone: int | None = None
+        self._rollbacks = 0
         self._hook_prev: Any = None
         self._pid = os.getpid()
 
@@ -120,13 +121,14 @@ class AttemptLog:
             else:
                 incident = self._assemble(prev)
                 self._call(r.hset, akey, str(n - 1), inc.dumps({**prev, "outcome": "failed"}))
-        ordered = [incidents[k] for k in sorted(incidents, key=int)]
+        ordered = [incidents[k] for k in sorted(incidents, key=inc.field_order)]
         fresh = restart in (None, "0")
         if incident is not None:
             ordered.append(incident)
+        failed = [i for i in ordered if i.get("cause") != inc.ROLLBACK]
         if incident is not None:
             remedy = inc.decide(ordered, self.policy, fresh_launch=fresh)
-        elif ordered and ordered[-1].get("cause") == inc.RESTART_LOOP and not fresh:
+        elif not fresh and failed[-1:] and failed[-1].get("cause") == inc.RESTART_LOOP:
             remedy = inc.Remedy("refuse", 0)  # the agent restarts a stopped run
         else:
             remedy = inc.Remedy("restore", 0)
@@ -134,7 +136,7 @@ class AttemptLog:
             incident["remedy"] = remedy.to_json()
             self._call(r.hset, self._k(inc.incidents_key), str(n - 1), inc.dumps(incident))
             self._trim(incidents)
-        failures = sum(1 for i in ordered if i.get("cause") != inc.RESTART_LOOP)
+        failures = sum(1 for i in ordered if i.get("cause") not in inc.NOT_FAILURES)
         return {"attempt": n, "remedy": remedy.to_json(), "incident": incident,
                 "failures": failures}
 
@@ -162,7 +164,7 @@ class AttemptLog:
         return inc.assemble(prev, reports, beats, now=time.time())
 
     def _trim(self, incidents: dict[str, Any]) -> None:
-        old = sorted(incidents, key=int)[:-inc.INCIDENTS_KEPT]
+        old = sorted(incidents, key=inc.field_order)[:-inc.INCIDENTS_KEPT]
         if old:
             self._call(self._r.hdel, self._k(inc.incidents_key), *old)
             self._call(self._r.hdel, self._k(inc.reports_key),
@@ -243,6 +245,24 @@ class AttemptLog:
         rec = inc.recovery(self.incident, inc.loads(raw), self._redone)
         self._call(self._r.hset, self._k(inc.incidents_key), str(self.incident["attempt"]),
                    inc.dumps({**self.incident, "recovery": rec}))
+
+    def rolled_back(self, *, from_step: int, to_step: int, reason: str | None) -> None:
+        """A rollback (a loss spike's, or the script's own ``session.rollback``): an
+        incident of this attempt, which goes on."""
+        self._rollbacks += 1
+        if self.rank != 0:
+            return
+        now = time.time()
+        doc = {"attempt": self.attempt, "cause": inc.ROLLBACK,
+               "detected_by": "loss spike guard" if reason else "session.rollback",
+               "reason": reason, "detected_at": now, "failed_at": now,
+               "detection_latency_s": 0.0, "step": from_step, "to_step": to_step,
+               "signature": f"rollback step={from_step}", "world_before": self.world_size,
+               "remedy": {"action": "rollback", "repeats": 0, "tried": []},
+               "recovery": {"world_after": self.world_size, "restored_step": to_step,
+                            "steps_redone": max(0, from_step - to_step)}}
+        self._call(self._r.hset, self._k(inc.incidents_key),
+                   f"{self.attempt}.{self._rollbacks}", inc.dumps(doc))
 
     def closed(self) -> None:
         self._end("ok")

@@ -123,8 +123,9 @@ class Healing:
         self.attempts.restored(step, generation)
         self.watchdog.enter("startup")
 
-    def rolled_back(self, step: int) -> None:
-        """A rollback went back to ``step``: the loop counts on from there."""
+    def rolled_back(self, step: int, reason: str | None) -> None:
+        """A rollback went back to ``step``: an incident; the loop counts on from there."""
+        self.attempts.rolled_back(from_step=self._step, to_step=step, reason=reason)
         self._step = step
         self.watchdog.step = step
 

@@ -326,7 +326,8 @@ class GuardedTraining:
                     decision.step, decision.reason, to_step, list(decision.skip_batch_ids))
         # Only the training state: the guard's saved state stays on disk (see the
         # module docstring), and checkpoints from before the guard have none.
-        self.step = self.session.rollback(self.state, to_step)
+        self.step = self.session.rollback(
+            self.state, to_step, reason=f"loss spike at step {decision.step} ({decision.reason})")
         self._lineage = [s for s in self._lineage if s <= to_step]
         self._apply_lr()
 

@@ -347,13 +347,15 @@ class TrainingSession:
         for ds in self._datasets:
             ds.generation, ds.seed = gen, self.seed
 
-    def rollback(self, state: Any, to_step: int | None = None) -> int:
+    def rollback(self, state: Any, to_step: int | None = None, *,
+                 reason: str | None = None) -> int:
         """Go back to a committed checkpoint (the newest, or ``to_step``): weights,
         offsets and random states together. The running ``batches`` generator drops
         what its loader prefetched and starts a new pass at the restored offsets.
         Returns the step. Raises :class:`NoRollbackTargetError` when the run has no
         committed checkpoint (nothing is changed then), ``LookupError`` when none of
-        ``to_step`` exists."""
+        ``to_step`` exists. The run's incidents record it (``reason``: why, e.g. the
+        spike guard's verdict)."""
         self.wait()
         self._committer.raise_background()
         with self._heal.phase("restore"):
@@ -367,7 +369,7 @@ class TrainingSession:
         self._apply_offsets(self._record(manifest), new_generation=False)
         self._reseek = True
         self._clock.rolled_back(int(manifest.step), self.generation)
-        self._heal.rolled_back(int(manifest.step))
+        self._heal.rolled_back(int(manifest.step), reason)
         return int(manifest.step)
 
     @staticmethod

@@ -10,7 +10,8 @@ run's ``committed`` and ``floor`` hashes of :mod:`trainguard.core.streams`)::
     tg:{D}:attempts:<R>     HASH   "seq" -> attempts so far; "<n>" -> attempt n (JSON)
     tg:{D}:alive:<R>        HASH   "<rank>" -> the rank's heartbeat (JSON, newest attempt)
     tg:{D}:reports:<R>      HASH   "<n>:<rank>" -> what rank said as it failed (JSON)
-    tg:{D}:incidents:<R>    HASH   "<n>" -> the incident of attempt n's failure (JSON)
+    tg:{D}:incidents:<R>    HASH   "<n>" -> the incident of attempt n's failure (JSON);
+                                   "<n>.<k>" -> attempt n's k-th rollback (JSON)
 
 Documents (all carry ``version``; readers refuse newer ones)::
 
@@ -25,7 +26,8 @@ Documents (all carry ``version``; readers refuse newer ones)::
                 "error" (type and message), "where" (innermost file:line), "stacks"
                 (hang: every thread's stack), "stalled_s", "limit_s", "suspects"}
     incident   {"version", "attempt" (the failed one), "cause": hang|crash|killed|
-                restart_loop, "detected_by", "detected_at", "failed_at",
+                restart_loop|rollback (a loss spike's: no failure, the attempt goes
+                on; "to_step", "reason"), "detected_by", "detected_at", "failed_at",
                 "detection_latency_s", "step", "signature", "batches" ({rank: batch}),
                 "reports" (the failed ranks' reports), "world_before", "remedy" (what
                 the next attempt does), "recovery" (filled by the next attempt: world
@@ -59,6 +61,7 @@ __all__ = [
     "attempts_key",
     "decide",
     "dumps",
+    "field_order",
     "incidents_key",
     "loads",
     "recovery",
@@ -79,6 +82,16 @@ retryable; a person must look at the run's last incident. Documented in
 :mod:`trainguard.ops.exits`."""
 
 HANG, CRASH, KILLED, RESTART_LOOP = "hang", "crash", "killed", "restart_loop"
+ROLLBACK = "rollback"
+NOT_FAILURES = (RESTART_LOOP, ROLLBACK)
+"""Incident causes that are no failure of an attempt (not counted, climb no ladder)."""
+
+
+def field_order(name: str) -> tuple[int, int]:
+    """The order of an incidents-hash field: ``"<n>"`` (a failure) before ``"<n>.<k>"``
+    (attempt n's rollbacks)."""
+    attempt, _, k = name.partition(".")
+    return int(attempt), int(k or 0)
 
 
 class IncidentError(TrainguardError, ValueError):
@@ -264,6 +277,7 @@ def decide(incidents: Sequence[Mapping[str, Any]], policy: LoopPolicy, *,
     stops. Only failures that reported themselves (a crash's exception, a watchdog's
     hang) climb: a ``killed`` one is restored plainly. Once stopped, a restart by the agent is refused (``refuse``); a fresh
     launch (a person or a scheduler started the job again) starts over."""
+    incidents = [i for i in incidents if i.get("cause") != ROLLBACK]
     if not incidents:
         return Remedy("restore", 0)
     newest = incidents[-1]
