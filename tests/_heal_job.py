@@ -47,7 +47,7 @@ def main() -> int:
 
     say(f"PID {os.getpid()}")
     # Budgets sized for a test: steps of ~20 ms, so a stall of 1.5 s is a hang.
-    cfg = WatchdogConfig(k=10, floor_s=1.5, ceiling_s=60, startup_s=60, restore_s=60,
+    cfg = WatchdogConfig(k=10, floor_s=1.5, ceiling_s=120, startup_s=60, restore_s=60,
                          checkpoint_s=60, min_steps=3, heartbeat_s=0.2)
     if world > 1:
         init_process_group("gloo", config=cfg)

@@ -272,7 +272,8 @@ def test_repeated_sigstops_of_either_rank_each_heal_and_every_record_trains_once
         for _ in range(rounds):
             rank = rng.randrange(2)
             ready = run.wait_for(f"{rank}: READY ", start=mark)
-            at = int(ready.split()[2]) + rng.randint(4, 8)
+            # Past the first steps (start-up's budget until 3 steps are measured).
+            at = int(ready.split()[2]) + rng.randint(7, 11)
             run.wait_for(f"{rank}: STEP {at}", start=mark)
             pid = run.pid(rank)
             os.kill(pid, signal.SIGSTOP)
@@ -288,6 +289,7 @@ def test_repeated_sigstops_of_either_rank_each_heal_and_every_record_trains_once
     counts, _ = final_counts(f"file://{tmp_path}/ckpt", n)
     assert torch.equal(counts, torch.ones(n))
     found = _docs(redis_server.url, inc.incidents_key("heal", "job"))
+    (tmp_path / "incidents.json").write_text(json.dumps(found, indent=1))  # for a failure
     assert [i["cause"] for i in found] == ["hang"] * rounds
     assert [i["reports"][0]["suspects"] for i in found] == [[r] for r, _ in victims]
 
