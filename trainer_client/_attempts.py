@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -318,7 +319,7 @@ class AttemptLog:
                 if b.get("host") == _HOST and pid > 0 and pid != os.getpid() and pid_alive(pid):
                     log.critical("watchdog: rank %d (pid %d) stopped beating: killing it", r, pid)
                     with contextlib.suppress(OSError):
-                        os.kill(pid, 9)
+                        os.kill(pid, signal.SIGKILL)
 
     def _install_hook(self) -> None:
         if sys.excepthook is not self._excepthook:
