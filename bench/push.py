@@ -24,6 +24,9 @@ started here on free ports; the service with a producer token, no file producers
    worst-case push in a loop: a body at the byte limit of records that all parse, the
    last one over the dataset's record limit, so every one is read, parsed and refused
    (413).
+5. The event loop's worst stall while one client sends each kind of decoding bomb
+   (``bench/push_bombs.py``): /healthz probed one after the other, with no bomb and
+   beside each bomb; ``--bombs-only`` runs this phase alone.
 
 Each phase (each round) pushes to a push dataset of its own, deleted after it: with no
 consumer committing here, the service's backlog view then starts empty every time and
@@ -67,6 +70,9 @@ from tests.servers import RedisServer, free_port  # noqa: E402
 from trainguard.core import streams  # noqa: E402
 
 TOKEN = "bench-producer-token-0123456789"
+OTHER_TOKEN = "bench-hostile-token-0123456789"
+"""The worst-case and bomb clients' own token: each token has its share of the body
+budget, and these clients are not the producers'."""
 DATASET, PARTITIONS = "rollouts", 16
 
 
@@ -189,7 +195,7 @@ class Bench:
                     async with session.post(
                         f"{self.base}/v1/datasets/{self.dataset}/records",
                         params={"producer_id": "attacker", "seq": "0"}, data=body,
-                        headers={"Authorization": f"Bearer {TOKEN}",
+                        headers={"Authorization": f"Bearer {OTHER_TOKEN}",
                                  "Content-Type": "application/x-ndjson"},
                     ) as resp:
                         await resp.read()
@@ -249,6 +255,23 @@ def loadavg() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def bombs(bench: Bench, args: argparse.Namespace, base: str) -> None:
+    from push_bombs import bomb_phase, report
+
+    async def run() -> dict[str, Any]:
+        r = Redis.from_url(bench.redis_url)
+        name = f"{DATASET}-bombs"  # records up to 16 MiB: the byte limits let bombs in
+        await create_dataset(r, streams.DatasetSpec(name=name, partitions=PARTITIONS,
+                                                    format="push"))
+        await r.aclose()
+        return await bomb_phase(base, name, OTHER_TOKEN, args.bomb_seconds)
+
+    print(f"5. the loop beside decoding bombs ({args.bomb_seconds:.0f} s each, one bomb "
+          "client, /healthz probed one after the other)")
+    for line in report(asyncio.run(run())):
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=4, help="ratio rounds")
@@ -261,13 +284,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="per open-loop round")
     parser.add_argument("--arrivals", choices=("even", "poisson"), default="even")
     parser.add_argument("--max-push-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--bomb-seconds", type=float, default=3.0, help="per bomb, phase 5")
+    parser.add_argument("--bombs-only", action="store_true", help="run phase 5 alone")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-push-"))
     server = RedisServer(tmp / "redis").start()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": server.url,
-           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}-*:*"}
+           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}-*:*;{OTHER_TOKEN}:{DATASET}-*:*"}
     proc = subprocess.Popen([sys.executable, "-m", "trainguard", "serve", "--port", str(port),
                              "--no-produce"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -279,6 +304,9 @@ def main() -> None:
         print(f"{args.producers} producers x batches of {args.records} x {args.record_bytes} B; "
               f"redis :{server.port}, service :{port} (pid {proc.pid}); {loadavg()}")
         rss0 = rss_mb(proc.pid)
+        if args.bombs_only:
+            bombs(bench, args, base)
+            return
         ratios: list[float] = []
         print("1. ratio, closed loop, aiohttp client -> service vs redis-py pipeline -> Redis")
         print(f"{'round':>5} | {'service batch/s':>15} | {'raw batch/s':>11} | {'ratio':>5} | "
@@ -335,6 +363,7 @@ def main() -> None:
               f"p99 {pct(lat, .99):.1f} ms over all rounds (per round {p99s[0]:.1f}-{p99s[-1]:.1f}; "
               f"target < 50); beside the worst-case client p99 {pct(worst, .99):.1f} ms "
               f"(target < 100)")
+        bombs(bench, args, base)
     finally:
         proc.terminate()
         proc.wait(30)

@@ -14,12 +14,13 @@ from checkpoint_store.export import export_safetensors
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.manifest import FORMAT_VERSION, Manifest
 from checkpoint_store.retention import GcReport
-from checkpoint_store.shard import Shard
+from checkpoint_store.shard import Shard, Shards
 from checkpoint_store.store import CheckpointStore
 from checkpoint_store.tiered import TieredCheckpointStore
 from checkpoint_store.tiers import TierState, TierStatus, tier_statuses
 from trainguard.core.checkpoints import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointStoreAPI,
     CheckpointWriteError,
     CommitConflictError,
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointStore",
     "CheckpointStoreAPI",
     "CheckpointWriteError",
+    "CheckpointExistsError",
     "CommitConflictError",
     "CorruptCheckpointError",
     "DistributedSaveError",
@@ -48,6 +50,7 @@ __all__ = [
     "SaveHandle",
     "SaveInProgressError",
     "Shard",
+    "Shards",
     "StateMismatchError",
     "TierState",
     "TierStatus",

@@ -21,8 +21,10 @@ from urllib.parse import urlparse
 
 from checkpoint_store import _faults
 from checkpoint_store.layout import TMP_PREFIX
+from trainguard.core.checkpoints import CorruptCheckpointError
 
-__all__ = ["Backend", "FsspecBackend", "LocalBackend", "aligned_buffer", "open_backend"]
+__all__ = ["Backend", "FsspecBackend", "LocalBackend", "aligned_buffer", "open_backend",
+           "open_chunk"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -194,7 +196,7 @@ class LocalBackend:
             return f.read()
 
     def read_into(self, path: str, parts: Sequence[memoryview]) -> int:
-        fd = os.open(self._abs(path), os.O_RDONLY)
+        fd = open_chunk(self._abs(path))
         try:
             size = os.fstat(fd).st_size
             if size != sum(len(p) for p in parts):
@@ -243,6 +245,21 @@ class LocalBackend:
 def _ignore_missing(func: Any, path: str, exc_info: Any) -> None:
     if not isinstance(exc_info[1], FileNotFoundError):
         raise exc_info[1]
+
+
+def open_chunk(full: str) -> int:
+    """A chunk file opened for reading, never through a symlink: a link planted in a
+    save's data directory must not let a reader (``/verify``) report on another file.
+    Raises CorruptCheckpointError for a link, FileNotFoundError for a missing file."""
+    try:
+        return os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise CorruptCheckpointError(
+            f"{os.path.basename(full)} in a checkpoint's data directory is a symbolic link, "
+            "which no save writes: the checkpoint is damaged or tampered with; load an "
+            "earlier one") from None
 
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -9,20 +9,23 @@ dcp.load(state, storage_reader=StorageReader(store))             # newest checkp
 
 Saving: DCP's planners decide who writes what (each DTensor/FSDP2 shard by its owner,
 each replicated item by one rank); ``write_data`` hands that rank's items to
-``CheckpointStore.save`` as ``Shard`` blocks keyed by DCP's flat names (FQNs), so the
-save is an ordinary trainguard checkpoint: Zarr arrays with CRC-32C chunks, the
-manifest commit (only when every rank wrote), LATEST, retention. ``finish`` has
-nothing left to do: the manifest was committed inside ``write_data``.
+``CheckpointStore.save`` as ``Shard`` blocks (``Shards`` where the rank holds several
+chunks of one tensor), nested along DCP's key paths (``_dcp_tree``), so the save is
+an ordinary trainguard checkpoint of the state DCP was given: Zarr arrays with CRC-32C
+chunks, the manifest commit (only when every rank wrote), LATEST, retention.
+``finish`` has nothing left to do: the manifest was committed inside ``write_data``.
 
-Non-tensor items (an optimizer's ``param_groups``, a step counter) are given by DCP to
-any rank, not only rank 0. They are never pickled: ``write_data`` encodes each with the
-checkpoint's msgpack types (FORMAT.md, "State skeleton") and every rank gathers them,
-so rank 0's skeleton holds them all. A value msgpack cannot hold (an arbitrary Python
-object, or a tensor nested inside a non-tensor value) is refused with
-UnsupportedValueError naming it, and nothing is committed.
+Non-tensor items (an optimizer's ``param_groups``, a step counter, an ``io.BytesIO``)
+are given by DCP to any rank, not only rank 0. They are never pickled: ``write_data``
+encodes each with the checkpoint's msgpack types (FORMAT.md, "State skeleton") and
+every rank gathers them, so rank 0's skeleton holds them all. A value msgpack cannot
+hold (an arbitrary Python object, or a tensor nested inside a non-tensor value) is
+refused with UnsupportedValueError naming it, and nothing is committed.
 
 Loading: ``read_metadata`` builds DCP's ``Metadata`` from the manifest (rank 0 chooses
-the checkpoint, every rank uses that one), and ``read_data`` fills each requested
+the checkpoint, every rank uses that one), with ``planner_data`` (each name's key
+path: what ``_load_state_dict_from_keys`` and ``dcp_to_torch_save`` rebuild a nested
+state from) and ``storage_data`` (each chunk's tensor in the manifest); and ``read_data`` fills each requested
 block through the same resharding plan and CRC-verified reads as
 ``CheckpointStore.load``, every byte of the rank's plan verified before any target
 changes. DCP's planner API takes non-tensor items as a ``torch.save`` stream, so the
@@ -33,6 +36,7 @@ A damaged checkpoint raises (DCP has no fallback); ``CheckpointStore.load`` fall
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -40,13 +44,7 @@ from typing import Any
 import msgpack
 import torch
 import torch.distributed.checkpoint as tdcp
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -58,17 +56,25 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from checkpoint_store._dcp_tree import (
+    KeyPath,
+    dcp_metadata,
+    dcp_names,
+    key_paths,
+    nest,
+    plain_value,
+    tensor_path,
+)
 from checkpoint_store.dist import broadcast_json
-from checkpoint_store.dtypes import dtype_from_name, raw_view
-from checkpoint_store.flatten import TensorRef, decode_skeleton, encode_values, join_path
+from checkpoint_store.dtypes import raw_view
+from checkpoint_store.flatten import TensorRef, decode_skeleton, encode_values
 from checkpoint_store.layout import data_dir
 from checkpoint_store.loading import _Walker
 from checkpoint_store.manifest import Manifest
 from checkpoint_store.reader import ChunkReader
-from checkpoint_store.reshard import unique_blocks
-from checkpoint_store.shard import Shard
+from checkpoint_store.shard import Shard, Shards
 from checkpoint_store.store import CheckpointStore
-from trainguard.core.checkpoints import CheckpointError, NoCheckpointError
+from trainguard.core.checkpoints import CheckpointError, CheckpointExistsError, NoCheckpointError
 
 __all__ = ["StorageReader", "StorageWriter"]
 
@@ -90,17 +96,58 @@ def _done(value: Any) -> Future[Any]:
     return fut
 
 
+_REOPENED: dict[str, CheckpointStore] = {}
+"""Stores opened by unpickled writers, by their arguments: DCP's checkpoint process
+serves every save of a run, and each would otherwise open (and leak) a gloo group."""
+
+
+def _reopened(args: dict[str, Any]) -> CheckpointStore:
+    key = json.dumps(args, sort_keys=True)
+    store = _REOPENED.get(key)
+    if store is None:
+        options = {k: v for k, v in args.items() if k != "url"}
+        store = _REOPENED[key] = CheckpointStore(args["url"], **options)
+    return store
+
+
 class StorageWriter(tdcp.StorageWriter):
     """Writes a DCP save as trainguard checkpoint ``step`` of ``store`` (constructed
-    on every rank, like the store). ``extra`` goes into the manifest verbatim."""
+    on every rank, like the store). ``extra`` goes into the manifest verbatim.
+
+    ``overwrite`` is DCP's flag, mapped onto commits that never replace data: True
+    (DCP's default) commits a newer checkpoint of a step the store already holds,
+    which loads supersede (the older stays until retention removes it); False refuses
+    that save with CheckpointExistsError ("Checkpoint already exists"), nothing
+    written. The writer pickles (DCP's process-based ``async_save`` sends it to a
+    process of its own): it carries the store's arguments, not the store, and that
+    process opens one store on the same root for all its saves."""
 
     def __init__(self, store: CheckpointStore, *, step: int,
-                 extra: Mapping[str, Any] | None = None):
+                 extra: Mapping[str, Any] | None = None, overwrite: bool = True):
         super().__init__()
-        self.store = store
+        self.store: CheckpointStore | None = store
         self.step = step
         self.extra = dict(extra) if extra is not None else None
+        self.overwrite = overwrite
         self.manifest: Manifest | None = None
+        self._reopen: dict[str, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Threads, locks and a gloo group do not cross processes: the arguments do.
+        reopen = self.store._reopen_args() if self.store is not None else self._reopen
+        return {"reopen": reopen, "step": self.step, "extra": self.extra,
+                "overwrite": self.overwrite}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.store, self.manifest = None, None
+        self._reopen = state["reopen"]
+        self.step, self.extra, self.overwrite = state["step"], state["extra"], state["overwrite"]
+
+    def _store(self) -> CheckpointStore:
+        if self.store is None:
+            assert self._reopen is not None
+            self.store = _reopened(self._reopen)  # collective: every rank sets up here
+        return self.store
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         step = _step_of(checkpoint_id)
@@ -108,16 +155,36 @@ class StorageWriter(tdcp.StorageWriter):
             self.step = step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        pass
+        self._store()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The coordinator only; DCP hands its error to every rank before any writes.
+        if not self.overwrite:
+            self._refuse_existing()
         return plans
 
+    def _refuse_existing(self) -> None:
+        store = self._store()
+        for n in reversed(store._names()):
+            if n.step != self.step:
+                continue
+            try:
+                store._read_manifest(n.name)
+            except CheckpointError:
+                continue  # a damaged manifest is no checkpoint
+            raise CheckpointExistsError(
+                f"Checkpoint already exists: {store.url} holds step {self.step} "
+                f"({n.name}) and overwrite=False; save another step, or pass "
+                "overwrite=True to commit a newer checkpoint of it (loads take the newer; "
+                "the older stays until retention removes it)"
+            )
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        state: dict[str, Any] = {}
+        store = self._store()
+        blocks: dict[str, list[Shard]] = {}
         values: dict[str, Any] = {}
         results = []
         for item in plan.items:
@@ -130,30 +197,45 @@ class StorageWriter(tdcp.StorageWriter):
             t = planner.resolve_data(item)
             assert isinstance(t, torch.Tensor) and item.tensor_data is not None
             chunk = item.tensor_data.chunk
-            state[fqn] = Shard(t.detach(), tuple(item.tensor_data.size), tuple(chunk.offsets))
+            # A rank may hold several chunks of one tensor (a ShardedTensor's local
+            # shards): all of them are this rank's blocks of it.
+            blocks.setdefault(fqn, []).append(
+                Shard(t.detach(), tuple(item.tensor_data.size), tuple(chunk.offsets)))
             results.append(WriteResult(item.index, t.numel() * t.element_size(), None))
+        paths = key_paths(plan.planner_data, [*blocks, *values])
+        # The state's order (rank 0's names), so the stored state reads like the saved one.
+        order = list(plan.planner_data) if store.rank == 0 and isinstance(
+            plan.planner_data, Mapping) else []
         # Wait for a save in flight: its collectives share the store's group.
-        self.store._wait_current()
+        store._wait_current()
         try:
             mine = b"\0" + msgpack.packb(
-                [sorted(state), encode_values(values, what=f"DCP item of rank {self.store.rank}")],
+                [{k: list(v) for k, v in paths.items()}, order, sorted(blocks),
+                 encode_values(values, what=f"DCP item of rank {store.rank}")],
                 use_bin_type=True)
         except CheckpointError as e:
             mine = f"{type(e).__name__}: {e}".encode()
-        gathered = self.store._comm.all_gather_bytes(mine)
+        gathered = store._comm.all_gather_bytes(mine)
         failed = [(r, g.decode()) for r, g in enumerate(gathered) if g[:1] != b"\0"]
         if failed:
             raise CheckpointError(
                 f"DCP save of step {self.step} refused, nothing committed: rank "
                 f"{failed[0][0]}: {failed[0][1]}"
             )
-        for g in gathered:
-            tensor_fqns, packed = msgpack.unpackb(g[1:], raw=False)
-            state.update(decode_skeleton(packed))
+        flat: dict[str, Any] = {k: v[0] if len(v) == 1 else Shards(tuple(v))
+                                for k, v in blocks.items()}
+        all_paths: dict[str, KeyPath] = {}
+        for i, g in enumerate(gathered):
+            rank_paths, rank_order, tensor_fqns, packed = msgpack.unpackb(g[1:], raw=False)
+            if i == 0:
+                all_paths.update((n, ()) for n in rank_order)  # placeholders: the order
+            all_paths.update((k, tuple(v)) for k, v in rank_paths.items())
+            flat.update(decode_skeleton(packed))
             # Tensors DCP gave to other ranks: rank 0's skeleton references them too.
             for fqn in tensor_fqns:
-                state.setdefault(fqn, TensorRef(join_path("", fqn)))
-        self.manifest = self.store.save(state, step=self.step, extra=self.extra).wait()
+                flat.setdefault(fqn, TensorRef(tensor_path(all_paths[fqn])))
+        state = nest(flat, {k: v for k, v in all_paths.items() if v})
+        self.manifest = store.save(state, step=self.step, extra=self.extra).wait()
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -168,40 +250,6 @@ class StorageWriter(tdcp.StorageWriter):
             return False
 
 
-def _dcp_metadata(manifest: Manifest, skeleton: Any) -> Metadata:
-    if not isinstance(skeleton, dict) or any(
-            isinstance(v, TensorRef) and v.path not in manifest.tensors for v in skeleton.values()):
-        raise CheckpointError(f"{manifest.name} is not a checkpoint of flat DCP names")
-    nested = [k for k, v in skeleton.items() if isinstance(v, dict | list) and _has_ref(v)]
-    if nested:
-        raise CheckpointError(
-            f"checkpoint {manifest.name} was written by CheckpointStore.save (key "
-            f"{nested[0]!r} nests tensors), not through DCP; load it with CheckpointStore.load"
-        )
-    md: dict[str, Any] = {}
-    for key, value in skeleton.items():
-        if not isinstance(value, TensorRef):
-            md[key] = BytesStorageMetadata()
-            continue
-        entry = manifest.tensors[value.path]
-        md[key] = TensorStorageMetadata(
-            TensorProperties(dtype=dtype_from_name(entry["dtype"])), torch.Size(entry["shape"]),
-            [ChunkStorageMetadata(torch.Size(s["offsets"]), torch.Size(s["shape"]))
-             for s in unique_blocks(entry["shards"])],
-        )
-    return Metadata(state_dict_metadata=md)
-
-
-def _has_ref(value: Any) -> bool:
-    if isinstance(value, TensorRef):
-        return True
-    if isinstance(value, dict):
-        return any(_has_ref(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_has_ref(v) for v in value)
-    return False
-
-
 class StorageReader(tdcp.StorageReader):
     """Reads the newest checkpoint of ``store`` (or ``step``'s, or DCP's
     ``checkpoint_id`` as a step) into a DCP load, in any layout."""
@@ -211,7 +259,7 @@ class StorageReader(tdcp.StorageReader):
         self.store = store
         self.step = step
         self.manifest: Manifest | None = None
-        self._skeleton: Any = None
+        self._names: dict[str, tuple[KeyPath, Any]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         step = _step_of(checkpoint_id)
@@ -238,8 +286,8 @@ class StorageReader(tdcp.StorageReader):
         if "error" in chosen:
             raise NoCheckpointError(chosen["error"])
         self.manifest = self.store._read_manifest(chosen["name"])
-        self._skeleton = decode_skeleton(self.manifest.state)
-        return _dcp_metadata(self.manifest, self._skeleton)
+        self._names = dcp_names(self.manifest, decode_skeleton(self.manifest.state))
+        return dcp_metadata(self.manifest, self._names)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -260,11 +308,14 @@ class StorageReader(tdcp.StorageReader):
         tensors = [i for i in plan.items if i.type == LoadItemType.TENSOR]
 
         def block(item: Any) -> tuple[dict[str, Any], tuple[int, ...], tuple[int, ...]]:
-            entry = m.tensors[self._skeleton[item.storage_index.fqn].path]
+            entry = m.tensors[self._names[item.storage_index.fqn][1].path]
             start = tuple(a + b for a, b in zip(item.storage_index.offset or (),
                                                item.storage_offsets))
             return entry, start or (0,) * len(item.lengths), tuple(item.lengths)
 
+        # Every bytes item first: a refusal leaves the targets untouched.
+        values = {i.storage_index.fqn: plain_value(m, self._names, i.storage_index.fqn)
+                  for i in plan.items if i.type == LoadItemType.BYTE_IO}
         walker.dry = True
         for item in tensors:
             walker.region(*block(item), item.storage_index.fqn)
@@ -279,7 +330,7 @@ class StorageReader(tdcp.StorageReader):
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 buf = io.BytesIO()
-                torch.save(self._skeleton[item.storage_index.fqn], buf)
+                torch.save(values[item.storage_index.fqn], buf)
                 buf.seek(0)
                 planner.load_bytes(item, buf)
         return _done(None)

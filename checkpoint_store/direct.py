@@ -38,7 +38,7 @@ from typing import Any
 import crc32c as _crc
 import torch
 
-from checkpoint_store.backends import Backend, LocalBackend
+from checkpoint_store.backends import Backend, LocalBackend, open_chunk
 from checkpoint_store.reader import check_zarr_json
 from checkpoint_store.reshard import plan_region
 from checkpoint_store.zarr_format import CRC_BYTES, check_crc, check_size
@@ -202,7 +202,7 @@ class DirectLoad:
     def _read_local(self, path: str, pieces: list[Piece], expected_crc: int) -> None:
         assert isinstance(self.backend, LocalBackend)
         try:
-            fd = os.open(self.backend.local_path(path), os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_chunk(self.backend.local_path(path))
         except FileNotFoundError as e:
             raise _missing(path) from e
         try:

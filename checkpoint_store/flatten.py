@@ -8,11 +8,13 @@ type raises :class:`UnsupportedValueError` naming its key path.
 
 msgpack extension types (FORMAT.md): 1 tensor reference (UTF-8 key path),
 2 tuple (msgpack array), 3 numpy array ``[dtype.str, shape, bytes]``,
-4 numpy scalar ``[dtype.str, bytes]``, 5 integer beyond 64 bits (signed big-endian).
+4 numpy scalar ``[dtype.str, bytes]``, 5 integer beyond 64 bits (signed big-endian),
+6 ``io.BytesIO`` (its contents; it loads as a new ``BytesIO`` at position 0).
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ import torch
 
 from checkpoint_store.dtensor import LocalBlock, is_dtensor, local_block
 from checkpoint_store.dtypes import dtype_name, is_supported
-from checkpoint_store.shard import Shard
+from checkpoint_store.shard import Shard, Shards
 from trainguard.core.checkpoints import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = [
@@ -31,12 +33,13 @@ __all__ = [
     "join_path",
 ]
 
-EXT_TENSOR, EXT_TUPLE, EXT_NDARRAY, EXT_NPSCALAR, EXT_BIGINT = 1, 2, 3, 4, 5
+EXT_TENSOR, EXT_TUPLE, EXT_NDARRAY, EXT_NPSCALAR, EXT_BIGINT, EXT_BYTESIO = 1, 2, 3, 4, 5, 6
 _I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
 
 _SUPPORTED = (
-    "tensors, DTensors (Shard/Replicate placements), Shard, objects with state_dict()/load_state_dict(), dicts with str or "
-    "int keys, lists, tuples, None, bool, int, float, str, bytes, numpy arrays and scalars"
+    "tensors, DTensors (Shard/Replicate placements), Shard, Shards, objects with "
+    "state_dict()/load_state_dict(), dicts with str or int keys, lists, tuples, None, bool, "
+    "int, float, str, bytes, io.BytesIO, numpy arrays and scalars"
 )
 
 
@@ -87,15 +90,16 @@ class _Flattener:
         self.leaves: list[TensorLeaf] = []
         self._paths: set[str] = set()
 
-    def _leaf(self, path: str, t: torch.Tensor, shard: Shard | LocalBlock | None
-              ) -> msgpack.ExtType:
+    def _leaf(self, path: str, t: torch.Tensor, shard: Shard | LocalBlock | None,
+              *, more_of: bool = False) -> msgpack.ExtType:
+        """``more_of``: another block of the tensor ``path`` already has (``Shards``)."""
         if t.layout != torch.strided or t.is_quantized or t.is_meta or not is_supported(t.dtype):
             raise UnsupportedValueError(
                 f"cannot checkpoint the tensor at {path!r}: dtype {dtype_name(t.dtype)}, "
                 f"layout {t.layout}, device {t.device}; only dense tensors of "
                 "non-quantized dtypes on CPU or CUDA are supported"
             )
-        if path in self._paths:
+        if path in self._paths and not more_of:
             raise UnsupportedValueError(
                 f"two tensors map to the key path {path!r} (e.g. keys 1 and '1' in one "
                 "dict); rename one of them"
@@ -136,6 +140,12 @@ class _Flattener:
             return bytes(value)
         if isinstance(value, Shard):
             return self._leaf(path, value.tensor, value)
+        if isinstance(value, Shards):
+            for i, one in enumerate(value.blocks):
+                ref = self._leaf(path, one.tensor, one, more_of=i > 0)
+            return ref
+        if isinstance(value, io.BytesIO):
+            return msgpack.ExtType(EXT_BYTESIO, value.getvalue())
         if isinstance(value, TensorRef):
             # A tensor that other ranks write (the DCP writer): referenced, no leaf here.
             return msgpack.ExtType(EXT_TENSOR, value.path.encode())
@@ -199,24 +209,67 @@ def flatten(state: Mapping[str, Any]) -> tuple[list[TensorLeaf], bytes]:
     return f.leaves, skeleton
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code == EXT_TENSOR:
-        return TensorRef(data.decode())
-    if code == EXT_TUPLE:
-        return tuple(_unpackb(data))
-    if code == EXT_NDARRAY:
-        dtype, shape, raw = _unpackb(data)
-        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
-    if code == EXT_NPSCALAR:
-        dtype, raw = _unpackb(data)
-        return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
-    if code == EXT_BIGINT:
-        return int.from_bytes(data, "big", signed=True)
-    raise CorruptCheckpointError(f"unknown msgpack extension type {code} in checkpoint state")
+MAX_SKELETON_CONTAINERS = 1_000_000
+"""Lists and maps a skeleton may decode to: a container costs ~60 bytes of memory and
+one byte of msgpack, so a bound on the bytes alone lets a small state blow up."""
+MAX_EXT_DEPTH = 32
+"""Extension values (tuples, arrays) nested in each other: each level is decoded from a
+copy of its bytes, so deep nesting costs time and memory in the square of its size."""
+
+
+class _Decoder:
+    """One skeleton's decode, within a budget of containers and extension nesting."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.containers = 0
+        self.depth = 0
+        # A skeleton's extension payloads are copied out once per nesting level.
+        self.ext_bytes_left = 8 * nbytes + (1 << 20)
+
+    def _spent(self, value: Any) -> Any:
+        self.containers += 1
+        if self.containers > MAX_SKELETON_CONTAINERS:
+            raise CorruptCheckpointError(
+                f"the checkpoint's msgpack state holds more than {MAX_SKELETON_CONTAINERS} "
+                "lists and maps: it is not a state skeleton this store wrote")
+        return value
+
+    def ext(self, code: int, data: bytes) -> Any:
+        self.ext_bytes_left -= len(data)
+        if self.depth >= MAX_EXT_DEPTH or self.ext_bytes_left < 0:
+            raise CorruptCheckpointError(
+                "the checkpoint's msgpack state nests its extension values deeper or larger "
+                "than any state this store writes")
+        self.depth += 1
+        try:
+            return self._ext(code, data)
+        finally:
+            self.depth -= 1
+
+    def _ext(self, code: int, data: bytes) -> Any:
+        if code == EXT_TENSOR:
+            return TensorRef(data.decode())
+        if code == EXT_TUPLE:
+            return tuple(self.unpack(data))
+        if code == EXT_NDARRAY:
+            dtype, shape, raw = self.unpack(data)
+            return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+        if code == EXT_NPSCALAR:
+            dtype, raw = self.unpack(data)
+            return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
+        if code == EXT_BIGINT:
+            return int.from_bytes(data, "big", signed=True)
+        if code == EXT_BYTESIO:
+            return io.BytesIO(data)
+        raise CorruptCheckpointError(f"unknown msgpack extension type {code} in checkpoint state")
+
+    def unpack(self, data: bytes) -> Any:
+        return msgpack.unpackb(data, ext_hook=self.ext, strict_map_key=False, raw=False,
+                               list_hook=self._spent, object_hook=self._spent)
 
 
 def _unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False, raw=False)
+    return _Decoder(len(data)).unpack(data)
 
 
 def decode_skeleton(data: bytes) -> Any:

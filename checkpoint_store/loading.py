@@ -9,8 +9,8 @@ targets and blocks (``Shard``, DTensor local shards) it can read in place instea
 are exempt from that guarantee (see ``CheckpointStore.load``).
 
 Rules: a tensor target is ``copy_``'d into (same shape and dtype, else
-StateMismatchError); a ``Shard`` target, or a DTensor's local shard, receives its
-block, assembled from whatever blocks were saved (``reshard.plan_region``); an object with ``load_state_dict`` gets the saved state merged into
+StateMismatchError); a ``Shard`` target (each block of a ``Shards``), or a DTensor's
+local shard, receives its block, assembled from whatever blocks were saved (``reshard.plan_region``); an object with ``load_state_dict`` gets the saved state merged into
 its current ``state_dict()``; a dict or list target is updated item by item; anything
 else is replaced by the saved value.
 """
@@ -29,7 +29,7 @@ from checkpoint_store.dtypes import dtype_from_name, dtype_name, raw_view
 from checkpoint_store.flatten import TensorRef, is_stateful, join_path
 from checkpoint_store.reader import ChunkReader
 from checkpoint_store.reshard import plan_region
-from checkpoint_store.shard import Shard
+from checkpoint_store.shard import Shard, Shards
 from trainguard.core.checkpoints import CorruptCheckpointError, StateMismatchError
 
 __all__ = ["Applier"]
@@ -138,6 +138,21 @@ class _Walker:
                 )
             self._check(path, entry, block.tensor, tuple(block.tensor.shape))
             self._fill(block.tensor, entry, block.offsets, path)
+            return target
+        if isinstance(target, Shards):
+            if target.blocks[0].global_shape != global_shape:
+                raise StateMismatchError(
+                    f"Shards at {path!r} have global shape {target.blocks[0].global_shape}, "
+                    f"checkpoint {self.name} has {global_shape}"
+                )
+            # Several blocks of one path: through the staged reads (the in-place path
+            # claims one target per key path).
+            for one in target.blocks:
+                self._check(path, entry, one.tensor, tuple(one.tensor.shape))
+                data = self.region(entry, one.offsets, tuple(one.tensor.shape), path)
+                if data is not None:
+                    with torch.no_grad():
+                        raw_view(one.tensor).copy_(raw_view(data))
             return target
         if isinstance(target, Shard):
             if target.global_shape != global_shape:

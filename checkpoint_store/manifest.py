@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpoint_store._manifest_checks import check_structure
 from checkpoint_store.layout import data_dir, parse_manifest_name
 from trainguard.core.checkpoints import CorruptCheckpointError
 
@@ -207,8 +208,15 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
         )
     _check_array_names(name, body["arrays"])
     state = body["state"]
-    if state.get("encoding") != "msgpack":
-        raise CorruptCheckpointError(f"manifest {name}: unknown state encoding {state!r}")
+    if not isinstance(state, dict) or state.get("encoding") != "msgpack" \
+            or not isinstance(state.get("base64"), str):
+        raise CorruptCheckpointError(
+            f"manifest {name}: the state is not {{'encoding': 'msgpack', 'base64': ...}}")
+    check_structure(name, body, len(state["base64"]))
+    try:
+        state_bytes = base64.b64decode(state["base64"], validate=True)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"manifest {name}: the state is not valid base64") from e
     return Manifest(
         name=name,
         step=int(body["step"]),
@@ -221,5 +229,5 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
         pinned=pinned,
         tensors=body["tensors"],
         arrays=body["arrays"],
-        state=base64.b64decode(state["base64"]),
+        state=state_bytes,
     )

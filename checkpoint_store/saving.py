@@ -86,15 +86,18 @@ def _tensor_entries(job: SaveJob) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for p in job.plan.placements:
         leaf = job.leaves[p.leaf]
+        shard = {"array": p.array, "offset": p.offset, "nbytes": p.nbytes,
+                 "shape": list(leaf.tensor.shape), "offsets": list(leaf.offsets)}
+        seen = out.get(leaf.path)
+        if seen is not None:  # another block of a tensor this rank holds several of
+            seen["shards"].append(shard)
+            continue
         out[leaf.path] = {
             "dtype": dtype_name(leaf.tensor.dtype),
             "shape": list(leaf.global_shape),
             "sharded": leaf.sharded,
             "layout": leaf.layout,
-            "shard": {
-                "array": p.array, "offset": p.offset, "nbytes": p.nbytes,
-                "shape": list(leaf.tensor.shape), "offsets": list(leaf.offsets),
-            },
+            "shards": [shard],
         }
     return out
 
@@ -116,7 +119,7 @@ def _merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     f"{m.get('layout')} vs {e['dtype']} {e['shape']} {e.get('layout')}; every "
                     "rank must save the same global tensors"
                 )
-            m["shards"].append(e["shard"])
+            m["shards"].extend(e["shards"])
     for path, m in merged.items():
         if len(m["shards"]) > 1:  # one block is unique as it is (no new list and set)
             m["shards"] = unique_blocks(m["shards"])

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shard"]
+__all__ = ["Shard", "Shards"]
 
 
 @dataclass(frozen=True)
@@ -33,4 +33,27 @@ class Shard:
                 raise ValueError(
                     f"Shard block at offsets {self.offsets} with shape {local} does not "
                     f"fit in global shape {self.global_shape}"
+                )
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Several blocks of one global tensor that this rank owns (a ``ShardedTensor``
+    with several local shards, DCP's chunks of one tensor on one rank): saved as one
+    tensor whose blocks are all of these, loaded by filling each block."""
+
+    blocks: tuple[Shard, ...]
+
+    def __post_init__(self) -> None:
+        blocks = tuple(self.blocks)
+        object.__setattr__(self, "blocks", blocks)
+        if not blocks or not all(isinstance(b, Shard) for b in blocks):
+            raise ValueError(f"Shards needs one or more Shard blocks, got {self.blocks!r}")
+        first = blocks[0]
+        for b in blocks[1:]:
+            if b.global_shape != first.global_shape or b.tensor.dtype != first.tensor.dtype:
+                raise ValueError(
+                    f"the blocks of one Shards must share global shape and dtype; got "
+                    f"{first.global_shape} {first.tensor.dtype} and {b.global_shape} "
+                    f"{b.tensor.dtype}"
                 )

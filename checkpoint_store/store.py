@@ -98,6 +98,8 @@ class CheckpointStore:
         self.chunk_bytes = chunk_bytes
         self.io_threads = io_threads
         self.stale_after_s = stale_after_s
+        self._storage_options = storage_options
+        self._process_group = process_group
         self._backend: Backend = open_backend(url, storage_options)
         self._comm: Comm = make_comm(process_group)
         self._pool = BufferPool()
@@ -112,6 +114,19 @@ class CheckpointStore:
         # Only the writer thread encodes manifests.
         self._fragments = TensorFragments()
         self._closed = False
+
+    def _reopen_args(self) -> dict[str, Any]:
+        """What opens this store again in another process (DCP's process-based
+        ``async_save``, whose process has only the default group)."""
+        if self._process_group is not None:
+            raise CheckpointError(
+                f"the store {self.url} runs over a process_group of its own, which DCP's "
+                "checkpoint process cannot rebuild; use the thread-based async_save, or a "
+                "store over the default group"
+            )
+        return {"url": self.url, "keep_last": self.keep_last, "keep_every": self.keep_every,
+                "storage_options": self._storage_options, "chunk_bytes": self.chunk_bytes,
+                "io_threads": self.io_threads, "stale_after_s": self.stale_after_s}
 
     @property
     def rank(self) -> int:
@@ -274,6 +289,25 @@ class CheckpointStore:
     def list(self) -> builtins.list[Manifest]:
         """Committed, readable manifests, oldest first (damaged ones are logged)."""
         return self._list(reuse=False)
+
+    def manifest_names(self) -> builtins.list[str]:
+        """The manifest names, in commit order, from one listing (nothing is read):
+        with :meth:`read_manifest`, how a reader caching manifests (they are never
+        rewritten under a name) lists at the cost of what changed."""
+        parsed = [p for p in map(parse_manifest_name, self._backend.listdir(MANIFEST_DIR)) if p]
+        # ManifestName's own order, by a tuple key: sorting the dataclasses compares
+        # them in Python, the bulk of a warm listing's cost at a thousand manifests.
+        parsed.sort(key=lambda p: (p.uid, p.step))
+        return [p.name for p in parsed]
+
+    def pinned_names(self) -> set[str]:
+        """The names of the pinned manifests (one listing)."""
+        return self._pins()
+
+    def read_manifest(self, name: str, *, pinned: bool = False) -> Manifest:
+        """One manifest, read and verified; raises NoCheckpointError when it is gone,
+        CorruptCheckpointError when it is damaged."""
+        return self._read_manifest(name, {name} if pinned else set())
 
     def _list(self, *, reuse: bool) -> builtins.list[Manifest]:
         pins = self._pins()

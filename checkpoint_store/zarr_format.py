@@ -139,7 +139,8 @@ def group_metadata(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
 def check_size(file_size: int, expected_size: int, where: str) -> None:
     if file_size != expected_size:
         raise CorruptCheckpointError(
-            f"chunk {where} has {file_size} bytes, expected {expected_size}: "
+            # No sizes: an API answer quoting this must not describe a foreign file.
+            f"chunk {where} does not have the size its manifest gives: "
             "the file is truncated or foreign; load an earlier checkpoint"
         )
 
@@ -151,9 +152,10 @@ def check_crc(actual: int, trailer: memoryview, expected_crc: int, where: str) -
     (stored,) = struct.unpack("<I", trailer)
     if actual != stored or actual != expected_crc:
         raise CorruptCheckpointError(
-            f"chunk {where} fails its CRC-32C check (computed {actual:#010x}, stored "
-            f"{stored:#010x}, manifest {expected_crc:#010x}): the data is damaged; "
-            "load an earlier checkpoint"
+            # No CRC values: they are bytes of the file (its last four) and a digest of it.
+            f"chunk {where} fails its CRC-32C check "
+            f"({'its own trailer' if actual != stored else 'the manifest'} disagrees): "
+            "the data is damaged; load an earlier checkpoint"
         )
 
 

@@ -94,15 +94,26 @@ elseif seq ~= 0 then
   return {-1, ''}
 end
 local inflight = producer .. ':inflight'
+local batch = ARGV[4] .. ':' .. ARGV[6]
 local done = 0
 local cur = redis.call('HGET', KEYS[2], inflight)
 if cur then
   local c = string.find(cur, ':', 1, true)
-  if tonumber(string.sub(cur, 1, c - 1)) == seq then done = tonumber(string.sub(cur, c + 1)) end
+  if tonumber(string.sub(cur, 1, c - 1)) == seq then
+    local d = string.find(cur, ':', c + 1, true)
+    if d then
+      done = tonumber(string.sub(cur, c + 1, d - 1))
+      -- Another batch under this seq: appending would merge the two, or (a smaller one)
+      -- be answered as done with none of its records in.
+      if string.sub(cur, d + 1) ~= batch then return {-3, tostring(done), string.sub(cur, d + 1)} end
+    else
+      done = tonumber(string.sub(cur, c + 1))  -- written before batches had digests
+    end
+  end
 end
 if start > done then return {-2, tostring(done)} end
 local first, last, added = '', '', 0
-local i = 6
+local i = 7
 for r = 0, count - 1 do
   local n = tonumber(ARGV[i])
   if start + r >= done then
@@ -120,30 +131,39 @@ for r = 0, count - 1 do
   i = i + 1 + 2 * n
 end
 local reached = math.max(done, start + count)
+local acked = 0
 if reached >= total then
   redis.call('HSET', KEYS[2], producer, ARGV[2])
   redis.call('HDEL', KEYS[2], inflight)
+  -- The partition's count of whole batches: the service remembers the highest it saw,
+  -- and a Redis that comes back with less lost acknowledged batches.
+  acked = redis.call('HINCRBY', KEYS[2], ':acked', 1)
 else
-  redis.call('HSET', KEYS[2], inflight, ARGV[2] .. ':' .. reached)
+  redis.call('HSET', KEYS[2], inflight, ARGV[2] .. ':' .. reached .. ':' .. batch)
 end
-return {1, first, last, added}
+return {1, first, last, added, acked}
 """
 """One slice of a push batch, exactly once per (producer, seq, index).
 
 KEYS[1] stream, KEYS[2] the partition's seq hash: ``<producer>`` holds the mark (the
-last seq wholly appended), ``<producer>:inflight`` holds ``<seq>:<records appended>``
-of the batch under way (':' is not allowed in a producer_id, so the fields never
-collide). ARGV: producer_id, seq, index of the slice's first record, the batch's
-record count, the slice's record count, then per record: field count n and n
+last seq wholly appended), ``<producer>:inflight`` holds
+``<seq>:<records appended>:<record count>:<digest>`` of the batch under way (':' is
+not allowed in a producer_id, so the fields never collide). ARGV: producer_id, seq,
+index of the slice's first record, the batch's record count, the slice's record
+count, the batch's digest (hex, of its entries), then per record: field count n and n
 field/value pairs.
 
 Records whose index is below what the in-flight field says are already in the stream
 and skipped, so a slice sent twice (a retry, or a second request for the same batch
 running alongside) appends nothing twice; the mark rises when the last record is in.
-Returns {1, first_id, last_id, appended} (IDs '' when the slice appended nothing new);
+The field ``:acked`` counts the partition's batches wholly appended. Returns {1,
+first_id, last_id, appended, acked} (IDs '' when the slice appended nothing new; acked
+0 unless this slice completed the batch);
 {0, mark} when seq is at or below the mark (the batch is in); {-1, mark or ''} when
 seq is not mark+1 (0 for a producer without a mark); {-2, reached} when the slice
-starts past what is in (a slice skipped: resend the batch from its start).
+starts past what is in (a slice skipped: resend the batch from its start); {-3,
+reached, '<count>:<digest>'} when another batch (that count and digest) is partly in
+under this seq: nothing appended.
 """
 
 PUSH_CONFIRM = """

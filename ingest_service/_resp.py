@@ -60,17 +60,17 @@ def evalsha_parts(sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]) -> l
 
 async def call_packed_script(
     redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], args: Sequence[bytes],
-    *, replicas: int | None = 0, wait_ms: int = 1000,
+    *, replicas: int | None = 0, wait_ms: int = 1000, wait_aof: bool = False,
 ) -> object:
     """One script call: :func:`call_packed_scripts` with one argument list."""
     (reply,) = await call_packed_scripts(redis, script, sha, keys, [evalsha_parts(sha, keys, args)],
-                                         replicas=replicas, wait_ms=wait_ms)
+                                         replicas=replicas, wait_ms=wait_ms, wait_aof=wait_aof)
     return reply
 
 
 async def call_packed_scripts(
     redis: Redis, script: str, sha: bytes, keys: Sequence[bytes], calls: Sequence[list[bytes]],
-    *, replicas: int | None = 0, wait_ms: int = 1000,
+    *, replicas: int | None = 0, wait_ms: int = 1000, wait_aof: bool = False,
 ) -> list[object]:
     """Run ``calls`` (each ``evalsha_parts(sha, keys, ...)``, all on the same ``keys``)
     pipelined on one pooled connection to the master of ``keys[0]``'s slot, in order;
@@ -84,7 +84,9 @@ async def call_packed_scripts(
     one when the master has a replica, else none), else raise
     :class:`NotReplicatedError`. Replication is asynchronous: a write only the master
     holds is lost when its replica is promoted, so a push is acknowledged only once a
-    replica has it. The calls must write (WAIT counts this connection's writes)."""
+    replica has it. The calls must write (WAIT counts this connection's writes).
+    ``wait_aof``: where no replica is waited for, return only once the server's own
+    append-only file has the writes on disk (``WAITAOF 1 0``, Redis 7.2 on)."""
     pool = await redis_client.pool_for(redis, keys[0].decode())
     try:
         conn = await pool.get_connection()
@@ -113,8 +115,10 @@ async def call_packed_scripts(
             await conn.send_command("SCRIPT", "LOAD", script)
             await conn.read_response()
             loaded = True
-        if replicas != 0 and not any(isinstance(r, ResponseError) for r in replies):
-            await _wait_replicas(conn, replicas, wait_ms)
+        if not any(isinstance(r, ResponseError) for r in replies):
+            waited = replicas != 0 and await _wait_replicas(conn, replicas, wait_ms)
+            if wait_aof and not waited:
+                await _wait_aof(conn, wait_ms)
     except BaseException as exc:
         # A reply may still be on its way (cancelled, or a broken link): this
         # connection must not be reused.
@@ -134,11 +138,29 @@ _ROLE_TTL_S = 10.0
 _replica_counts: dict[tuple[str, str], tuple[float, int]] = {}
 
 
-async def _wait_replicas(conn: Any, replicas: int | None, wait_ms: int) -> None:
+_AOF_WAIT_MS = 2500
+"""At least this long for the local fsync: with appendfsync everysec it comes within
+about a second."""
+
+
+async def _wait_aof(conn: Any, wait_ms: int) -> None:
+    wait_ms = max(wait_ms, _AOF_WAIT_MS)
+    await conn.send_command("WAITAOF", 1, 0, wait_ms)
+    local, _ = await conn.read_response()
+    if int(local) < 1:
+        raise NotReplicatedError(
+            f"the batch is in Redis but not yet in its append-only file on disk after "
+            f"{wait_ms} ms: a crash now could lose it. Retry with the same seq (a batch "
+            "already appended is not appended twice)")
+
+
+async def _wait_replicas(conn: Any, replicas: int | None, wait_ms: int) -> bool:
+    """Whether it waited for a replica (raises NotReplicatedError when none took the
+    writes in time)."""
     if replicas is None:
         replicas = await _has_replica(conn)
         if not replicas:
-            return
+            return False
     await conn.send_command("WAIT", replicas, wait_ms)
     acked = int(await conn.read_response())
     if acked < replicas:
@@ -147,6 +169,7 @@ async def _wait_replicas(conn: Any, replicas: int | None, wait_ms: int) -> None:
             f"confirmed it within {wait_ms} ms: a failover now could lose it. Retry with the "
             "same seq (a batch already appended is not appended twice)"
         )
+    return True
 
 
 async def _has_replica(conn: Any) -> int:

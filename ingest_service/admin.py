@@ -47,11 +47,13 @@ from ingest_service.auth import bearer_token, check_secret, tokens_equal
 from ingest_service.errors import BadRequest, Forbidden, Unauthorized
 from ingest_service.http_errors import json_errors
 from ingest_service.openapi import openapi_document
+from ingest_service.paging import page, until_gone
 from trainguard.core import settings
-from trainguard.core.urls import redact_url
+from trainguard.core.urls import redact_url, redact_values
 
 __all__ = [
     "ADMIN_CONFIG",
+    "READ_REDIS_KEY",
     "STORES_KEY",
     "AdminConfig",
     "StoreRoot",
@@ -71,6 +73,8 @@ class AdminConfig:
     redis_url: str
     token: str | None = None
     stores: Mapping[str, StoreRoot] = field(default_factory=dict)
+    read_token: str | None = None
+    """When set, every read route needs it (or the admin token) as a bearer token."""
 
     @classmethod
     def from_env(cls, redis_url: str | None = None) -> AdminConfig:
@@ -80,12 +84,22 @@ class AdminConfig:
         token = settings.admin_token()
         if token is not None:
             check_secret(settings.ADMIN_TOKEN_ENV, token)
+        read = settings.read_token()
+        if read is not None:
+            check_secret(settings.READ_TOKEN_ENV, read)
         return cls(settings.redis_url(redis_url), token,
-                   parse_store_roots(settings.checkpoint_stores()))
+                   parse_store_roots(settings.checkpoint_stores()), read)
 
 
 ADMIN_CONFIG = web.AppKey("trainguard_admin_config", AdminConfig)
 _REDIS = web.AppKey("trainguard_admin_redis", aioredis.Redis)
+_REDIS_MUTATIONS = web.AppKey("trainguard_admin_redis_mutations", aioredis.Redis)
+READ_REDIS_KEY = _REDIS
+"""The admin reads' Redis client (a pool that queues), for other read-route modules."""
+READ_CONNECTIONS = 64
+MUTATION_CONNECTIONS = 16
+POOL_QUEUE_TIMEOUT_S = 10.0
+"""How long a request waits for a free Redis connection before its 503."""
 _STORES = web.AppKey("trainguard_admin_stores", StoreSet)
 STORES_KEY = _STORES
 """The configured checkpoint stores, for other route modules (run history)."""
@@ -137,6 +151,33 @@ def require_token(request: web.Request) -> None:
         raise Forbidden("forbidden", "the bearer token is wrong")
 
 
+_READ_PREFIXES = ("/admin/", "/openapi.json")
+
+
+@web.middleware
+async def _read_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With a read token configured, every read route needs it (or the admin token):
+    401 without a bearer token, 403 with a wrong one. Mutations check their own."""
+    expected = request.app[ADMIN_CONFIG].read_token
+    if expected and request.method in ("GET", "HEAD") \
+            and request.path.startswith(_READ_PREFIXES) and not may_read_private(request):
+        bearer_token(request)  # no token at all: 401
+        raise Forbidden("forbidden", f"the bearer token is neither {settings.READ_TOKEN_ENV} "
+                                     f"nor {settings.ADMIN_TOKEN_ENV}")
+    return await handler(request)
+
+
+def may_read_private(request: web.Request) -> bool:
+    """Whether the request presents the read token or the admin token: it may see a
+    manifest's private fields (``extra``, the tensor index, random states)."""
+    config = request.app[ADMIN_CONFIG]
+    try:
+        given = bearer_token(request)
+    except Unauthorized:
+        return False
+    return any(bool(t) and tokens_equal(given, t or "") for t in (config.token, config.read_token))
+
+
 def is_admin(request: web.Request) -> bool:
     """Whether the request presents the admin token (reads then show sources and URLs)."""
     expected = request.app[ADMIN_CONFIG].token
@@ -147,8 +188,12 @@ def is_admin(request: web.Request) -> bool:
 
 
 def _spec_view(spec: Any, admin: bool) -> Any:
+    """A dataset's spec as a reader may see it: the source and the options (a
+    tokenizer URL may carry ``?token=``) to the admin only, redacted even then."""
     if isinstance(spec, dict) and "source" in spec:
         spec = {**spec, "source": redact_url(spec["source"]) if admin else None}
+    if isinstance(spec, dict) and "options" in spec:
+        spec = {**spec, "options": redact_values(spec["options"]) if admin else None}
     return spec
 
 
@@ -204,7 +249,7 @@ async def _groups(request: web.Request) -> web.Response:
 async def _seek(request: web.Request) -> web.Response:
     require_token(request)
     body = await read_json_object(request)
-    r = request.app[_REDIS]
+    r = request.app[_REDIS_MUTATIONS]
     dataset, group = request.match_info["dataset"], request.match_info["group"]
     force = body.pop("force", False)
     if not isinstance(force, bool):
@@ -239,15 +284,22 @@ async def _list_stores(request: web.Request) -> web.Response:
     return web.json_response({"stores": request.app[_STORES].describe(full=is_admin(request))})
 
 
+CHECKPOINTS_PAGE = 500
+"""Checkpoints per page of ``/admin/checkpoints/{store}`` (oldest first)."""
+
+
 async def _list_checkpoints(request: web.Request) -> web.Response:
     name = request.match_info["store"]
-    rows = await request.app[_STORES].list(name)
-    return web.json_response({"store": name, "checkpoints": rows})
+    offset, limit = page(request, default_limit=CHECKPOINTS_PAGE)
+    rows = await until_gone(request, request.app[_STORES].list(name))
+    return web.json_response({"store": name, "checkpoints": rows[offset:offset + limit],
+                              "total": len(rows), "offset": offset, "limit": limit})
 
 
 async def _show_checkpoint(request: web.Request) -> web.Response:
     name = request.match_info["store"]
-    return web.json_response(await request.app[_STORES].show(name, _step(request)))
+    return web.json_response(await request.app[_STORES].show(
+        name, _step(request), full=may_read_private(request)))
 
 
 async def _verify_checkpoint(request: web.Request) -> web.Response:
@@ -310,17 +362,26 @@ def setup_admin(app: web.Application, config: AdminConfig | None = None, *,
     app[_STORES] = StoreSet(config.stores, verify_threads=verify_threads)
     if json_errors not in app.middlewares:
         app.middlewares.append(json_errors)
+    app.middlewares.append(_read_gate)
     app.middlewares.append(_ready_with_stores)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
 
     async def _lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
-        client = redis_client.client(config.redis_url, socket_timeout=10)
-        app[_REDIS] = client
+        # Reads and mutations each have a pool of their own that queues (a burst of
+        # anonymous reads waits its turn, and never takes the connections a seek needs).
+        reads = redis_client.client(config.redis_url, socket_timeout=10,
+                                    max_connections=READ_CONNECTIONS,
+                                    queue_timeout_s=POOL_QUEUE_TIMEOUT_S)
+        writes = redis_client.client(config.redis_url, socket_timeout=10,
+                                     max_connections=MUTATION_CONNECTIONS,
+                                     queue_timeout_s=POOL_QUEUE_TIMEOUT_S)
+        app[_REDIS], app[_REDIS_MUTATIONS] = reads, writes
         try:
             yield
         finally:
-            await client.aclose()
+            await reads.aclose()
+            await writes.aclose()
             await asyncio.to_thread(app[_STORES].close)
 
     app.cleanup_ctx.append(_lifecycle)

@@ -21,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import sys
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from ingest_service.catalog import NEVER, Cancel, Flights, ManifestCache
 from ingest_service.errors import AdminError, BadRequest, NotFound, Refused
 from trainguard.core import record
 from trainguard.core.checkpoints import (
@@ -36,11 +38,12 @@ from trainguard.core.checkpoints import (
     PinnedCheckpointError,
 )
 from trainguard.core.record import SessionRecord
-from trainguard.core.urls import redact_text, redact_url
+from trainguard.core.urls import has_password, redact_text, redact_url
 
 __all__ = ["StoreRoot", "StoreSet", "manifest_json", "newest_valid", "parse_store_roots"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,19 @@ def parse_store_roots(text: str) -> dict[str, StoreRoot]:
         local, _, remote = urls.partition("|")
         if not sep or not name.strip() or not local.strip():
             raise ValueError(
-                f"checkpoint store {item!r} is not valid: expected name=url or "
+                f"checkpoint store {redact_url(item)!r} is not valid: expected name=url or "
                 "name=local_url|remote_url, comma-separated"
             )
+        for url in filter(None, (local.strip(), remote.strip())):
+            # A store's URL is shown to operators and quoted in backend errors (botocore
+            # names the bucket "KEY:SECRET@bucket"): credentials never belong in it.
+            if has_password(url):
+                raise ValueError(
+                    f"checkpoint store {name.strip()!r}: its URL {redact_url(url)!r} carries "
+                    "user:password@, which would be shown in errors and logs; give the "
+                    "credentials to the backend instead (AWS_ACCESS_KEY_ID/"
+                    "AWS_SECRET_ACCESS_KEY or a profile for s3://) and drop them from the URL"
+                )
         roots[name.strip()] = StoreRoot(name.strip(), local.strip(), remote.strip() or None)
     return roots
 
@@ -114,6 +127,16 @@ def newest_valid(store: Any) -> list[Any]:
     return list(found.values())
 
 
+@dataclass(frozen=True)
+class Catalog:
+    """A root's manifests (slim: no tensor index, arrays or state), oldest first, and
+    their status labels, as of one listing (``key``)."""
+
+    key: Any
+    manifests: list[Any]
+    labels: dict[str, list[str]]
+
+
 class Busy(AdminError, BlockingIOError):
     """Too many of an expensive operation at once; retry shortly."""
 
@@ -123,7 +146,8 @@ class Busy(AdminError, BlockingIOError):
 class StoreSet:
     """The configured roots, each opened lazily once."""
 
-    def __init__(self, roots: Mapping[str, StoreRoot], *, verify_threads: int = 2):
+    def __init__(self, roots: Mapping[str, StoreRoot], *, verify_threads: int = 2,
+                 catalog_threads: int = 2):
         self.roots = dict(roots)
         self._stores: dict[str, Any] = {}
         self._open_lock = threading.Lock()
@@ -134,6 +158,15 @@ class StoreSet:
         self._verify_threads = verify_threads
         self._verify_pool: ThreadPoolExecutor | None = None
         self._verifying = 0
+        # Every other store call runs here: a bounded number of threads, so that no
+        # burst of reads starves the event loop (JSON parsing holds the GIL).
+        self._pool = ThreadPoolExecutor(catalog_threads, thread_name_prefix="trainguard-catalog")
+        self._caches: dict[str, ManifestCache] = {}
+        # One catalog computation per root at a time, shared by every request asking
+        # for it meanwhile; stopped when all of them have gone.
+        self._flights = Flights()
+        # (root, listing key) -> what was derived from exactly that listing.
+        self._derived: dict[str, tuple[Any, Any]] = {}
 
     def describe(self, *, full: bool = True) -> list[dict[str, Any]]:
         return [root.describe(full=full) for root in self.roots.values()]
@@ -159,16 +192,22 @@ class StoreSet:
                     url, keep_last=sys.maxsize,
                     storage_options=dict(root.storage_options or {}) or None,
                 )
+                self._caches[url] = ManifestCache(self._stores[url])
             return self._stores[url]
+
+    def _cache(self, url: str, root: StoreRoot) -> ManifestCache:
+        self._open(url, root)
+        return self._caches[url]
 
     async def _run(self, name: str, fn: Callable[[StoreRoot], T], *, locked: bool = True) -> T:
         root = self._root(name)
         lock = self._locks.setdefault(name, asyncio.Lock()) if locked else None
+        loop = asyncio.get_running_loop()
         try:
             if lock is None:
-                return await asyncio.to_thread(fn, root)
+                return await loop.run_in_executor(self._pool, fn, root)
             async with lock:
-                return await asyncio.to_thread(fn, root)
+                return await loop.run_in_executor(self._pool, fn, root)
         except AdminError:
             raise
         except Exception as exc:
@@ -176,47 +215,61 @@ class StoreSet:
 
     # -- blocking helpers (run in a thread) ---------------------------------------
 
-    def _catalog(self, root: StoreRoot) -> tuple[list[Any], dict[str, list[str]]]:
-        """The root's manifests and each one's status labels (tiers, pinned)."""
+    def read_catalog(self, root: StoreRoot, cancel: Cancel = NEVER) -> Catalog:
+        """The root's manifests (slim, oldest first) and each one's status labels
+        (tiers, pinned); only manifests not seen before are read."""
         from checkpoint_store import tier_statuses
 
-        manifests = list(self._open(root.url, root).list())
+        local = self._cache(root.url, root)
+        names, pins = local.listing(cancel)
+        remote_key: tuple[tuple[str, ...], frozenset[str]] | None = None
+        if root.remote_url:
+            remote = self._cache(root.remote_url, root)
+            remote_key = remote.listing(cancel)
+        key = (names, pins, remote_key)
+        seen = self._derived.get(f"catalog:{root.name}")
+        if seen is not None and seen[0] == key:
+            return cast(Catalog, seen[1])
+        manifests = local.manifests(names, pins, cancel)
         labels = {m.name: ["committed", "pinned"] if m.pinned else ["committed"]
                   for m in manifests}
-        if root.remote_url:
-            remote = self._open(root.remote_url, root).list()
-            labels = {s.name: s.labels() for s in tier_statuses(manifests, remote) if s.local}
-        return manifests, labels
+        if remote_key is not None:
+            remote_manifests = remote.manifests(remote_key[0], remote_key[1], cancel)
+            labels = {s.name: s.labels()
+                      for s in tier_statuses(manifests, remote_manifests) if s.local}
+        catalog = Catalog(key, manifests, labels)
+        self._derived[f"catalog:{root.name}"] = (key, catalog)
+        return catalog
 
-    def _rows(self, root: StoreRoot) -> list[dict[str, Any]]:
-        manifests, labels = self._catalog(root)
-        rows = []
-        for m in manifests:
-            rows.append(
-                {
-                    "step": m.step,
-                    "uid": m.uid,
-                    "name": m.name,
-                    "created_at": m.created_at,
-                    "nbytes": m.nbytes,
-                    "parent": m.parent,
-                    "world_size": m.world_size,
-                    "status": labels[m.name],
-                }
-            )
-        return rows
+    def derived(self, root: StoreRoot, what: str, catalog: Catalog,
+                make: Callable[[Catalog], T]) -> T:
+        """``make(catalog)``, computed once per listing of the root (blocking)."""
+        seen = self._derived.get(f"{what}:{root.name}")
+        if seen is not None and seen[0] == catalog.key:
+            return cast(T, seen[1])
+        value = make(catalog)
+        self._derived[f"{what}:{root.name}"] = (catalog.key, value)
+        return value
+
+    def _rows(self, root: StoreRoot, cancel: Cancel = NEVER) -> list[dict[str, Any]]:
+        catalog = self.read_catalog(root, cancel)
+        return [
+            {
+                "step": m.step, "uid": m.uid, "name": m.name, "created_at": m.created_at,
+                "nbytes": m.nbytes, "parent": m.parent, "world_size": m.world_size,
+                "status": catalog.labels[m.name],
+            }
+            for m in catalog.manifests
+        ]
 
     def _manifest(self, root: StoreRoot, step: int) -> Any:
-        """The newest manifest of ``step`` (a step saved twice, e.g. after a rollback,
-        means its newest save, as the store's verify/pin/load do)."""
-        for m in reversed(self._open(root.url, root).list()):
-            if m.step == step:
-                return m
-        raise NotFound(
+        """The newest manifest of ``step``, read whole (a step saved twice, e.g. after
+        a rollback, means its newest save, as the store's verify/pin/load do)."""
+        return self._cache(root.url, root).newest_of_step(step, lambda: NotFound(
             "checkpoint_not_found",
             f"store {root.name!r} has no checkpoint at step {step}: "
             "`trainguard ckpt ls` lists the steps it has",
-        )
+        ))
 
     def _row(self, root: StoreRoot, step: int) -> dict[str, Any]:
         for row in reversed(self._rows(root)):
@@ -226,15 +279,32 @@ class StoreSet:
 
     # -- async API ----------------------------------------------------------------
 
-    async def catalog(self, name: str) -> tuple[list[Any], dict[str, list[str]]]:
-        """Every manifest of store ``name`` with its status labels (run history)."""
-        return await self._run(name, self._catalog)
+    async def shared(self, name: str, what: str, fn: Callable[[StoreRoot, Cancel], T]) -> T:
+        """``fn(root, cancel)`` in the bounded pool, one at a time per (store, what),
+        shared by the requests meanwhile (:class:`~ingest_service.catalog.Flights`)."""
+        root = self._root(name)
+        try:
+            return await self._flights.run(f"{what}:{name}", self._pool, fn, root)
+        except AdminError:
+            raise
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    async def catalog(self, name: str) -> Catalog:
+        """Every manifest of store ``name`` (slim) with its status labels."""
+        return await self.shared(name, "catalog", self.read_catalog)
 
     async def list(self, name: str) -> list[dict[str, Any]]:
-        return await self._run(name, self._rows)
+        return await self.shared(name, "rows", lambda root, cancel: self._rows(root, cancel))
 
-    async def show(self, name: str, step: int) -> dict[str, Any]:
-        return await self._run(name, lambda root: manifest_json(self._manifest(root, step)))
+    async def show(self, name: str, step: int, *, full: bool = True) -> dict[str, Any]:
+        """Step ``step``'s checkpoint: its list row (names and figures), plus with
+        ``full`` the whole manifest (the caller's ``extra``, the tensor index, every
+        rank's random states: for readers holding a token only)."""
+        def run(root: StoreRoot) -> dict[str, Any]:
+            row = self._row(root, step)
+            return {**manifest_json(self._manifest(root, step)), **row} if full else row
+        return await self._run(name, run)
 
     async def verify(self, name: str, step: int) -> dict[str, Any]:
         root = self._root(name)
@@ -270,10 +340,10 @@ class StoreSet:
         def run(root: StoreRoot) -> dict[str, Any]:
             self._manifest(root, step)
             urls = [root.url]
-            if root.remote_url and any(
-                m.step == step for m in self._open(root.remote_url, root).list()
-            ):
-                urls.append(root.remote_url)
+            remote = self._cache(root.remote_url, root) if root.remote_url else None
+            if remote is not None and any(
+                    m.step == step for m in remote.manifests(*remote.listing())):
+                urls.append(str(root.remote_url))
             for url in urls:
                 store = self._open(url, root)
                 store.pin(step) if pinned else store.unpin(step)
@@ -350,13 +420,18 @@ class StoreSet:
                                 locked=False)
                 out[name] = "ok"
             except Exception as exc:
-                out[name] = redact_text(f"{type(exc).__name__}: {exc}")
+                # /readyz is anonymous: the type only; the message (which may quote a
+                # URL, a bucket or a path) goes to the log, redacted.
+                log.warning("checkpoint store %r is not ready: %s", name,
+                            redact_text(f"{type(exc).__name__}: {exc}"))
+                out[name] = f"unreachable ({type(exc).__name__})"
         return out
 
     def close(self) -> None:
         """Stop each opened store's writer thread (they never save here)."""
         if self._verify_pool is not None:
             self._verify_pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         stores, self._stores = list(self._stores.values()), {}
         for store in stores:
             store.close()

@@ -63,7 +63,22 @@ class IngestConfig:
     the partition's master has a replica (a cluster, a replicated Redis), else none."""
     push_wait_ms: int = 1000
     """How long a push waits for its replicas before it answers 503 (retry)."""
+    push_wait_aof: bool | None = None
+    """Acknowledge a push only once Redis' own append-only file has it on disk
+    (``WAITAOF``) where no replica confirms it; None: where Redis has WAITAOF (7.2 on)
+    and an AOF. With appendfsync everysec a push then waits for the next fsync (up to
+    about a second); False trades that for up to a second of acknowledged pushes lost
+    to a machine crash (a kill -9 of Redis loses none: the AOF is written first)."""
+    push_pool_connections: int = 64
+    """Redis connections of the push route at most; a push past them waits for one."""
+    push_pool_wait_s: float = 5.0
+    """How long a push waits for a connection before it answers 503 (retry)."""
+    push_pool_idle_s: float = 10.0
+    """Push connections idle this long are closed (four are kept)."""
     maintenance_interval_s: float = 1.0
+    durability_interval_s: float = 1.0
+    """How often the service reads Redis' INFO: a restarted Redis is assessed and
+    checked against what was acknowledged (:mod:`ingest_service.durability`)."""
     lease_ms: int = LEASE_MS
     """Partition leases of the file producers (several services share a dataset)."""
     shutdown_timeout_s: float = 30.0

@@ -20,6 +20,8 @@ __all__ = [
     "PushBusyError",
     "UnsupportedMediaError",
     "PushOutOfOrderError",
+    "BatchMismatchError",
+    "PushDataLostError",
     "BacklogFullError",
     "NotReplicatedError",
     "WrongDatasetKindError",
@@ -101,6 +103,30 @@ class PushOutOfOrderError(PushRejectedError):
     def __init__(self, message: str, mark: int | None):
         super().__init__(message)
         self.mark = mark
+
+
+class BatchMismatchError(PushRejectedError):
+    """Another batch is partly appended under this ``seq``: the request's records are
+    not that batch (their count or digest differs). Nothing was appended; the producer
+    resends the batch it sent first, whole, under this seq."""
+
+    status = 409
+
+    def __init__(self, message: str, *, appended: int, count: int, digest: str):
+        super().__init__(message)
+        self.appended, self.count, self.digest = appended, count, digest
+
+
+class PushDataLostError(PushRejectedError):
+    """Redis no longer holds batches this service acknowledged (it restarted from an
+    older snapshot, or without persistence): the producer's mark went back from
+    ``acknowledged`` to ``mark``. The batches in between are lost."""
+
+    status = 409
+
+    def __init__(self, message: str, *, mark: int | None, acknowledged: int):
+        super().__init__(message)
+        self.mark, self.acknowledged = mark, acknowledged
 
 
 class BacklogFullError(IngestError, BlockingIOError):

@@ -11,6 +11,7 @@ per GPU, the worst check and its readings. A daemon that does not answer is
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import aiohttp
@@ -20,6 +21,8 @@ __all__ = ["STATUS_NAMES", "nodes_health", "parse_probes", "summarize_metrics"]
 
 STATUS_NAMES = ("OK", "WARN", "CRITICAL")
 SCRAPE_TIMEOUT_S = 3.0
+MAX_METRICS_BYTES = 1 << 20
+"""A probe's /metrics is a few KB; past 1 MiB the body is not read further."""
 
 
 def parse_probes(text: str) -> dict[str, str]:
@@ -35,8 +38,15 @@ def parse_probes(text: str) -> dict[str, str]:
 
 
 def _status(value: float) -> str:
+    if not math.isfinite(value):
+        return "UNKNOWN"
     i = int(value)
-    return STATUS_NAMES[i] if 0 <= i < len(STATUS_NAMES) else "UNKNOWN"
+    return STATUS_NAMES[i] if 0 <= i < len(STATUS_NAMES) and i == value else "UNKNOWN"
+
+
+def _finite(value: float) -> float | None:
+    # JSON has no +Inf or NaN: a reading that is not a number shows as null.
+    return value if math.isfinite(value) else None
 
 
 def summarize_metrics(text: str) -> dict[str, Any]:
@@ -52,18 +62,22 @@ def summarize_metrics(text: str) -> dict[str, Any]:
             elif name == "trainguard_node_no_gpu":
                 node["no_gpu"] = value == 1
             elif name == "trainguard_health_probe_timestamp_seconds":
-                node["taken_at"] = value
+                node["taken_at"] = _finite(value)
             elif name.startswith("trainguard_gpu_") and "gpu" in labels:
                 gpu = gpus.setdefault(int(labels["gpu"]), {
                     "gpu": int(labels["gpu"]), "status": "OK", "problems": [],
                     "readings": {}})
                 if name == "trainguard_gpu_check_status":
-                    if value > STATUS_NAMES.index(gpu["status"]):
-                        gpu["status"] = _status(value)
-                    if value > 0:
-                        gpu["problems"].append(f"{labels.get('signal')}: {_status(value)}")
+                    status = _status(value)
+                    rank = STATUS_NAMES.index(status) if status in STATUS_NAMES else 99
+                    old = STATUS_NAMES.index(gpu["status"]) if gpu["status"] in STATUS_NAMES \
+                        else 99
+                    if rank > old:
+                        gpu["status"] = status
+                    if status != "OK":
+                        gpu["problems"].append(f"{labels.get('signal')}: {status}")
                 else:
-                    gpu["readings"][name.removeprefix("trainguard_gpu_")] = value
+                    gpu["readings"][name.removeprefix("trainguard_gpu_")] = _finite(value)
     node["gpus"] = [gpus[i] for i in sorted(gpus)]
     return node
 
@@ -74,14 +88,23 @@ async def _node(session: aiohttp.ClientSession, name: str, url: str) -> dict[str
             if resp.status != 200:
                 return {"node": name, "status": "UNREACHABLE", "reason": f"HTTP {resp.status}",
                         "gpus": []}
-            text = await resp.text()
+            raw = b""
+            while len(raw) <= MAX_METRICS_BYTES:
+                part = await resp.content.read(MAX_METRICS_BYTES + 1 - len(raw))
+                if not part:
+                    break
+                raw += part
+            if len(raw) > MAX_METRICS_BYTES:
+                return {"node": name, "status": "UNREACHABLE", "gpus": [],
+                        "reason": f"metrics larger than {MAX_METRICS_BYTES >> 20} MiB"}
+            text = raw.decode("utf-8", "replace")
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         # The type only: a message could carry the URL.
         return {"node": name, "status": "UNREACHABLE", "reason": type(exc).__name__,
                 "gpus": []}
     try:
         return {"node": name, **summarize_metrics(text)}
-    except ValueError:
+    except (ValueError, TypeError, OverflowError, KeyError, IndexError):
         return {"node": name, "status": "UNREACHABLE", "reason": "unreadable metrics",
                 "gpus": []}
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ingest_service.nodes_openapi import nodes_paths
 from ingest_service.push import PROBE_SEQ
 from ingest_service.push_body import BodyLimits
-from ingest_service.runs_openapi import runs_paths
+from ingest_service.push_openapi import PUSH_409_FIELDS, push_paths
+from ingest_service.runs_openapi import PAGE_FIELDS, PAGE_PARAMETERS, runs_paths
 from trainguard import __version__
 
 __all__ = ["openapi_document"]
@@ -85,7 +87,8 @@ _SCHEMAS: dict[str, Any] = {
                 "required": ["code", "message"],
                 "properties": {"code": {"type": "string"}, "message": {"type": "string"},
                                "mark": {"type": "integer", "nullable": True,
-                                        "description": "409 of a push: the producer's mark"}},
+                                        "description": "409 of a push: the producer's mark"},
+                               **PUSH_409_FIELDS},
             }
         },
     },
@@ -273,12 +276,13 @@ def _paths() -> dict[str, Any]:
         "/admin/checkpoints/{store}": {
             "get": {
                 "operationId": "listCheckpoints",
-                "summary": "Checkpoints of a store, oldest first",
-                "parameters": [_STORE],
+                "summary": "Checkpoints of a store, oldest first, a page at a time",
+                "parameters": [_STORE, *PAGE_PARAMETERS],
                 "responses": {
                     "200": _json({"type": "object", "properties": {
                         "store": {"type": "string"},
-                        "checkpoints": {"type": "array", "items": _ref("Checkpoint")}}},
+                        "checkpoints": {"type": "array", "items": _ref("Checkpoint")},
+                        **PAGE_FIELDS}},
                         "checkpoints", links={
                             op: {"operationId": op, "parameters": {
                                 "store": "$request.path.store",
@@ -293,7 +297,8 @@ def _paths() -> dict[str, Any]:
         "/admin/checkpoints/{store}/{step}": {
             "get": {
                 "operationId": "showCheckpoint",
-                "summary": "A checkpoint's manifest",
+                "summary": "A checkpoint's list row; with a read or admin token its whole "
+                           "manifest (extra, tensor index, random states)",
                 "parameters": [_STORE, _STEP],
                 "responses": {"200": _json({"type": "object"}, "the manifest"),
                               **_errors(*_READ_ERRORS)},
@@ -374,8 +379,14 @@ def _paths() -> dict[str, Any]:
                 "description": "Needs a producer token whose scope covers the dataset and the "
                                "producer_id. seq must be the producer's mark + 1 (0 without a "
                                "mark); at or below the mark the batch is in already (200, "
-                               "appended false); otherwise 409 with the mark. seq 2^53-1 is a "
-                               "probe: never appended, answered 409 with the mark. Bodies: "
+                               "appended false); otherwise 409 out_of_order with the mark. "
+                               "409 batch_mismatch: another batch (count, digest) is partly "
+                               "in under this seq; resend that one whole. 409 "
+                               "lost_acknowledged_data: Redis lost acknowledged batches of "
+                               "this producer (mark, acknowledged), said once. seq 2^53-1 is a "
+                               "probe: never appended, answered 409 with the mark. 413: the "
+                               "body, a record, or a record's lists and maps (count, nesting) "
+                               "over the limit. Bodies: "
                                "application/x-ndjson (one JSON value per line), application/json "
                                "(one array) or application/msgpack (one array; bin items stay "
                                "bytes); the schemas below show one common shape of each text "
@@ -427,7 +438,7 @@ def openapi_document() -> dict[str, Any]:
                                "Authorization: Bearer <TRAINGUARD_ADMIN_TOKEN>, pushes a "
                                "producer token of TRAINGUARD_PUSH_TOKENS.",
             },
-            "paths": {**_paths(), **runs_paths()},
+            "paths": {**_paths(), **runs_paths(), **nodes_paths(), **push_paths()},
             "components": {
                 "schemas": _SCHEMAS,
                 "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

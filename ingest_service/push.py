@@ -13,7 +13,13 @@ The client's contract (what :class:`trainguard.push.Producer` does):
   and the mark, never acknowledged in silence: the client resends from ``mark + 1``.
 - Every error other than 4xx (a 503 while Redis is down, a broken connection, a
   timeout) may leave the batch partly appended: resend the same batch with the same
-  seq until it is answered 200; it is completed, never duplicated.
+  seq until it is answered 200; it is completed, never duplicated. Another batch
+  under that seq is refused with 409 ``batch_mismatch``: a batch is known by its record
+  count and digest (:class:`~ingest_service.push_body.BatchDigest`), kept in the
+  in-flight marker.
+- A Redis that lost batches this service acknowledged is caught against its memory
+  (:mod:`ingest_service.push_ledger`): the producer's next push is answered 409
+  ``lost_acknowledged_data`` with the seqs lost, once.
 
 Appending: the records go in slices (at most ``SLICE_RECORDS`` records and
 ``SLICE_BYTES`` bytes each), each one Lua call, so no Redis call runs long enough to
@@ -42,10 +48,14 @@ from ingest_service.backlog import Backlog, BacklogLimits, min_committed
 from ingest_service.datasets import spec_from_hash
 from ingest_service.errors import (
     BacklogFullError,
+    BatchMismatchError,
     MalformedPushError,
+    PushDataLostError,
     PushOutOfOrderError,
     WrongDatasetKindError,
 )
+from ingest_service.push_body import BatchDigest
+from ingest_service.push_ledger import ACKED_FIELD, AckLedger
 from trainguard.core import groups, streams
 
 __all__ = [
@@ -81,6 +91,8 @@ class PushResult:
     first_id: str | None
     last_id: str | None
     mark: int
+    acked: int = 0
+    """The partition's count of whole batches after this one (0: not known)."""
 
 
 def parse_uint(name: str, text: str, maximum: int) -> int:
@@ -142,6 +154,10 @@ class PushIngest:
         self.retry_after_s = retry_after_s
         self.wait_replicas = wait_replicas
         self.wait_ms = wait_ms
+        self.wait_aof = False
+        """Wait for the local append-only file (``WAITAOF``) when no replica takes a
+        push: set by :class:`~ingest_service.durability.DurabilityWatch`."""
+        self.ledger = AckLedger()
         self._confirm_sha = groups.script_sha(_lua.PUSH_CONFIRM).encode()
         self._backlogs: dict[tuple[str, int], Backlog] = {}
         # The spec of each existing dataset last seen, beside the hash it was read from.
@@ -174,6 +190,27 @@ class PushIngest:
         for key in [k for k in self._backlogs if k[0] == dataset]:
             del self._backlogs[key]
 
+    async def spec(self, name: str) -> streams.DatasetSpec | None:
+        """The dataset's spec as last seen, else read (None: no such dataset)."""
+        seen = self._specs.get(name)
+        if seen is not None:
+            return seen[1]
+        raw = await self.redis.hgetall(streams.meta_key(name))
+        return spec_from_hash(name, raw) if raw else None
+
+    async def _check_ledger(self, name: str, p: int, producer_id: str, mark: int | None,
+                            acked: object, read_at: int) -> None:
+        """Against what this service acknowledged: raises PushDataLostError when the
+        producer's mark went back (and drops the marker of the lost batch under way,
+        so the producer can go on from its mark)."""
+        self.ledger.check_partition(name, p, int(acked or 0),  # type: ignore[call-overload]
+                                    read_at)
+        try:
+            self.ledger.check_mark(name, producer_id, mark, read_at)
+        except PushDataLostError:
+            await self.redis.hdel(streams.seq_key(name, p), f"{producer_id}:inflight")
+            raise
+
     async def admit(self, name: str, producer_id: str, seq: int,
                     known: list[streams.DatasetSpec] | None = None
                     ) -> tuple[streams.DatasetSpec, int | None]:
@@ -191,17 +228,24 @@ class PushIngest:
         atomically."""
         seen = self._specs.get(name)
         guess = None if seen is None else choose_partition(producer_id, seen[1].partitions)
+        read_at = self.ledger.tick()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(streams.meta_key(name))
             pipe.smembers(streams.groups_key(name))
             if guess is not None:
-                pipe.hget(streams.seq_key(name, guess), producer_id)
+                pipe.hmget(streams.seq_key(name, guess), [producer_id, ACKED_FIELD])
             raw_spec, raw_groups, *raw_mark = await pipe.execute()
         if not raw_spec:
             self._specs.pop(name, None)
+            self.ledger.missing_dataset(name, read_at)
+            self.ledger.check_mark(name, producer_id, None, read_at)
         if seen is not None and seen[0] == raw_spec:
             spec = seen[1]
         else:
+            if seen is not None and raw_spec:
+                # Recreated with another spec: on purpose, what it held is not a loss (a
+                # Redis come back older has the spec it had).
+                self.ledger.forget(name)
             spec = spec_from_hash(name, raw_spec)
             self._specs[name] = (raw_spec, spec)
         if known is not None:
@@ -209,8 +253,10 @@ class PushIngest:
         check_push_dataset(spec)
         p = choose_partition(producer_id, spec.partitions)
         if p != guess:
-            raw_mark = [await self.redis.hget(streams.seq_key(name, p), producer_id)]
-        mark = None if raw_mark[0] is None else int(raw_mark[0])
+            raw_mark = [await self.redis.hmget(streams.seq_key(name, p), [producer_id, ACKED_FIELD])]
+        raw, acked = raw_mark[0]
+        mark = None if raw is None else int(raw)
+        await self._check_ledger(name, p, producer_id, mark, acked, read_at)
         if mark is not None and seq <= mark:
             if self.wait_replicas != 0:
                 # The batch is in, but it is acknowledged only once a replica has it (as
@@ -220,7 +266,9 @@ class PushIngest:
                 await call_packed_script(self.redis, _lua.PUSH_CONFIRM, self._confirm_sha,
                                          [streams.seq_key(name, p).encode()],
                                          [producer_id.encode()],
-                                         replicas=self.wait_replicas, wait_ms=self.wait_ms)
+                                         replicas=self.wait_replicas, wait_ms=self.wait_ms,
+                                         wait_aof=self.wait_aof)
+            self.ledger.acknowledged(name, p, producer_id, mark, 0)
             return spec, mark
         if seq != (0 if mark is None else mark + 1):
             raise _out_of_order(seq, mark)
@@ -268,9 +316,11 @@ class PushIngest:
         )
 
     async def append(self, spec: streams.DatasetSpec, producer_id: str, seq: int,
-                     records: list[dict[bytes, bytes]], sizes: list[int] | None = None
-                     ) -> PushResult:
-        """Append a batch in slices (``sizes``: each record's entry size, when known)."""
+                     records: list[dict[bytes, bytes]], sizes: list[int] | None = None,
+                     digest: str | None = None) -> PushResult:
+        """Append a batch in slices (``sizes``: each record's entry size, ``digest``:
+        its :class:`BatchDigest`, when known). Raises BatchMismatchError (409) when
+        another batch is partly in under ``seq``."""
         check_push_dataset(spec)
         p = choose_partition(producer_id, spec.partitions)
         if seq == PROBE_SEQ:
@@ -280,7 +330,10 @@ class PushIngest:
         if sizes is None:
             sizes = [streams.record_size(f) for f in records]
         slices = _slices(sizes)
-        head = [producer_id.encode(), b"%d" % seq, b"", b"%d" % len(records), b""]
+        if digest is None:
+            digest = BatchDigest.of(records)
+        head = [producer_id.encode(), b"%d" % seq, b"", b"%d" % len(records), b"",
+                digest.encode()]
         calls: list[list[bytes]] = []
         for start, end in slices:
             head[2], head[4] = b"%d" % start, b"%d" % (end - start)
@@ -288,23 +341,30 @@ class PushIngest:
         # All slices pipelined on one connection to the partition's master; acknowledged
         # only once a replica has them (when there is one): see NotReplicatedError.
         replies = await call_packed_scripts(self.redis, _lua.PUSH_SLICE, _SLICE_SHA, keys, calls,
-                                            replicas=self.wait_replicas, wait_ms=self.wait_ms)
-        return self._outcome(spec, p, seq, records, slices, replies)  # type: ignore[arg-type]
+                                            replicas=self.wait_replicas, wait_ms=self.wait_ms,
+                                            wait_aof=self.wait_aof)
+        result = self._outcome(spec, p, seq, records, slices, replies,  # type: ignore[arg-type]
+                               digest)
+        self.ledger.acknowledged(spec.name, p, producer_id, result.mark, result.acked)
+        return result
 
     def _outcome(self, spec: streams.DatasetSpec, p: int, seq: int,
                  records: list[dict[bytes, bytes]], slices: list[tuple[int, int]],
-                 replies: list[list[object]]) -> PushResult:
+                 replies: list[list[object]], digest: str) -> PushResult:
         status = int(replies[0][0])  # type: ignore[call-overload]
         if status == 0:
             return PushResult(p, seq, False, 0, None, None, int(_text(replies[0][1])))
         if status == -1:
             mark_text = _text(replies[0][1])
             raise _out_of_order(seq, int(mark_text) if mark_text else None)
+        if status == -3:
+            raise _mismatch(seq, len(records), digest, replies[0])
         backlog = self._backlogs.get((spec.name, p))
-        count, first, last = 0, None, None
+        count, first, last, acked = 0, None, None, 0
         for (_, end), reply in zip(slices, replies, strict=True):
             if int(reply[0]) != 1:  # type: ignore[call-overload]
                 continue  # a concurrent request for the same batch finished it
+            acked = max(acked, int(reply[4]))  # type: ignore[call-overload]
             a, b = _text(reply[1]), _text(reply[2])
             if not a:
                 continue
@@ -317,7 +377,18 @@ class PushIngest:
             count += added
             first = first or a
             last = b
-        return PushResult(p, seq, count > 0, count, first, last, seq)
+        return PushResult(p, seq, count > 0, count, first, last, seq, acked)
+
+
+def _mismatch(seq: int, count: int, digest: str, reply: list[object]) -> BatchMismatchError:
+    done = int(_text(reply[1]))
+    their_count, _, their_digest = _text(reply[2]).partition(":")
+    return BatchMismatchError(
+        f"seq {seq} of this producer is partly appended ({done} of {their_count} records) "
+        f"from another batch (digest {their_digest}); this request's batch is {count} "
+        f"records, digest {digest}: nothing was appended. Resend the batch first sent "
+        f"under seq {seq}, whole, to complete it; send new records under the next seq",
+        appended=done, count=int(their_count), digest=their_digest)
 
 
 def _out_of_order(seq: int, mark: int | None) -> PushOutOfOrderError:

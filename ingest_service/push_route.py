@@ -11,12 +11,19 @@
    next (409 with the mark otherwise; a retry of a batch that is in is answered 200
    without reading its body); the producer's partition has room (429 with
    ``Retry-After``). All before the body is read.
-5. The body streams in within its limits (413, 408), is parsed in slices on the loop
-   (bodies over 1 MiB one at a time, at a quarter of the loop at most)
-   (400, 413), checked against the backlog again with its real size, and appended in
-   slices (409 with the mark when ``seq`` is out of order; 503 with ``Retry-After``
-   when Redis is out of reach or failing over, or when no replica took the batch in
-   time: acknowledged only once a replica has it, see ``PushIngest``).
+5. The body streams in within its limits (413; 408 when a chunk is late or the body
+   arrives under the minimum rate; 503 when the bodies in memory, or those of this
+   producer token, are at their bound), is parsed in slices on the loop (bodies over
+   1 MiB one at a time, at a quarter of the loop at most; a record past its container
+   or nesting bound is 413 before it is decoded whole) (400, 413), checked against the
+   backlog again with its real size, and appended in slices (409 with the mark when
+   ``seq`` is out of order; 409 ``batch_mismatch`` when another batch is partly in
+   under ``seq``; 503 with ``Retry-After`` when Redis is out of reach or failing over,
+   or when no replica, or where there is none the append-only file, took the batch in
+   time: acknowledged only once it has, see ``PushIngest``).
+6. Against what this service acknowledged before: a producer whose mark in Redis went
+   back (Redis restarted older) is answered 409 ``lost_acknowledged_data`` once, with
+   the seqs lost (:mod:`ingest_service.push_ledger`).
 
 The answer is small whatever the batch: ``{"appended", "partition", "seq", "mark",
 "count", "first_id", "last_id"}``.
@@ -30,15 +37,17 @@ from dataclasses import dataclass
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from ingest_service.auth import PushTokens
+from ingest_service.auth import PushTokens, bearer_token
 from ingest_service.config import CONFIG_KEY, METRICS_KEY
 from ingest_service.errors import (
     AdminError,
     BacklogFullError,
+    BatchMismatchError,
     DatasetNotFoundError,
     Forbidden,
     MalformedPushError,
     NotReplicatedError,
+    PushDataLostError,
     PushOutOfOrderError,
     PushRejectedError,
     PushTooLargeError,
@@ -52,13 +61,8 @@ from ingest_service.push import (
     choose_partition,
     parse_params,
 )
-from ingest_service.push_body import (
-    CONTENT_TYPES,
-    BodyLimits,
-    ByteBudget,
-    parse_records_sliced,
-    read_body,
-)
+from ingest_service.push_body import CONTENT_TYPES, BodyLimits, parse_records_sliced
+from ingest_service.push_read import ByteBudget, read_body
 from trainguard.core import streams
 
 __all__ = ["PUSH_KEY", "PushRoute", "setup_push"]
@@ -103,6 +107,12 @@ async def push_records(request: web.Request) -> web.StreamResponse:
         response = await _push(request, app[PUSH_KEY], known)
     except PushOutOfOrderError as exc:
         response = error_response(409, "out_of_order", str(exc), details={"mark": exc.mark})
+    except BatchMismatchError as exc:
+        response = error_response(409, "batch_mismatch", str(exc), details={
+            "appended": exc.appended, "count": exc.count, "digest": exc.digest})
+    except PushDataLostError as exc:
+        response = error_response(409, "lost_acknowledged_data", str(exc), details={
+            "mark": exc.mark, "acknowledged": exc.acknowledged})
     except BacklogFullError as exc:
         response = error_response(429, "backlog_full", str(exc),
                                   {"Retry-After": str(exc.retry_after_s)})
@@ -159,26 +169,40 @@ async def _push(request: web.Request, route: PushRoute,
     if mark is not None:  # a retry of a batch that is in: its body is not even read
         return _reply(PushResult(choose_partition(producer_id, spec.partitions), seq, False, 0,
                                  None, None, mark))
-    body = await read_body(request.content, content_type, route.limits, route.budget)
+    owner = _owner(request, route)
+    body = await read_body(request.content, content_type, route.limits, route.budget, owner)
+    held = len(body)
     try:
-        if len(body) > route.limits.big_body_bytes:
+        # The body's room in the budget is held until its records are appended: the
+        # parsed entries that replace it are about as large.
+        if held > route.limits.big_body_bytes:
             async with route.big_bodies:
                 batch = await parse_records_sliced(body, content_type, spec.max_record_bytes,
                                                    route.limits, share=route.limits.big_body_share)
         else:
             batch = await parse_records_sliced(body, content_type, spec.max_record_bytes,
                                                route.limits)
-    finally:
-        route.budget.give(len(body))
         del body
-    await route.ingest.check_room(spec, producer_id, seq, len(batch.records), batch.data_bytes)
-    result = await route.ingest.append(spec, producer_id, seq, batch.records, batch.sizes)
+        await route.ingest.check_room(spec, producer_id, seq, len(batch.records),
+                                      batch.data_bytes)
+        result = await route.ingest.append(spec, producer_id, seq, batch.records, batch.sizes,
+                                           batch.digest)
+    finally:
+        route.budget.give(held, owner)
     if result.count:
         metrics = app[METRICS_KEY]
         metrics.records.labels(dataset=name).inc(result.count)
         # The entries this request appended: a retry's completion counts its share.
         metrics.bytes.labels(dataset=name).inc(sum(batch.sizes[len(batch.sizes) - result.count:]))
     return _reply(result)
+
+
+def _owner(request: web.Request, route: PushRoute) -> str:
+    """Whose share of the body budget a request takes: its producer token (the peer's
+    address when the service runs without tokens)."""
+    if route.insecure_local:
+        return str(request.remote)
+    return bearer_token(request)
 
 
 def _reply(result: PushResult) -> web.Response:
@@ -196,7 +220,8 @@ def setup_push(app: web.Application, ingest: PushIngest, stopping: asyncio.Event
         ingest=ingest, tokens=config.push_tokens, insecure_local=config.insecure_local,
         limits=config.push_limits,
         budget=ByteBudget(config.push_limits.max_inflight_bytes,
-                          app[METRICS_KEY].push_body_bytes),
+                          app[METRICS_KEY].push_body_bytes,
+                          owner_limit=config.push_limits.token_inflight_bytes),
         big_bodies=asyncio.Semaphore(1),
         stopping=stopping,
     )

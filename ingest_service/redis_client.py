@@ -7,7 +7,7 @@ import contextlib
 from typing import Any, cast
 
 from redis import exceptions as redis_errors
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -31,12 +31,19 @@ TRANSIENT: tuple[type[Exception], ...] = (
 """Errors after which the same call may succeed: a lost connection, a failover."""
 
 
-def client(url: str, **kwargs: Any) -> Redis:
+def client(url: str, *, queue_timeout_s: float | None = None, **kwargs: Any) -> Redis:
     """An asyncio client of ``url``; ``kwargs`` go to redis-py. A cluster client is
     typed as :class:`Redis` (it answers the same commands, routed by slot); the paths
-    that need one node's connection ask :func:`is_cluster` first."""
+    that need one node's connection ask :func:`is_cluster` first.
+
+    ``queue_timeout_s``: a request finding all ``max_connections`` in use waits up to
+    this long for one (a blocking pool) instead of failing at once, as redis-py's
+    default pool does: a burst of reads queues rather than answering 503."""
     target = redis_url.parse(url)
     if not target.cluster:
+        if queue_timeout_s is not None:
+            pool = BlockingConnectionPool.from_url(url, timeout=queue_timeout_s, **kwargs)
+            return Redis(connection_pool=pool)
         return Redis.from_url(url, **kwargs)
     # A cluster client keeps one pool per node: the single-server pool size is per node.
     kwargs.pop("max_connections", None)

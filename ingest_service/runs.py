@@ -24,6 +24,8 @@ source, no record payload; a dead letter's position keeps only its file name.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,23 +33,31 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from ingest_service import inspection
-from ingest_service.admin import STORES_KEY
-from ingest_service.admin_checkpoints import StoreSet
+from ingest_service.admin import READ_REDIS_KEY, STORES_KEY
+from ingest_service.admin_checkpoints import Catalog, StoreRoot, StoreSet
+from ingest_service.catalog import Cancel
 from ingest_service.config import METRICS_KEY, REDIS_KEY
 from ingest_service.errors import BadRequest, NotFound, Refused
 from ingest_service.gpu_health import nodes_health, parse_probes
 from ingest_service.lag import fill_lag
+from ingest_service.paging import page, until_gone
 from ingest_service.throughput import ThroughputSampler
 from trainguard.core import incidents as inc
 from trainguard.core import settings, streams
-from trainguard.core.history import history, run_keys
+from trainguard.core.history import histories as run_histories
+from trainguard.core.history import history, with_recorded_failures
 from trainguard.core.interval import IntervalPolicy
+from trainguard.core.urls import redact_text
 
 __all__ = ["DEAD_LETTERS_SHOWN", "SAMPLER_KEY", "attempts", "collect_runs", "dataset_detail", "run_detail",
            "setup_runs", "summary"]
 
+log = logging.getLogger(__name__)
+
 SAMPLER_KEY = web.AppKey("trainguard_runs_sampler", ThroughputSampler)
 PROBES_KEY = web.AppKey("trainguard_runs_probes", dict)
+RUNS_PAGE = 200
+"""Runs per page of ``/admin/runs`` unless ``?limit=`` says otherwise."""
 DEAD_LETTERS_SHOWN = 20
 """How many of the newest dead letters the dataset detail lists."""
 
@@ -149,27 +159,52 @@ def _without_stacks(incident: dict[str, Any]) -> dict[str, Any]:
             else "see `trainguard runs show` (it quotes the error)"}
 
 
+def _root_histories(stores: StoreSet, policy: IntervalPolicy | None, root: StoreRoot,
+                    cancel: Cancel) -> list[dict[str, Any]]:
+    """A root's run histories (blocking), derived once per listing of the root."""
+    catalog = stores.read_catalog(root, cancel)
+
+    def make(c: Catalog) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for h in run_histories(c.manifests, policy=policy):
+            for ckpt in h["checkpoints"]:
+                ckpt["status"] = c.labels.get(ckpt["name"], ["committed"])
+            out.append({"store": root.name, **h})
+        return out
+
+    return stores.derived(root, f"histories:{policy!r}", catalog, make)
+
+
 async def _store_histories(stores: StoreSet, policy: IntervalPolicy | None,
-                           r: aioredis.Redis) -> list[dict[str, Any]]:
-    out = []
+                           errors: dict[str, str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     for name in sorted(stores.roots):
-        manifests, labels = await stores.catalog(name)
-        for key in sorted(run_keys(manifests), key=lambda k: (k.run, k.dataset)):
-            seen = await attempts(r, key.dataset, key.run)
-            h = await asyncio.to_thread(history, manifests, dataset=key.dataset, run=key.run,
-                                        policy=policy, failures=seen["failures"])
-            h.update(seen)
-            for c in h["checkpoints"]:
-                c["status"] = labels.get(c["name"], ["committed"])
-            out.append({"store": name, **h})
+        try:
+            found = await stores.shared(name, f"histories:{policy!r}",
+                                        functools.partial(_root_histories, stores, policy))
+        except Exception as exc:
+            # One root that cannot be read must not hide the others' runs.
+            log.warning("store %r: run histories unavailable: %s", name,
+                        redact_text(f"{type(exc).__name__}: {exc}"))
+            errors[name] = f"unreachable ({type(exc).__name__})"
+            continue
+        # Copies: the caller adds each run's lag, the cached histories stay as derived.
+        out.extend({**h} for h in found)
     return out
 
 
 async def collect_runs(r: aioredis.Redis, stores: StoreSet, *,
-                       policy: IntervalPolicy | None = None) -> list[dict[str, Any]]:
+                       policy: IntervalPolicy | None = None,
+                       errors: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Every run known to a configured store or to Redis (a group of a dataset), with
-    its history; a run with no checkpoint yet has an empty one."""
-    histories = await _store_histories(stores, policy, r)
+    its history; a run with no checkpoint yet has an empty one. A store that cannot be
+    read is left out and named in ``errors`` (store -> reason)."""
+    histories = await _store_histories(stores, policy, {} if errors is None else errors)
+    for h in histories:
+        # The attempts and incidents Redis recorded (the cached histories stay as
+        # derived from the manifests: these are copies).
+        found = await attempts(r, h["dataset"], h["run"])
+        h.update(with_recorded_failures(h, found["failures"], policy), **found)
     seen = {(h["dataset"], h["run"]) for h in histories}
     lag: dict[tuple[str, str], dict[str, Any]] = {}
     for d in sorted(inspection.as_text(n) for n in await r.smembers(streams.datasets_key())):
@@ -240,19 +275,24 @@ async def run_detail(r: aioredis.Redis, stores: StoreSet, group: str, dataset: s
 
 
 async def _list(request: web.Request) -> web.Response:
-    runs = await collect_runs(request.app[REDIS_KEY], request.app[STORES_KEY])
-    return web.json_response({"runs": [summary(h) for h in runs]})
+    offset, limit = page(request, default_limit=RUNS_PAGE)
+    errors: dict[str, str] = {}
+    runs = await until_gone(request, collect_runs(request.app[READ_REDIS_KEY],
+                                                  request.app[STORES_KEY], errors=errors))
+    return web.json_response({"runs": [summary(h) for h in runs[offset:offset + limit]],
+                              "total": len(runs), "offset": offset, "limit": limit,
+                              "store_errors": errors})
 
 
 async def _show(request: web.Request) -> web.Response:
-    return web.json_response(await run_detail(
-        request.app[REDIS_KEY], request.app[STORES_KEY], request.match_info["group"],
-        request.query.get("dataset")))
+    return web.json_response(await until_gone(request, run_detail(
+        request.app[READ_REDIS_KEY], request.app[STORES_KEY], request.match_info["group"],
+        request.query.get("dataset"))))
 
 
 async def _detail(request: web.Request) -> web.Response:
     return web.json_response(await dataset_detail(
-        request.app[REDIS_KEY], request.match_info["dataset"], request.app[SAMPLER_KEY]))
+        request.app[READ_REDIS_KEY], request.match_info["dataset"], request.app[SAMPLER_KEY]))
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -6,7 +6,18 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["runs_paths"]
+PAGE_PARAMETERS = [
+    {"name": "offset", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 0, "maximum": 10**9},
+     "description": "rows to skip (default 0)"},
+    {"name": "limit", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 0, "maximum": 1000},
+     "description": "rows in the page (at most 1000)"},
+]
+PAGE_FIELDS = {"total": {"type": "integer"}, "offset": {"type": "integer"},
+               "limit": {"type": "integer"}}
+
+__all__ = ["PAGE_FIELDS", "PAGE_PARAMETERS", "runs_paths"]
 
 _NAME = {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,128}$"}
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -79,10 +90,14 @@ def runs_paths() -> dict[str, Any]:
     return {
         "/admin/runs": {"get": {
             "operationId": "listRuns",
-            "summary": "Every run (consumer group) with checkpoints, restarts, lag, advice",
+            "summary": "Every run (consumer group) with checkpoints, restarts, lag, advice, "
+                       "a page at a time; stores that cannot be read in store_errors",
+            "parameters": PAGE_PARAMETERS,
             "responses": {"200": _json({"type": "object", "properties": {
-                "runs": {"type": "array", "items": {"type": "object"}}}}, "runs"),
-                **_errors(503)},
+                "runs": {"type": "array", "items": {"type": "object"}}, **PAGE_FIELDS,
+                "store_errors": {"type": "object",
+                                 "additionalProperties": {"type": "string"}}}}, "runs"),
+                **_errors(400, 503)},
         }},
         "/admin/runs/{group}": {"get": {
             "operationId": "showRun",

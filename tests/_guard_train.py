@@ -57,10 +57,12 @@ def records(batch: Batch) -> list[int]:
     return [int(i) for i in batch.data[:, 0].tolist()]
 
 
-def session(url: str, store: str, *, deterministic: bool = True) -> TrainingSession:
+def session(url: str, store: str, *, deterministic: bool = True, rank: int = 0,
+            world_size: int = 1) -> TrainingSession:
     # keep_last=100: the tests read every manifest the run wrote.
-    return TrainingSession(url, dataset=DATASET, run=RUN, store=store,
-                           deterministic=deterministic, block_ms=200, keep_last=100)
+    return TrainingSession(url, dataset=DATASET, run=RUN, store=store, rank=rank,
+                           world_size=world_size, deterministic=deterministic, block_ms=200,
+                           keep_last=100)
 
 
 def train_step(model: Ledger, n: int) -> Callable[[Batch], torch.Tensor]:

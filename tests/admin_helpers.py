@@ -127,7 +127,8 @@ def service_app(config: AdminConfig, push_tokens: str = "") -> web.Application:
 
     stores = ",".join(f"{name}={root.url}" for name, root in config.stores.items())
     env = {"TRAINGUARD_ADMIN_TOKEN": config.token or "", "TRAINGUARD_CHECKPOINT_STORES": stores,
-           "TRAINGUARD_PUSH_TOKENS": push_tokens}
+           "TRAINGUARD_PUSH_TOKENS": push_tokens,
+           "TRAINGUARD_READ_TOKEN": getattr(config, "read_token", None) or ""}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

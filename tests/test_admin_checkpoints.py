@@ -27,7 +27,8 @@ def _corrupt_newest_chunk(root: Path) -> None:
 
 async def test_list_show_verify(redis_server, tmp_path):
     """List gives step, time, size and status per checkpoint, oldest first; show gives
-    the manifest with the offsets; verify says valid, and invalid after damage."""
+    an anonymous reader the list row only (names and figures) and a token holder the
+    manifest with the offsets; verify says valid, and invalid after damage."""
     root = tmp_path / "ck"
     save_checkpoints(str(root), [10, 20], {0: "1-4", 1: "1-2"})
     async with admin_client(redis_server.url, stores={"main": root}) as client:
@@ -40,8 +41,10 @@ async def test_list_show_verify(redis_server, tmp_path):
         assert all(r["status"] == ["committed"] and r["nbytes"] > 0 and r["created_at"] > 0
                    for r in rows)
         resp = await client.get("/admin/checkpoints/main/20")
+        assert await resp.json() == rows[1]
+        resp = await client.get("/admin/checkpoints/main/20", headers=AUTH)
         manifest = await resp.json()
-        assert manifest["step"] == 20
+        assert manifest["step"] == 20 and manifest["status"] == ["committed"]
         assert manifest["extra"]["trainguard"]["offsets"] == {"0": "1-4", "1": "1-2"}
         assert set(manifest["tensors"]) == {"w", "b"}
         resp = await client.get("/admin/checkpoints/main/20/verify")
@@ -213,7 +216,7 @@ async def test_a_step_saved_twice_means_its_newest_save(redis_server, tmp_path):
     save_checkpoints(str(root), [5], {0: "1-1", 1: "1-1"})
     save_checkpoints(str(root), [5], {0: "1-3", 1: "1-2"})
     async with admin_client(redis_server.url, stores={"main": root}) as client:
-        manifest = await (await client.get("/admin/checkpoints/main/5")).json()
+        manifest = await (await client.get("/admin/checkpoints/main/5", headers=AUTH)).json()
         assert manifest["extra"]["trainguard"]["offsets"] == {"0": "1-3", "1": "1-2"}
         resp = await client.post("/admin/datasets/toy/groups/run1/seek",
                                  json={"checkpoint": {"store": "main", "step": 5}},

@@ -181,6 +181,23 @@ def test_state_skeleton_extension_types_are_pinned(tmp_path):
     )
 
 
+def test_bytesio_is_extension_type_6_and_the_format_md_reader_reads_it(tmp_path):
+    """An io.BytesIO is stored as extension type 6 holding its bytes, exactly (the
+    last row of FORMAT.md's table); the spec's own reader decodes it to those bytes."""
+    import io
+
+    from tests.test_checkpoint_format_reader import _reader
+
+    store = CheckpointStore(tmp_path, chunk_bytes=256)
+    manifest = store.save({"b": io.BytesIO(b"abc")}, step=0).wait()
+    doc = json.loads((tmp_path / "manifests" / manifest.name).read_bytes())
+    skeleton = base64.b64decode(doc["state"]["base64"])
+    assert skeleton == bytes.fromhex("81" "a162" "c70306" "616263")  # "b": ext 6 (ext8) abc
+    assert "| 6 | in-memory binary stream (`io.BytesIO`) |" in FORMAT_MD.read_text()
+    read = _reader()["read_state"](doc)
+    assert list(read) == ["b"] and read["b"].getvalue() == b"abc"
+
+
 def test_format_md_documents_every_manifest_field():
     """The manifest field table in FORMAT.md lists exactly the fields written."""
     text = FORMAT_MD.read_text()

@@ -85,6 +85,7 @@ def test_manifest_bytes_equal_canonical_json_whatever_entries_are_reused(saves, 
     import json
 
     from checkpoint_store.manifest import TensorFragments, encode_manifest, parse_manifest
+    from trainguard.core.checkpoints import CorruptCheckpointError
 
     fragments = TensorFragments()
     for i, tensors in enumerate(saves):
@@ -98,7 +99,12 @@ def test_manifest_bytes_equal_canonical_json_whatever_entries_are_reused(saves, 
         assert raw[:-87] + b"}" == json.dumps(body, sort_keys=True,
                                                separators=(",", ":")).encode()
         name = f"{i:012d}-0123456789abcdef-01234567.json"
-        assert parse_manifest(name, raw).tensors == tensors
+        try:
+            assert parse_manifest(name, raw).tensors == tensors
+        except CorruptCheckpointError as e:
+            # Random entries mostly describe bytes no array holds: refused for their
+            # structure, never for their checksum (which must always hold).
+            assert "damaged or forged" in str(e) and "checksum mismatch" not in str(e)
 
 
 class StoreMachine(RuleBasedStateMachine):

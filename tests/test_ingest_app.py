@@ -165,7 +165,7 @@ async def test_push_retry_is_appended_once_and_producers_keep_their_sequences(
     await r.aclose()
     got = [streams.decode_record(f) for _, f in entries]
     assert len(got) == 2 + 2 * 20 * 2
-    assert marks == {b"a": b"20", b"b": b"19"}
+    assert marks == {b"a": b"20", b"b": b"19", b":acked": b"41"}  # 41 whole batches
     for name, seqs in (("a", range(0, 21)), ("b", range(0, 20))):
         ns = [v["n"] for v in got if v["p"] == name]
         assert ns == [n for seq in seqs for n in (seq * 10, seq * 10 + 1)]
@@ -193,7 +193,7 @@ async def test_a_batch_of_several_slices_is_appended_once_after_redis_lost_its_s
     entries = await r.xrange(streams.partition_key("rl", 0))
     assert [streams.decode_record(f) for _, f in entries] == [b"warm", *batch, b"next"]
     assert reply["first_id"] == entries[1][0].decode() and reply["last_id"] == entries[600][0].decode()
-    assert await r.hgetall(streams.seq_key("rl", 0)) == {b"a": b"2"}
+    assert await r.hgetall(streams.seq_key("rl", 0)) == {b"a": b"2", b":acked": b"3"}
     await r.aclose()
 
 
@@ -224,7 +224,7 @@ async def test_push_follows_a_dataset_recreated_with_other_partitions(
     entries = await r.xrange(streams.partition_key("rl", p))
     assert [streams.decode_record(f) for _, f in entries] == ["new"]
     assert await r.xlen(streams.partition_key("rl", 0)) == 0
-    assert await r.hgetall(streams.seq_key("rl", p)) == {producer.encode(): b"0"}
+    assert await r.hgetall(streams.seq_key("rl", p)) == {producer.encode(): b"0", b":acked": b"1"}
     assert await r.hgetall(streams.seq_key("rl", 0)) == {producer.encode(): b"5"}
     await r.aclose()
 

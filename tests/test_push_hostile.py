@@ -111,13 +111,13 @@ BAD_PUSHES: list[tuple[str, dict[str, str], dict[str, str], bytes, int, str]] = 
     ("integer over 64 bits", {"producer_id": "actor-1", "seq": "0"}, {**NDJSON, **AUTH},
      str(2**64).encode() + b"\n", 400, "bad_request"),
     ("JSON nested 20,000 deep", {"producer_id": "actor-1", "seq": "0"}, {**NDJSON, **AUTH},
-     b"[" * 20_000 + b"]" * 20_000 + b"\n", 400, "bad_request"),
+     b"[" * 20_000 + b"]" * 20_000 + b"\n", 413, "too_large"),
     ("not UTF-8", {"producer_id": "actor-1", "seq": "0"}, {**NDJSON, **AUTH}, b'"\xff\xfe"\n', 400,
      "bad_request"),
     ("JSON that is not an array", {"producer_id": "actor-1", "seq": "0"},
      {"Content-Type": "application/json", **AUTH}, b'{"a": 1}', 400, "bad_request"),
     ("msgpack nested deeper than its stack", {"producer_id": "actor-1", "seq": "0"},
-     {"Content-Type": "application/msgpack", **AUTH}, b"\x91" * 5000 + b"\x90", 400, "bad_request"),
+     {"Content-Type": "application/msgpack", **AUTH}, b"\x91" * 5000 + b"\x90", 413, "too_large"),
     ("msgpack with trailing bytes", {"producer_id": "actor-1", "seq": "0"},
      {"Content-Type": "application/msgpack", **AUTH}, msgpack.packb([1]) + b"\x01", 400,
      "bad_request"),
@@ -180,7 +180,7 @@ async def test_every_bad_push_is_a_4xx_json_error_and_appends_nothing(
     p = choose_partition("actor-1", 2)
     assert await r.xlen(streams.partition_key("rl", p)) == 3
     assert await r.xlen(streams.partition_key("rl", 1 - p)) == 0
-    assert await r.hgetall(streams.seq_key("rl", p)) == {b"actor-1": b"0"}
+    assert await r.hgetall(streams.seq_key("rl", p)) == {b"actor-1": b"0", b":acked": b"1"}
     await r.aclose()
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "GpuCriticalError",
     "NoRollbackTargetError",
     "PartitionCountError",
+    "PeerGpuCriticalError",
     "RestartLoopError",
     "RollbackLimitError",
     "RouteRejectedError",
@@ -71,6 +72,19 @@ class RestartLoopError(TrainerClientError, RuntimeError):
     def __init__(self, message: str, *, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+class PeerGpuCriticalError(GpuCriticalError):
+    """Another rank's GPU reported CRITICAL at this step boundary; this rank's is fine.
+
+    Raised on the healthy ranks in the same iteration as the bad rank's
+    :class:`GpuCriticalError`, so that all of them checkpoint together. Its
+    ``exit_code`` (:data:`trainer_client.health.EXIT_PEER_CRITICAL`) asks this node's
+    torchrun agent to restart the worker and rendezvous again without the bad node;
+    ``ranks`` is how many ranks reported CRITICAL.
+    """
+
+    def __init__(self, message: str, *, ranks: int, exit_code: int) -> None:
+        super().__init__(message, report=None, exit_code=exit_code)
+        self.ranks = ranks
 
 
 class RouteRejectedError(TrainerClientError, ValueError):

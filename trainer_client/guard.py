@@ -59,8 +59,9 @@ import torch
 
 from trainer_client._batch_ids import batch_id, overlaps
 from trainer_client.dataset import Batch
-from trainer_client.errors import GpuCriticalError, NoRollbackTargetError
+from trainer_client.errors import GpuCriticalError, NoRollbackTargetError, PeerGpuCriticalError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport
+from trainer_client.health.leave import leave_node
 from trainer_client.session import TrainingSession
 from trainer_client.spikes import (
     STATE_VERSION,
@@ -121,9 +122,13 @@ class GuardedTraining:
     multiply the scheduled rate by :attr:`lr_scale` yourself. ``monitor`` is checked
     between steps; without one, :meth:`health` probes on demand.
 
-    Tested on one rank. With several ranks, report the all-reduced loss so that every
-    rank decides the same (``session.rollback`` is collective); each rank drops its own
-    batches, and the manifest lists rank 0's.
+    With several ranks, report the all-reduced loss so that every rank decides the
+    same (``session.rollback`` is collective); each rank drops its own batches, and the
+    manifest lists rank 0's. A rank out of data gets join mode's empty batches
+    (``len(batch) == 0``) until every rank is: ``train_step`` steps on them as its peers
+    do (a zero loss, so that a gradient all-reduce still matches). A CRITICAL GPU on
+    one rank is decided by all of them at one step boundary (see
+    :meth:`exit_on_gpu_critical`).
     """
 
     def __init__(
@@ -221,14 +226,23 @@ class GuardedTraining:
         return self.session.health(self.monitor, probe=self._probe)
 
     def check_health(self) -> None:
-        """Raise GpuCriticalError once the monitor saw a CRITICAL report."""
-        if self.monitor is not None:
+        """Raise GpuCriticalError once the monitor saw a CRITICAL report. With several
+        ranks this is left to the session's per-step all-reduce (a rank raising alone
+        would leave the others in the checkpoint's collective without it)."""
+        if self.monitor is not None and self.session.world_size == 1:
             self.monitor.check()
 
     @contextlib.contextmanager
     def exit_on_gpu_critical(self) -> Iterator[None]:
         """On GpuCriticalError inside: blocking checkpoint of the current step, then
-        ``SystemExit`` with the error's exit code (75): the orchestrator replaces the node."""
+        ``SystemExit`` with the error's exit code (75): the orchestrator replaces the node.
+
+        With several ranks, every rank gets here at the same step boundary (the
+        session's all-reduce, see :meth:`batches`) and the checkpoint is taken by all of
+        them. The bad rank then quarantines its node and stops its torchrun agent
+        (:func:`~trainer_client.health.leave.leave_node`) before exiting with 75; the
+        healthy ranks exit with 76 (PeerGpuCriticalError) so that their agents
+        rendezvous again without the bad node."""
         try:
             yield
         except GpuCriticalError as exc:
@@ -242,6 +256,12 @@ class GuardedTraining:
                 # and the last committed checkpoint is restored there.
                 log.exception("checkpoint after the CRITICAL health report failed; exiting "
                               "with code %d anyway", exc.exit_code)
+            if not isinstance(exc, PeerGpuCriticalError):
+                report = exc.report if isinstance(exc.report, HealthReport) else None
+                reason = ("GPU health " + "; ".join(report.problems())
+                          if report is not None else str(exc))
+                leave_node(self.session.redis_url, reason,
+                           report=report.to_dict() if report is not None else None)
             raise SystemExit(exc.exit_code) from exc
 
     # ------------------------------------------------------------------ the loop
@@ -249,19 +269,24 @@ class GuardedTraining:
     def _offending(self, bid: str) -> bool:
         if self.guard.is_skipped(bid):
             return True
-        return any(overlaps(bid, str(s)) for s in self.guard.skipped_batch_ids)
+        return any(overlaps(bid, str(s)) for s in self.guard.skipped_batch_ids if s)
 
     def batches(self, loader: Iterable[Batch]) -> Iterator[Batch]:
         """``session.batches(loader)`` without the offending batches. The health check
         runs before each batch is taken from the session, so a checkpoint made on
         GpuCriticalError never includes a batch that was not trained."""
-        inner = self.session.batches(loader)
+        inner = self.session.batches(loader, health=self.monitor)
         try:
             while True:
                 self.check_health()
                 batch = next(inner, None)
                 if batch is None:
                     return
+                if not batch.ids:
+                    # Join mode's empty batch (this rank ran out, another has not):
+                    # nothing in it to drop; the loop steps on it like its peers.
+                    yield batch
+                    continue
                 bid = batch_id(batch)
                 if self._offending(bid):
                     # The session already recorded its offsets: consumed, never trained.
@@ -288,7 +313,10 @@ class GuardedTraining:
         before the spike is left to roll back to."""
         value = float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss)
         gn = None if grad_norm is None else float(grad_norm)
-        decision = self.guard.observe(self.step + 1, value, batch_id=batch_id(batch), grad_norm=gn)
+        # An empty batch (join mode) is judged too: with the all-reduced loss every rank
+        # must take the same decision, or one would roll back (a collective) alone.
+        bid = batch_id(batch) if batch.ids else ""
+        decision = self.guard.observe(self.step + 1, value, batch_id=bid, grad_norm=gn)
         if decision.action is Action.CONTINUE:
             self.step += 1
             return True

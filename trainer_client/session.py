@@ -461,7 +461,10 @@ class TrainingSession:
                 continue
             yield batch
 
-    def batches(self, loader: Iterable[Batch], *, uneven: str = "join") -> Iterator[Batch]:
+    def batches(
+        self, loader: Iterable[Batch], *, uneven: str = "join",
+        health: HealthMonitor | None = None,
+    ) -> Iterator[Batch]:
         """Yield the loader's batches, recording each one's offsets as consumed when it
         is handed to the loop. Before each pass over the loader, the seek of this
         rank's partitions is set to the consumed offsets, so a pass never skips what an
@@ -474,7 +477,10 @@ class TrainingSession:
         With several ranks, every rank leaves the loop in the same iteration (see
         :mod:`trainer_client._uneven`): ``uneven="join"`` hands a rank that ran out
         empty batches (``len(batch) == 0``) until all are out; ``"stop"`` ends the
-        loop everywhere when the first rank runs out."""
+        loop everywhere when the first rank runs out. The same per-step all-reduce
+        carries each rank's GPU verdict (``health``, default the session's
+        ``health_monitor``): once one rank's is CRITICAL, every rank raises at the same
+        step boundary (GpuCriticalError there, PeerGpuCriticalError on the others)."""
         if uneven not in UNEVEN_MODES:
             raise ValueError(f"uneven must be one of {UNEVEN_MODES}, got {uneven!r}")
         num_workers = int(getattr(loader, "num_workers", 0))
@@ -506,7 +512,8 @@ class TrainingSession:
                     source = in_worker_order(it, nxt)
                 source = self._loop_batches(source)
                 if self.world_size > 1:
-                    source = in_step(source, mode=uneven, group=self.process_group)
+                    source = in_step(source, mode=uneven, group=self.process_group,
+                                     monitor=health or self.health_monitor)
                 for batch in source:
                     self._consumed.record(batch)
                     if self._heal.handing(batch):

@@ -16,7 +16,12 @@ or a service or Redis restart never loses or duplicates it. On a 409 the service
 its mark: when the producer starts (or restarts) it asks the mark with an empty probe
 and continues from ``mark + 1`` (:meth:`Producer.resume`), so a restarted worker does
 not resend what is in. Retries wait with jittered exponential backoff, honouring
-``Retry-After`` (429 backlog full, 503 Redis down).
+``Retry-After`` (429 backlog full, 503 Redis down). A batch that was never
+acknowledged (``send`` raised :class:`PushError`) is kept and resent whole, under its
+seq, before the next records are taken: a seq never carries two batches (the service
+refuses that with 409 ``batch_mismatch``). When Redis lost batches the service had
+acknowledged (restarted from an older snapshot, or empty), ``send`` raises
+:class:`PushDataLostError` naming their seqs, then goes on from the service's mark.
 
 Depends only on the standard library and msgpack: no aiohttp, redis or torch.
 """
@@ -36,13 +41,23 @@ import msgpack
 
 from trainguard.core.errors import TrainguardError
 
-__all__ = ["PushError", "PushRefusedError", "Producer", "PushReply"]
+__all__ = ["Producer", "PushDataLostError", "PushError", "PushRefusedError", "PushReply"]
 
 _RETRIED = frozenset({408, 429, 502, 503, 504})
 
 
 class PushError(TrainguardError):
     """Base of the push client's errors."""
+
+
+class PushDataLostError(PushError):
+    """Redis lost batches of this producer that the service had acknowledged:
+    ``lost_seqs`` are their seqs, ``mark`` the producer's mark now (None: none). Their
+    records are not in the dataset; the producer goes on from ``mark + 1``."""
+
+    def __init__(self, message: str, *, lost_seqs: range, mark: int | None):
+        super().__init__(message)
+        self.lost_seqs, self.mark = lost_seqs, mark
 
 
 class PushRefusedError(PushError, ValueError):
@@ -87,6 +102,9 @@ class Producer:
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.next_seq: int | None = None
+        self._acked: int | None = None
+        """The last seq the service acknowledged to this Producer (or its mark at resume)."""
+        self._pending: tuple[int, bytes] | None = None
         self._conn: http.client.HTTPConnection | None = None
 
     # -- plumbing ---------------------------------------------------------------------
@@ -139,7 +157,9 @@ class Producer:
         """Ask the service where this producer stands; sets and returns ``next_seq``.
 
         A probe at the largest seq is refused with 409 and the mark (nothing is
-        appended: a skip-ahead is never stored)."""
+        appended: a skip-ahead is never stored). Raises PushDataLostError when the
+        service answers that Redis lost batches it acknowledged (``next_seq`` is set
+        to go on after the mark all the same)."""
         status, payload, _ = self._send_with_retries(2**53 - 1, msgpack.packb([None]))
         error = payload.get("error", {})
         if status != 409 or "mark" not in error:
@@ -147,21 +167,53 @@ class Producer:
                             f"{error or payload})")
         mark = error["mark"]
         self.next_seq = 0 if mark is None else int(mark) + 1
+        if error.get("code") == "lost_acknowledged_data":
+            self._lost(mark, int(error.get("acknowledged", -1)), str(error.get("message", "")))
+        self._acked = None if mark is None else int(mark)
         return self.next_seq
+
+    @property
+    def pending(self) -> int | None:
+        """The seq of a batch sent but not acknowledged (a send that raised PushError),
+        which the next :meth:`send` resends whole, under that seq, before its own."""
+        return None if self._pending is None else self._pending[0]
 
     def send(self, records: Sequence[Any]) -> PushReply:
         """Send one batch (a sequence of msgpack-able records, ``bytes`` kept raw) and
-        return once the service has it all; then ``next_seq`` moves on."""
+        return once the service has it all; then ``next_seq`` moves on.
+
+        A batch that was not acknowledged (this method raised PushError after its
+        retries) is kept and sent again, whole and under its seq, before these records
+        are taken: a seq never carries two batches. Should that resend fail too, this
+        raises before sending ``records`` (send them again)."""
         if not records:
             raise ValueError("a batch holds at least one record")
+        body = msgpack.packb(list(records), use_bin_type=True)
         if self.next_seq is None:
             self.resume()
+        if self._pending is not None:
+            self._deliver(*self._pending)
         seq = self.next_seq
         assert seq is not None
-        status, payload, _ = self._send_with_retries(seq, msgpack.packb(list(records),
-                                                                        use_bin_type=True))
+        self._pending = (seq, body)
+        return self._deliver(seq, body)
+
+    def _deliver(self, seq: int, body: bytes) -> PushReply:
+        status, payload, _ = self._send_with_retries(seq, body)
         if status == 409:
-            mark = payload.get("error", {}).get("mark")
+            error = payload.get("error", {})
+            code, mark = error.get("code"), error.get("mark")
+            if code == "lost_acknowledged_data":
+                acked = max(int(error.get("acknowledged", -1)), -1 if self._acked is None
+                            else self._acked)
+                self._lost(mark, acked, str(error.get("message", "")))
+            if code == "batch_mismatch":
+                raise PushRefusedError(409, code, str(error.get("message", error)))
+            if self._acked is not None and (mark is None or int(mark) < self._acked):
+                # The service acknowledged up to _acked, and now its mark is lower: Redis
+                # lost them (a service that restarted too cannot tell; we can).
+                self._lost(mark, self._acked,
+                           f"the service's mark for this producer is {mark}")
             if mark is not None and int(mark) >= seq:  # in already (a lost reply)
                 status, payload = 200, {"appended": False, "seq": seq, "count": 0}
             else:
@@ -169,10 +221,27 @@ class Producer:
                     f"seq {seq} of producer {self.producer_id!r} is out of order (the service's "
                     f"mark is {mark}): another process is sending as this producer_id"
                 )
+        self._pending = None
         self.next_seq = seq + 1
+        self._acked = seq
         return PushReply(bool(payload.get("appended")), seq, int(payload.get("count", 0)),
                          int(payload.get("partition", -1)), payload.get("first_id"),
                          payload.get("last_id"))
+
+    def _lost(self, mark: object, acknowledged: int, why: str) -> None:
+        """Redis lost batches the service acknowledged: raise PushDataLostError naming
+        them, and go on after the mark (the batch pending is dropped: the caller gets
+        this error for it and still holds its records)."""
+        m = None if mark is None else int(mark)  # type: ignore[call-overload]
+        first = 0 if m is None else m + 1
+        self._pending = None
+        self.next_seq, self._acked = first, m
+        raise PushDataLostError(
+            f"batches seq {first} to {acknowledged} of producer {self.producer_id!r} were "
+            f"acknowledged and are no longer in dataset {self.dataset!r}: Redis lost them "
+            f"(restarted from an older snapshot or without persistence). The batch being "
+            f"sent was not sent; the next send goes on from seq {first}. ({why})",
+            lost_seqs=range(first, acknowledged + 1), mark=m)
 
     def _send_with_retries(self, seq: int, body: bytes) -> tuple[int, dict[str, Any], str | None]:
         last: BaseException | None = None

@@ -3,9 +3,9 @@
 No build step and no third-party code: the page is ``static/index.html`` with
 ``app.js`` (a hash router, polling the read-only JSON routes of
 :mod:`ingest_service.runs` and :mod:`ingest_service.admin` every two seconds, charts
-drawn as plain SVG) and ``app.css``. Reading needs no token; the one mutation the page
-offers (pin/unpin a checkpoint) sends the admin token the operator types in, which is
-kept in the tab's sessionStorage only.
+drawn as plain SVG) and ``app.css``. Reading needs no token; the mutations the page
+offers (pin/unpin a checkpoint, clear a node's quarantine) send the admin token the
+operator types in, which is kept in the tab's sessionStorage only.
 """
 
 from __future__ import annotations

@@ -27,7 +27,12 @@ critical XID it stays CRITICAL for the life of the probe (the node needs a reset
 Exit code: a trainer whose GPU turns CRITICAL checkpoints and exits with
 :data:`EXIT_GPU_CRITICAL` (75, ``EX_TEMPFAIL`` in sysexits.h: "temporary failure,
 retry later"), which tells the orchestrator to replace the node and restart the run
-from the checkpoint; ``trainguard probe --once`` uses the same code.
+from the checkpoint; ``trainguard probe --once`` uses the same code. With several
+ranks the verdict travels in ``session.batches()``' per-step all-reduce: every rank
+learns it at the same step boundary and checkpoints, the bad rank quarantines its
+node and stops its torchrun agent (:mod:`trainer_client.health.leave`) before exiting
+with 75, the others exit with :data:`EXIT_PEER_CRITICAL` (76) to rendezvous again
+without it.
 
 :class:`HealthMonitor` probes in a background thread every ``interval_s``. Wire it
 into the training loop with :meth:`HealthMonitor.check` between steps (raises
@@ -42,7 +47,7 @@ not stop the monitor.
 The NVML module is a constructor parameter so that tests without a GPU pass a fake.
 """
 
-from trainer_client.health.exit import EXIT_GPU_CRITICAL, exit_if_not_handled
+from trainer_client.health.exit import EXIT_GPU_CRITICAL, EXIT_PEER_CRITICAL, exit_if_not_handled
 from trainer_client.health.monitor import HealthMonitor, NodeHealth
 from trainer_client.health.probe import HealthProbe
 from trainer_client.health.report import (
@@ -65,6 +70,7 @@ __all__ = [
     "CLOCKS_SW_THERMAL",
     "DEFAULT_CRITICAL_XIDS",
     "EXIT_GPU_CRITICAL",
+    "EXIT_PEER_CRITICAL",
     "Check",
     "GpuReport",
     "HealthMonitor",

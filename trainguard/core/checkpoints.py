@@ -30,9 +30,12 @@ __all__ = [
     "CheckpointError",
     "CheckpointStoreAPI",
     "CheckpointWriteError",
+    "CheckpointExistsError",
     "CommitConflictError",
     "CorruptCheckpointError",
     "DistributedSaveError",
+    "ExportError",
+    "ExportExistsError",
     "ManifestView",
     "NoCheckpointError",
     "PinnedCheckpointError",
@@ -165,6 +168,20 @@ class CheckpointWriteError(CheckpointError, OSError):
 
 class CommitConflictError(CheckpointError, FileExistsError):
     """The manifest name already exists: another writer committed the same record."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A checkpoint of the step already exists and the save was asked not to add one
+    (DCP's ``overwrite=False``)."""
+
+
+class ExportError(CheckpointError, ValueError):
+    """An export cannot be written as asked (no tensors under the key, names that
+    collide once a prefix is stripped)."""
+
+
+class ExportExistsError(CheckpointError, FileExistsError):
+    """The export's output file already exists; it is replaced only when forced."""
 
 
 class DistributedSaveError(CheckpointError, RuntimeError):

@@ -24,7 +24,7 @@ from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.record import RecordError, SessionRecord
 from trainguard.core.timing import SaveTime, TimingError, TimingRecord
 
-__all__ = ["RunKey", "history", "run_keys"]
+__all__ = ["RunKey", "histories", "history", "run_keys", "with_recorded_failures"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,20 @@ def run_keys(manifests: Iterable[ManifestView]) -> set[RunKey]:
         if rec is not None and rec.run:
             out.add(RunKey(rec.dataset, rec.run))
     return out
+
+
+def histories(manifests: Iterable[ManifestView], *,
+              policy: IntervalPolicy | None = None) -> list[dict[str, Any]]:
+    """The history of every run ``manifests`` carry, ordered by (run, dataset): one
+    pass sorts the manifests by run, then each run's history reads only its own (a
+    root of R runs and M manifests costs O(M), not O(R x M))."""
+    by_run: dict[RunKey, list[ManifestView]] = {}
+    for m in manifests:
+        rec = _record(m)
+        if rec is not None and rec.run:
+            by_run.setdefault(RunKey(rec.dataset, rec.run), []).append(m)
+    return [history(by_run[k], dataset=k.dataset, run=k.run, policy=policy)
+            for k in sorted(by_run, key=lambda k: (k.run, k.dataset))]
 
 
 def _created(m: ManifestView) -> float | None:
@@ -183,3 +197,21 @@ def _advice(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
 
 SAVES_WINDOW = 8
 """How many recent manifests' intervals make "the current interval" (their median)."""
+
+
+def with_recorded_failures(h: dict[str, Any], failures: int,
+                           policy: IntervalPolicy | None = None) -> dict[str, Any]:
+    """``h``'s ``totals`` and ``advice`` with at least ``failures`` failures (the
+    failed attempts Redis recorded, :mod:`trainguard.core.incidents`: those that died
+    before their first checkpoint left no manifest). ``h`` itself is left as it is."""
+    totals = dict(h["totals"])
+    if failures <= int(totals.get("failures") or 0):
+        return {"totals": totals, "advice": h["advice"]}
+    totals["failures"] = failures
+    a = h["advice"]
+    if a is None:
+        return {"totals": totals, "advice": None}
+    advice = advise(blocked_s=a["blocked_s"], durable_s=a["durable_s"],
+                    observed_s=a["observed_s"], failures=failures, current_s=a["current_s"],
+                    policy=policy)
+    return {"totals": totals, "advice": advice.to_json()}

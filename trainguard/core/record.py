@@ -161,8 +161,8 @@ class SessionRecord:
             # identity (dataset, run, partitions) defaults to values that no run has,
             # so check_record refuses such a record with a clear message.
             return cls(
-                dataset=str(doc.get("dataset", "")),
-                run=str(doc.get("run", "")),
+                dataset=_name("dataset", doc.get("dataset", "")),
+                run=_name("run", doc.get("run", "")),
                 partitions=int(doc.get("partitions", -1)),
                 generation=int(doc.get("generation", 0)),
                 commit=int(doc.get("commit", 0)),
@@ -187,6 +187,13 @@ class SessionRecord:
     def of(cls, manifest: ManifestView) -> SessionRecord | None:
         """:meth:`from_extra` of ``manifest.extra``."""
         return cls.from_extra(manifest.extra)
+
+
+def _name(kind: str, value: Any) -> str:
+    """A dataset or run name from a manifest, checked as every name is (a forged one
+    could carry terminal escapes into ``trainguard runs ls``); "" means none."""
+    text = str(value)
+    return streams.check_name(kind, text) if text else text
 
 
 def restore_order(manifest: ManifestView) -> tuple[int, int, str, int]:

@@ -14,6 +14,10 @@ variable                       what                          default
                                ``trainguard.core.redis_url``)
 ``TRAINGUARD_ADMIN_TOKEN``     bearer token of mutating      unset: mutations refused
                                admin routes
+``TRAINGUARD_READ_TOKEN``      bearer token every read       unset: reads open
+                               route needs (the admin token  (names and figures
+                               passes too); shows private    only)
+                               fields (manifest extra)
 ``TRAINGUARD_PUSH_TOKENS``     producer tokens of push,      unset: push refused
                                scoped to datasets and        (unless the service
                                producer_ids                  runs --insecure-local)
@@ -23,6 +27,13 @@ variable                       what                          default
 ``TRAINGUARD_PROBES``          GPU health daemons the        unset: none
                                dashboard reads:
                                ``node=http://host:port,...``
+``TRAINGUARD_NODE_ID``         this node's id in quarantine  the host name
+                               records
+``TRAINGUARD_QUARANTINE_S``    how long a quarantine holds   ``3600`` (0: never
+                                                             quarantine)
+``TRAINGUARD_QUARANTINE_FAILURES`` failures within the       ``3``
+                               window that quarantine
+``TRAINGUARD_QUARANTINE_WINDOW_S`` that window               ``600``
 ``TRAINGUARD_TOKENIZE_PROCESSES`` processes that tokenize    one per core beyond
                                text at ingest (0: in the     two, else 0
                                producer's own process)
@@ -37,21 +48,28 @@ variable                       what                          default
 from __future__ import annotations
 
 import os
+import socket
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
     "CHECKPOINT_STORES_ENV",
     "DEFAULT_REDIS_URL",
+    "NODE_ID_ENV",
     "PROBES_ENV",
     "PUSH_TOKENS_ENV",
+    "QUARANTINE_ENVS",
+    "READ_TOKEN_ENV",
     "REDIS_URL_ENV",
     "LOOP_BREAKER_ENV",
     "TOKENIZE_PROCESSES_ENV",
     "WATCHDOG_ENV",
     "admin_token",
     "checkpoint_stores",
+    "node_id",
     "probes",
     "push_tokens",
+    "quarantine",
+    "read_token",
     "redis_url",
     "loop_breaker",
     "tokenize_processes",
@@ -64,9 +82,14 @@ ADMIN_TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
 CHECKPOINT_STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
 PROBES_ENV = "TRAINGUARD_PROBES"
 PUSH_TOKENS_ENV = "TRAINGUARD_PUSH_TOKENS"
+READ_TOKEN_ENV = "TRAINGUARD_READ_TOKEN"
 TOKENIZE_PROCESSES_ENV = "TRAINGUARD_TOKENIZE_PROCESSES"
 WATCHDOG_ENV = "TRAINGUARD_WATCHDOG"
 LOOP_BREAKER_ENV = "TRAINGUARD_LOOP_BREAKER"
+NODE_ID_ENV = "TRAINGUARD_NODE_ID"
+QUARANTINE_ENVS = ("TRAINGUARD_QUARANTINE_S", "TRAINGUARD_QUARANTINE_FAILURES",
+                   "TRAINGUARD_QUARANTINE_WINDOW_S")
+_QUARANTINE_DEFAULTS = (3600.0, 3, 600.0)
 
 
 def redis_url(explicit: str | None = None) -> str:
@@ -77,6 +100,11 @@ def redis_url(explicit: str | None = None) -> str:
 def admin_token() -> str | None:
     """``$TRAINGUARD_ADMIN_TOKEN``, or None when unset or empty."""
     return os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def read_token() -> str | None:
+    """``$TRAINGUARD_READ_TOKEN``, or None when unset or empty."""
+    return os.environ.get(READ_TOKEN_ENV) or None
 
 
 def checkpoint_stores() -> str:
@@ -115,3 +143,23 @@ def watchdog() -> str:
 def loop_breaker() -> str:
     """``$TRAINGUARD_LOOP_BREAKER`` as written (parsed by ``LoopPolicy.from_env``)."""
     return os.environ.get(LOOP_BREAKER_ENV, "")
+def node_id(explicit: str | None = None) -> str:
+    """``explicit``, else ``$TRAINGUARD_NODE_ID``, else this machine's host name."""
+    return explicit or os.environ.get(NODE_ID_ENV) or socket.gethostname()
+
+
+def quarantine() -> tuple[float, int, float]:
+    """(seconds a quarantine holds, failures that quarantine, their window in seconds)
+    from ``$TRAINGUARD_QUARANTINE_S``, ``..._FAILURES``, ``..._WINDOW_S``.
+
+    Raises ValueError naming the variable when one is set to something else than a
+    number (a count for ``..._FAILURES``)."""
+    out: list[float] = []
+    for name, default in zip(QUARANTINE_ENVS, _QUARANTINE_DEFAULTS, strict=True):
+        raw = os.environ.get(name, "").strip()
+        try:
+            out.append(type(default)(raw) if raw else default)
+        except ValueError:
+            kind = "a whole number" if isinstance(default, int) else "a number of seconds"
+            raise ValueError(f"{name}={raw!r}: expected {kind} (default {default})") from None
+    return out[0], int(out[1]), out[2]

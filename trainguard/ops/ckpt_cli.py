@@ -3,7 +3,10 @@
 Works on any store URL the checkpoint store reads (local path, ``file://``,
 ``s3://``...), with no service running. ``export --format safetensors`` writes every
 tensor of a checkpoint (bfloat16 included) to one ``.safetensors`` file named by the
-tensor's key path in the checkpoint (``model/mlp.1.weight``).
+tensor's key path in the checkpoint (``model/mlp.1.weight``); ``--key model`` writes
+the tensors under ``model`` by their names below it (what ``from_pretrained`` reads),
+``--strip-prefix`` leaves a prefix off those names; an existing output is refused
+unless ``--force``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import record
+from trainguard.core.urls import has_password, redact_url
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 from trainguard.ops.output import Progress, emit, table
 
@@ -35,6 +39,12 @@ def _store(args: argparse.Namespace) -> Any:
         kwargs["keep_last"] = args.keep_last
     if getattr(args, "keep_every", None) is not None:
         kwargs["keep_every"] = args.keep_every
+    if has_password(args.url):
+        # Backend errors quote the URL, without its scheme (botocore: "KEY:SECRET@bucket").
+        raise ValueError(
+            f"the store URL {redact_url(args.url)!r} carries user:password@: give the "
+            "credentials to the backend instead (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+            "or a profile for s3://, or --storage-options) and drop them from the URL")
     return CheckpointStore(args.url, **kwargs)
 
 
@@ -130,10 +140,18 @@ def _export(args: argparse.Namespace) -> int:
     if args.format != "safetensors":
         raise ValueError(f"format {args.format!r} is not supported: use safetensors")
     store = _store(args)
-    result = export_safetensors(store, _find(store, args.step), Path(args.output))
-    emit(args, result, lambda d: f"step {d['step']}: {d['tensors']} tensors -> {d['path']} "
-                                 f"({d['bytes']} bytes)")
+    result = export_safetensors(store, _find(store, args.step), Path(args.output),
+                                key=args.key, strip_prefix=args.strip_prefix, force=args.force)
+    emit(args, result, _exported)
     return EXIT_OK
+
+
+def _exported(d: dict[str, Any]) -> str:
+    what = f"the tensors under key {d['key']!r}" if d["key"] is not None else "every tensor"
+    stripped = f", prefix {d['strip_prefix']!r} stripped" if d["strip_prefix"] else ""
+    shown = ", ".join(d["names"][:3]) + (", ..." if len(d["names"]) > 3 else "")
+    return (f"step {d['step']}: {d['tensors']} tensors ({what}{stripped}) -> {d['path']} "
+            f"({d['bytes']} bytes, safetensors, format {d['format']}): {shown}")
 
 
 def register(sub: Any) -> None:
@@ -165,3 +183,8 @@ def register(sub: Any) -> None:
     p = add("export", "write a checkpoint's tensors to one file", _export, step="optional")
     p.add_argument("--format", default="safetensors", choices=["safetensors"])
     p.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
+    p.add_argument("--key", help="export only the tensors under this top-level key of the "
+                                 "state (e.g. model), named by their path below it")
+    p.add_argument("--strip-prefix", help="leave this prefix off the tensor names that have "
+                                          "it (e.g. module. or _orig_mod.)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")

@@ -16,12 +16,20 @@ from collections.abc import Sequence
 
 from trainguard import __version__
 from trainguard.core import settings
-from trainguard.ops import ckpt_cli, datasets_cli, demo, ingest_cli, probe_cli, runs_cli
+from trainguard.ops import (
+    ckpt_cli,
+    datasets_cli,
+    demo,
+    ingest_cli,
+    nodes_cli,
+    probe_cli,
+    runs_cli,
+)
 from trainguard.ops.exits import EPILOG, EXIT_USAGE, describe, exit_code
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (datasets_cli, ckpt_cli, runs_cli, ingest_cli, probe_cli, demo)
+_COMMANDS = (datasets_cli, ckpt_cli, runs_cli, ingest_cli, probe_cli, nodes_cli, demo)
 """Modules with a ``register(subparsers)`` function, in the order --help lists them."""
 
 

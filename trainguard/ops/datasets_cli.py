@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from trainguard.core import settings, streams
-from trainguard.core.urls import redact_url
+from trainguard.core.urls import redact_url, redact_values
 from trainguard.ops.exits import EXIT_OK
 from trainguard.ops.output import emit, table
 
@@ -55,11 +55,13 @@ def _datasets_ls(args: argparse.Namespace) -> int:
 
 
 def _redacted(row: dict[str, Any]) -> dict[str, Any]:
-    """A dataset row with the credentials of its source URL redacted."""
+    """A dataset row with the credentials of its source URL and options redacted."""
     spec = row.get("spec")
     if isinstance(spec, dict) and spec.get("source"):
-        return {**row, "spec": {**spec, "source": redact_url(spec["source"])}}
-    return row
+        spec = {**spec, "source": redact_url(spec["source"])}
+    if isinstance(spec, dict) and spec.get("options"):
+        spec = {**spec, "options": redact_values(spec["options"])}
+    return {**row, "spec": spec} if isinstance(spec, dict) else row
 
 
 def _show_human(d: dict[str, Any]) -> str:

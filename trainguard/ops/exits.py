@@ -13,8 +13,11 @@ code  meaning
       any other error trainguard raised on purpose)
 2     bad usage or input (a value that does not parse or fit)
 3     not found (dataset, group, store, checkpoint, file)
-4     refused (conflict, not allowed: pinned, exists, fenced, active group)
+4     refused (conflict, not allowed: pinned, exists, fenced, active group,
+      the node is quarantined)
 75    GPU health CRITICAL: replace the node (sysexits ``EX_TEMPFAIL``)
+76    (a trainer's, not the command's) another node's GPU turned CRITICAL: this
+      node is fine, restart its worker without the bad node
 86    a trainer hung: its watchdog saw no progress within its budget, dumped
       every thread's stack into the run's incident and exited so that the
       torchrun agent restarts the group (retryable)
@@ -42,6 +45,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
+    "EXIT_PEER_CRITICAL",
     "EXIT_REFUSED",
     "EXIT_RESTART_LOOP",
     "EXIT_USAGE",
@@ -59,6 +63,10 @@ EXIT_RESTART_LOOP = _RESTART_LOOP
 """The restart-loop breaker stopped the run (``RestartLoopError.exit_code``): not
 retryable. The values live in :mod:`trainguard.core.incidents`, which the trainer
 imports; this module is where operators read them."""
+EXIT_PEER_CRITICAL = 76
+"""A healthy rank's code after another node's GPU turned CRITICAL and the job
+checkpointed (``trainer_client.health.EXIT_PEER_CRITICAL``): ``trainguard node fail``
+does not count it against the node."""
 EXIT_INTERRUPTED = 130
 
 _TABLE: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
@@ -79,8 +87,10 @@ EPILOG = """exit codes:
   1    the operation failed (damaged checkpoint, Redis or storage failure)
   2    bad usage or input
   3    not found (dataset, group, store, checkpoint, file)
-  4    refused (conflict or not allowed: pinned, exists, fenced, active group)
+  4    refused (conflict or not allowed: pinned, exists, fenced, active group,
+       the node is quarantined)
   75   GPU health CRITICAL: replace the node
+  76   (a trainer's) another node's GPU was CRITICAL: restart without it
   86   a trainer hung (watchdog): the agent restarts it
   87   restart loop stopped by the breaker: not retryable, see `runs show`
   130  interrupted"""

@@ -9,12 +9,21 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Progress", "emit", "table"]
+__all__ = ["Progress", "cell", "emit", "table"]
+
+
+def cell(value: Any) -> str:
+    """A value as a table cell, control characters escaped (``\\x1b``): a name read
+    from a manifest or Redis must not move the cursor or recolour a terminal."""
+    text = "-" if value is None else str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     """A plain left-aligned text table (no dependencies, pipes well)."""
-    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    cells = [[cell(h) for h in header]] + [[cell(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells

@@ -10,7 +10,9 @@ aiohttp). ``--once`` probes a single time, prints a table (or ``--json``) and ex
 0 for OK and WARN (``--fail-on-warn``: WARN too exits 75), 75 for CRITICAL
 (:data:`~trainer_client.health.EXIT_GPU_CRITICAL`, the code a trainer exits with on a
 CRITICAL GPU). Binds to 127.0.0.1 unless told otherwise: the metrics describe the
-node, expose them deliberately.
+node, expose them deliberately. ``--quarantine``: the first CRITICAL report writes the
+node's quarantine record in Redis (:mod:`trainguard.core.quarantine`), so that its
+gate (``trainguard node gate``) and a rendezvous admission refuse it.
 
 Metric names (labels ``gpu`` = index, ``uuid``)::
 
@@ -45,6 +47,8 @@ from trainer_client.health import (
     HealthThresholds,
     Status,
 )
+from trainer_client.health.leave import quarantine_on_critical
+from trainguard.core import settings
 
 __all__ = ["ProbeServer", "exit_code_for", "format_table", "run_probe"]
 
@@ -184,7 +188,11 @@ def run_probe(args: argparse.Namespace) -> int:
             report = probe.probe()
             print(json.dumps(report.to_dict(), indent=2) if args.json else format_table(report))
             return exit_code_for(report, fail_on_warn=args.fail_on_warn)
-        monitor = HealthMonitor(probe, interval_s=args.interval_s)
+        on_critical = None
+        if args.quarantine:
+            on_critical = quarantine_on_critical(settings.redis_url(args.redis_url),
+                                                 node=args.node)
+        monitor = HealthMonitor(probe, interval_s=args.interval_s, on_critical=on_critical)
         monitor.probe_now()  # serve a real report from the first request on
         server = ProbeServer(monitor, args.host, args.port)
         monitor.start()

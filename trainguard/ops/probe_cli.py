@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from trainguard.core import settings
 from trainguard.ops.exits import EXIT_GPU_CRITICAL
 
 __all__ = ["register"]
@@ -44,4 +45,13 @@ def register(subparsers: Any) -> None:
                    help="WARN at or above this GPU temperature (default 85)")
     p.add_argument("--temperature-critical-c", type=float, default=None,
                    help="CRITICAL at or above this GPU temperature (default 95)")
+    p.add_argument("--quarantine", action="store_true",
+                   help="daemon: on the first CRITICAL report, write this node's quarantine "
+                        "record (trainguard nodes ls) so that its gate refuses it")
+    p.add_argument("--node", default=None,
+                   help=f"node id for --quarantine (default: ${settings.NODE_ID_ENV}, else "
+                        "the host name)")
+    p.add_argument("--redis-url", default=None,
+                   help=f"Redis for --quarantine (default: ${settings.REDIS_URL_ENV} or "
+                        f"{settings.DEFAULT_REDIS_URL})")
     p.set_defaults(handler=_run)

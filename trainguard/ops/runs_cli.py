@@ -10,12 +10,13 @@ run here against Redis and the checkpoint stores named on the command line (or i
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
 from trainguard.core import settings
 from trainguard.ops.exits import EXIT_OK
-from trainguard.ops.output import emit, table
+from trainguard.ops.output import cell, emit, table
 
 __all__ = ["register"]
 
@@ -59,7 +60,12 @@ def _run(args: argparse.Namespace, op: Any) -> Any:
 def _ls(args: argparse.Namespace) -> int:
     from ingest_service.runs import collect_runs, summary
 
-    rows = [summary(h) for h in _run(args, lambda r, s, p: collect_runs(r, s, policy=p))]
+    errors: dict[str, str] = {}
+    rows = [summary(h) for h in _run(args, lambda r, s, p: collect_runs(r, s, policy=p,
+                                                                       errors=errors))]
+    for store, why in sorted(errors.items()):
+        # The other stores' runs are listed; this one's are missing, and says so.
+        print(f"warning: store {cell(store)} could not be read: {why}", file=sys.stderr)
     emit(args, rows, lambda rows: table(
         [(x["run"], x["dataset"], x["store"], x["checkpoints"], x["last_step"],
           _when(x["last_commit_at"]), x["generation"], x["restarts"], x["rollbacks"], x["lag"],

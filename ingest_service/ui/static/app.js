@@ -131,8 +131,8 @@ function bars(items, opts) {
 // ------------------------------------------------------------------ pages
 
 async function overview() {
-  const [ds, runs, health] = await Promise.all([getJSON("/admin/datasets"), getJSON("/admin/runs"),
-    getJSON("/admin/health")]);
+  const [ds, runs, health, quarantined] = await Promise.all([getJSON("/admin/datasets"),
+    getJSON("/admin/runs"), getJSON("/admin/health"), getJSON("/admin/nodes")]);
   const pillClass = (s) => (s === "OK" ? "ok" : s === "WARN" ? "warn" : "bad");
   return [
     h("h1", {}, "Overview"),
@@ -148,6 +148,14 @@ async function overview() {
         h("td", {}, n.gpus.flatMap((g) => g.problems.map((p) => `gpu ${g.gpu} ${p}`)).join("; ")
           || n.reason || "–"))))
       : h("p", { class: "muted" }, "no probes configured (TRAINGUARD_PROBES=node=http://host:port)")),
+    card("Quarantined nodes", quarantined.nodes.length ? table(
+      ["node", "source", "reason", "since", "expires in", ""],
+      quarantined.nodes.map((n) => h("tr", { "data-quarantined": n.node }, h("td", {}, n.node),
+        cell("source", n.source, n.source), cell("reason", n.reason, n.reason),
+        cell("created_at", n.created_at, fmtAgo(n.created_at)),
+        cell("remaining_s", n.remaining_s, fmtS(n.remaining_s)),
+        h("td", {}, h("button", { type: "button", onclick: () => clearNode(n.node) }, "clear")))))
+      : h("p", { class: "muted" }, "no quarantined nodes")),
     card("Datasets", ds.datasets.length ? table(
       ["dataset", "format", "partitions", "records", "paused", "dead letters", "groups"],
       ds.datasets.map((d) => h("tr", { "data-dataset": d.name },
@@ -166,7 +174,12 @@ async function overview() {
         cell("generation", r.generation), cell("restarts", r.restarts), cell("rollbacks", r.rollbacks),
         cell("lag", r.lag), cell("current_s", r.current_s, fmtS(r.current_s)),
         cell("recommended_s", r.recommended_s, fmtS(r.recommended_s)))))
-      : h("p", { class: "muted" }, "no runs")),
+      : h("p", { class: "muted" }, "no runs"),
+      // /admin/runs is paged: the overview shows the first page and says so.
+      runs.total > runs.runs.length
+        ? h("p", { class: "muted" }, `showing ${runs.runs.length} of ${runs.total} runs`) : "",
+      ...Object.entries(runs.store_errors || {}).map(([store, why]) =>
+        h("p", { class: "pill bad", "data-store-error": store }, `store ${store}: ${why}`))),
   ];
 }
 
@@ -224,6 +237,15 @@ async function pin(store, step, pinned) {
   const t = token();
   if (!t) { alert("Set the admin token first (footer)."); return; }
   const r = await fetch(`/admin/checkpoints/${encodeURIComponent(store)}/${step}/${pinned ? "pin" : "unpin"}`,
+    { method: "POST", headers: { Authorization: `Bearer ${t}` } });
+  if (!r.ok) { const b = await r.json(); alert(b.error ? b.error.message : r.statusText); }
+  refresh();
+}
+
+async function clearNode(node) {
+  const t = token();
+  if (!t) { alert("Set the admin token first (footer)."); return; }
+  const r = await fetch(`/admin/nodes/${encodeURIComponent(node)}/clear`,
     { method: "POST", headers: { Authorization: `Bearer ${t}` } });
   if (!r.ok) { const b = await r.json(); alert(b.error ? b.error.message : r.statusText); }
   refresh();
