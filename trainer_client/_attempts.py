@@ -110,6 +110,8 @@ class AttemptLog:
                "restored_at": None, "restored_step": None, "first_step_at": None,
                "outcome": "running"}
         self._call(r.hset, akey, str(n), inc.dumps(doc))
+        if n > inc.ATTEMPTS_KEPT:
+            self._call(r.hdel, akey, str(n - inc.ATTEMPTS_KEPT))  # "seq" keeps the count
         incidents = self._load_hash(self._k(inc.incidents_key))
         prev = self._load_hash(akey).get(str(n - 1))
         incident = None

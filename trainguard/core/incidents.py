@@ -70,7 +70,9 @@ __all__ = [
 
 INCIDENT_VERSION = 1
 INCIDENTS_KEPT = 200
-"""The incidents list is trimmed to the newest this many."""
+"""The incidents hash is trimmed to the newest this many (their reports with them)."""
+ATTEMPTS_KEPT = 1000
+"""The attempts hash keeps the newest this many documents ("seq" counts them all)."""
 
 EXIT_HUNG = 86
 """A trainer's watchdog found no progress within its budget: the process dumped its
