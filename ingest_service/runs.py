@@ -5,7 +5,8 @@ Routes (read-only, no token; documented in :mod:`ingest_service.runs_openapi`)::
 
     GET /admin/runs                         every run (consumer group) with its summary
     GET /admin/runs/{group}[?dataset=D]     one run: checkpoints, restarts, rollbacks,
-                                            world changes, advice, its partitions' lag
+                                            world changes, advice, its partitions' lag,
+                                            its attempts and incidents (from Redis)
     GET /admin/datasets/{dataset}/detail    partitions, groups' lag, dead letters,
                                             throughput over time
     GET /admin/health                       GPU health of the nodes in TRAINGUARD_PROBES
@@ -41,13 +42,14 @@ from ingest_service.gpu_health import nodes_health, parse_probes
 from ingest_service.lag import fill_lag
 from ingest_service.paging import page, until_gone
 from ingest_service.throughput import ThroughputSampler
+from trainguard.core import incidents as inc
 from trainguard.core import settings, streams
 from trainguard.core.history import histories as run_histories
-from trainguard.core.history import history
+from trainguard.core.history import history, with_recorded_failures
 from trainguard.core.interval import IntervalPolicy
 from trainguard.core.urls import redact_text
 
-__all__ = ["DEAD_LETTERS_SHOWN", "SAMPLER_KEY", "collect_runs", "dataset_detail", "run_detail",
+__all__ = ["DEAD_LETTERS_SHOWN", "SAMPLER_KEY", "attempts", "collect_runs", "dataset_detail", "run_detail",
            "setup_runs", "summary"]
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,42 @@ async def dataset_detail(r: aioredis.Redis, dataset: str,
     }
 
 
+async def _docs(r: aioredis.Redis, key: str) -> list[dict[str, Any]]:
+    """A hash of attempt/incident documents, by attempt number (unreadable ones left
+    out: the history must show what it can)."""
+    out = []
+    for field, raw in (await r.hgetall(key) or {}).items():
+        if inspection.as_text(field) == "seq":
+            continue
+        try:
+            out.append(inc.loads(raw))
+        except inc.IncidentError:
+            continue
+    # An attempt's rollbacks came before the failure that ended it.
+    return sorted(out, key=lambda d: (int(d.get("attempt") or 0),
+                                      float(d.get("detected_at") or 0.0)))
+
+
+async def attempts(r: aioredis.Redis, dataset: str, run: str) -> dict[str, Any]:
+    """The run's attempts and incidents as Redis recorded them
+    (:mod:`trainguard.core.incidents`), and the failures they count."""
+    tried = await _docs(r, inc.attempts_key(dataset, run))
+    found = await _docs(r, inc.incidents_key(dataset, run))
+    return {"attempts": tried, "incidents": found,
+            "failures": sum(1 for i in found if i.get("cause") not in inc.NOT_FAILURES)}
+
+
+def _without_stacks(incident: dict[str, Any]) -> dict[str, Any]:
+    # The open API shows names and figures: a thread's stack and an error's message
+    # may quote data. `trainguard runs show --json` has them.
+    reports = [{**{k: v for k, v in rep.items() if k not in ("stacks", "heartbeat")},
+                "threads": len(rep.get("stacks") or {}),
+                "error": {"type": (rep.get("error") or {}).get("type")}}
+               for rep in incident.get("reports") or ()]
+    return {**incident, "reports": reports, "look_at": None if incident.get("look_at") is None
+            else "see `trainguard runs show` (it quotes the error)"}
+
+
 def _root_histories(stores: StoreSet, policy: IntervalPolicy | None, root: StoreRoot,
                     cancel: Cancel) -> list[dict[str, Any]]:
     """A root's run histories (blocking), derived once per listing of the root."""
@@ -162,6 +200,11 @@ async def collect_runs(r: aioredis.Redis, stores: StoreSet, *,
     its history; a run with no checkpoint yet has an empty one. A store that cannot be
     read is left out and named in ``errors`` (store -> reason)."""
     histories = await _store_histories(stores, policy, {} if errors is None else errors)
+    for h in histories:
+        # The attempts and incidents Redis recorded (the cached histories stay as
+        # derived from the manifests: these are copies).
+        found = await attempts(r, h["dataset"], h["run"])
+        h.update(with_recorded_failures(h, found["failures"], policy), **found)
     seen = {(h["dataset"], h["run"]) for h in histories}
     lag: dict[tuple[str, str], dict[str, Any]] = {}
     for d in sorted(inspection.as_text(n) for n in await r.smembers(streams.datasets_key())):
@@ -174,8 +217,10 @@ async def collect_runs(r: aioredis.Redis, stores: StoreSet, *,
                                     "partitions": g["partitions"]}
             if (d, g["group"]) not in seen:
                 seen.add((d, g["group"]))
-                histories.append({"store": None, **history([], dataset=d, run=g["group"],
-                                                           policy=policy)})
+                seen_here = await attempts(r, d, g["group"])
+                histories.append({"store": None, **history(
+                    [], dataset=d, run=g["group"], policy=policy,
+                    failures=seen_here["failures"]), **seen_here})
     for h in histories:
         h["group"] = lag.get((h["dataset"], h["run"]), {"lag": None, "partitions": []})
     return histories
@@ -193,6 +238,8 @@ def summary(h: dict[str, Any]) -> dict[str, Any]:
         "generation": last["generation"] if last else None,
         "restarts": h["totals"]["failures"],
         "rollbacks": len(h["rollbacks"]),
+        "attempts": len(h.get("attempts") or ()),
+        "last_incident": (h["incidents"][-1].get("cause") if h.get("incidents") else None),
         "lag": h["group"]["lag"],
         "recommended_s": advice.get("recommended_s"),
         "current_s": advice.get("current_s"),
@@ -200,7 +247,10 @@ def summary(h: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_detail(r: aioredis.Redis, stores: StoreSet, group: str, dataset: str | None,
-                     *, policy: IntervalPolicy | None = None) -> dict[str, Any]:
+                     *, policy: IntervalPolicy | None = None,
+                     stacks: bool = False) -> dict[str, Any]:
+    """One run's history; ``stacks``: keep the incidents' thread stacks and error
+    messages (the CLI's; the open API leaves them out)."""
     try:
         streams.check_name("run", group)
         if dataset is not None:
@@ -219,6 +269,8 @@ async def run_detail(r: aioredis.Redis, stores: StoreSet, group: str, dataset: s
                       " add ?dataset=<name>")
     # One dataset; several stores could hold the run: the one with checkpoints first.
     found.sort(key=lambda h: -len(h["checkpoints"]))
+    if not stacks:
+        found[0]["incidents"] = [_without_stacks(i) for i in found[0].get("incidents") or ()]
     return found[0]
 
 

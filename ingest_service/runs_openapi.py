@@ -65,6 +65,23 @@ _RUN = {
         "totals": {"type": "object"},
         "advice": _ADVICE,
         "group": {"type": "object", "description": "the consumer group's lag per partition"},
+        "attempts": {"type": "array", "description": (
+            "every start of the run's trainers, oldest first (trainguard.core.incidents): "
+            "attempt, pid, host, world_size, restart_count, started_at, imported_at, "
+            "session_at, restored_at, restored_step, first_step_at, outcome "
+            "(running, ok, failed, stopped, refused)"),
+            "items": {"type": "object"}},
+        "incidents": {"type": "array", "description": (
+            "one per failure, oldest first: cause (hang, crash, killed, restart_loop), "
+            "detected_by, detected_at, failed_at, detection_latency_s, step, signature, "
+            "batches in flight, the ranks' reports (stacks and messages left out here), "
+            "world_before, remedy (what the next attempt did), recovery (world_after, "
+            "restored_step, steps_redone, records_redone, phases_s: detect, restart, "
+            "imports, session, restore, first_step); a restart_loop incident says what "
+            "was tried and where to look"),
+            "items": {"type": "object"}},
+        "failures": {"type": "integer",
+                     "description": "failed attempts Redis recorded (the advice uses them)"},
     },
 }
 

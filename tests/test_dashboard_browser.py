@@ -112,6 +112,9 @@ def _check_run(page: Page, base: str) -> dict:
     for x in r["restarts"]:
         row = page.values(f'tr[data-restart="{x["generation"]}"]')
         assert same(row["resumed_step"], x["resumed_step"])
+    for x in r["incidents"]:
+        row = page.values(f'tr[data-incident="{x["attempt"]}"]')
+        assert row["cause"] == x["cause"] and same(row["step"], x["step"]), (row, x)
     return r
 
 
@@ -171,6 +174,8 @@ def test_dashboard_in_chromium(redis_server, tmp_path: Path, monkeypatch) -> Non
                 page.fresh_render()
                 before = _check_run(page, base)
                 assert [x["generation"] for x in before["restarts"]] == [2]
+                # The killed first trainer is an incident (Redis), shown on the page.
+                assert [x["cause"] for x in before["incidents"]] == ["killed"]
                 _signal(job, signal.SIGCONT)
 
                 # SIGKILL the trainer and resume it: the restart appears on the open

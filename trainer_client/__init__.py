@@ -17,6 +17,7 @@ from trainer_client.errors import (
     GpuCriticalError,
     NoRollbackTargetError,
     PartitionCountError,
+    RestartLoopError,
     RollbackLimitError,
     RouteRejectedError,
     SessionBypassedError,
@@ -33,6 +34,8 @@ from trainer_client.health import (
 from trainer_client.routes import HttpRoute, LocalRoute, RouteClient
 from trainer_client.session import TrainingSession
 from trainer_client.spikes import LossSpikeDetector, RollbackConfig, SpikeConfig, SpikeGuard
+from trainer_client.watchdog import WatchdogConfig, init_process_group
+from trainguard.core.incidents import EXIT_HUNG, EXIT_RESTART_LOOP, LoopPolicy
 from trainguard.core.resilience import (
     BreakerState,
     CircuitBreaker,
@@ -44,6 +47,8 @@ from trainguard.core.resilience import (
 
 __all__ = [
     "EXIT_GPU_CRITICAL",
+    "EXIT_HUNG",
+    "EXIT_RESTART_LOOP",
     "AllRoutesFailedError",
     "Batch",
     "BreakerState",
@@ -61,9 +66,11 @@ __all__ = [
     "HealthThresholds",
     "HttpRoute",
     "LocalRoute",
+    "LoopPolicy",
     "LossSpikeDetector",
     "NoRollbackTargetError",
     "PartitionCountError",
+    "RestartLoopError",
     "Retrier",
     "RetryPolicy",
     "RollbackConfig",
@@ -76,6 +83,8 @@ __all__ = [
     "StreamingDataset",
     "TrainerClientError",
     "TrainingSession",
+    "WatchdogConfig",
     "batch_id",
+    "init_process_group",
     "retry_testing",
 ]

@@ -62,6 +62,13 @@ class SaveClock:
             self._events.append(Event("restore", int(manifest.step), generation, time.time(),
                                       None))
 
+    def count_failures(self, failures: int) -> None:
+        """The run's failed attempts as Redis recorded them (those that died before
+        their first checkpoint too): the advisor's failure count is at least that."""
+        with self._lock:
+            c = self._carried
+            self._carried = Totals(max(c.restarts, failures), c.rollbacks, c.trained_s)
+
     def rolled_back(self, to_step: int, generation: int | None) -> None:
         with self._lock:
             self._events.append(Event("rollback", to_step, generation, time.time(),

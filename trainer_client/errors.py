@@ -26,6 +26,7 @@ __all__ = [
     "NoRollbackTargetError",
     "PartitionCountError",
     "PeerGpuCriticalError",
+    "RestartLoopError",
     "RollbackLimitError",
     "RouteRejectedError",
     "SessionBypassedError",
@@ -61,6 +62,16 @@ class GpuCriticalError(TrainerClientError, RuntimeError):
         self.exit_code = exit_code
 
 
+class RestartLoopError(TrainerClientError, RuntimeError):
+    """The same failure came back after every remedy the restart-loop breaker tried
+    (or the breaker already stopped this run and the agent restarted it). Not
+    retryable: the process exits with ``exit_code``
+    (:data:`trainguard.core.incidents.EXIT_RESTART_LOOP`, 87); the run's last
+    incident says what was tried and where to look."""
+
+    def __init__(self, message: str, *, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 class PeerGpuCriticalError(GpuCriticalError):
     """Another rank's GPU reported CRITICAL at this step boundary; this rank's is fine.
 

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from trainer_client._batch_ids import batch_id, overlaps
 from trainer_client.dataset import Batch
 from trainer_client.errors import GpuCriticalError, NoRollbackTargetError, PeerGpuCriticalError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport
@@ -72,7 +73,6 @@ from trainer_client.spikes import (
     SpikeConfig,
     SpikeGuard,
 )
-from trainguard.core import streams
 from trainguard.core.checkpoints import SaveHandleView, StateMismatchError
 from trainguard.core.record import SKIPPED_KEY as SKIPPED_EXTRA_KEY
 
@@ -82,32 +82,6 @@ log = logging.getLogger(__name__)
 
 GUARD_STATE_KEY = "trainguard_guard"
 """Key of the guard's state inside the saved training state."""
-
-_Range = tuple[int, streams.StreamId, streams.StreamId]
-
-
-def batch_id(batch: Batch) -> str:
-    """The batch's records as ``"<p>:<first>..<last>"`` per partition, joined by ``;``.
-
-    A batch's records of one partition are consecutive entries of that stream (one
-    reader per partition and run), so first and last ID name them all."""
-    if not batch.ids:
-        raise ValueError("a batch without records has no ID (deterministic end marker?)")
-    return ";".join(f"{p}:{ids[0]}..{ids[-1]}" for p, ids in sorted(batch.ids.items()))
-
-
-def _ranges(bid: str) -> list[_Range]:
-    out = []
-    for part in bid.split(";"):
-        p, _, span = part.partition(":")
-        first, _, last = span.partition("..")
-        out.append((int(p), streams.parse_id(first), streams.parse_id(last)))
-    return out
-
-
-def _overlap(a: list[_Range], b: list[_Range]) -> bool:
-    return any(pa == pb and fa <= lb and fb <= la for pa, fa, la in a for pb, fb, lb in b)
-
 
 class _GuardState:
     """What the checkpoint store saves under GUARD_STATE_KEY; see the module docstring."""
@@ -295,8 +269,7 @@ class GuardedTraining:
     def _offending(self, bid: str) -> bool:
         if self.guard.is_skipped(bid):
             return True
-        mine = _ranges(bid)
-        return any(_overlap(mine, _ranges(str(s))) for s in self.guard.skipped_batch_ids if s)
+        return any(overlaps(bid, str(s)) for s in self.guard.skipped_batch_ids if s)
 
     def batches(self, loader: Iterable[Batch]) -> Iterator[Batch]:
         """``session.batches(loader)`` without the offending batches. The health check
@@ -381,7 +354,8 @@ class GuardedTraining:
                     decision.step, decision.reason, to_step, list(decision.skip_batch_ids))
         # Only the training state: the guard's saved state stays on disk (see the
         # module docstring), and checkpoints from before the guard have none.
-        self.step = self.session.rollback(self.state, to_step)
+        self.step = self.session.rollback(
+            self.state, to_step, reason=f"loss spike at step {decision.step} ({decision.reason})")
         self._lineage = [s for s in self._lineage if s <= to_step]
         self._apply_lr()
 

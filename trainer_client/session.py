@@ -36,9 +36,11 @@ the fence on every read, acknowledgement and checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -47,7 +49,8 @@ from trainer_client import _rng, redis_client
 from trainer_client import offsets as ofs
 from trainer_client._checks import check_not_bypassed, warn_divergent
 from trainer_client._commit import OffsetCommitter, gather_offsets
-from trainer_client._consumed import Consumed
+from trainer_client._consumed import Consumed, Snapshot
+from trainer_client._healing import Healing
 from trainer_client._progress import EpochSizes, Progress, measure
 from trainer_client._restore import REFUSALS, check_record, warn_if_reshaped
 from trainer_client._timing import SaveClock
@@ -56,6 +59,7 @@ from trainer_client.dataset import Batch, StreamingDataset, in_worker_order, loa
 from trainer_client.errors import FencedError, NoRollbackTargetError, TrainerClientError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport, NodeHealth
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
+from trainer_client.watchdog import WatchdogConfig
 from trainguard.core import record, streams
 from trainguard.core.checkpoints import (
     CheckpointStoreAPI,
@@ -64,6 +68,7 @@ from trainguard.core.checkpoints import (
     SaveHandleView,
     open_store,
 )
+from trainguard.core.incidents import LoopPolicy
 from trainguard.core.interval import Advice, IntervalPolicy
 from trainguard.core.record import RankState, SessionRecord
 from trainguard.core.timing import TIMING_KEY
@@ -83,9 +88,19 @@ class TrainingSession:
     restored checkpoint's seed wins). ``health_monitor`` (optional) answers
     :meth:`health`. ``interval`` tunes the checkpoint interval advisor behind
     :meth:`should_checkpoint`. With ``world_size > 1``, call
-    ``dist.init_process_group`` first (gloo works on CPU); every rank then calls
+    ``dist.init_process_group`` first (gloo works on CPU; or
+    :func:`trainer_client.init_process_group`, with the watchdog's collective
+    timeout); every rank then calls
     ``restore``, ``checkpoint`` and ``rollback`` in the same order, and ``batches``
     keeps the ranks in step.
+
+    ``watchdog`` (a :class:`~trainer_client.watchdog.WatchdogConfig`; False: off;
+    default ``$TRAINGUARD_WATCHDOG``) exits a process that makes no progress (exit 86)
+    and tightens the collective timeout; ``loop_breaker`` (a
+    :class:`~trainguard.core.incidents.LoopPolicy`; False: off; default
+    ``$TRAINGUARD_LOOP_BREAKER``) answers a failure that repeats after restores (older
+    checkpoint, skipped batches, then exit 87). Every attempt and failure is recorded
+    in Redis (:mod:`trainguard.core.incidents`); :meth:`close` marks the attempt ok.
     """
 
     def __init__(
@@ -107,6 +122,8 @@ class TrainingSession:
         redis_timeout_s: float = 900.0,
         health_monitor: HealthMonitor | None = None,
         interval: IntervalPolicy | None = None,
+        watchdog: WatchdogConfig | bool | None = None,
+        loop_breaker: LoopPolicy | bool | None = None,
     ) -> None:
         streams.check_name("dataset", dataset)
         streams.check_name("run", run)
@@ -154,6 +171,24 @@ class TrainingSession:
         self.health_monitor = health_monitor
         self._health = NodeHealth(health_monitor)
         self._clock = SaveClock(interval)
+        try:
+            self._heal = Healing(redis_url, dataset=dataset, run=run, rank=rank,
+                                 world_size=world_size, call=self._call,
+                                 broadcast=self._broadcast, process_group=process_group,
+                                 watchdog=watchdog, loop_breaker=loop_breaker)
+        except BaseException:
+            self._redis.close()
+            raise
+
+    def watch(self, phase: str, limit_s: float) -> contextlib.AbstractContextManager[None]:
+        """A block between steps (evaluation, a long log write) that may run for up to
+        ``limit_s`` seconds without the watchdog taking it for a hang."""
+        return self._heal.phase(phase, limit_s)
+
+    def collective_timeout(self) -> timedelta:
+        """The collective timeout from the watchdog's figures now: the session sets it
+        on ``process_group`` itself; use it for the groups the script makes."""
+        return self._heal.collective_timeout()
 
     # ------------------------------------------------------------------ helpers
 
@@ -188,7 +223,8 @@ class TrainingSession:
         ``rollback(state, to_step)`` loads the first of them with that step."""
         return record.newest_first(self.store.list())
 
-    def _load(self, state: Any, to_step: int | None) -> ManifestView | None:
+    def _load(self, state: Any, to_step: int | None, *,
+              skip_newest: bool = False) -> ManifestView | None:
         """Load the newest valid manifest (or ``to_step``) into ``state`` in place.
 
         Rank 0 chooses the candidates (newest first) and every rank tries them in that
@@ -200,6 +236,11 @@ class TrainingSession:
                 cands = [m for m in self.checkpoints() if to_step is None or m.step == to_step]
                 if to_step is not None and not cands:
                     raise LookupError(f"no checkpoint of step {to_step} for run {self.run!r}")
+                if skip_newest and len(cands) > 1:
+                    log.warning("restart-loop breaker: the failure recurred after restoring "
+                                "step %s: restoring the checkpoint before it, step %s",
+                                cands[0].step, cands[1].step)
+                    cands = cands[1:]
                 if cands:
                     self._check(cands[0])
                 plan = {"steps": [int(m.step) for m in cands]}
@@ -241,10 +282,16 @@ class TrainingSession:
         checkpoint without taking the run over, use :meth:`inspect`.
         """
         self._committer.raise_background()
-        manifest = self._load(state, None)
-        self._apply_offsets(self._record(manifest), new_generation=True)
+        with self._heal.phase("restore"):
+            older = self._heal.restoring()
+            manifest = self._load(state, None, skip_newest=older)
+            rec = self._record(manifest)
+            self._apply_offsets(rec, new_generation=True)
         self._clock.restored(manifest, self.generation)
-        return int(manifest.step) if manifest is not None else 0
+        self._clock.count_failures(self._heal.failures)
+        step = int(manifest.step) if manifest is not None else 0
+        self._heal.restored(step, rec, self.generation)
+        return step
 
     def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
         return None if manifest is None else self._check(manifest)
@@ -300,16 +347,19 @@ class TrainingSession:
         for ds in self._datasets:
             ds.generation, ds.seed = gen, self.seed
 
-    def rollback(self, state: Any, to_step: int | None = None) -> int:
+    def rollback(self, state: Any, to_step: int | None = None, *,
+                 reason: str | None = None) -> int:
         """Go back to a committed checkpoint (the newest, or ``to_step``): weights,
         offsets and random states together. The running ``batches`` generator drops
         what its loader prefetched and starts a new pass at the restored offsets.
         Returns the step. Raises :class:`NoRollbackTargetError` when the run has no
         committed checkpoint (nothing is changed then), ``LookupError`` when none of
-        ``to_step`` exists."""
+        ``to_step`` exists. The run's incidents record it (``reason``: why, e.g. the
+        spike guard's verdict)."""
         self.wait()
         self._committer.raise_background()
-        manifest = self._load(state, to_step)
+        with self._heal.phase("restore"):
+            manifest = self._load(state, to_step)
         if manifest is None:
             raise NoRollbackTargetError(
                 f"rollback of run {self.run!r} found no committed checkpoint to go back to: "
@@ -319,6 +369,7 @@ class TrainingSession:
         self._apply_offsets(self._record(manifest), new_generation=False)
         self._reseek = True
         self._clock.rolled_back(int(manifest.step), self.generation)
+        self._heal.rolled_back(int(manifest.step), reason)
         return int(manifest.step)
 
     @staticmethod
@@ -465,10 +516,12 @@ class TrainingSession:
                                      monitor=health or self.health_monitor)
                 for batch in source:
                     self._consumed.record(batch)
-                    yield batch
+                    if self._heal.handing(batch):
+                        yield batch
                     if self._reseek:
                         break
                 else:
+                    self._heal.loop_ended()
                     return
             finally:
                 # Close the abandoned pass's generators now: their frames hold the
@@ -535,12 +588,23 @@ class TrainingSession:
         gen = self._gen()
         self._check_fence(gen)
         now = self._consumed.snapshot()
-        offsets, batches = now.offsets, now.batches
+        offsets = now.offsets
         mine = RankState(rng=_rng.capture(), epoch=now.epoch, epoch_batches=now.epoch_batches)
         if now.passes == 0:
             owned = sorted(p for ps in self._owned(self._num_workers).values() for p in ps)
             self._call(check_not_bypassed, self._redis, self.dataset_name, self.run,
                        {p: offsets[p] for p in owned})
+        with self._heal.phase("checkpoint"):
+            self._heal.retime()
+            handle = self._save(state, step, now, mine, blocking=blocking, extra=extra,
+                                skipped=self._heal.skipped(skipped))
+        self._heal.retime()
+        return handle
+
+    def _save(self, state: Any, step: int, now: Snapshot, mine: RankState, *, blocking: bool,
+              extra: Mapping[str, Any] | None, skipped: Sequence[str] | None) -> SaveHandleView:
+        gen = self._gen()
+        offsets, batches = now.offsets, now.batches
         ranks = {self.rank: mine}
         if self.world_size > 1:
             if isinstance(state, Mapping):
@@ -598,7 +662,8 @@ class TrainingSession:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Wait until every checkpoint started here committed and acknowledged."""
-        self._committer.wait(timeout_s)
+        with self._heal.phase("checkpoint"):
+            self._committer.wait(timeout_s)
 
     def close(self) -> None:
         """Wait for in-flight checkpoints, then release connections (and the store
@@ -606,7 +671,9 @@ class TrainingSession:
         try:
             self.wait()
             self._committer.raise_background()
+            self._heal.closed()
         finally:
+            self._heal.close()
             self._health.close()
             if self._owns_store:
                 self.store.close()

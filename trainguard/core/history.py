@@ -24,7 +24,7 @@ from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.record import RecordError, SessionRecord
 from trainguard.core.timing import SaveTime, TimingError, TimingRecord
 
-__all__ = ["RunKey", "histories", "history", "run_keys"]
+__all__ = ["RunKey", "histories", "history", "run_keys", "with_recorded_failures"]
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,12 @@ def _median(values: list[float]) -> float | None:
 
 
 def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
-            policy: IntervalPolicy | None = None) -> dict[str, Any]:
+            policy: IntervalPolicy | None = None, failures: int | None = None
+            ) -> dict[str, Any]:
     """The history of ``run`` on ``dataset`` from ``manifests`` (any order, any runs:
-    the others are ignored), as JSON-ready data."""
+    the others are ignored), as JSON-ready data. ``failures``: the failed attempts
+    Redis recorded (:mod:`trainguard.core.incidents`; those that died before their
+    first checkpoint left no manifest): the failure count is at least that."""
     mine = []
     for m in manifests:
         rec = _record(m)
@@ -142,7 +145,7 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
     return {
         "dataset": dataset, "run": run, "checkpoints": checkpoints, "restarts": restarts,
         "rollbacks": rollbacks, "world": world,
-        **_advice(mine, restarts, policy),
+        **_advice(mine, restarts, policy, failures or 0),
     }
 
 
@@ -170,7 +173,8 @@ def _resumed_guess(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | 
 
 
 def _advice(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
-            restarts: list[dict[str, Any]], policy: IntervalPolicy | None) -> dict[str, Any]:
+            restarts: list[dict[str, Any]], policy: IntervalPolicy | None,
+            recorded: int) -> dict[str, Any]:
     timed = [t for _, _, t in mine if t is not None]
     saves = _saves(mine)
     blocked = _median([s.blocked_s for s in saves])
@@ -181,6 +185,7 @@ def _advice(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
     else:
         times = [c for c in (_created(m) for m, _, _ in mine) if c is not None]
         failures, observed = len(restarts), (max(times) - min(times)) if times else 0.0
+    failures = max(failures, recorded)
     totals = {"failures": failures, "observed_s": observed,
               "rollbacks": timed[-1].totals.rollbacks if timed else None}
     if blocked is None:
@@ -192,3 +197,21 @@ def _advice(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
 
 SAVES_WINDOW = 8
 """How many recent manifests' intervals make "the current interval" (their median)."""
+
+
+def with_recorded_failures(h: dict[str, Any], failures: int,
+                           policy: IntervalPolicy | None = None) -> dict[str, Any]:
+    """``h``'s ``totals`` and ``advice`` with at least ``failures`` failures (the
+    failed attempts Redis recorded, :mod:`trainguard.core.incidents`: those that died
+    before their first checkpoint left no manifest). ``h`` itself is left as it is."""
+    totals = dict(h["totals"])
+    if failures <= int(totals.get("failures") or 0):
+        return {"totals": totals, "advice": h["advice"]}
+    totals["failures"] = failures
+    a = h["advice"]
+    if a is None:
+        return {"totals": totals, "advice": None}
+    advice = advise(blocked_s=a["blocked_s"], durable_s=a["durable_s"],
+                    observed_s=a["observed_s"], failures=failures, current_s=a["current_s"],
+                    policy=policy)
+    return {"totals": totals, "advice": advice.to_json()}

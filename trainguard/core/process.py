@@ -4,8 +4,9 @@ gone?" decision (stale temp files and writer markers, a DataLoader worker's ring
 from __future__ import annotations
 
 import os
+import time
 
-__all__ = ["pid_alive"]
+__all__ = ["pid_alive", "started_at"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -18,3 +19,21 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def started_at(pid: int | None = None) -> float | None:
+    """When process ``pid`` (default: this one) started, in unix seconds; None where
+    the host does not say (no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            stat = f.read()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        now = time.time()
+        # Field 22 (starttime, clock ticks since boot) counts after the command name,
+        # which may itself hold spaces: split after its closing parenthesis. Uptime,
+        # not /proc/stat's btime: that one is rounded to whole seconds.
+        ticks = float(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return now - uptime + ticks / os.sysconf("SC_CLK_TCK")

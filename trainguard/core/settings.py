@@ -37,6 +37,11 @@ variable                       what                          default
 ``TRAINGUARD_TOKENIZE_PROCESSES`` processes that tokenize    one per core beyond
                                text at ingest (0: in the     two, else 0
                                producer's own process)
+``TRAINGUARD_WATCHDOG``        the trainer's hang watchdog:  on, with the defaults
+                               ``off`` or ``key=value,...``  of ``WatchdogConfig``
+                               (``trainer_client.watchdog``)
+``TRAINGUARD_LOOP_BREAKER``    the restart-loop breaker:     on, ``max_tries=3``
+                               ``off`` or ``max_tries=N``
 ============================== ============================= =======================
 """
 
@@ -55,7 +60,9 @@ __all__ = [
     "QUARANTINE_ENVS",
     "READ_TOKEN_ENV",
     "REDIS_URL_ENV",
+    "LOOP_BREAKER_ENV",
     "TOKENIZE_PROCESSES_ENV",
+    "WATCHDOG_ENV",
     "admin_token",
     "checkpoint_stores",
     "node_id",
@@ -64,7 +71,9 @@ __all__ = [
     "quarantine",
     "read_token",
     "redis_url",
+    "loop_breaker",
     "tokenize_processes",
+    "watchdog",
 ]
 
 REDIS_URL_ENV = "TRAINGUARD_REDIS_URL"
@@ -75,6 +84,8 @@ PROBES_ENV = "TRAINGUARD_PROBES"
 PUSH_TOKENS_ENV = "TRAINGUARD_PUSH_TOKENS"
 READ_TOKEN_ENV = "TRAINGUARD_READ_TOKEN"
 TOKENIZE_PROCESSES_ENV = "TRAINGUARD_TOKENIZE_PROCESSES"
+WATCHDOG_ENV = "TRAINGUARD_WATCHDOG"
+LOOP_BREAKER_ENV = "TRAINGUARD_LOOP_BREAKER"
 NODE_ID_ENV = "TRAINGUARD_NODE_ID"
 QUARANTINE_ENVS = ("TRAINGUARD_QUARANTINE_S", "TRAINGUARD_QUARANTINE_FAILURES",
                    "TRAINGUARD_QUARANTINE_WINDOW_S")
@@ -124,6 +135,14 @@ def tokenize_processes(cores: int) -> int:
     return int(raw)
 
 
+def watchdog() -> str:
+    """``$TRAINGUARD_WATCHDOG`` as written (parsed by ``WatchdogConfig.from_env``)."""
+    return os.environ.get(WATCHDOG_ENV, "")
+
+
+def loop_breaker() -> str:
+    """``$TRAINGUARD_LOOP_BREAKER`` as written (parsed by ``LoopPolicy.from_env``)."""
+    return os.environ.get(LOOP_BREAKER_ENV, "")
 def node_id(explicit: str | None = None) -> str:
     """``explicit``, else ``$TRAINGUARD_NODE_ID``, else this machine's host name."""
     return explicit or os.environ.get(NODE_ID_ENV) or socket.gethostname()

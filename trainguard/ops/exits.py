@@ -18,6 +18,12 @@ code  meaning
 75    GPU health CRITICAL: replace the node (sysexits ``EX_TEMPFAIL``)
 76    (a trainer's, not the command's) another node's GPU turned CRITICAL: this
       node is fine, restart its worker without the bad node
+86    a trainer hung: its watchdog saw no progress within its budget, dumped
+      every thread's stack into the run's incident and exited so that the
+      torchrun agent restarts the group (retryable)
+87    restart loop: the same failure came back after every remedy of the
+      restart-loop breaker; not retryable (every further restart by the agent
+      exits 87 at once): read ``trainguard runs show RUN``
 130   interrupted (Ctrl-C)
 ====  =====================================================================
 """
@@ -27,17 +33,21 @@ from __future__ import annotations
 from trainguard.core import settings
 from trainguard.core.checkpoints import CorruptCheckpointError
 from trainguard.core.errors import TrainguardError
+from trainguard.core.incidents import EXIT_HUNG as _HUNG
+from trainguard.core.incidents import EXIT_RESTART_LOOP as _RESTART_LOOP
 from trainguard.core.urls import redact_text
 
 __all__ = [
     "EPILOG",
     "EXIT_FAILED",
     "EXIT_GPU_CRITICAL",
+    "EXIT_HUNG",
     "EXIT_INTERRUPTED",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
     "EXIT_PEER_CRITICAL",
     "EXIT_REFUSED",
+    "EXIT_RESTART_LOOP",
     "EXIT_USAGE",
     "describe",
     "exit_code",
@@ -47,6 +57,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
 EXIT_GPU_CRITICAL = 75
 """The code a trainer exits with on a CRITICAL GPU (``trainer_client.health``'s, which
 ``GpuCriticalError.exit_code`` carries; ``test_cli_exit_codes`` pins that they agree)."""
+EXIT_HUNG = _HUNG
+"""A trainer's watchdog fired (``trainer_client.watchdog``): retryable."""
+EXIT_RESTART_LOOP = _RESTART_LOOP
+"""The restart-loop breaker stopped the run (``RestartLoopError.exit_code``): not
+retryable. The values live in :mod:`trainguard.core.incidents`, which the trainer
+imports; this module is where operators read them."""
 EXIT_PEER_CRITICAL = 76
 """A healthy rank's code after another node's GPU turned CRITICAL and the job
 checkpointed (``trainer_client.health.EXIT_PEER_CRITICAL``): ``trainguard node fail``
@@ -75,6 +91,8 @@ EPILOG = """exit codes:
        the node is quarantined)
   75   GPU health CRITICAL: replace the node
   76   (a trainer's) another node's GPU was CRITICAL: restart without it
+  86   a trainer hung (watchdog): the agent restarts it
+  87   restart loop stopped by the breaker: not retryable, see `runs show`
   130  interrupted"""
 
 

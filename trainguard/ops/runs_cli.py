@@ -1,5 +1,6 @@
 """``trainguard runs ls|show``: training runs, their checkpoints, restarts and rollbacks,
-and the checkpoint interval advice, from the manifests and Redis.
+their attempts and incidents, and the checkpoint interval advice, from the manifests
+and Redis.
 
 The same operations as the admin API's ``/admin/runs`` (:mod:`ingest_service.runs`),
 run here against Redis and the checkpoint stores named on the command line (or in
@@ -112,13 +113,39 @@ def _show_human(h: dict[str, Any]) -> str:
         out += ["", table([(_when(x["at"]), x["to_step"], x["last_step"],
                             ",".join(x["skipped"]) or "-") for x in h["rollbacks"]],
                           ["ROLLBACK AT", "TO STEP", "FROM STEP", "SKIPPED"])]
-    return "\n".join(out)
+    return "\n".join(out + _incident_lines(h))
+
+
+def _incident_lines(h: dict[str, Any]) -> list[str]:
+    tried = h.get("attempts") or []
+    out = ["", f"attempts: {len(tried)} ("
+           + ", ".join(f"{a['attempt']} {a.get('outcome')}" for a in tried) + ")"] if tried else []
+    rows = []
+    for i in h.get("incidents") or ():
+        rec = i.get("recovery") or {}
+        phases = rec.get("phases_s") or {}
+        split = " ".join(f"{k} {_seconds(v)}" for k, v in phases.items() if v is not None)
+        rows.append((i.get("attempt"), i.get("cause"), i.get("step"), i.get("detected_by"),
+                     _seconds(i.get("detection_latency_s")),
+                     (i.get("remedy") or {}).get("action") or "-",
+                     f"{rec.get('steps_redone', '-')}/{rec.get('records_redone', '-')}"
+                     if rec else "-", split or "-"))
+    if rows:
+        out += ["", table(rows, ["ATTEMPT", "CAUSE", "STEP", "DETECTED BY", "LATENCY",
+                                 "REMEDY", "REDONE STEPS/RECORDS", "TO NEXT STEP"])]
+    for i in h.get("incidents") or ():
+        if i.get("cause") == "restart_loop":
+            out += [f"restart loop stopped at attempt {i.get('attempt')}: {i.get('signature')} "
+                    f"came back {i.get('repeats')} times after {', '.join(i.get('tried') or [])}."
+                    f" {i.get('look_at')}"]
+    return out
 
 
 def _show(args: argparse.Namespace) -> int:
     from ingest_service.runs import run_detail
 
-    h = _run(args, lambda r, s, p: run_detail(r, s, args.run, args.dataset, policy=p))
+    h = _run(args, lambda r, s, p: run_detail(r, s, args.run, args.dataset, policy=p,
+                                              stacks=True))
     emit(args, h, _show_human)
     return EXIT_OK
 

@@ -256,10 +256,13 @@ async function runPage(name, dataset) {
   const r = await getJSON(`/admin/runs/${encodeURIComponent(name)}${q}`);
   const cps = r.checkpoints, a = r.advice;
   const last = cps.length ? cps[cps.length - 1] : null;
+  const incs = r.incidents || [];
   const marks = r.restarts.map((x) => ({ x: x.at, kind: "restart", color: "#dc2626",
     label: `restart → g${x.generation}`, title: `restart: resumed at step ${x.resumed_step}` }))
     .concat(r.rollbacks.map((x) => ({ x: x.at, kind: "rollback", color: "#d97706",
-      label: "rollback", title: `rollback to step ${x.to_step}` })));
+      label: "rollback", title: `rollback to step ${x.to_step}` })))
+    .concat(incs.map((x) => ({ x: x.detected_at, kind: "incident", color: "#7c3aed",
+      label: x.cause, title: `${x.cause} at step ${x.step} (${x.detected_by})` })));
   const timeline = lineChart([{ name: "checkpoints", color: "#2563eb",
     points: cps.map((c) => [c.created_at, c.step, `step ${c.step} (gen ${c.generation})`]) }],
   { label: "checkpoint timeline", fmt: fmtInt, dots: true, marks });
@@ -277,7 +280,7 @@ async function runPage(name, dataset) {
       stat("rollbacks", r.rollbacks.length, undefined, "rollbacks"),
       stat("lag", r.group.lag, undefined, "lag (entries)")),
     h("div", { class: "grid" },
-      card("Checkpoint timeline (step over time; restarts red, rollbacks amber)", timeline),
+      card("Checkpoint timeline (step over time; restarts red, rollbacks amber, incidents violet)", timeline),
       card("Save time per checkpoint (blocked / durable)",
         bars(timed.flatMap((c) => [
           { label: String(c.step), value: c.blocked_s, color: "#2563eb", title: `step ${c.step}: blocked ${fmtS(c.blocked_s)}` },
@@ -302,6 +305,19 @@ async function runPage(name, dataset) {
         cell("last_committed_step", x.last_committed_step),
         cell("steps_redone", x.steps_redone, (x.steps_redone_exact ? "" : "≥ ") + x.steps_redone))))
       : h("p", { class: "muted" }, "none")),
+    incs.length ? card("Incidents", table(["detected", "cause", "step", "detected by", "latency",
+      "remedy", "redone steps / records", "to the next step"],
+      incs.map((x) => {
+        const rec = x.recovery || {};
+        const phases = Object.entries(rec.phases_s || {}).filter(([, v]) => v !== null);
+        return h("tr", { "data-incident": x.attempt },
+          h("td", {}, fmtAgo(x.detected_at)), cell("cause", x.cause, x.cause), cell("step", x.step),
+          h("td", {}, x.detected_by || "–"),
+          cell("detection_latency_s", x.detection_latency_s, fmtS(x.detection_latency_s)),
+          h("td", {}, (x.remedy && x.remedy.action) || "–"),
+          h("td", {}, `${rec.steps_redone ?? "–"} / ${rec.records_redone ?? "–"}`),
+          h("td", {}, phases.map(([k, v]) => `${k} ${fmtS(v)}`).join(", ") || "–"));
+      }))) : null,
     r.world.length > 1 ? card("World size changes", table(["at", "from step", "ranks", "workers per rank"],
       r.world.map((x) => h("tr", {}, h("td", {}, fmtAgo(x.at)), cell("step", x.step),
         cell("world_size", x.world_size), cell("num_workers", x.num_workers))))) : null,
