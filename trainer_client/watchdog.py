@@ -85,10 +85,19 @@ class WatchdogConfig:
 
     @classmethod
     def from_env(cls, raw: str | None = None) -> WatchdogConfig:
-        """``$TRAINGUARD_WATCHDOG`` (or ``raw``): unset → the defaults; ``off`` →
-        disabled; else ``key=value,...`` of this class's fields."""
+        """``$TRAINGUARD_WATCHDOG`` (or ``raw``): unset → the defaults under an
+        elastic agent (``$TORCHELASTIC_RUN_ID`` set), off elsewhere; ``on`` → the
+        defaults anywhere; ``off`` → disabled; else ``key=value,...`` of this class's
+        fields.
+
+        Unset means off outside an agent because the watchdog's remedy is an exit for
+        the agent to restart: in a plain process (a notebook, a test run, a script
+        that leaves a session open while it does other work) nothing would restart
+        it, and the exit would only end the host process."""
         text = (settings.watchdog() if raw is None else raw).strip()
-        if not text or text.lower() in ("on", "1", "true"):
+        if not text:
+            return cls(enabled=bool(os.environ.get("TORCHELASTIC_RUN_ID")))
+        if text.lower() in ("on", "1", "true"):
             return cls()
         if text.lower() in ("off", "0", "false"):
             return cls(enabled=False)
