@@ -6,14 +6,18 @@ the count of every record of its batch. Checkpoints are Lightning's own
 plugin, and every attempt resumes with ``trainer.fit(..., ckpt_path="last")``. After
 ``fit`` the job saves ``last.ckpt`` once more, so the final checkpoint has every step.
 
-Prints ``0: READY``, ``0: STEP <step>`` after each step, ``0: SAVE <step>`` when a
-checkpoint starts, ``0: COMMITTED <step>`` once its marker is written, ``0: DONE``.
+Prints ``0: READY``, ``0: START <step>`` when training starts (the resumed step),
+``0: STEP <step>`` after each step, ``0: SAVE <step>`` when a checkpoint starts,
+``0: COMMITTED <step>`` once its marker is written, ``0: DONE``; with
+``--die-before-marker K:last`` (or ``K:any``) ``0: DYING <step>`` before it SIGKILLs
+itself between its K-th commit and that commit's ``last`` (or first) marker.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,8 +62,30 @@ class Say(Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
         say(f"SAVE {trainer.global_step}")
 
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        say(f"START {trainer.global_step}")
+
 
 class LoudIO(TrainguardCheckpointIO):
+    """Says COMMITTED after each marker; with ``die_before`` (k, "last" or "any"), the
+    job SIGKILLs itself after its k-th commit, before that commit's ``last`` marker
+    (or before its first marker): a kill between a commit and its marker."""
+
+    def __init__(self, dm: TrainguardDataModule, die_before: tuple[int, str] | None) -> None:
+        super().__init__(dm)
+        self.die_before = die_before
+        self.commits: list[str] = []
+
+    def write_marker(self, path: Any, marker: dict[str, Any]) -> None:
+        if marker["commit"] not in self.commits:
+            self.commits.append(marker["commit"])
+        if self.die_before is not None:
+            k, which = self.die_before
+            if len(self.commits) == k and (which == "any" or marker["last"]):
+                say(f"DYING {marker['step']}")
+                os.kill(os.getpid(), signal.SIGKILL)
+        super().write_marker(path, marker)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any | None = None) -> None:
         super().save_checkpoint(checkpoint, path, storage_options)
@@ -98,12 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--ckpt-every", type=int, default=8)
     ap.add_argument("--sleep-ms", type=float, default=0.0)
+    ap.add_argument("--die-before-marker", default=None,
+                    help="K:last or K:any: SIGKILL after the K-th commit, before its marker")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("PL_DISABLE_FORK", "1")
     dm = TrainguardDataModule(args.redis, dataset=args.dataset, run=args.run, store=args.store,
                               batch_size=args.batch_size, keep_last=2, block_ms=200)
-    dm.checkpoint_io = LoudIO(dm)
+    die = None
+    if args.die_before_marker:
+        k, _, which = args.die_before_marker.partition(":")
+        die = (int(k), which or "last")
+    dm.checkpoint_io = LoudIO(dm, die)
     ckpt_dir = Path(args.ckpt_dir)
     trainer = trainer_for(dm, ckpt_dir, args.ckpt_every, [Say(args.sleep_ms)])
     say("READY")
