@@ -25,6 +25,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
@@ -32,7 +33,7 @@ from trainguard.integrations.lightning import TrainguardCheckpointIO, Trainguard
 
 
 def say(line: str) -> None:
-    sys.stdout.write(f"0: {line}\n")
+    sys.stdout.write(f"{os.environ.get('RANK', '0')}: {line}\n")
     sys.stdout.flush()
 
 
@@ -44,8 +45,16 @@ class Ledger(L.LightningModule):
         self.register_buffer("counts", torch.zeros(n))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        self.counts.index_add_(0, batch[:, 0].long(), torch.ones(len(batch)))
-        return self.lin(batch.float() / self.n).pow(2).mean()
+        local = torch.zeros(self.n)
+        if len(batch):
+            local.index_add_(0, batch[:, 0].long(), torch.ones(len(batch)))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)  # every rank's records, on every rank (like gradients)
+        self.counts += local
+        # A sum, not a mean: an empty batch (a rank out of data) gives a zero loss that
+        # still reaches every parameter, as DDP's gradient all-reduce needs.
+        x = batch.reshape(-1, 8).float() / self.n
+        return self.lin(x).pow(2).sum() / max(1, len(batch))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -93,9 +102,13 @@ class LoudIO(TrainguardCheckpointIO):
 
 
 def trainer_for(dm: TrainguardDataModule, ckpt_dir: Path, every: int, extra: list[Any],
-                max_steps: int = -1) -> L.Trainer:
+                max_steps: int = -1, world: int = 1) -> L.Trainer:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy: Any = DDPStrategy(process_group_backend="gloo") if world > 1 else "auto"
     return L.Trainer(
-        max_epochs=1, max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        max_epochs=1, max_steps=max_steps, accelerator="cpu", devices=world, strategy=strategy,
+        logger=False, enable_progress_bar=False,
         enable_model_summary=False, plugins=[dm.checkpoint_io],
         callbacks=[dm.callback, ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every,
                                                 save_last=True), *extra],
@@ -129,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("PL_DISABLE_FORK", "1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # launched by the test, one process per rank: Lightning launches none
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        os.environ.setdefault("NODE_RANK", "0")
     dm = TrainguardDataModule(args.redis, dataset=args.dataset, run=args.run, store=args.store,
                               batch_size=args.batch_size, keep_last=2, block_ms=200)
     die = None
@@ -137,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         die = (int(k), which or "last")
     dm.checkpoint_io = LoudIO(dm, die)
     ckpt_dir = Path(args.ckpt_dir)
-    trainer = trainer_for(dm, ckpt_dir, args.ckpt_every, [Say(args.sleep_ms)])
+    trainer = trainer_for(dm, ckpt_dir, args.ckpt_every, [Say(args.sleep_ms)], world=world)
     say("READY")
     trainer.fit(Ledger(args.n), datamodule=dm, ckpt_path="last")
     trainer.save_checkpoint(ckpt_dir / "last.ckpt")

@@ -66,7 +66,7 @@ def _marker_names_a_kept_commit(root: Path, store_url: str) -> None:
         f"the store no longer holds: {kept}")
 
 
-def _twice_killed_before_markers(url: str, tmp_path: Path, seed: int) -> None:
+def _twice_killed_before_markers(z: ledger.Zygote, url: str, tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     run = f"pl{seed}"
     root = tmp_path / run
@@ -74,20 +74,19 @@ def _twice_killed_before_markers(url: str, tmp_path: Path, seed: int) -> None:
     args = ["--redis", url, "--dataset", "tok", "--run", run, "--store", store_url,
             "--ckpt-dir", str(root / "lightning"), "--n", str(N), "--batch-size", "8",
             "--ckpt-every", "3"]
-    with ledger.zygote(tmp_path / f"job-{seed}.log", "tests._lightning_job") as z:
-        for _attempt in range(2):
-            commits = _store_commits(store_url)
-            newest = commits[0][0] if commits else 0
-            die = f"{rng.randint(1, 4)}:{rng.choice(['last', 'any'])}"
-            job = z.spawn([*args, "--die-before-marker", die], 1)
-            code = _wait_exit(job)
-            assert code == -9 and any(s.startswith("0: DYING") for s in job.seen), job.seen[-30:]
-            assert _started(job) == newest, f"resumed step {_started(job)}, newest commit {newest}"
-            _marker_names_a_kept_commit(root, store_url)
-        newest = _store_commits(store_url)[0][0]
-        job = z.spawn(args, 1)
-        job.finish(300)
-        assert _started(job) == newest, f"resumed step {_started(job)}, newest commit {newest}"
+    for _attempt in range(2):
+        commits = _store_commits(store_url)
+        newest = commits[0][0] if commits else 0
+        die = f"{rng.randint(1, 4)}:{rng.choice(['last', 'any'])}"
+        job = z.spawn([*args, "--die-before-marker", die], 1)
+        code = _wait_exit(job)
+        assert code == -9 and any(s.startswith("0: DYING") for s in job.seen), job.seen[-30:]
+        assert _started(job) == newest, f"seed {seed}: resumed step {_started(job)}, newest {newest}"
+        _marker_names_a_kept_commit(root, store_url)
+    newest = _store_commits(store_url)[0][0]
+    job = z.spawn(args, 1)
+    job.finish(300)
+    assert _started(job) == newest, f"seed {seed}: resumed step {_started(job)}, newest {newest}"
     counts = final_counts(store_url)
     assert len(counts) == N
     ledger.assert_each_once(counts)
@@ -104,12 +103,14 @@ def test_two_kills_between_commit_and_marker_resume_the_newest_commit(
         filled: str, tmp_path: Path) -> None:
     """Killed twice in a row between a commit and its marker: each resume starts at the
     newest commit, last.ckpt always names a commit the store holds, each record once."""
-    _twice_killed_before_markers(filled, tmp_path, seed=3)
+    with ledger.zygote(tmp_path / "job.log", "tests._lightning_job") as z:
+        _twice_killed_before_markers(z, filled, tmp_path, seed=3)
 
 
 @pytest.mark.chaos
 def test_two_kills_between_commit_and_marker_in_40_seeds(filled: str, tmp_path: Path) -> None:
     """The same in 40 seeds (kill points: the 1st to 4th commit of each attempt, before
     its last.ckpt or before its first marker): all 40 pass."""
-    for seed in range(SEEDS):
-        _twice_killed_before_markers(filled, tmp_path, seed)
+    with ledger.zygote(tmp_path / "job.log", "tests._lightning_job") as z:
+        for seed in range(SEEDS):
+            _twice_killed_before_markers(z, filled, tmp_path, seed)

@@ -43,7 +43,14 @@ two newest: retention keeps it until a newer marker exists, which is why
 
 A fresh ``fit`` on a run that already has checkpoints is refused (the weights would
 start over while the data would not): pass ``ckpt_path="last"``, or a new run name.
-Single process only: a multi-process strategy (DDP) is refused with an error. One
+Several processes: ``strategy="ddp"`` (any ``DDPStrategy``; others, which shard the
+state differently, are refused). Each rank reads its own partitions, every rank
+commits with each checkpoint (the offsets of all ranks end in one manifest; rank 0
+writes the marker), and a restart may run on another number of processes: the
+partitions are assigned anew and every record is still trained once. A rank whose
+partitions run out first trains empty batches (zero rows) until every rank is out, so
+that all ranks take the same steps: ``training_step`` must run on an empty batch (a
+zero loss that still reaches every parameter, for DDP's gradient all-reduce). One
 Lightning epoch is one pass over the stream (for a finite dataset, all of it).
 """
 
@@ -60,10 +67,11 @@ import fsspec
 import lightning.pytorch as pl
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from trainer_client import TrainingSession
-from trainguard.integrations import _lineage
+from trainguard.integrations import _lineage, _ranks
 from trainguard.integrations._consumption import ConfirmedBatches
 from trainguard.integrations._consumption import session_options as session_options_for
 
@@ -108,6 +116,8 @@ class _Data:
         self.batches = batches
 
     def __iter__(self) -> Iterator[Any]:
+        if self.batches.session.world_size > 1:
+            return _ranks.in_step(self.batches)
         return (b.data for b in self.batches)
 
 
@@ -140,9 +150,14 @@ class TrainguardDataModule(pl.LightningDataModule):
 
     @property
     def session(self) -> TrainingSession:
+        """The run's session, one per rank: made on first use, once the Trainer's
+        processes are set up (its rank and world size are the Trainer's)."""
         if self._session is None:
+            trainer = self.trainer
+            rank, world = (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
             self._session = TrainingSession(self.redis_url, dataset=self.dataset_name,
-                                            run=self.run, store=self.store, **self._options)
+                                            run=self.run, store=self.store, rank=rank,
+                                            world_size=world, **self._options)
         return self._session
 
     @property
@@ -248,17 +263,20 @@ def _mark_last(trainer: pl.Trainer) -> None:
 
 
 class TrainguardCallback(pl.Callback):
-    """Confirms each batch as training starts on it; refuses multi-process runs."""
+    """Confirms each batch as training starts on it; several processes: DDP only."""
 
     def __init__(self, datamodule: TrainguardDataModule) -> None:
         self.datamodule = datamodule
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.world_size > 1:
-            raise RuntimeError(
-                f"the trainguard Lightning integration is single-process; this Trainer runs "
-                f"{trainer.world_size} processes: use TrainingSession directly for multi-rank runs"
-            )
+            if not isinstance(trainer.strategy, DDPStrategy):
+                raise RuntimeError(
+                    f"the trainguard Lightning integration runs several processes with DDP "
+                    f"only; this Trainer's strategy is {type(trainer.strategy).__name__}: use "
+                    "strategy='ddp', or TrainingSession directly (Shard blocks) for sharded state"
+                )
+            _ranks.save_on_every_rank(trainer)
         if not isinstance(trainer.strategy.checkpoint_io, TrainguardCheckpointIO):
             raise RuntimeError("pass plugins=[datamodule.checkpoint_io] to the Trainer: "
                                "checkpoints must go through trainguard to commit the offsets")
@@ -319,6 +337,8 @@ class TrainguardCheckpointIO(CheckpointIO):
         # ModelCheckpoint saves top-k and last.ckpt at the same step: one commit, two markers.
         if self._saved is None or self._saved[0] != step:
             commit = uuid.uuid4().hex
+            if dm.session.world_size > 1:
+                commit = _ranks.same_on_every_rank(commit)
             extra = {_lineage.EXTRA_KEY: {"id": commit,
                                           "after": self._lineage[-_lineage.MAX_AFTER:]}}
             dm.session.checkpoint({_STATE_KEY: {**checkpoint, _ID_KEY: commit}}, step,
@@ -328,9 +348,11 @@ class TrainguardCheckpointIO(CheckpointIO):
         step, commit = self._saved
         stem = posixpath.splitext(posixpath.basename(str(path)))[0]
         last = _lineage.is_last_name(stem, self._last_name())
-        self.write_marker(path, {"format": MARKER_FORMAT, "version": _MARKER_VERSION,
-                                 "run": dm.run, "dataset": dm.dataset_name, "store": dm.store,
-                                 "step": step, "commit": commit, "last": last})
+        if dm.session.rank == 0:
+            self.write_marker(path, {"format": MARKER_FORMAT, "version": _MARKER_VERSION,
+                                     "run": dm.run, "dataset": dm.dataset_name,
+                                     "store": dm.store, "step": step, "commit": commit,
+                                     "last": last})
         if last:
             self._lineage = [commit]
 
