@@ -254,7 +254,10 @@ def _mark_last(trainer: pl.Trainer) -> None:
     it finds a ``last.ckpt`` it did not write and versions its own (``last-v1.ckpt``),
     leaving two ``last`` markers that Lightning tells apart by modification time."""
     checkpoint = trainer.checkpoint_callback
-    if not isinstance(checkpoint, ModelCheckpoint) or not checkpoint.dirpath:
+    # Without save_last no one would update the file: it would name this commit until
+    # retention dropped it.
+    if (not isinstance(checkpoint, ModelCheckpoint) or not checkpoint.dirpath
+            or not checkpoint.save_last):
         return
     name = f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
     path = checkpoint.last_model_path or posixpath.join(str(checkpoint.dirpath), name)
