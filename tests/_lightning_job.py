@@ -84,9 +84,16 @@ class LoudIO(TrainguardCheckpointIO):
         super().__init__(dm)
         self.die_before = die_before
         self.commits: list[str] = []
+        self.resumed_commits: set[str] = set()
+
+    def resumed(self, start: Any) -> None:
+        # The commit a fit resumed is marked again at its start: not a commit of this job.
+        if start is not None and start.commit is not None:
+            self.resumed_commits.add(start.commit)
+        super().resumed(start)
 
     def write_marker(self, path: Any, marker: dict[str, Any]) -> None:
-        if marker["commit"] not in self.commits:
+        if marker["commit"] not in self.commits and marker["commit"] not in self.resumed_commits:
             self.commits.append(marker["commit"])
         if self.die_before is not None:
             k, which = self.die_before
@@ -110,8 +117,9 @@ def trainer_for(dm: TrainguardDataModule, ckpt_dir: Path, every: int, extra: lis
         max_epochs=1, max_steps=max_steps, accelerator="cpu", devices=world, strategy=strategy,
         logger=False, enable_progress_bar=False,
         enable_model_summary=False, plugins=[dm.checkpoint_io],
-        callbacks=[dm.callback, ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every,
-                                                save_last=True), *extra],
+        # extra first: Say's START comes before the datamodule's callback marks the commit.
+        callbacks=[*extra, dm.callback, ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every,
+                                                        save_last=True)],
     )
 
 
