@@ -6,7 +6,8 @@ the count of every record of its batch. Checkpoints are Lightning's own
 plugin, and every attempt resumes with ``trainer.fit(..., ckpt_path="last")``. After
 ``fit`` the job saves ``last.ckpt`` once more, so the final checkpoint has every step.
 
-Prints ``0: READY``, ``0: START <step>`` when training starts (the resumed step),
+Prints ``0: READY``, ``0: START <step>`` when training starts (the resumed step; after
+``fit`` when there was nothing left to train),
 ``0: STEP <step>`` after each step, ``0: SAVE <step>`` when a checkpoint starts,
 ``0: COMMITTED <step>`` once its marker is written, ``0: DONE``; with
 ``--die-before-marker K:last`` (or ``K:any``) ``0: DYING <step>`` before it SIGKILLs
@@ -63,6 +64,7 @@ class Ledger(L.LightningModule):
 class Say(Callback):
     def __init__(self, sleep_ms: float) -> None:
         self.sleep_s = sleep_ms / 1000
+        self.started = False
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         say(f"STEP {trainer.global_step}")
@@ -72,6 +74,7 @@ class Say(Callback):
         say(f"SAVE {trainer.global_step}")
 
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.started = True
         say(f"START {trainer.global_step}")
 
 
@@ -162,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         die = (int(k), which or "last")
     dm.checkpoint_io = LoudIO(dm, die)
     ckpt_dir = Path(args.ckpt_dir)
-    trainer = trainer_for(dm, ckpt_dir, args.ckpt_every, [Say(args.sleep_ms)], world=world)
+    loud = Say(args.sleep_ms)
+    trainer = trainer_for(dm, ckpt_dir, args.ckpt_every, [loud], world=world)
     say("READY")
     trainer.fit(Ledger(args.n), datamodule=dm, ckpt_path="last")
+    if not loud.started:  # resumed a finished fit: Lightning trains nothing, starts nothing
+        say(f"START {trainer.global_step}")
     trainer.save_checkpoint(ckpt_dir / "last.ckpt")
     dm.close()
     say(f"DONE {trainer.global_step}")
