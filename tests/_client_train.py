@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--trace", default="", help="append each consumed batch's record IDs here")
     ap.add_argument("--keep-last", type=int, default=2)
+    ap.add_argument("--loader", choices=["torch", "stateful", "stateful-in-state"],
+                    default="torch", help="torchdata's StatefulDataLoader, passed to "
+                    "session.batches (stateful) and also put in the state (stateful-in-state)")
     ap.add_argument("--auto-mtbf-s", type=float, default=0.0,
                     help="checkpoint when session.should_checkpoint says so (this prior MTBF)")
     args = ap.parse_args(argv)
@@ -86,12 +89,23 @@ def main(argv: list[str] | None = None) -> int:
         block_ms=200,
         interval=IntervalPolicy(prior_mtbf_s=args.auto_mtbf_s or 86400.0, min_interval_s=0.05),
     )
+    loader: DataLoader[object] | None = None
+    if args.loader != "torch":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(
+            session.dataset(batch_size=args.batch_size), batch_size=None,
+            num_workers=args.workers, persistent_workers=args.workers > 0,
+        )
+        if args.loader == "stateful-in-state":
+            state["loader"] = loader
     step = session.restore(state)
     say(f"READY {step}")
-    loader = DataLoader(
-        session.dataset(batch_size=args.batch_size), batch_size=None,
-        num_workers=args.workers, persistent_workers=args.workers > 0,
-    )
+    if loader is None:
+        loader = DataLoader(
+            session.dataset(batch_size=args.batch_size), batch_size=None,
+            num_workers=args.workers, persistent_workers=args.workers > 0,
+        )
     trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115
     it = iter(session.batches(loader))
     saved = step

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -35,7 +35,7 @@ from trainer_client.errors import DatasetNotFoundError, SessionBypassedError
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
 from trainguard.core import streams
 
-__all__ = ["Batch", "StreamingDataset", "in_worker_order", "load_spec"]
+__all__ = ["Batch", "StreamingDataset", "load_spec"]
 
 
 @dataclass
@@ -414,36 +414,3 @@ class StreamingDataset(IterableDataset[Batch]):
             data = self.collate(records) if self.collate is not None else records
         return Batch(data=data, ids=ids, offsets=offsets, worker=worker, epoch=epoch,
                      pos=positions(flats))
-
-
-def in_worker_order(batches: Iterable[Batch], next_seq: dict[int, int]) -> Iterator[Batch]:
-    """Deterministic mode: a DataLoader's batches in the order an uninterrupted run
-    yields them, i.e. by (worker batch index, worker), whatever the loader's order.
-
-    ``next_seq`` maps each worker to the index of its next batch (its batches already
-    consumed). A resumed loader starts with worker 0 however far each worker had got;
-    batches that come early wait here (at most about one per worker). A worker's
-    ``final`` marker says it has no more; markers are not yielded."""
-    nxt = dict(next_seq)
-    alive = set(nxt)
-    held: dict[tuple[int, int], Batch] = {}
-
-    def ready() -> Iterator[Batch]:
-        while True:
-            keys = [(nxt[w], w) for w in nxt if w in alive or (nxt[w], w) in held]
-            if not keys:
-                return
-            key = min(keys)
-            if key not in held:
-                return
-            nxt[key[1]] += 1
-            yield held.pop(key)
-
-    for b in batches:
-        if b.final:
-            alive.discard(b.worker)
-        else:
-            held[(b.seq, b.worker)] = b
-        yield from ready()
-    alive.clear()
-    yield from ready()

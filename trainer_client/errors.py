@@ -18,11 +18,13 @@ from trainguard.core.streams import DatasetNotFoundError
 
 __all__ = [
     "AllRoutesFailedError",
+    "BatchGapError",
     "CheckpointMismatchError",
     "DatasetNotFoundError",
     "EvictionRefusedError",
     "FencedError",
     "GpuCriticalError",
+    "LoaderPositionError",
     "NoRollbackTargetError",
     "PartitionCountError",
     "PeerGpuCriticalError",
@@ -139,6 +141,18 @@ class SessionBypassedError(TrainerClientError, RuntimeError):
     """The training loop read a session's dataset without ``session.batches()``: the
     session cannot know what was consumed, so it refuses to read or checkpoint
     rather than commit offsets that would make a restart train records twice."""
+
+
+class LoaderPositionError(TrainerClientError, ValueError):
+    """A loader that keeps its own position (torchdata's ``StatefulDataLoader``, or one
+    given a position with ``load_state_dict``) was put in the checkpointed state or
+    handed to ``session.batches``: on resume it would skip what it had yielded, on top
+    of the session's offsets, and those records would never be trained."""
+
+
+class BatchGapError(TrainerClientError, RuntimeError):
+    """Deterministic mode: a loader worker's batches skipped one (or repeated one), so
+    the worker-order merge cannot go on without losing or repeating records."""
 
 
 class FencedError(TrainerClientError, PermissionError):

@@ -51,11 +51,12 @@ from trainer_client._checks import check_not_bypassed, warn_divergent
 from trainer_client._commit import OffsetCommitter, gather_offsets
 from trainer_client._consumed import Consumed, Snapshot
 from trainer_client._healing import Healing
+from trainer_client._loaders import in_worker_order, refuse_own_position, refuse_resuming_loader
 from trainer_client._progress import EpochSizes, Progress, measure
 from trainer_client._restore import REFUSALS, check_record, warn_if_reshaped
 from trainer_client._timing import SaveClock
 from trainer_client._uneven import UNEVEN_MODES, in_step
-from trainer_client.dataset import Batch, StreamingDataset, in_worker_order, load_spec
+from trainer_client.dataset import Batch, StreamingDataset, load_spec
 from trainer_client.errors import FencedError, NoRollbackTargetError, TrainerClientError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport, NodeHealth
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
@@ -281,6 +282,7 @@ class TrainingSession:
         (committed) and leaves those after them to be delivered again. To look at a
         checkpoint without taking the run over, use :meth:`inspect`.
         """
+        refuse_own_position(state)
         self._committer.raise_background()
         with self._heal.phase("restore"):
             older = self._heal.restoring()
@@ -356,6 +358,7 @@ class TrainingSession:
         committed checkpoint (nothing is changed then), ``LookupError`` when none of
         ``to_step`` exists. The run's incidents record it (``reason``: why, e.g. the
         spike guard's verdict)."""
+        refuse_own_position(state)
         self.wait()
         self._committer.raise_background()
         with self._heal.phase("restore"):
@@ -483,6 +486,7 @@ class TrainingSession:
         step boundary (GpuCriticalError there, PeerGpuCriticalError on the others)."""
         if uneven not in UNEVEN_MODES:
             raise ValueError(f"uneven must be one of {UNEVEN_MODES}, got {uneven!r}")
+        refuse_resuming_loader(loader)
         num_workers = int(getattr(loader, "num_workers", 0))
         if self.deterministic:
             warn_if_reshaped(self._restored, self.world_size, num_workers)
@@ -584,6 +588,7 @@ class TrainingSession:
         for key in (record.RECORD_KEY, record.SKIPPED_KEY, TIMING_KEY):
             if extra is not None and key in extra:
                 raise ValueError(f"extra must not use the key {key!r}: the session writes it")
+        refuse_own_position(state)
         self._committer.raise_background()
         gen = self._gen()
         self._check_fence(gen)

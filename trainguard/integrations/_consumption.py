@@ -73,7 +73,9 @@ class ConfirmedBatches:
         self.loader = loader
         self._gate: _Gate | None = None
         self._recorder: Generator[Batch, None, None] | None = None
-        self._pending: deque[Batch] = deque()
+        # Handed out, not yet confirmed; None: an empty step of a rank out of data
+        # (see pad()).
+        self._pending: deque[Batch | None] = deque()
 
     @property
     def unconfirmed(self) -> int:
@@ -92,6 +94,13 @@ class ConfirmedBatches:
             self._pending.append(batch)
             yield batch
 
+    def pad(self) -> None:
+        """Several ranks: this rank's loader is out while another rank's is not, and
+        the framework is handed an empty step (so the ranks stay in step). Its
+        confirm() advances the session's pass by an empty batch: the session's own
+        per-step agreement of the ranks (``uneven="join"``) then matches the steps."""
+        self._pending.append(None)
+
     def confirm(self) -> Batch:
         """The framework starts training the oldest batch handed out and not yet
         confirmed: record it as consumed. Returns it."""
@@ -99,8 +108,13 @@ class ConfirmedBatches:
             raise RuntimeError("confirm() without a batch handed out: the framework trains "
                                "batches that did not come from this loader")
         batch = self._pending.popleft()
-        self._gate.confirmed.append(batch)
+        if batch is not None:
+            self._gate.confirmed.append(batch)
         recorded = next(self._recorder)
+        if batch is None:
+            # The gate has nothing more: the session yields this rank an empty batch.
+            assert len(recorded) == 0
+            return recorded
         assert recorded is batch
         return batch
 
