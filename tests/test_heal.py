@@ -294,7 +294,8 @@ def test_repeated_sigstops_of_either_rank_each_heal_and_every_record_trains_once
     assert [i["reports"][0]["suspects"] for i in found] == [[r] for r, _ in victims]
 
 
-def test_settings_parse_or_say_what_was_expected_and_the_exit_codes_are_documented() -> None:
+def test_settings_parse_or_say_what_was_expected_and_the_exit_codes_are_documented(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """``$TRAINGUARD_WATCHDOG`` and ``$TRAINGUARD_LOOP_BREAKER``: ``off``, or key=value
     of the config's fields; anything else is refused naming the variable, the field
     and what it expected. A RestartLoopError maps to exit 87, and ``trainguard
@@ -304,6 +305,11 @@ def test_settings_parse_or_say_what_was_expected_and_the_exit_codes_are_document
     from trainguard.ops import exits
 
     assert not WatchdogConfig.from_env("off").enabled
+    # Unset: on under an elastic agent only (its exit is for the agent to restart).
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert WatchdogConfig.from_env("") == WatchdogConfig(enabled=False)
+    assert WatchdogConfig.from_env("on") == WatchdogConfig()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     assert WatchdogConfig.from_env("") == WatchdogConfig()
     cfg = WatchdogConfig.from_env("k=5, floor_s=2,min_steps=4,kill_stalled_peers=false")
     assert (cfg.k, cfg.floor_s, cfg.min_steps, cfg.kill_stalled_peers) == (5.0, 2.0, 4, False)
