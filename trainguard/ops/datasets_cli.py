@@ -25,7 +25,9 @@ __all__ = ["register"]
 T = TypeVar("T")
 
 
-def _with_redis(args: argparse.Namespace, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
+def with_redis(args: argparse.Namespace, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
+    """Run ``op`` on an async client of ``--redis-url`` (every ops command that talks to
+    Redis: datasets, nodes), closing it after."""
     from ingest_service import redis_client
 
     async def main() -> T:
@@ -44,7 +46,7 @@ def _with_redis(args: argparse.Namespace, op: Callable[[Any], Coroutine[Any, Any
 def _datasets_ls(args: argparse.Namespace) -> int:
     from ingest_service import inspection
 
-    rows = [_redacted(row) for row in _with_redis(args, inspection.list_datasets)]
+    rows = [_redacted(row) for row in with_redis(args, inspection.list_datasets)]
     emit(args, rows, lambda rows: table(
         [(d["name"], d.get("spec", {}).get("format"), d.get("partitions"), d.get("length"),
           d.get("bytes"), d.get("paused"), d.get("dead_letters"), ",".join(d.get("groups", [])))
@@ -87,7 +89,7 @@ def _show_human(d: dict[str, Any]) -> str:
 def _datasets_show(args: argparse.Namespace) -> int:
     from ingest_service import inspection
 
-    emit(args, _redacted(_with_redis(args, lambda r: inspection.show_dataset(r, args.name))),
+    emit(args, _redacted(with_redis(args, lambda r: inspection.show_dataset(r, args.name))),
          _show_human)
     return EXIT_OK
 
@@ -101,7 +103,7 @@ def _datasets_create(args: argparse.Namespace) -> int:
         format=args.format, seed=args.seed, epochs=None if args.endless else args.epochs,
         sample_len=args.sample_len,
     )
-    stored = _with_redis(args, lambda r: create_dataset(r, spec))
+    stored = with_redis(args, lambda r: create_dataset(r, spec))
     emit(args, {"created": stored.name, "partitions": stored.partitions},
          lambda d: f"dataset {d['created']} registered ({d['partitions']} partitions); a "
                    "running `trainguard serve` produces it, or run `trainguard ingest`")
@@ -114,7 +116,7 @@ def _datasets_delete(args: argparse.Namespace) -> int:
     if not args.yes:
         raise ValueError(f"deleting {args.name!r} drops its streams and offsets: "
                          "add --yes to confirm")
-    _with_redis(args, lambda r: delete_dataset(r, args.name))
+    with_redis(args, lambda r: delete_dataset(r, args.name))
     emit(args, {"deleted": args.name}, lambda d: f"dataset {d['deleted']} deleted")
     return EXIT_OK
 
@@ -125,7 +127,7 @@ def _datasets_delete(args: argparse.Namespace) -> int:
 def _offsets_show(args: argparse.Namespace) -> int:
     from ingest_service import inspection
 
-    groups = _with_redis(args, lambda r: inspection.dataset_groups(r, args.dataset))
+    groups = with_redis(args, lambda r: inspection.dataset_groups(r, args.dataset))
     if args.group:
         groups = [g for g in groups if g["group"] == args.group]
         if not groups:
@@ -174,7 +176,7 @@ def _offsets_seek(args: argparse.Namespace) -> int:
 
     if args.checkpoint and args.step is None:
         raise ValueError("--checkpoint needs --step")
-    result = _with_redis(args, op)
+    result = with_redis(args, op)
     emit(args, result, lambda d: table(sorted(d["offsets"].items(), key=lambda kv: int(kv[0])),
                                        ["PART", "OFFSET"]))
     return EXIT_OK

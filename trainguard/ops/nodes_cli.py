@@ -23,6 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core import settings
+from trainguard.ops.datasets_cli import with_redis
 from trainguard.ops.exits import EXIT_GPU_CRITICAL, EXIT_OK, EXIT_PEER_CRITICAL, EXIT_REFUSED
 from trainguard.ops.output import emit, table
 
@@ -120,21 +121,6 @@ def _fail(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run(args: argparse.Namespace, op: Any) -> Any:
-    import asyncio
-
-    from ingest_service import redis_client
-
-    async def main() -> Any:
-        r = redis_client.client(settings.redis_url(args.redis_url), socket_timeout=10)
-        try:
-            return await op(r)
-        finally:
-            await r.aclose()
-
-    return asyncio.run(main())
-
-
 def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
 
@@ -142,7 +128,7 @@ def _when(ts: float) -> str:
 def _ls(args: argparse.Namespace) -> int:
     from ingest_service.nodes import list_nodes
 
-    rows = _run(args, list_nodes)
+    rows = with_redis(args, list_nodes)
     emit(args, rows, lambda rows: table(
         [(x["node"], x["source"], _when(x["created_at"]), _when(x["expires_at"]),
           f"{x['remaining_s']:.0f}s", x["reason"]) for x in rows],
@@ -154,7 +140,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _clear(args: argparse.Namespace) -> int:
     from ingest_service.nodes import clear_node
 
-    out = _run(args, lambda r: clear_node(r, args.node))
+    out = with_redis(args, lambda r: clear_node(r, args.node))
     emit(args, out, lambda o: f"node {o['node']} cleared (was: {o['record']['reason']}): it "
                               "may join again")
     return EXIT_OK
