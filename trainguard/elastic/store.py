@@ -18,14 +18,17 @@ finished or abandoned run leaves nothing behind for long.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from trainguard.elastic import keys
 from trainguard.elastic._redis import Connection
 from trainguard.elastic.errors import StoreTimeoutError
+
+T = TypeVar("T")
 
 __all__ = ["DEFAULT_KEY_TTL_S", "RedisStore"]
 
@@ -99,20 +102,27 @@ class RedisStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         name = self._key(key)
-        deadline = time.monotonic() + self._timeout_s()
+        limit = self._timeout_s()
+
+        def value() -> bytes | None:
+            found = self._conn.call(self._conn.client.get, name)
+            return None if found is None else _bytes(found)
+
+        return self._poll(value, limit, f"store key {key!r} of rendezvous {self._run_id!r} "
+                          f"did not appear within {limit:.0f} s; an agent that should have "
+                          "set it is gone or late: check the other nodes' logs")
+
+    def _poll(self, probe: Callable[[], T | None], limit_s: float, timed_out: str) -> T:
+        """``probe()``'s first answer that is not None, asked with a backoff from
+        POLL_MIN_S to POLL_MAX_S; StoreTimeoutError(``timed_out``) after ``limit_s``."""
+        deadline = time.monotonic() + limit_s
         pause = POLL_MIN_S
-        while True:
-            value = self._conn.call(self._conn.client.get, name)
-            if value is not None:
-                return _bytes(value)
+        while (answer := probe()) is None:
             if time.monotonic() >= deadline:
-                raise StoreTimeoutError(
-                    f"store key {key!r} of rendezvous {self._run_id!r} did not appear within "
-                    f"{self._timeout_s():.0f} s; an agent that should have set it "
-                    "is gone or late: check the other nodes' logs"
-                )
+                raise StoreTimeoutError(timed_out)
             time.sleep(pause)
             pause = min(pause * 2, POLL_MAX_S)
+        return answer
 
     def add(self, key: str, amount: int) -> int:
         # One MULTI on one key (one slot on a cluster): the counter and its expiry
@@ -134,17 +144,10 @@ class RedisStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = timeout.total_seconds() if timeout else self._timeout_s()
-        deadline = time.monotonic() + limit
-        pause = POLL_MIN_S
-        while not self.check(keys):
-            if time.monotonic() >= deadline:
-                raise StoreTimeoutError(
-                    f"store keys {keys!r} of rendezvous {self._run_id!r} did not all appear "
-                    f"within {limit:.0f} s; an agent that should have set them is gone or "
-                    "late: check the other nodes' logs"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX_S)
+        self._poll(lambda: True if self.check(keys) else None, limit,
+                   f"store keys {keys!r} of rendezvous {self._run_id!r} did not all appear "
+                   f"within {limit:.0f} s; an agent that should have set them is gone or "
+                   "late: check the other nodes' logs")
 
     def check(self, keys: list[str]) -> bool:
         if not keys:
