@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from ingest_service.sources.files import BadRecord, GoodRecord, SourceItem
 from ingest_service.sources.planner import (
     CHUNK_BYTES,
     CHUNK_RECORDS,
@@ -21,6 +20,7 @@ from ingest_service.sources.planner import (
     plan_epoch,
     shuffle_rng,
 )
+from ingest_service.sources.records import BadRecord, GoodRecord, SourceItem
 
 
 def _items(n: int, *, bad_every: int = 9, size: int = 1) -> Iterator[SourceItem]:

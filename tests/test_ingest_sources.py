@@ -14,7 +14,8 @@ from redis.asyncio import Redis
 
 from ingest_service.errors import SourceError
 from ingest_service.producer.producer import Producer
-from ingest_service.sources.files import BadRecord, GoodRecord, read_source
+from ingest_service.sources.files import read_source
+from ingest_service.sources.records import BadRecord, GoodRecord
 from tests._ingest_util import expected_partitions, read_partitions, values
 from tests.servers import MotoServer, RedisServer
 from trainguard.core import streams

@@ -8,7 +8,7 @@ import bisect
 import itertools
 import operator
 
-from ingest_service.sources.files import GoodRecord
+from ingest_service.sources.records import GoodRecord
 
 __all__ = ["DATA", "Batch", "BatchQueue", "ByteBudget", "first_batch"]
 

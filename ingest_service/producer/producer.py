@@ -55,8 +55,8 @@ from ingest_service.producer.backpressure import Backpressure, StreamLost
 from ingest_service.producer.batching import DATA, BatchQueue, ByteBudget, first_batch
 from ingest_service.producer.dead_letters import append_dead_letters
 from ingest_service.producer.leases import LEASE_MS, PartitionLeases
-from ingest_service.sources.files import GoodRecord
 from ingest_service.sources.planner import PlanChunk, PlannedDeadLetter, plan_spec_chunks
+from ingest_service.sources.records import GoodRecord
 from trainguard.core import streams
 from trainguard.core.resilience import Backoff, RetryPolicy
 

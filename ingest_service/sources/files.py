@@ -3,7 +3,7 @@
 Every reader streams: it holds one line, one sample, one file (for ``files``) or one
 row batch (for ``parquet``) at a time, never the whole source. Hugging Face
 ``datasets`` folders (``hf``) and WebDataset shards (``webdataset``) are read by
-``hf_source`` and ``wds_source``. The order of the items
+``hf`` and ``wds`` (both over :mod:`ingest_service.sources.records`). The order of the items
 is a pure function of the source content: files are read in sorted path order, and
 each file from its start. Bad records are not errors here: they come out as
 :class:`BadRecord` with a reason, so the producer can dead-letter them and go on.
@@ -15,60 +15,30 @@ import functools
 import itertools
 import json
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import IO, Any, NamedTuple
+from typing import IO, Any
 
 import fsspec
-import msgpack
 import numpy as np
 from fsspec.utils import infer_compression
 
 from ingest_service.errors import SourceError
+from ingest_service.sources.hf import read_hf_file
+from ingest_service.sources.records import (
+    RAW,
+    BadRecord,
+    GoodRecord,
+    Meta,
+    SourceItem,
+    check_size,
+    fixed_size,
+    structured,
+)
+from ingest_service.sources.wds import read_webdataset_file
 from trainguard.core import streams
 
-__all__ = ["GoodRecord", "BadRecord", "Meta", "SourceItem", "list_source_files", "read_source"]
+__all__ = ["list_source_files", "read_source"]
 
 
-Meta = tuple[tuple[bytes, bytes], ...]
-"""The small fields a record shares with the other records of its file (kind, dtype,
-shape), as (name, value) pairs: one tuple object for many records, so that the
-producer encodes it once, not per record."""
-
-
-class GoodRecord(NamedTuple):
-    """A record to append: its payload (``F_DATA``), its source position (``F_POS``)
-    and the shared small fields. A named tuple because records are made by the
-    hundred thousand a second: ``tuple.__new__`` builds them from C, without a Python
-    ``__init__`` per record."""
-
-    data: bytes
-    pos: bytes
-    meta: Meta
-
-    @property
-    def size(self) -> int:
-        """Payload bytes: what backlog and buffer bounds count."""
-        return len(self.data)
-
-    @property
-    def fields(self) -> dict[bytes, bytes]:
-        """The stream entry, as the consumers will read it."""
-        return {**dict(self.meta), streams.F_DATA: self.data, streams.F_POS: self.pos}
-
-
-@dataclass(frozen=True, slots=True)
-class BadRecord:
-    pos: str
-    reason: str
-    """One of ``streams.DL_REASONS``."""
-    detail: str
-    payload: bytes
-
-
-SourceItem = GoodRecord | BadRecord
-
-_MSGPACK: Meta = ((streams.F_KIND, streams.KIND_MSGPACK),)
-_RAW: Meta = ((streams.F_KIND, streams.KIND_RAW),)
 _READ_BLOCK = 256 * 1024
 """Bytes per read of fixed-size samples: one read per sample would be a system call
 (and a Python call chain) per record."""
@@ -100,39 +70,6 @@ def _open(fs: fsspec.AbstractFileSystem, path: str) -> IO[bytes]:
     return fs.open(path, "rb", compression=infer_compression(path))  # type: ignore[no-any-return]
 
 
-def _required_fields(spec: streams.DatasetSpec) -> tuple[str, ...]:
-    return tuple(spec.options.get("required_fields", ()))
-
-
-def _fixed_size(meta: Meta) -> int:
-    """``streams.record_size`` of a record of ``meta`` without its payload and position
-    values (each record adds ``len(data) + len(pos)``)."""
-    return sum(len(k) + len(v) for k, v in meta) + len(streams.F_DATA) + len(streams.F_POS)
-
-
-def _check_size(spec: streams.DatasetSpec, pos: str, meta: Meta, data: bytes) -> SourceItem:
-    pos_b = pos.encode()
-    size = _fixed_size(meta) + len(data) + len(pos_b)
-    if size > spec.max_record_bytes:
-        return BadRecord(pos, "oversized", f"{size} bytes, limit {spec.max_record_bytes}", data)
-    return GoodRecord(data, pos_b, meta)
-
-
-def _structured(spec: streams.DatasetSpec, pos: str, value: Any, raw: bytes) -> SourceItem:
-    required = _required_fields(spec)
-    if required:
-        if not isinstance(value, dict):
-            return BadRecord(pos, "schema", f"expected an object, got {type(value).__name__}", raw)
-        missing = [k for k in required if k not in value]
-        if missing:
-            return BadRecord(pos, "schema", f"missing fields {missing}", raw)
-    try:
-        packed = msgpack.packb(value, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        return BadRecord(pos, "schema", f"not representable in msgpack: {exc}", raw)
-    return _check_size(spec, pos, _MSGPACK, packed)
-
-
 def _read_lines(
     spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str, *, as_json: bool
 ) -> Iterator[SourceItem]:
@@ -152,7 +89,7 @@ def _read_lines(
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 yield BadRecord(pos, "undecodable", str(exc), body)
                 continue
-            yield _structured(spec, pos, value, body)
+            yield structured(spec, pos, value, body)
 
 
 def _read_jsonl(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str) -> Iterator[SourceItem]:
@@ -186,7 +123,7 @@ def _read_npy(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: st
         meta: Meta = ((streams.F_KIND, streams.KIND_NDARRAY),
                       (streams.F_DTYPE, dtype.str.encode()),
                       (streams.F_SHAPE, str(sample_len).encode()))
-        fixed = _fixed_size(meta) + step
+        fixed = fixed_size(meta) + step
         limit = spec.max_record_bytes
         path_b = path.encode()
         samples = total // sample_len if sample_len else 0
@@ -232,7 +169,7 @@ def _read_file(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: s
         return
     with _open(fs, path) as f:
         data = f.read()
-    yield _check_size(spec, path, _RAW, data)
+    yield check_size(spec, path, RAW, data)
 
 
 def _read_parquet(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str) -> Iterator[SourceItem]:
@@ -248,19 +185,7 @@ def _read_parquet(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path
             for value in batch.to_pylist():
                 pos = f"{path}:{row}"
                 row += 1
-                yield _structured(spec, pos, value, json.dumps(value, default=str).encode())
-
-
-def _read_hf(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str) -> Iterator[SourceItem]:
-    from ingest_service.sources.hf import read_hf_file  # it builds on this module
-
-    return read_hf_file(spec, fs, path)
-
-
-def _read_webdataset(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str) -> Iterator[SourceItem]:
-    from ingest_service.sources.wds import read_webdataset_file  # it builds on this module
-
-    return read_webdataset_file(spec, fs, path)
+                yield structured(spec, pos, value, json.dumps(value, default=str).encode())
 
 
 _READERS: dict[str, Callable[[streams.DatasetSpec, fsspec.AbstractFileSystem, str], Iterator[SourceItem]]] = {
@@ -269,8 +194,8 @@ _READERS: dict[str, Callable[[streams.DatasetSpec, fsspec.AbstractFileSystem, st
     "npy": _read_npy,
     "files": _read_file,
     "parquet": _read_parquet,
-    "hf": _read_hf,
-    "webdataset": _read_webdataset,
+    "hf": read_hf_file,
+    "webdataset": read_webdataset_file,
 }
 
 

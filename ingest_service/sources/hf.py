@@ -22,7 +22,7 @@ from typing import Any
 import fsspec
 
 from ingest_service.errors import SourceError
-from ingest_service.sources.files import BadRecord, SourceItem, _structured
+from ingest_service.sources.records import BadRecord, SourceItem, structured
 from trainguard.core import streams
 
 __all__ = ["read_hf_file"]
@@ -74,7 +74,7 @@ def read_hf_file(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem,
                 for value in batch.to_pylist():
                     pos = f"{path}:{row}"
                     row += 1
-                    yield _structured(spec, pos, value, json.dumps(value, default=str).encode())
+                    yield structured(spec, pos, value, json.dumps(value, default=str).encode())
         except (pa.ArrowInvalid, OSError, EOFError) as exc:
             yield BadRecord(f"{path}:{row}", "undecodable",
                             f"shard unreadable after {row} rows: {exc}", b"")

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ingest_service.sources.files import BadRecord, GoodRecord, SourceItem
+from ingest_service.sources.records import BadRecord, GoodRecord, SourceItem
 from ingest_service.sources.tokens import dataset_items
 from trainguard.core import streams
 

@@ -41,7 +41,8 @@ import msgpack
 import numpy as np
 
 from ingest_service.errors import SourceError
-from ingest_service.sources.files import BadRecord, GoodRecord, Meta, SourceItem, read_source
+from ingest_service.sources.files import read_source
+from ingest_service.sources.records import BadRecord, GoodRecord, Meta, SourceItem
 from trainguard.core import settings, streams
 
 __all__ = ["TokenizeConfig", "dataset_items", "tokenize_options", "tokenized"]

@@ -21,7 +21,7 @@ from typing import IO, Any
 import fsspec
 from fsspec.utils import infer_compression
 
-from ingest_service.sources.files import BadRecord, SourceItem, _structured
+from ingest_service.sources.records import BadRecord, SourceItem, structured
 from trainguard.core import streams
 
 __all__ = ["read_webdataset_file", "split_key"]
@@ -103,7 +103,7 @@ def _members(f: IO[bytes]) -> Iterator[tuple[str, bytes]]:
 def _sample(spec: streams.DatasetSpec, path: str, key: str, fields: dict[str, Any]) -> SourceItem:
     value = {"__key__": key, **fields}
     shown = {k: (v if isinstance(v, str) else f"<{len(v)} bytes>") for k, v in value.items()}
-    return _structured(spec, f"{path}:{key}", value, json.dumps(shown).encode())
+    return structured(spec, f"{path}:{key}", value, json.dumps(shown).encode())
 
 
 def read_webdataset_file(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem,
