@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import rounds as rd  # noqa: E402
 
 from ingest_service import redis_client  # noqa: E402
-from ingest_service.producer import Producer  # noqa: E402
+from ingest_service.producer.producer import Producer  # noqa: E402
 from tests.servers import RedisCluster, RedisServer  # noqa: E402
 from trainguard.core import streams  # noqa: E402
 

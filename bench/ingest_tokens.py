@@ -37,8 +37,8 @@ from redis.asyncio import Redis  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from ingest_service.datasets import delete_dataset  # noqa: E402
-from ingest_service.producer import Producer  # noqa: E402
-from ingest_service.tokens import tokenize_options  # noqa: E402
+from ingest_service.producer.producer import Producer  # noqa: E402
+from ingest_service.sources.tokens import tokenize_options  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 from trainguard.core import settings, streams  # noqa: E402
 

@@ -65,7 +65,7 @@ from redis.asyncio import Redis  # noqa: E402
 from rounds import process_cpu_s  # noqa: E402
 
 from ingest_service.datasets import create_dataset, delete_dataset  # noqa: E402
-from ingest_service.push import choose_partition  # noqa: E402
+from ingest_service.push.ingest import choose_partition  # noqa: E402
 from tests.servers import RedisServer, free_port  # noqa: E402
 from trainguard.core import streams  # noqa: E402
 

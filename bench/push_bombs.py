@@ -140,7 +140,7 @@ def slice_costs() -> dict[str, float]:
     this thread (not wall time: on a busy machine the scheduler's waits would show),
     in ms: what the loop cannot serve others during, whatever the machine's load."""
     from ingest_service.errors import PushRejectedError
-    from ingest_service.push_body import BodyLimits, _parse
+    from ingest_service.push.body import BodyLimits, _parse
 
     out: dict[str, float] = {}
     for name, (content_type, body) in _bombs().items():

@@ -75,8 +75,8 @@ import rounds as rd  # noqa: E402
 
 from ingest_service import redis_client as async_redis  # noqa: E402
 from ingest_service.datasets import create_dataset  # noqa: E402
-from ingest_service.planner import plan_spec_chunks  # noqa: E402
-from ingest_service.producer import Producer  # noqa: E402
+from ingest_service.producer.producer import Producer  # noqa: E402
+from ingest_service.sources.planner import plan_spec_chunks  # noqa: E402
 from tests.servers import RedisCluster, RedisServer  # noqa: E402
 from trainer_client import (  # noqa: E402
     StreamingDataset,

@@ -17,7 +17,7 @@ from ingest_service.datasets import (
     list_datasets,
 )
 from ingest_service.errors import DatasetExistsError, DatasetNotFoundError, IngestError
-from ingest_service.producer import Producer, ProducerProgress
+from ingest_service.producer.producer import Producer, ProducerProgress
 
 __all__ = [
     "DatasetExistsError",

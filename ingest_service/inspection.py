@@ -4,7 +4,7 @@ and the ``trainguard`` CLI.
 Everything here is a few pipelined Redis calls over the keys of
 :mod:`trainguard.core.streams`; nothing is cached, so every answer is what Redis holds now.
 Results are plain, JSON-ready dicts (stable field names, documented in
-``ingest_service/openapi.py``).
+``ingest_service/service/openapi.py``).
 
 Bytes per partition are Redis' ``MEMORY USAGE`` of the stream key with its default
 sampling (5 entries per radix node), so they are an estimate of the key's RAM, not

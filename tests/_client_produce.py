@@ -16,7 +16,7 @@ import sys
 from ingest_service import redis_client
 from ingest_service.backlog import BacklogLimits
 from ingest_service.datasets import create_dataset
-from ingest_service.producer import Producer
+from ingest_service.producer.producer import Producer
 from trainguard.core import streams
 
 

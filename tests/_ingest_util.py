@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from ingest_service.planner import Planned, plan_spec_epoch
+from ingest_service.sources.planner import Planned, plan_spec_epoch
 from trainer_client import redis_client as trainer_redis
 from trainguard.core import streams
 

@@ -10,7 +10,7 @@ import json
 import sys
 
 from ingest_service import redis_client
-from ingest_service.producer import Producer
+from ingest_service.producer.producer import Producer
 from trainguard.core import streams
 
 

@@ -15,9 +15,9 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from ingest_service.admin import AdminConfig, setup_admin
-from ingest_service.admin_checkpoints import StoreRoot
 from ingest_service.datasets import create_dataset
+from ingest_service.service.admin import AdminConfig, setup_admin
+from ingest_service.service.admin_checkpoints import StoreRoot
 from tests.servers import free_port
 from trainguard.core import streams
 
@@ -122,8 +122,8 @@ def service_app(config: AdminConfig, push_tokens: str = "") -> web.Application:
     """The whole service (``create_app``, producers off), whose admin part reads its
     token and stores, and whose push route its producer tokens, from the environment
     as in production: set from ``config`` and ``push_tokens``."""
-    from ingest_service.app import create_app
-    from ingest_service.config import IngestConfig
+    from ingest_service.service.app import create_app
+    from ingest_service.service.config import IngestConfig
 
     stores = ",".join(f"{name}={root.url}" for name, root in config.stores.items())
     env = {"TRAINGUARD_ADMIN_TOKEN": config.token or "", "TRAINGUARD_CHECKPOINT_STORES": stores,

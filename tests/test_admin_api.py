@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ingest_service import redis_client as ingest_redis
-from ingest_service.admin import AdminConfig
+from ingest_service.service.admin import AdminConfig
 from tests.admin_helpers import AUTH, admin_client, make_dataset, make_group
 from trainguard.core import streams
 

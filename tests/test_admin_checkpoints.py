@@ -142,8 +142,8 @@ async def test_readyz_checks_redis_and_every_store(redis_server, tmp_path):
     the store when one cannot be read, and 503 when Redis is down."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from ingest_service.admin import AdminConfig
-    from ingest_service.admin_checkpoints import StoreRoot
+    from ingest_service.service.admin import AdminConfig
+    from ingest_service.service.admin_checkpoints import StoreRoot
     from tests.admin_helpers import service_app
 
     good = tmp_path / "good"
@@ -174,7 +174,7 @@ async def test_status_local_only_and_remote_tier(redis_server, tmp_path, moto_se
     and unpin reach the remote copy too (its retention honours only its own pins)."""
     import s3fs
 
-    from ingest_service.admin_checkpoints import StoreRoot
+    from ingest_service.service.admin_checkpoints import StoreRoot
 
     local = tmp_path / "ck"
     save_checkpoints(str(local), [1, 2], {0: "1-0"})

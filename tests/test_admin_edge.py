@@ -25,9 +25,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from checkpoint_store import CheckpointStore
 from checkpoint_store.manifest import encode_manifest
-from ingest_service.admin import AdminConfig
-from ingest_service.admin_checkpoints import StoreRoot, parse_store_roots
 from ingest_service.datasets import create_dataset
+from ingest_service.service.admin import AdminConfig
+from ingest_service.service.admin_checkpoints import StoreRoot, parse_store_roots
 from tests.admin_helpers import AUTH, TOKEN, admin_client, make_dataset, service_app
 from trainguard.core import streams
 from trainguard.core.urls import redact_text, redact_url
@@ -354,7 +354,7 @@ async def test_an_abandoned_runs_request_stops_reading_manifests(
     GatedFS.gate, GatedFS.entered, GatedFS.release = names[1], threading.Event(), \
         threading.Event()
     CountingFS.reads.clear()
-    caplog.set_level(logging.INFO, logger="ingest_service.catalog")
+    caplog.set_level(logging.INFO, logger="ingest_service.service.catalog")
     roots = {"main": StoreRoot("main", f"gatedfile://{root}")}
     app = service_app(AdminConfig(redis_server.url, TOKEN, roots))
     try:

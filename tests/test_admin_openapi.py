@@ -14,9 +14,9 @@ from aiohttp import web
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from ingest_service.admin import AdminConfig
-from ingest_service.admin_checkpoints import StoreRoot
-from ingest_service.openapi import openapi_document
+from ingest_service.service.admin import AdminConfig
+from ingest_service.service.admin_checkpoints import StoreRoot
+from ingest_service.service.openapi import openapi_document
 from tests.admin_helpers import TOKEN, ThreadedServer, make_dataset, make_group, service_app
 from tests.servers import RedisServer
 

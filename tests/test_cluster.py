@@ -18,12 +18,12 @@ import pytest
 
 from ingest_service import redis_client as ingest_redis
 from ingest_service import seek
-from ingest_service.app import create_app
-from ingest_service.auth import PushTokens
-from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset
 from ingest_service.errors import Refused
-from ingest_service.producer import Producer
+from ingest_service.producer.producer import Producer
+from ingest_service.service.app import create_app
+from ingest_service.service.auth import PushTokens
+from ingest_service.service.config import IngestConfig
 from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
 from tests.admin_helpers import ThreadedServer, make_dataset, make_group
 from tests.servers import RedisCluster

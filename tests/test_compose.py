@@ -202,7 +202,7 @@ def test_cluster_profile_is_three_masters_three_replicas(compose):
 def test_urls_name_services_and_store_roots_parse(compose):
     """Every redis:// or http:// host in commands and environment is a compose
     service, and the admin's checkpoint store setting parses."""
-    from ingest_service.admin_checkpoints import parse_store_roots
+    from ingest_service.service.admin_checkpoints import parse_store_roots
 
     services = compose["services"]
     text = yaml.safe_dump(services)

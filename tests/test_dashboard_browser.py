@@ -21,8 +21,8 @@ from pathlib import Path
 import redis
 import requests
 
-from ingest_service.admin import AdminConfig
-from ingest_service.admin_checkpoints import StoreRoot
+from ingest_service.service.admin import AdminConfig
+from ingest_service.service.admin_checkpoints import StoreRoot
 from tests import _client_fill as cf
 from tests._client_ledger import Job, zygote
 from tests._dashboard import DESKTOP, PHONE, Page, browser, same

@@ -20,13 +20,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from ingest_service import redis_client as ingest_redis
-from ingest_service.app import create_app
-from ingest_service.auth import PushTokens
 from ingest_service.backlog import BacklogLimits
-from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset, delete_dataset
-from ingest_service.push import choose_partition
-from ingest_service.push_body import BodyLimits
+from ingest_service.push.body import BodyLimits
+from ingest_service.push.ingest import choose_partition
+from ingest_service.service.app import create_app
+from ingest_service.service.auth import PushTokens
+from ingest_service.service.config import IngestConfig
 from tests._ingest_util import until, write_jsonl
 from tests.servers import RedisServer, free_port
 from trainguard.core import streams

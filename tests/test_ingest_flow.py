@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from ingest_service import redis_client as ingest_redis
 from ingest_service.backlog import BacklogLimits
 from ingest_service.metrics import IngestMetrics
-from ingest_service.producer import Producer
+from ingest_service.producer.producer import Producer
 from tests._ingest_util import expected_partitions, read_partitions, until, values, write_jsonl
 from tests.servers import RedisServer
 from trainguard.core import streams

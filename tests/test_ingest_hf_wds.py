@@ -18,7 +18,8 @@ import pytest
 import webdataset as wds
 
 from ingest_service.errors import SourceError
-from ingest_service.sources import BadRecord, GoodRecord, read_source
+from ingest_service.sources.files import read_source
+from ingest_service.sources.records import BadRecord, GoodRecord
 from tests._ingest_util import expected_partitions, kill_at_random_points, read_partitions, values
 from tests.servers import RedisServer
 from trainguard.core import streams

@@ -8,8 +8,8 @@ import asyncio
 from pathlib import Path
 
 from ingest_service import redis_client as ingest_redis
-from ingest_service.leases import PartitionLeases, share
-from ingest_service.producer import Producer
+from ingest_service.producer.leases import PartitionLeases, share
+from ingest_service.producer.producer import Producer
 from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
 from tests.servers import RedisServer
 from trainguard.core import streams

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ingest_service.planner import (
+from ingest_service.sources.planner import (
     CHUNK_BYTES,
     CHUNK_RECORDS,
     DEFAULT_SHUFFLE_BUFFER_BYTES,
@@ -20,7 +20,7 @@ from ingest_service.planner import (
     plan_epoch,
     shuffle_rng,
 )
-from ingest_service.sources import BadRecord, GoodRecord, SourceItem
+from ingest_service.sources.records import BadRecord, GoodRecord, SourceItem
 
 
 def _items(n: int, *, bad_every: int = 9, size: int = 1) -> Iterator[SourceItem]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ingest_service import redis_client as ingest_redis
-from ingest_service.producer import Producer
+from ingest_service.producer.producer import Producer
 from tests._ingest_util import (
     expected_partitions,
     kill_at_random_points,

@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from ingest_service.datasets import describe_dataset
-from ingest_service.producer import Producer
+from ingest_service.producer.producer import Producer
 from tests._ingest_util import expected_partitions, read_partitions, until, write_jsonl
 from tests.servers import RedisServer
 from trainguard.core import streams

@@ -17,8 +17,8 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ingest_service._resp import Link, _drain_each, _drain_hiredis, bulk, xadd_records
-from ingest_service.producer import Producer
-from ingest_service.sources import GoodRecord
+from ingest_service.producer.producer import Producer
+from ingest_service.sources.records import GoodRecord
 from tests._ingest_util import expected_partitions, read_partitions, write_jsonl
 from tests.servers import RedisServer
 from trainguard.core import streams

@@ -13,8 +13,9 @@ import pytest
 from redis.asyncio import Redis
 
 from ingest_service.errors import SourceError
-from ingest_service.producer import Producer
-from ingest_service.sources import BadRecord, GoodRecord, read_source
+from ingest_service.producer.producer import Producer
+from ingest_service.sources.files import read_source
+from ingest_service.sources.records import BadRecord, GoodRecord
 from tests._ingest_util import expected_partitions, read_partitions, values
 from tests.servers import MotoServer, RedisServer
 from trainguard.core import streams
@@ -204,7 +205,7 @@ def test_shuffle_buffer_is_bounded_in_bytes_and_loses_nothing(tmp_path: Path) ->
     """200 records of 64 KiB with a 4096-record buffer but shuffle_buffer_bytes=1 MiB:
     planning one epoch peaks under 4 MiB of traced memory (not the 12.5 MiB source),
     and yields every sample exactly once, shuffled."""
-    from ingest_service.planner import Planned, plan_spec_epoch
+    from ingest_service.sources.planner import Planned, plan_spec_epoch
 
     tokens = np.repeat(np.arange(200, dtype=np.uint8), 65536)
     np.save(tmp_path / "big.npy", tokens)

@@ -15,9 +15,10 @@ from redis.asyncio import Redis
 from tokenizers import Tokenizer
 
 from ingest_service.errors import SourceError
-from ingest_service.producer import Producer
-from ingest_service.sources import BadRecord, GoodRecord, read_source
-from ingest_service.tokens import dataset_items, tokenize_options, tokenized
+from ingest_service.producer.producer import Producer
+from ingest_service.sources.files import read_source
+from ingest_service.sources.records import BadRecord, GoodRecord
+from ingest_service.sources.tokens import dataset_items, tokenize_options, tokenized
 from tests._ingest_util import expected_partitions, kill_at_random_points, read_partitions
 from tests.servers import RedisServer
 from trainguard.core import streams

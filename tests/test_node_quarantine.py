@@ -12,7 +12,7 @@ import pytest
 import redis
 import requests
 
-from ingest_service.admin import AdminConfig
+from ingest_service.service.admin import AdminConfig
 from tests._fake_nvml import FakeGpu, FakeNvml
 from tests.admin_helpers import AUTH, ThreadedServer, service_app
 from trainer_client import redis_client

@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator
 import pytest
 from redis import Redis
 
-from ingest_service.app import create_app
-from ingest_service.auth import PushTokens
-from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset
-from ingest_service.push import choose_partition
+from ingest_service.push.ingest import choose_partition
+from ingest_service.service.app import create_app
+from ingest_service.service.auth import PushTokens
+from ingest_service.service.config import IngestConfig
 from tests.admin_helpers import ThreadedServer
 from tests.servers import RedisServer
 from trainguard.core import streams

@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 from redis import Redis
 
-from ingest_service.app import create_app
-from ingest_service.auth import PushTokens
-from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset
+from ingest_service.service.app import create_app
+from ingest_service.service.auth import PushTokens
+from ingest_service.service.config import IngestConfig
 from tests.admin_helpers import ThreadedServer
 from tests.servers import RedisServer, free_port
 from trainguard.core import streams

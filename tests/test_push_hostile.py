@@ -17,12 +17,12 @@ from aiohttp import ClientSession
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
-from ingest_service.app import create_app
-from ingest_service.auth import PushTokens
-from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset
-from ingest_service.push import choose_partition
-from ingest_service.push_body import BodyLimits
+from ingest_service.push.body import BodyLimits
+from ingest_service.push.ingest import choose_partition
+from ingest_service.service.app import create_app
+from ingest_service.service.auth import PushTokens
+from ingest_service.service.config import IngestConfig
 from tests.admin_helpers import AUTH as ADMIN_AUTH
 from tests.admin_helpers import TOKEN as ADMIN_TOKEN
 from tests.admin_helpers import make_dataset, make_group

@@ -14,11 +14,11 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
-from ingest_service.app import create_app
-from ingest_service.auth import PushTokens
-from ingest_service.config import IngestConfig
 from ingest_service.datasets import create_dataset
-from ingest_service.push_body import BodyLimits
+from ingest_service.push.body import BodyLimits
+from ingest_service.service.app import create_app
+from ingest_service.service.auth import PushTokens
+from ingest_service.service.config import IngestConfig
 from tests.servers import RedisServer
 from trainguard.core import streams
 

@@ -13,10 +13,10 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
-from ingest_service.admin import AdminConfig
 from ingest_service.datasets import create_dataset
 from ingest_service.inspection import dataset_groups, show_dataset
-from ingest_service.lag import fill_lag
+from ingest_service.service.admin import AdminConfig
+from ingest_service.service.lag import fill_lag
 from tests._fake_nvml import FakeGpu, FakeNvml
 from tests.admin_helpers import TOKEN, make_dataset, make_group, service_app
 from tests.servers import free_port

@@ -379,7 +379,7 @@ def test_the_trainer_asks_for_epochs_and_the_producer_writes_them_as_they_drain(
 
     from ingest_service.backlog import BacklogLimits
     from ingest_service.datasets import create_dataset
-    from ingest_service.producer import Producer
+    from ingest_service.producer.producer import Producer
 
     n, P = 64, 2
     np.save(tmp_path / "tokens.npy", np.repeat(np.arange(n, dtype=np.int64), 8))

@@ -9,7 +9,7 @@ them to a push dataset of ``trainguard serve``::
         for episode in run_episodes():
             p.send(episode.records)          # one batch; returns once it is in
 
-The contract it keeps (see :mod:`ingest_service.push`): batches of one producer_id
+The contract it keeps (see :mod:`ingest_service.push.ingest`): batches of one producer_id
 are numbered 0, 1, 2, ... without gaps and sent one at a time; a batch is resent,
 with the same seq and the same records, until it is answered 200, so a lost reply
 or a service or Redis restart never loses or duplicates it. On a 409 the service says

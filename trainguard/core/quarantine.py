@@ -21,7 +21,7 @@ remove it. Clearing deletes it (and the node's failure count).
 
 The operations take a *sync* redis-py client (any object with its methods): the
 foundation imports no client library; the admin API reads the same keys with its
-asyncio client (:mod:`ingest_service.nodes`).
+asyncio client (:mod:`ingest_service.service.nodes`).
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def probes() -> str:
 
 
 def push_tokens() -> str:
-    """``$TRAINGUARD_PUSH_TOKENS`` as written (parsed by :mod:`ingest_service.auth`)."""
+    """``$TRAINGUARD_PUSH_TOKENS`` as written (parsed by :mod:`ingest_service.service.auth`)."""
     return os.environ.get(PUSH_TOKENS_ENV, "")
 
 

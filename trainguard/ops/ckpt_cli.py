@@ -80,7 +80,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from ingest_service.admin_checkpoints import manifest_json
+    from ingest_service.service.admin_checkpoints import manifest_json
 
     data = manifest_json(_find(_store(args), args.step))
     print(json.dumps(data, indent=2, sort_keys=True))

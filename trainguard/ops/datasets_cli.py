@@ -3,7 +3,7 @@
 The commands talk to Redis (and, for ``offsets seek --checkpoint``, to a checkpoint
 store) directly, through the same operations as the admin API
 (:mod:`ingest_service.inspection`, :mod:`ingest_service.seek`,
-:mod:`ingest_service.admin_checkpoints`), so they work with or without a running
+:mod:`ingest_service.service.admin_checkpoints`), so they work with or without a running
 service. Human tables by default, ``--json`` for scripts; exit codes as in
 :mod:`trainguard.ops.exits`.
 """
@@ -158,7 +158,7 @@ def _parse_ids_arg(text: str) -> dict[str, str]:
 
 def _offsets_seek(args: argparse.Namespace) -> int:
     from ingest_service import inspection, seek
-    from ingest_service.admin_checkpoints import StoreRoot, StoreSet
+    from ingest_service.service.admin_checkpoints import StoreRoot, StoreSet
 
     async def op(r: Any) -> dict[str, Any]:
         if args.to:

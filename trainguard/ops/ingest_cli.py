@@ -89,8 +89,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ingest_service.config import IngestConfig
-    from ingest_service.push_body import BodyLimits
+    from ingest_service.push.body import BodyLimits
+    from ingest_service.service.config import IngestConfig
     from trainguard.ops.serve import serve
 
     limits = BodyLimits()
@@ -118,7 +118,7 @@ def _spec_from_args(args: argparse.Namespace) -> streams.DatasetSpec:
 
         import fsspec.utils
 
-        from ingest_service.tokens import tokenize_options
+        from ingest_service.sources.tokens import tokenize_options
 
         url = args.tokenizer
         if fsspec.utils.get_protocol(url) in ("file", "local") and "://" not in url:
@@ -142,8 +142,8 @@ def _run_ingest(args: argparse.Namespace) -> int:
 async def _ingest(args: argparse.Namespace) -> int:
     from ingest_service import redis_client
     from ingest_service.datasets import create_dataset, describe_dataset
-    from ingest_service.leases import LEASE_MS
-    from ingest_service.producer import Producer
+    from ingest_service.producer.leases import LEASE_MS
+    from ingest_service.producer.producer import Producer
 
     client = redis_client.client(settings.redis_url(args.redis_url))
     try:

@@ -126,7 +126,7 @@ def _when(ts: float) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from ingest_service.nodes import list_nodes
+    from ingest_service.service.nodes import list_nodes
 
     rows = with_redis(args, list_nodes)
     emit(args, rows, lambda rows: table(
@@ -138,7 +138,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _clear(args: argparse.Namespace) -> int:
-    from ingest_service.nodes import clear_node
+    from ingest_service.service.nodes import clear_node
 
     out = with_redis(args, lambda r: clear_node(r, args.node))
     emit(args, out, lambda o: f"node {o['node']} cleared (was: {o['record']['reason']}): it "

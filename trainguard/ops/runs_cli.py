@@ -2,7 +2,7 @@
 their attempts and incidents, and the checkpoint interval advice, from the manifests
 and Redis.
 
-The same operations as the admin API's ``/admin/runs`` (:mod:`ingest_service.runs`),
+The same operations as the admin API's ``/admin/runs`` (:mod:`ingest_service.service.runs`),
 run here against Redis and the checkpoint stores named on the command line (or in
 ``TRAINGUARD_CHECKPOINT_STORES``), so they work with or without a running service.
 """
@@ -37,7 +37,7 @@ def _run(args: argparse.Namespace, op: Any) -> Any:
     import asyncio
 
     from ingest_service import redis_client
-    from ingest_service.admin_checkpoints import StoreSet, parse_store_roots
+    from ingest_service.service.admin_checkpoints import StoreSet, parse_store_roots
     from trainguard.core.interval import IntervalPolicy
 
     roots = parse_store_roots(args.stores if args.stores is not None
@@ -58,7 +58,7 @@ def _run(args: argparse.Namespace, op: Any) -> Any:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from ingest_service.runs import collect_runs, summary
+    from ingest_service.service.runs import collect_runs, summary
 
     errors: dict[str, str] = {}
     rows = [summary(h) for h in _run(args, lambda r, s, p: collect_runs(r, s, policy=p,
@@ -142,7 +142,7 @@ def _incident_lines(h: dict[str, Any]) -> list[str]:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from ingest_service.runs import run_detail
+    from ingest_service.service.runs import run_detail
 
     h = _run(args, lambda r, s, p: run_detail(r, s, args.run, args.dataset, policy=p,
                                               stacks=True))

@@ -3,7 +3,7 @@
 ``trainguard serve`` runs it until SIGINT or SIGTERM. Shutdown order: the listening
 socket closes first, requests in flight finish (their appends are what was
 acknowledged), then the producers finish the batches they handed to Redis and stop,
-then the Redis clients close (see :mod:`ingest_service.app`). Imported by the command
+then the Redis clients close (see :mod:`ingest_service.service.app`). Imported by the command
 when it runs, not when the parser is built.
 """
 
@@ -15,8 +15,8 @@ import logging
 
 from aiohttp import web
 
-from ingest_service.app import create_app
-from ingest_service.config import IngestConfig
+from ingest_service.service.app import create_app
+from ingest_service.service.config import IngestConfig
 from trainguard.core.urls import RedactingFilter
 
 __all__ = ["serve"]

@@ -21,7 +21,7 @@ One mechanism, two shapes:
 When the policy's attempts or timeout run out, the last exception is raised
 unchanged (a ``CircuitOpenError`` or the dependency's own error). Redis' transient
 errors are named by the parts that talk to Redis (``trainer_client.redis_retry``,
-``ingest_service.producer``): this module imports no client library.
+``ingest_service.producer.producer``): this module imports no client library.
 
 Tests switch the waiting off with ``with retry_testing(): ...`` (stamina's testing
 mode: no backoff, ``attempts`` tries).

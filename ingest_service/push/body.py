@@ -1,0 +1,432 @@
+"""A push body's limits (:class:`BodyLimits`), and the body parsed into stream entries.
+
+(Reading it within those limits is :mod:`ingest_service.push.read`'s.)
+
+Parsing (:func:`parse_records_sliced`) runs on the event loop in slices: it decodes
+record by record (one JSON line, one element of a JSON array, one msgpack item per
+call) and hands the loop back after every 64 records or 32 KiB of JSON (about a
+millisecond) or 128 KiB of msgpack, so other requests are served between slices; a
+msgpack body of at most 128 KiB is decoded in one call. A record's containers and
+nesting are bounded while it is decoded (:mod:`ingest_service.push.bounds`: 413), so
+no one record holds the loop either. Each record is encoded into its
+stream entry as soon as it is decoded (decoded values do not pile up for the garbage
+collector). Bodies over ``big_body_bytes`` (1 MiB; an RL batch is a fraction of that) parse one at a time and rest between slices, together taking at most
+a quarter of the loop: a client sending the worst case in a loop slows itself, not the
+others. (Not worker threads: a thread parsing a big body holds the GIL
+for 5 ms turns, and every wake-up of the loop then waits a turn; under load that
+added up to seconds.)
+
+Content types: ``application/x-ndjson`` (one JSON value per line), ``application/json``
+(one array of records), ``application/msgpack`` (one array; ``bin`` items stay raw
+bytes). Anything else is 415. Malformed numbers (integers over 64 bits or thousands
+of digits) and undecodable text are 400; a record of more than
+``max_record_containers`` lists and maps, or nested deeper than ``max_record_depth``,
+is 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import re
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import msgpack
+
+from ingest_service.errors import (
+    MalformedPushError,
+    PushRejectedError,
+    PushTooLargeError,
+)
+from ingest_service.push.bounds import BoundsOverflow, MsgpackBounds, needs_scan, scan_json
+from trainguard.core import streams
+
+__all__ = [
+    "CONTENT_TYPES",
+    "JSON_TYPE",
+    "MSGPACK_TYPES",
+    "NDJSON_TYPE",
+    "BatchDigest",
+    "BodyLimits",
+    "ParsedBatch",
+    "parse_records_sliced",
+    "too_many",
+    "msgpack_array_len",
+]
+
+NDJSON_TYPE = "application/x-ndjson"
+JSON_TYPE = "application/json"
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+CONTENT_TYPES = (NDJSON_TYPE, JSON_TYPE, *MSGPACK_TYPES)
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    max_bytes: int = 16 * 1024 * 1024
+    max_records: int = 10_000
+    chunk_timeout_s: float = 10.0
+    total_timeout_s: float = 60.0
+    big_body_bytes: int = 1024 * 1024
+    """Bodies above this parse one at a time, at ``big_body_share`` of the loop."""
+    big_body_share: float = 0.25
+    max_inflight_bytes: int = 64 * 1024 * 1024
+    """All push bodies in memory at once, from reading until appended; past it a request
+    is answered 503 (busy)."""
+    token_share: float = 0.25
+    """The share of ``max_inflight_bytes`` one producer token may hold (at least two
+    bodies of ``max_bytes``, at most all): one token's slow bodies cannot hold all the
+    room, and one big body does not stop the token's other producers."""
+    min_rate_bytes_s: int = 128 * 1024
+    """After ``min_rate_grace_s``, a body must have arrived at this rate on average, else
+    408: a body trickled to hold room gives it back within seconds."""
+    min_rate_grace_s: float = 2.0
+    max_record_containers: int = 10_000
+    """Lists and maps in one record (413 past it, before the rest is decoded)."""
+    max_record_depth: int = 64
+    """How deep one record's lists and maps may nest (413 past it)."""
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1 or self.max_records < 1:
+            raise ValueError(f"push limits must be >= 1, got {self}")
+        if self.max_inflight_bytes < self.max_bytes:
+            raise ValueError(
+                f"max_inflight_bytes ({self.max_inflight_bytes}) must hold at least one body of "
+                f"max_bytes ({self.max_bytes})"
+            )
+        if not 0 < self.token_share <= 1 or self.min_rate_bytes_s < 0:
+            raise ValueError(f"token_share must be in (0, 1] and min_rate_bytes_s >= 0, got {self}")
+
+    @property
+    def token_inflight_bytes(self) -> int:
+        """What one producer token may hold of ``max_inflight_bytes``."""
+        return min(self.max_inflight_bytes,
+                   max(2 * self.max_bytes, int(self.max_inflight_bytes * self.token_share)))
+
+
+def too_many(limits: BodyLimits, found: str) -> PushTooLargeError:
+    return PushTooLargeError(
+        f"the batch holds {found} records: the limit is {limits.max_records} per request; "
+        "send smaller batches"
+    )
+
+
+def msgpack_array_len(head: bytes) -> int | None:
+    """The element count of a msgpack array from its first bytes (None: not yet known
+    or not an array; the parser reports the latter)."""
+    if not head:
+        return None
+    b = head[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    size = {0xDC: 2, 0xDD: 4}.get(b)
+    if size is None or len(head) < 1 + size:
+        return None
+    return int.from_bytes(head[1:1 + size], "big")
+
+
+@dataclass(frozen=True)
+class ParsedBatch:
+    """A push body's records as stream entries, with their sizes counted once."""
+
+    records: list[dict[bytes, bytes]]
+    sizes: list[int]
+    """Per record, its entry's bytes (field names and values): what bounds a slice."""
+    data_bytes: int
+    """The payloads' bytes (the ``d`` fields), as the backlog counts them."""
+    digest: str
+    """:class:`BatchDigest` of the records: what tells this batch from another."""
+
+
+def _label(kind: str, where: int) -> str:
+    return f"{kind} {where}"
+
+
+_RAW_ENTRY_BYTES = streams.record_size(streams.encode_record(b""))
+"""An entry's bytes besides its payload when the record is raw bytes."""
+
+
+def _encode(value: object, kind: str, where: int, max_record_bytes: int
+            ) -> tuple[dict[bytes, bytes], int]:
+    if value.__class__ is bytes:  # the common case (msgpack bin): its entry as encode_record's
+        fields = {streams.F_KIND: streams.KIND_RAW, streams.F_DATA: value}
+        size = _RAW_ENTRY_BYTES + len(value)  # type: ignore[arg-type]
+    else:
+        try:
+            fields = streams.encode_record(value)
+        except streams.ContractError as exc:
+            raise MalformedPushError(f"{_label(kind, where)}: {exc}") from exc
+        size = streams.record_size(fields)
+    if size > max_record_bytes:
+        raise PushTooLargeError(
+            f"{_label(kind, where)} is {size} bytes: the limit is {max_record_bytes} per record")
+    return fields, size
+
+
+def _json_value(decode: json.JSONDecoder, text: str, start: int, where: str) -> tuple[object, int]:
+    try:
+        return decode.raw_decode(text, start)
+    except json.JSONDecodeError as exc:
+        raise MalformedPushError(f"{where} is not valid JSON: {exc.msg} at character {exc.pos}") from exc
+    except RecursionError as exc:
+        raise MalformedPushError(f"{where} is nested too deeply to decode") from exc
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise MalformedPushError(f"{where} is not valid JSON: {exc}") from exc
+
+
+_WS = re.compile(rb"[ \t\r\n]*")
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+_SLICE_RECORDS = 64
+_SLICE_CHARS = 128 * 1024
+"""Bytes of msgpack per slice (decoding them takes microseconds)."""
+_SLICE_TEXT = 32 * 1024
+"""Characters of JSON per slice: about a millisecond to decode (a 15 MiB body of
+integer arrays in slices of 128 KiB held the loop 3 ms at a time)."""
+_ENCODE_SLICE_RECORDS = 256
+_SCAN_ALWAYS = 1024 * 1024
+"""Characters of a JSON array body from which each record is scanned, uncounted."""
+
+
+class _Pacer:
+    """Says when a parsing slice has done enough work to hand the loop back."""
+
+    def __init__(self, chars: int) -> None:
+        self.limit = chars
+        self.records = self.chars = 0
+
+    def due(self, chars: int) -> bool:
+        self.records += 1
+        self.chars += chars
+        if self.records >= _SLICE_RECORDS or self.chars >= self.limit:
+            self.records = self.chars = 0
+            return True
+        return False
+
+
+class BatchDigest:
+    """A batch's identity: blake2b of its entries' fields, each length-prefixed, so the
+    same records give the same digest whatever the body's encoding, and two batches
+    that differ anywhere (a record, the order, the count) give different ones."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+
+    def add(self, fields: dict[bytes, bytes]) -> None:
+        h = self._h
+        for k, v in fields.items():
+            h.update(b"%d:%b%d:" % (len(k), k, len(v)))
+            h.update(v)
+        h.update(b";")
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+    @classmethod
+    def of(cls, records: list[dict[bytes, bytes]]) -> str:
+        digest = cls()
+        for fields in records:
+            digest.add(fields)
+        return digest.hexdigest()
+
+
+class _Entries:
+    """Each decoded record encoded into its stream entry as soon as it is decoded, so a
+    big body's decoded values (lists, dicts) are garbage at once. Kept until the end
+    they were promoted by the garbage collector, whose passes over the ten thousand
+    lists of a 15 MiB body then took 10-30 ms of the loop each (and 60 MB of memory)."""
+
+    def __init__(self, kind: str, max_record_bytes: int, limits: BodyLimits) -> None:
+        self.kind, self.max_record_bytes, self.limits = kind, max_record_bytes, limits
+        self.records: list[dict[bytes, bytes]] = []
+        self.sizes: list[int] = []
+        self.data_bytes = 0
+        self.digest = BatchDigest()
+
+    def add(self, value: object, where: int) -> None:
+        if len(self.records) >= self.limits.max_records:
+            raise too_many(self.limits, f"more than {self.limits.max_records}")
+        fields, size = _encode(value, self.kind, where, self.max_record_bytes)
+        self.records.append(fields)
+        self.digest.add(fields)
+        self.sizes.append(size)
+        self.data_bytes += len(fields[streams.F_DATA])
+
+
+Steps = Generator[None, None, None]
+"""A parser: adds the records to its ``_Entries``, yields between slices."""
+
+
+def _ndjson(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
+    pacer = _Pacer(_SLICE_TEXT)
+    shape = (out.limits.max_record_containers, out.limits.max_record_depth)
+    pos, lineno = 0, 0
+    view = memoryview(body)  # lines decoded from it: no copy of each line's bytes first
+    while pos < len(body):
+        end = body.find(b"\n", pos)
+        end = len(body) if end < 0 else end
+        start, pos, lineno = pos, end + 1, lineno + 1
+        first = _WS.match(body, start, end).end()  # type: ignore[union-attr]
+        if first == end:
+            continue  # a blank line
+        # Its bytes scanned before they are decoded: a bomb is never decoded at all. (A
+        # long line is scanned without counting its brackets first: the count is a pass
+        # over it in one slice, the scan yields.)
+        if body[first:first + 1] in (b"[", b"{") and (
+                end - first > _SLICE_TEXT or needs_scan(body, *shape, first, end)):
+            yield from scan_json(body, first, f"line {lineno}", *shape, end=end)
+        try:
+            line = str(view[first:end], "utf-8")
+        except UnicodeDecodeError as exc:
+            raise MalformedPushError(f"line {lineno} is not UTF-8 text: {exc}") from exc
+        value, stop = _json_value(decoder, line, 0, f"line {lineno}")
+        if _skip_ws(line, stop) != len(line):
+            raise MalformedPushError(f"line {lineno} holds more than one JSON value")
+        out.add(value, lineno)
+        if pacer.due(len(line)):
+            yield
+
+
+def _json_array(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedPushError(f"the body is not UTF-8 text: {exc}") from exc
+    i = _skip_ws(text, 0)
+    if i == len(text) or text[i] != "[":
+        raise MalformedPushError("an application/json body must be one array of records: [r0, r1, ...]")
+    pacer = _Pacer(_SLICE_TEXT)
+    shape = (out.limits.max_record_containers, out.limits.max_record_depth)
+    yield  # decoding a big body took milliseconds already: the loop's turn
+    # The body's own array is one container more, one level deeper. (A big body is
+    # scanned without counting first, as a long NDJSON line is.)
+    scan = len(text) > _SCAN_ALWAYS or needs_scan(text, shape[0] + 1, shape[1] + 1)
+    i = _skip_ws(text, i + 1)
+    if i < len(text) and text[i] == "]":
+        i += 1
+    else:
+        while True:
+            start, n = i, len(out.records)
+            if scan and text[i:i + 1] in ("[", "{"):
+                yield from scan_json(text, i, _label("record", n), *shape)
+            value, i = _json_value(decoder, text, i, _label("record", n))
+            out.add(value, n)
+            i = _skip_ws(text, i)
+            if i < len(text) and text[i] == ",":
+                i = _skip_ws(text, i + 1)
+                if pacer.due(i - start):
+                    yield
+                continue
+            if i < len(text) and text[i] == "]":
+                i += 1
+                break
+            raise MalformedPushError(f"the JSON array is not closed after record {n}")
+    if _skip_ws(text, i) != len(text):
+        raise MalformedPushError("the body holds more after the JSON array")
+
+
+_UNSET = object()
+
+
+def _unpacker(body: bytes, limits: BodyLimits, bounds: MsgpackBounds) -> msgpack.Unpacker:
+    items = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1),
+                             max_array_len=limits.max_records, max_map_len=limits.max_records,
+                             strict_map_key=True, list_hook=bounds.list_hook,
+                             object_hook=bounds.object_hook)
+    items.feed(body)
+    return items
+
+
+def _msgpack(body: bytes, out: _Entries) -> Steps:
+    limits = out.limits
+    count = msgpack_array_len(body[:5])
+    if count is not None and count > limits.max_records:
+        raise too_many(limits, str(count))
+    # The whole body of a small one within the bounds of one record (and one level
+    # more, the body's array), else record by record, each within its own.
+    bounds = MsgpackBounds(limits.max_record_containers, limits.max_record_depth + 1)
+    n = 0
+    try:
+        array: object = _UNSET
+        if len(body) <= _SLICE_CHARS:
+            items = _unpacker(body, limits, bounds)
+            with contextlib.suppress(BoundsOverflow):  # then record by record: which one?
+                array = items.unpack()
+        if array is not _UNSET:
+            # One slice's worth: the array decoded in one call (item by item cost 20x as
+            # much); encoded in slices of 256 records (a 100-record batch in one turn).
+            if not isinstance(array, list):
+                raise MalformedPushError(
+                    f"the msgpack body is a {type(array).__name__}, not an array of records")
+            for n, value in enumerate(array):
+                out.add(value, n)
+                if (n + 1) % _ENCODE_SLICE_RECORDS == 0:
+                    yield
+        else:
+            items = _unpacker(body, limits, bounds)
+            count = items.read_array_header()
+            pacer = _Pacer(_SLICE_CHARS)
+            for n in range(count):
+                before = items.tell()
+                bounds.reset(limits.max_record_containers, limits.max_record_depth)
+                out.add(items.unpack(), n)
+                if pacer.due(items.tell() - before):
+                    yield
+    except PushRejectedError:
+        raise  # a record refused (400, 413): not a decoding error
+    except BoundsOverflow as exc:
+        raise bounds.error(exc, _label("record", n)) from None
+    except msgpack.StackError:  # deeper than the decoder's own stack: past ours too
+        raise bounds.error(BoundsOverflow(True), _label("record", n)) from None
+    except msgpack.OutOfData as exc:
+        raise MalformedPushError("the msgpack body ends inside its array") from exc
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+        raise MalformedPushError(
+            f"body is not valid msgpack, or not an array of records ({type(exc).__name__}: {exc})"
+        ) from exc
+    if items.tell() != len(body):
+        raise MalformedPushError("the msgpack body holds more after its array of records")
+
+
+def _parse(body: bytes, content_type: str, max_record_bytes: int,
+           limits: BodyLimits) -> Generator[None, None, ParsedBatch]:
+    if content_type in MSGPACK_TYPES:
+        out = _Entries("record", max_record_bytes, limits)
+        yield from _msgpack(body, out)
+    elif content_type == JSON_TYPE:
+        out = _Entries("record", max_record_bytes, limits)
+        yield from _json_array(body, json.JSONDecoder(), out)
+    else:
+        out = _Entries("line", max_record_bytes, limits)
+        yield from _ndjson(body, json.JSONDecoder(), out)
+    if not out.records:
+        raise MalformedPushError("the body holds no record: expected at least one")
+    return ParsedBatch(out.records, out.sizes, out.data_bytes, out.digest.hexdigest())
+
+
+async def parse_records_sliced(body: bytes, content_type: str, max_record_bytes: int,
+                               limits: BodyLimits, *, share: float = 1.0
+                               ) -> ParsedBatch:
+    """The records of a push body, encoded as stream entries; raises MalformedPushError
+    (400) or PushTooLargeError (413) naming the offending record. Runs on the event
+    loop, handing it back after every slice of at most 64 records or 32 KiB of JSON,
+    so other requests are served between slices. With ``share`` below 1 it rests
+    after each slice, so that it takes at most that share of the loop's time."""
+    steps = _parse(body, content_type, max_record_bytes, limits)
+    rest = (1.0 - share) / share
+    while True:
+        started = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        await asyncio.sleep((time.perf_counter() - started) * rest)

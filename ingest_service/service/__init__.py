@@ -1,0 +1,1 @@
+"""The aiohttp service: app, config, supervisor, auth, routes, admin and runs API, OpenAPI, dashboard."""
