@@ -16,89 +16,23 @@ the IDs of its records.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import redis
 from redis.driver_info import DriverInfo
 from torch.utils.data import IterableDataset, get_worker_info
-from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from trainer_client import _batch_ring, _rng, redis_client
-from trainer_client._reader import LIB_VERSION, Reader
+from trainer_client import _rng, redis_client
+from trainer_client._reader import LIB_VERSION, Reader, ReadSpec
 from trainer_client._stacking import Segment, decode_records, positions, stack_arrays, take
+from trainer_client.batch import Batch
 from trainer_client.errors import DatasetNotFoundError, SessionBypassedError
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
 from trainguard.core import streams
 
 __all__ = ["Batch", "StreamingDataset", "load_spec"]
-
-
-@dataclass
-class Batch:
-    """Records of one batch and where they came from.
-
-    ``data`` is a tensor ``[n, ...]`` when every record is a NumPy array of one dtype
-    and shape (copied once, straight from the Redis reply into the batch tensor), the
-    ``collate`` result when one was given, else the list of decoded records; None in
-    the empty batches ``TrainingSession.batches`` hands a rank that ran out of data
-    while others still train (``len(batch) == 0``).
-    ``ids`` maps partition -> stream IDs of its records here, in stream order;
-    ``offsets`` maps partition -> the last of them; ``pos`` lists each record's
-    source position (``path:line``, ``path:token_index``; see the stream contract)
-    in the order of ``data``, or None when the records carry none.
-    ``epoch`` is the epoch (from 0) of the batch's records: a batch never holds two
-    epochs unless the dataset was made with ``straddle_epochs=True`` (then it is the
-    first record's epoch); -1 for an empty batch. ``new_epoch`` is set by
-    ``TrainingSession.batches`` on the first batch of each epoch it yields. Workers
-    (and ranks) reach an epoch's end at different times, so with several of them the
-    last batches of one epoch may come after the first of the next.
-    In deterministic mode ``partition`` is the one partition of the batch and ``seq``
-    its index among its worker's batches.
-    """
-
-    data: Any
-    ids: dict[int, list[str]]
-    offsets: dict[int, str]
-    worker: int = 0
-    partition: int = -1
-    seq: int = -1
-    epoch: int = -1
-    pos: list[str] | None = None
-    new_epoch: bool = False
-    final: bool = False
-    """Deterministic mode: the worker's end-of-pass marker (no records)."""
-    dropped: bool = False
-    """A short batch at an epoch's end with ``drop_last``: consumed, never yielded."""
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self.ids.values())
-
-    def pin_memory(self, device: Any = None) -> Batch:
-        """This batch with its data in pinned memory (what ``DataLoader(pin_memory=True)``
-        calls in its pin-memory thread; without it torch would pass a Batch through
-        unpinned). A ring slot is released as soon as its pinned copy is made."""
-        return replace(self, data=_pin_memory(self.data, device))  # type: ignore[no-untyped-call]
-
-
-def _rebuild_batch(state: dict[str, Any]) -> Batch:
-    batch = Batch.__new__(Batch)
-    batch.__dict__.update(state)
-    return batch
-
-
-def _reduce_batch(batch: Batch) -> tuple[Any, ...]:
-    """How a Batch crosses between processes (DataLoader queues): a worker's batch
-    tensor in its ring goes as a slot handle (see trainer_client._batch_ring). Only
-    multiprocessing's pickler does this; ``pickle`` and ``copy`` see a plain Batch."""
-    return (_rebuild_batch, ({**batch.__dict__, "data": _batch_ring.reduce_data(batch.data)},))
-
-
-ForkingPickler.register(Batch, _reduce_batch)
 
 
 def load_spec(client: redis.Redis, dataset: str) -> streams.DatasetSpec:
@@ -178,8 +112,10 @@ class StreamingDataset(IterableDataset[Batch]):
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.redis_url = redis_url
         self.block_ms = block_ms
-        self._client: redis.Redis | None = None
-        self._client_pid = 0
+        self._clients = redis_client.ProcessClient(
+            redis_url, socket_timeout=block_ms / 1000 + 10.0, socket_connect_timeout=5.0,
+            driver_info=DriverInfo(lib_version=LIB_VERSION),
+        )
         if spec is None:
             call = trainer_redis_retrier(trainer_redis_breaker(f"redis:{group}"),
                                          reconnect_timeout_s).call
@@ -226,31 +162,23 @@ class StreamingDataset(IterableDataset[Batch]):
     # ------------------------------------------------------------------ Redis
 
     def redis(self) -> redis.Redis:
-        """This process's client of the dataset's Redis: made on first use and kept
-        across passes (on a cluster, making one costs about 10 ms: the slot map and
-        the command table). A DataLoader worker makes its own; a copy inherited by
-        fork is left alone (its connections are the parent's)."""
-        if self._client is None or self._client_pid != os.getpid():
-            self._client = redis_client.client(
-                self.redis_url,
-                socket_timeout=self.block_ms / 1000 + 10.0,
-                socket_connect_timeout=5.0,
-                driver_info=DriverInfo(lib_version=LIB_VERSION),
-            )
-            self._client_pid = os.getpid()
-        return self._client
+        """This process's client of the dataset's Redis (see ProcessClient): kept
+        across passes; a DataLoader worker makes its own."""
+        return self._clients.get()
 
     def drop_redis(self) -> None:
-        """Close this process's client (after a connection error: a connection cut off
-        mid-command may still have a reply in flight, so none of it is reused)."""
-        if self._client is not None and self._client_pid == os.getpid():
-            self._client.close()
-        self._client = None
+        """Close this process's client (after a connection error)."""
+        self._clients.drop()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_client"] = None  # a process makes its own (DataLoader workers, spawn)
-        return state
+    def read_spec(self) -> ReadSpec:
+        """What a pass's reader needs of this dataset, as it stands now (the session's
+        restore hands the dataset a new generation after it was made)."""
+        return ReadSpec(
+            redis_url=self.redis_url, dataset=self.dataset, group=self.group,
+            generation=self.generation, block_ms=self.block_ms,
+            reconnect_timeout_s=self.reconnect_timeout_s, finite=self.finite,
+            epochs=self.epochs,
+        )
 
     # ------------------------------------------------------------------ iteration
 
@@ -264,7 +192,7 @@ class StreamingDataset(IterableDataset[Batch]):
             rank=self.rank,
             worker=worker,
         )
-        reader = Reader(self, owned, consumer=f"r{self.rank}w{worker}")
+        reader = Reader(self.read_spec(), self._clients, owned, consumer=f"r{self.rank}w{worker}")
         self._passes += 1
         # The seek set on this object is current in the main process and on a worker's
         # first pass (the worker got a copy of the object when it started). Persistent
