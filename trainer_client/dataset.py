@@ -63,17 +63,19 @@ class StreamingDataset(IterableDataset[Batch]):
     (bytes, msgpack value or read-only NumPy view) to what the batch should hold;
     ``collate`` turns the list of those into the batch's ``data``.
 
-    ``deterministic``: every batch holds ``batch_size`` consecutive records of one
-    partition (fewer only at an epoch's end) and a worker visits its partitions
-    round-robin, so a resumed run (same world size and num_workers) yields exactly
+    ``deterministic``: a batch holds ``batch_size`` consecutive records of one
+    partition, a worker visits its partitions round-robin, and where a partition's
+    epoch ends mid-batch the batch is filled from the worker's next partitions (see
+    :meth:`_deterministic`), so a resumed run (same world size and num_workers) yields exactly
     the batches an uninterrupted one would; it waits for slow partitions instead of
     reading whatever is ready. In a DataLoader worker, ``decode`` and ``collate`` run
     with random generators seeded per batch from ``seed`` (random augmentation is
     then the same on a resume). Greedy (the default here; ``TrainingSession``
     defaults to deterministic) mixes whatever partitions are ready into a batch.
 
-    Epochs: a batch holds records of one epoch; the last batch of an epoch may be
-    short, or, with ``drop_last``, is consumed without being yielded (its records
+    Epochs: a batch holds records of one epoch, from as many of the worker's
+    partitions as it needs: only the worker's last batch of an epoch may be short, or,
+    with ``drop_last``, is consumed without being yielded (its records
     count as read: never trained, never read again). ``straddle_epochs=True`` lets
     batches run across epoch boundaries instead (every batch full but the last).
     ``epochs`` reads only the first that many epochs (at most the dataset's own, any
@@ -278,52 +280,105 @@ class StreamingDataset(IterableDataset[Batch]):
                 reader.wait(active)
 
     def _deterministic(self, reader: Reader, worker: int, in_worker: bool) -> Iterator[Batch]:
+        """Batches in an order that is a function of the data and the consumed state
+        alone (each partition's last consumed ID and the batches it led), so a resume
+        at any batch yields what an uninterrupted pass would have.
+
+        The worker reads epoch by epoch (all its partitions' records of one epoch
+        before any of the next). A batch is led by the partition of that epoch that
+        led fewest batches (then the lowest number) and takes ``batch_size``
+        consecutive records of it; when the lead's epoch ends first, the batch goes on
+        with the next partitions in that order. So only the worker's last batch of an
+        epoch can be short."""
         bs = self.batch_size
         counts = {p: reader.batches.get(p, 0) for p in reader.partitions}
-        carry: dict[int, tuple[list[str], list[list[bytes]]]] = {}
+        heads: dict[int, tuple[list[str], list[list[bytes]]]] = {}
         active = sorted(reader.partitions)
         seq = sum(counts.values())
-        while active:
-            p = min(active, key=lambda q: (counts[q], q))
-            chunk_ids: list[str] = []
-            chunk_flats: list[list[bytes]] = []
-            pending = carry.pop(p, None)
-            cut = False
-            while len(chunk_ids) < bs:
-                if pending is not None:
-                    (ids, flats), pending = pending, None
-                else:
-                    ids, flats = reader.read({p: bs - len(chunk_ids)})[p]
+        while True:
+            active, e = self._current_cut(reader, heads, active)
+            if e is None:
+                break
+            # Every partition that may hold records of cut e, in lead order; one not
+            # read ahead is read when its turn comes (waiting for data, as a
+            # round-robin reader does), and gives nothing when its next cut is later.
+            order = sorted((q for q in active if self._low(reader, heads, q) == e),
+                           key=lambda q: (counts[q], q))
+            segs: list[Segment] = []
+            need = bs
+            for q in order:
+                ids, flats = self._take_cut(reader, heads, q, e, need)
                 if ids:
-                    # Records of the next epoch start the partition's next batch.
-                    e = self._cut(chunk_ids[0] if chunk_ids else ids[0])
-                    split = None if self._cut(ids[-1]) == e else next(
-                        i for i, x in enumerate(ids) if self._cut(x) != e)
-                    if split is not None:
-                        carry[p] = (ids[split:], flats[split:])
-                        ids, flats, cut = ids[:split], flats[:split], True
-                    chunk_ids += ids
-                    chunk_flats += flats
-                    if cut:
-                        break
-                    continue
-                if reader.finished(p):
+                    segs.append((q, ids, flats))
+                    need -= len(ids)
+                if not need:
                     break
-                reader.wait([p])
-            if len(chunk_ids) < bs and not cut:
-                active.remove(p)
-            if chunk_ids:
-                if in_worker and (self.decode is not None or self.collate is not None):
-                    # Random draws of decode/collate: a function of the batch alone.
-                    _rng.seed_batch(self.seed, p, counts[p])
-                segs: list[Segment] = [(p, chunk_ids, chunk_flats)]
-                batch = (self._batch(segs, worker, in_worker) if len(chunk_ids) == bs
-                         else self._tail(segs, worker, in_worker))
-                batch.partition, batch.seq = p, seq
-                counts[p] += 1
-                seq += 1
-                yield batch
+            lead = segs[0][0]
+            if in_worker and (self.decode is not None or self.collate is not None):
+                # Random draws of decode/collate: a function of the batch alone.
+                _rng.seed_batch(self.seed, lead, counts[lead])
+            batch = (self._batch(segs, worker, in_worker) if not need
+                     else self._tail(segs, worker, in_worker))
+            batch.partition, batch.seq = lead, seq
+            counts[lead] += 1
+            seq += 1
+            yield batch
         yield Batch(data=[], ids={}, offsets={}, worker=worker, seq=seq, final=True)
+
+    def _low(self, reader: Reader, heads: dict[int, tuple[list[str], list[list[bytes]]]],
+             q: int) -> int:
+        """The lowest cut partition ``q``'s next record can have: that of the record
+        read ahead, else that of its last consumed one (IDs only grow)."""
+        return self._cut(heads[q][0][0] if q in heads else reader.positions[q])
+
+    def _current_cut(self, reader: Reader, heads: dict[int, tuple[list[str], list[list[bytes]]]],
+                     active: list[int]) -> tuple[list[int], int | None]:
+        """The partitions left and the lowest cut (epoch) any of them has a record of:
+        the lowest bound of :meth:`_low`, once a record read ahead has it (until then
+        the partitions at that bound are read, waiting when none has data)."""
+        while True:
+            active = [q for q in active if q in heads or not reader.finished(q)]
+            if not active:
+                return active, None
+            low = {q: self._low(reader, heads, q) for q in active}
+            e = min(low.values())
+            if any(q in heads for q in active if low[q] == e):
+                return active, e
+            unknown = [q for q in active if low[q] == e]
+            got = reader.read({q: self.batch_size for q in unknown})
+            for q in unknown:
+                if got[q][0]:
+                    heads[q] = got[q]
+            waiting = [q for q in unknown if not reader.finished(q)]
+            if waiting and not any(q in heads for q in unknown):
+                reader.wait(waiting)
+
+    def _take_cut(self, reader: Reader, heads: dict[int, tuple[list[str], list[list[bytes]]]],
+                  q: int, e: int, n: int) -> tuple[list[str], list[list[bytes]]]:
+        """Up to ``n`` next records of partition ``q`` of cut ``e`` (fewer once its
+        records of ``e`` end); records read past them stay in ``heads``."""
+        ids: list[str] = []
+        flats: list[list[bytes]] = []
+        while len(ids) < n:
+            if q not in heads:
+                got_ids, got_flats = reader.read({q: n - len(ids)})[q]
+                if not got_ids:
+                    if reader.finished(q):
+                        break
+                    reader.wait([q])
+                    continue
+                heads[q] = (got_ids, got_flats)
+            h_ids, h_flats = heads.pop(q)
+            k = min(n - len(ids), len(h_ids))
+            if self._cut(h_ids[k - 1]) != e:
+                k = next(i for i, x in enumerate(h_ids) if self._cut(x) != e)
+            ids += h_ids[:k]
+            flats += h_flats[:k]
+            if k < len(h_ids):
+                heads[q] = (h_ids[k:], h_flats[k:])
+                if self._cut(h_ids[k]) != e:
+                    break
+        return ids, flats
 
     def _batch(self, segments: list[Segment], worker: int, in_worker: bool) -> Batch:
         ids: dict[int, list[str]] = {}

@@ -556,7 +556,6 @@ class TrainingSession:
         return measure(
             self._consumed.snapshot(), lambda e: self._call(self._sizes.get, e), mine,
             world_size=self.world_size, num_workers=self._num_workers,
-            deterministic=self.deterministic,
             dataset=self._datasets[-1] if self._datasets else None, epochs=self.spec.epochs,
         )
 
