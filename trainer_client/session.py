@@ -412,9 +412,10 @@ class TrainingSession:
         epochs: int | None = None,
     ) -> StreamingDataset:
         """A :class:`StreamingDataset` of this run's rank; pass it to a DataLoader with
-        ``batch_size=None`` and iterate that through :meth:`batches`. A batch never
-        holds two epochs: an epoch's last batch may be short, or with ``drop_last`` is
-        consumed without being trained; ``straddle_epochs=True`` fills batches across
+        ``batch_size=None`` and iterate that through :meth:`batches`. Batches span
+        this rank's partitions and never hold two epochs: only a worker's last batch
+        of an epoch may be short, or with ``drop_last`` is consumed (acknowledged)
+        without being trained; ``straddle_epochs=True`` fills batches across
         epochs instead. ``epochs``: train this many epochs (up to the dataset's own;
         any number of an endless one, whose producer writes epochs as they drain)."""
         ds = StreamingDataset(
