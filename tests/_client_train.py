@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--sleep-ms", type=float, default=0.0)
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--drop-last", action="store_true")
     ap.add_argument("--trace", default="", help="append each consumed batch's record IDs here")
     ap.add_argument("--keep-last", type=int, default=2)
     ap.add_argument("--loader", choices=["torch", "stateful", "stateful-in-state"],
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         loader = StatefulDataLoader(
-            session.dataset(batch_size=args.batch_size), batch_size=None,
+            session.dataset(batch_size=args.batch_size, drop_last=args.drop_last), batch_size=None,
             num_workers=args.workers, persistent_workers=args.workers > 0,
         )
         if args.loader == "stateful-in-state":
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"READY {step}")
     if loader is None:
         loader = DataLoader(
-            session.dataset(batch_size=args.batch_size), batch_size=None,
+            session.dataset(batch_size=args.batch_size, drop_last=args.drop_last), batch_size=None,
             num_workers=args.workers, persistent_workers=args.workers > 0,
         )
     trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115

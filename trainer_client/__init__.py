@@ -7,7 +7,8 @@ record, the checkpoint port, resilience) and never on ``checkpoint_store`` (a st
 passed in, or opened from a URL through the port) nor on aiohttp.
 """
 
-from trainer_client.dataset import Batch, StreamingDataset
+from trainer_client.batch import Batch
+from trainer_client.dataset import StreamingDataset
 from trainer_client.errors import (
     AllRoutesFailedError,
     BatchGapError,

@@ -5,7 +5,7 @@ breaker's."""
 
 from __future__ import annotations
 
-from trainer_client.dataset import Batch
+from trainer_client.batch import Batch
 from trainguard.core import streams
 
 __all__ = ["batch_id", "overlaps"]

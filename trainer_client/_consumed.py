@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from trainer_client.dataset import Batch
+from trainer_client.batch import Batch
 from trainguard.core import streams
 from trainguard.core.record import RankState
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from trainer_client._attempts import AttemptLog
 from trainer_client._batch_ids import batch_id, overlaps
-from trainer_client.dataset import Batch
+from trainer_client.batch import Batch
 from trainer_client.watchdog import Watchdog, WatchdogConfig
 from trainguard.core import settings
 from trainguard.core.incidents import LoopPolicy

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from trainer_client.errors import BatchGapError, LoaderPositionError
 
 if TYPE_CHECKING:
-    from trainer_client.dataset import Batch
+    from trainer_client.batch import Batch
 
 __all__ = ["in_worker_order", "refuse_own_position", "refuse_resuming_loader"]
 

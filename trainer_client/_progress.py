@@ -89,11 +89,11 @@ def consumed_in_epoch(offset: str, epoch: int, size: int) -> int:
 
 def steps_per_epoch(
     sizes: Mapping[int, int], *, world_size: int, num_workers: int, batch_size: int,
-    deterministic: bool, drop_last: bool,
+    drop_last: bool,
 ) -> int:
-    """Loop iterations of an epoch: per rank, the batches its workers cut (each
-    partition alone in deterministic mode, a worker's partitions pooled in greedy
-    mode); the most of any rank, since ranks step together."""
+    """Loop iterations of an epoch: per rank, the batches its workers cut (a
+    worker's partitions pooled, in both modes: batches span partitions); the most of
+    any rank, since ranks step together."""
 
     def batches(n: int) -> int:
         return n // batch_size if drop_last else -(-n // batch_size)
@@ -105,10 +105,7 @@ def steps_per_epoch(
         for worker in range(max(1, num_workers)):
             owned = streams.assign_partitions(partitions, world_size=world_size,
                                               num_workers=num_workers, rank=rank, worker=worker)
-            if deterministic:
-                total += sum(batches(sizes[p]) for p in owned)
-            else:
-                total += batches(sum(sizes[p] for p in owned))
+            total += batches(sum(sizes[p] for p in owned))
         most = max(most, total)
     return most
 
@@ -120,7 +117,6 @@ def measure(
     *,
     world_size: int,
     num_workers: int,
-    deterministic: bool,
     dataset: StreamingDataset | None,
     epochs: int | None,
 ) -> Progress:
@@ -133,7 +129,7 @@ def measure(
     steps = None
     if dataset is not None:
         steps = steps_per_epoch(sizes, world_size=world_size, num_workers=num_workers,
-                                batch_size=dataset.batch_size, deterministic=deterministic,
+                                batch_size=dataset.batch_size,
                                 drop_last=dataset.drop_last)
     return Progress(
         epoch=epoch,

@@ -17,7 +17,8 @@ import contextlib
 import gc
 import operator
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import redis
 from redis.driver_info import DriverInfo
@@ -27,10 +28,7 @@ from trainer_client import redis_client
 from trainer_client.redis_retry import REDIS_RETRY_ON, trainer_redis_breaker, trainer_redis_retrier
 from trainguard.core import redis_url, streams
 
-if TYPE_CHECKING:
-    from trainer_client.dataset import StreamingDataset
-
-__all__ = ["LIB_VERSION", "Reader"]
+__all__ = ["LIB_VERSION", "ClientFactory", "ReadSpec", "Reader"]
 
 _READ_SIZE = 1 << 18
 """Socket read size of the reading connection: large replies come in fewer reads."""
@@ -57,11 +55,38 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@dataclass(frozen=True)
+class ReadSpec:
+    """What a pass reads: the dataset's partitions in ``redis_url`` for run ``group``
+    at fencing ``generation``. ``finite``: the pass ends (the producer's end marks are
+    watched); ``epochs``: only that many are read (None: all)."""
+
+    redis_url: str
+    dataset: str
+    group: str
+    generation: int
+    block_ms: int
+    reconnect_timeout_s: float
+    finite: bool
+    epochs: int | None
+
+
+class ClientFactory(Protocol):
+    """The reading process's Redis client (``get``) and its disposal after a
+    connection error (``drop``), e.g. :class:`trainer_client.redis_client.ProcessClient`."""
+
+    def get(self) -> redis.Redis: ...
+
+    def drop(self) -> None: ...
+
+
 class Reader:
     """One worker's connection to its partitions, with reconnects."""
 
-    def __init__(self, ds: StreamingDataset, partitions: list[int], consumer: str):
-        self.ds = ds
+    def __init__(self, spec: ReadSpec, clients: ClientFactory, partitions: list[int],
+                 consumer: str):
+        self.spec = spec
+        self.clients = clients
         self.partitions = partitions
         self.consumer = consumer
         # One reading connection per server (the one, or each master the partitions
@@ -79,17 +104,17 @@ class Reader:
         self.ends: dict[int, str | None] | None = None
         self._commands: dict[tuple[Any, ...], list[bytes]] = {}
         # Made here, in the process that reads (a DataLoader worker): one per reader.
-        self.cluster = redis_url.parse(ds.redis_url).cluster
-        self.breaker = trainer_redis_breaker(f"redis:{ds.group}:{consumer}")
-        self.retrier = trainer_redis_retrier(self.breaker, ds.reconnect_timeout_s)
+        self.cluster = redis_url.parse(spec.redis_url).cluster
+        self.breaker = trainer_redis_breaker(f"redis:{spec.group}:{consumer}")
+        self.retrier = trainer_redis_retrier(self.breaker, spec.reconnect_timeout_s)
 
     def _connect(self) -> redis.Redis:
-        return self.ds.redis()
+        return self.clients.get()
 
     def _drop(self) -> None:
         # A connection cut off mid-command may still have a reply in flight: never
         # reuse it (this is what makes an interrupted blocking read safe).
-        self.ds.drop_redis()
+        self.clients.drop()
         self._close_nodes()
 
     def _close_nodes(self) -> None:
@@ -118,7 +143,7 @@ class Reader:
                 client = self._connect()
                 if lost and reseek and self.positions:
                     ofs.seek_group(
-                        client, self.ds.dataset, self.ds.group, self.ds.generation,
+                        client, self.spec.dataset, self.spec.group, self.spec.generation,
                         self.positions, what="read",
                     )
                 return fn(client)
@@ -137,18 +162,18 @@ class Reader:
     def start(self, seek: dict[int, tuple[str, int]] | None) -> None:
         """Position the pass: at ``seek`` when given (the group is moved there), else at
         the seek the trainer recorded in Redis, else where the group stands."""
-        ds = self.ds
+        spec = self.spec
         if seek is not None:
             positions = {p: seek[p][0] for p in self.partitions}
             self._retry(
-                lambda c: ofs.seek_group(c, ds.dataset, ds.group, ds.generation, positions),
+                lambda c: ofs.seek_group(c, spec.dataset, spec.group, spec.generation, positions),
                 reseek=False,
             )
             got = {p: seek[p] for p in self.partitions}
         else:
             got = self._retry(
                 lambda c: ofs.start_pass(
-                    c, ds.dataset, ds.group, ds.generation, self.partitions, use_seek=True
+                    c, spec.dataset, spec.group, spec.generation, self.partitions, use_seek=True
                 ),
                 reseek=False,
             )
@@ -165,7 +190,7 @@ class Reader:
         if addr is None:
             if self.cluster:
                 cluster: Any = self._connect()
-                node = cluster.get_node_from_key(streams.partition_key(self.ds.dataset, p))
+                node = cluster.get_node_from_key(streams.partition_key(self.spec.dataset, p))
                 addr = (node.host, node.port)
             else:
                 addr = ("", 0)
@@ -174,11 +199,11 @@ class Reader:
 
     def _open(self, addr: tuple[str, int]) -> redis.Connection:
         """A reading connection to ``addr``, named for eviction (see offsets.evict_readers)."""
-        ds = self.ds
+        spec = self.spec
         kw: dict[str, Any] = dict(
             protocol=2, socket_timeout=30.0, socket_connect_timeout=5.0,
             socket_read_size=_READ_SIZE, driver_info=DriverInfo(lib_version=LIB_VERSION),
-            client_name=ofs.reader_name(ds.dataset, ds.group, ds.generation),
+            client_name=ofs.reader_name(spec.dataset, spec.group, spec.generation),
         )
         if self.cluster:
             cluster: Any = self._connect()
@@ -186,7 +211,7 @@ class Reader:
             kw.update(host=addr[0], port=addr[1], username=auth.get("username"),
                       password=auth.get("password"))
         else:
-            kw.update(redis.connection.parse_url(ds.redis_url))
+            kw.update(redis.connection.parse_url(spec.redis_url))
         conn = redis.Connection(**kw)
         conn.connect()
         return conn
@@ -199,7 +224,7 @@ class Reader:
         (offsets.evict_readers) and one opened after sees the newer fence here, so a
         read never runs on a connection of an older generation once the newer
         trainer moved the group."""
-        ds = self.ds
+        spec = self.spec
         while True:
             conn = self.node_conns.get(addr)
             if conn is not None and not conn.is_connected:
@@ -215,13 +240,13 @@ class Reader:
             if not todo:
                 return conn
             conn.send_packed_command(conn.pack_commands(
-                [("GET", streams.fence_key(ds.dataset, p, ds.group)) for p in todo]))
-            wrong = [p for p in todo if int(conn.read_response() or 0) != ds.generation]
+                [("GET", streams.fence_key(spec.dataset, p, spec.group)) for p in todo]))
+            wrong = [p for p in todo if int(conn.read_response() or 0) != spec.generation]
             if not wrong:
                 checked.update(todo)
                 return conn
             # Raises FencedError when newer; re-asserts a fence Redis lost (then look again).
-            ofs.assert_generation(self._connect(), ds.dataset, ds.group, ds.generation, wrong)
+            ofs.assert_generation(self._connect(), spec.dataset, spec.group, spec.generation, wrong)
 
     def _packed(self, conn: redis.Connection, addr: tuple[str, int], counts: list[tuple[int, int]]) -> list[bytes]:
         """The XREADGROUPs of one server's partitions, packed once per shape of read:
@@ -229,10 +254,10 @@ class Reader:
         key = (addr, *counts)
         got = self._commands.get(key)
         if got is None:
-            ds = self.ds
+            spec = self.spec
             got = conn.pack_commands([
-                ("XREADGROUP", "GROUP", ds.group, self.consumer, "COUNT", n,
-                 "STREAMS", streams.partition_key(ds.dataset, p), ">")
+                ("XREADGROUP", "GROUP", spec.group, self.consumer, "COUNT", n,
+                 "STREAMS", streams.partition_key(spec.dataset, p), ">")
                 for p, n in counts
             ])
             if len(self._commands) >= 256:  # deterministic reads vary their counts
@@ -256,7 +281,7 @@ class Reader:
         MOVED/ASK, the slot moved in a failover, is transient: the retrier drops every
         connection and the slots are looked up again). A partition whose group Redis
         lost (restart, failover) gets it back where we are, and is read again."""
-        ds = self.ds
+        spec = self.spec
         out: dict[int, list[Any]] = {}
         missing: dict[int, int] = {}
         failed: Exception | None = None
@@ -275,7 +300,7 @@ class Reader:
         if failed is not None:
             raise failed
         if missing:
-            ofs.seek_group(self._connect(), ds.dataset, ds.group, ds.generation,
+            ofs.seek_group(self._connect(), spec.dataset, spec.group, spec.generation,
                            {p: self.positions[p] for p in missing}, what="read")
             out.update(self._receive(self._send(missing)))
         return out
@@ -329,7 +354,7 @@ class Reader:
 
         def call(c: redis.Redis) -> Any:
             got = self._fenced_read(counts, ahead=ahead)
-            if self.ds.finite:
+            if self.spec.finite:
                 self._refresh_ends(c)
             return got
 
@@ -347,7 +372,7 @@ class Reader:
                 start += 1
             if start:
                 entries = entries[start:]
-            limit = self.ds.epochs
+            limit = self.spec.epochs
             if limit is not None and entries and streams.parse_id(entries[-1][0])[0] > limit:
                 # Past the epochs this pass reads: never handed on, never consumed.
                 entries = [e for e in entries if streams.parse_id(e[0])[0] <= limit]
@@ -362,12 +387,12 @@ class Reader:
     def _refresh_ends(self, client: redis.Redis) -> None:
         """Learn each partition's last entry for this pass, once it is known: the
         producer's end marks of a finished dataset, or, when the pass reads only the
-        first ``ds.epochs`` epochs, the last entry of those once they are written."""
+        first ``spec.epochs`` epochs, the last entry of those once they are written."""
         if self.ends is not None:
             return
-        prog = client.hgetall(streams.progress_key(self.ds.dataset))
+        prog = client.hgetall(streams.progress_key(self.spec.dataset))
         finished = prog.get(streams.PROGRESS_FINISHED) == b"1"
-        limit = self.ds.epochs
+        limit = self.spec.epochs
         if limit is None:
             if finished:
                 ends: dict[int, str | None] = {}
@@ -379,7 +404,7 @@ class Reader:
         if finished or int(prog.get(streams.PROGRESS_EPOCHS_DONE, b"0") or 0) >= limit:
             pipe = client.pipeline(transaction=False)
             for p in self.partitions:
-                pipe.xrevrange(streams.partition_key(self.ds.dataset, p),
+                pipe.xrevrange(streams.partition_key(self.spec.dataset, p),
                                max=f"{limit}-{_MAX_SEQ}", min="0-1", count=1)
             self.ends = {p: got[0][0].decode() if got else None
                          for p, got in zip(self.partitions, pipe.execute())}
@@ -396,7 +421,7 @@ class Reader:
         passes). XREAD without a group changes nothing, so a wait that is cut off
         loses nothing."""
         keys: dict[Any, Any] = {
-            streams.partition_key(self.ds.dataset, p): self.positions[p] for p in partitions
+            streams.partition_key(self.spec.dataset, p): self.positions[p] for p in partitions
         }
-        self._retry(lambda c: redis_client.wait_any(c, keys, self.ds.block_ms), reseek=True)
+        self._retry(lambda c: redis_client.wait_any(c, keys, self.spec.block_ms), reseek=True)
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_client.dataset import Batch
+from trainer_client.batch import Batch
 from trainer_client.errors import PeerGpuCriticalError
 from trainer_client.health import EXIT_PEER_CRITICAL, HealthMonitor
 

@@ -16,89 +16,23 @@ the IDs of its records.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import redis
 from redis.driver_info import DriverInfo
 from torch.utils.data import IterableDataset, get_worker_info
-from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from trainer_client import _batch_ring, _rng, redis_client
-from trainer_client._reader import LIB_VERSION, Reader
+from trainer_client import _rng, redis_client
+from trainer_client._reader import LIB_VERSION, Reader, ReadSpec
 from trainer_client._stacking import Segment, decode_records, positions, stack_arrays, take
+from trainer_client.batch import Batch
 from trainer_client.errors import DatasetNotFoundError, SessionBypassedError
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
 from trainguard.core import streams
 
 __all__ = ["Batch", "StreamingDataset", "load_spec"]
-
-
-@dataclass
-class Batch:
-    """Records of one batch and where they came from.
-
-    ``data`` is a tensor ``[n, ...]`` when every record is a NumPy array of one dtype
-    and shape (copied once, straight from the Redis reply into the batch tensor), the
-    ``collate`` result when one was given, else the list of decoded records; None in
-    the empty batches ``TrainingSession.batches`` hands a rank that ran out of data
-    while others still train (``len(batch) == 0``).
-    ``ids`` maps partition -> stream IDs of its records here, in stream order;
-    ``offsets`` maps partition -> the last of them; ``pos`` lists each record's
-    source position (``path:line``, ``path:token_index``; see the stream contract)
-    in the order of ``data``, or None when the records carry none.
-    ``epoch`` is the epoch (from 0) of the batch's records: a batch never holds two
-    epochs unless the dataset was made with ``straddle_epochs=True`` (then it is the
-    first record's epoch); -1 for an empty batch. ``new_epoch`` is set by
-    ``TrainingSession.batches`` on the first batch of each epoch it yields. Workers
-    (and ranks) reach an epoch's end at different times, so with several of them the
-    last batches of one epoch may come after the first of the next.
-    In deterministic mode ``partition`` is the one partition of the batch and ``seq``
-    its index among its worker's batches.
-    """
-
-    data: Any
-    ids: dict[int, list[str]]
-    offsets: dict[int, str]
-    worker: int = 0
-    partition: int = -1
-    seq: int = -1
-    epoch: int = -1
-    pos: list[str] | None = None
-    new_epoch: bool = False
-    final: bool = False
-    """Deterministic mode: the worker's end-of-pass marker (no records)."""
-    dropped: bool = False
-    """A short batch at an epoch's end with ``drop_last``: consumed, never yielded."""
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self.ids.values())
-
-    def pin_memory(self, device: Any = None) -> Batch:
-        """This batch with its data in pinned memory (what ``DataLoader(pin_memory=True)``
-        calls in its pin-memory thread; without it torch would pass a Batch through
-        unpinned). A ring slot is released as soon as its pinned copy is made."""
-        return replace(self, data=_pin_memory(self.data, device))  # type: ignore[no-untyped-call]
-
-
-def _rebuild_batch(state: dict[str, Any]) -> Batch:
-    batch = Batch.__new__(Batch)
-    batch.__dict__.update(state)
-    return batch
-
-
-def _reduce_batch(batch: Batch) -> tuple[Any, ...]:
-    """How a Batch crosses between processes (DataLoader queues): a worker's batch
-    tensor in its ring goes as a slot handle (see trainer_client._batch_ring). Only
-    multiprocessing's pickler does this; ``pickle`` and ``copy`` see a plain Batch."""
-    return (_rebuild_batch, ({**batch.__dict__, "data": _batch_ring.reduce_data(batch.data)},))
-
-
-ForkingPickler.register(Batch, _reduce_batch)
 
 
 def load_spec(client: redis.Redis, dataset: str) -> streams.DatasetSpec:
@@ -129,17 +63,19 @@ class StreamingDataset(IterableDataset[Batch]):
     (bytes, msgpack value or read-only NumPy view) to what the batch should hold;
     ``collate`` turns the list of those into the batch's ``data``.
 
-    ``deterministic``: every batch holds ``batch_size`` consecutive records of one
-    partition (fewer only at an epoch's end) and a worker visits its partitions
-    round-robin, so a resumed run (same world size and num_workers) yields exactly
+    ``deterministic``: a batch holds ``batch_size`` consecutive records of one
+    partition, a worker visits its partitions round-robin, and where a partition's
+    epoch ends mid-batch the batch is filled from the worker's next partitions (see
+    :meth:`_deterministic`), so a resumed run (same world size and num_workers) yields exactly
     the batches an uninterrupted one would; it waits for slow partitions instead of
     reading whatever is ready. In a DataLoader worker, ``decode`` and ``collate`` run
     with random generators seeded per batch from ``seed`` (random augmentation is
     then the same on a resume). Greedy (the default here; ``TrainingSession``
     defaults to deterministic) mixes whatever partitions are ready into a batch.
 
-    Epochs: a batch holds records of one epoch; the last batch of an epoch may be
-    short, or, with ``drop_last``, is consumed without being yielded (its records
+    Epochs: a batch holds records of one epoch, from as many of the worker's
+    partitions as it needs: only the worker's last batch of an epoch may be short, or,
+    with ``drop_last``, is consumed without being yielded (its records
     count as read: never trained, never read again). ``straddle_epochs=True`` lets
     batches run across epoch boundaries instead (every batch full but the last).
     ``epochs`` reads only the first that many epochs (at most the dataset's own, any
@@ -178,8 +114,10 @@ class StreamingDataset(IterableDataset[Batch]):
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.redis_url = redis_url
         self.block_ms = block_ms
-        self._client: redis.Redis | None = None
-        self._client_pid = 0
+        self._clients = redis_client.ProcessClient(
+            redis_url, socket_timeout=block_ms / 1000 + 10.0, socket_connect_timeout=5.0,
+            driver_info=DriverInfo(lib_version=LIB_VERSION),
+        )
         if spec is None:
             call = trainer_redis_retrier(trainer_redis_breaker(f"redis:{group}"),
                                          reconnect_timeout_s).call
@@ -226,31 +164,23 @@ class StreamingDataset(IterableDataset[Batch]):
     # ------------------------------------------------------------------ Redis
 
     def redis(self) -> redis.Redis:
-        """This process's client of the dataset's Redis: made on first use and kept
-        across passes (on a cluster, making one costs about 10 ms: the slot map and
-        the command table). A DataLoader worker makes its own; a copy inherited by
-        fork is left alone (its connections are the parent's)."""
-        if self._client is None or self._client_pid != os.getpid():
-            self._client = redis_client.client(
-                self.redis_url,
-                socket_timeout=self.block_ms / 1000 + 10.0,
-                socket_connect_timeout=5.0,
-                driver_info=DriverInfo(lib_version=LIB_VERSION),
-            )
-            self._client_pid = os.getpid()
-        return self._client
+        """This process's client of the dataset's Redis (see ProcessClient): kept
+        across passes; a DataLoader worker makes its own."""
+        return self._clients.get()
 
     def drop_redis(self) -> None:
-        """Close this process's client (after a connection error: a connection cut off
-        mid-command may still have a reply in flight, so none of it is reused)."""
-        if self._client is not None and self._client_pid == os.getpid():
-            self._client.close()
-        self._client = None
+        """Close this process's client (after a connection error)."""
+        self._clients.drop()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_client"] = None  # a process makes its own (DataLoader workers, spawn)
-        return state
+    def read_spec(self) -> ReadSpec:
+        """What a pass's reader needs of this dataset, as it stands now (the session's
+        restore hands the dataset a new generation after it was made)."""
+        return ReadSpec(
+            redis_url=self.redis_url, dataset=self.dataset, group=self.group,
+            generation=self.generation, block_ms=self.block_ms,
+            reconnect_timeout_s=self.reconnect_timeout_s, finite=self.finite,
+            epochs=self.epochs,
+        )
 
     # ------------------------------------------------------------------ iteration
 
@@ -264,7 +194,7 @@ class StreamingDataset(IterableDataset[Batch]):
             rank=self.rank,
             worker=worker,
         )
-        reader = Reader(self, owned, consumer=f"r{self.rank}w{worker}")
+        reader = Reader(self.read_spec(), self._clients, owned, consumer=f"r{self.rank}w{worker}")
         self._passes += 1
         # The seek set on this object is current in the main process and on a worker's
         # first pass (the worker got a copy of the object when it started). Persistent
@@ -350,52 +280,105 @@ class StreamingDataset(IterableDataset[Batch]):
                 reader.wait(active)
 
     def _deterministic(self, reader: Reader, worker: int, in_worker: bool) -> Iterator[Batch]:
+        """Batches in an order that is a function of the data and the consumed state
+        alone (each partition's last consumed ID and the batches it led), so a resume
+        at any batch yields what an uninterrupted pass would have.
+
+        The worker reads epoch by epoch (all its partitions' records of one epoch
+        before any of the next). A batch is led by the partition of that epoch that
+        led fewest batches (then the lowest number) and takes ``batch_size``
+        consecutive records of it; when the lead's epoch ends first, the batch goes on
+        with the next partitions in that order. So only the worker's last batch of an
+        epoch can be short."""
         bs = self.batch_size
         counts = {p: reader.batches.get(p, 0) for p in reader.partitions}
-        carry: dict[int, tuple[list[str], list[list[bytes]]]] = {}
+        heads: dict[int, tuple[list[str], list[list[bytes]]]] = {}
         active = sorted(reader.partitions)
         seq = sum(counts.values())
-        while active:
-            p = min(active, key=lambda q: (counts[q], q))
-            chunk_ids: list[str] = []
-            chunk_flats: list[list[bytes]] = []
-            pending = carry.pop(p, None)
-            cut = False
-            while len(chunk_ids) < bs:
-                if pending is not None:
-                    (ids, flats), pending = pending, None
-                else:
-                    ids, flats = reader.read({p: bs - len(chunk_ids)})[p]
+        while True:
+            active, e = self._current_cut(reader, heads, active)
+            if e is None:
+                break
+            # Every partition that may hold records of cut e, in lead order; one not
+            # read ahead is read when its turn comes (waiting for data, as a
+            # round-robin reader does), and gives nothing when its next cut is later.
+            order = sorted((q for q in active if self._low(reader, heads, q) == e),
+                           key=lambda q: (counts[q], q))
+            segs: list[Segment] = []
+            need = bs
+            for q in order:
+                ids, flats = self._take_cut(reader, heads, q, e, need)
                 if ids:
-                    # Records of the next epoch start the partition's next batch.
-                    e = self._cut(chunk_ids[0] if chunk_ids else ids[0])
-                    split = None if self._cut(ids[-1]) == e else next(
-                        i for i, x in enumerate(ids) if self._cut(x) != e)
-                    if split is not None:
-                        carry[p] = (ids[split:], flats[split:])
-                        ids, flats, cut = ids[:split], flats[:split], True
-                    chunk_ids += ids
-                    chunk_flats += flats
-                    if cut:
-                        break
-                    continue
-                if reader.finished(p):
+                    segs.append((q, ids, flats))
+                    need -= len(ids)
+                if not need:
                     break
-                reader.wait([p])
-            if len(chunk_ids) < bs and not cut:
-                active.remove(p)
-            if chunk_ids:
-                if in_worker and (self.decode is not None or self.collate is not None):
-                    # Random draws of decode/collate: a function of the batch alone.
-                    _rng.seed_batch(self.seed, p, counts[p])
-                segs: list[Segment] = [(p, chunk_ids, chunk_flats)]
-                batch = (self._batch(segs, worker, in_worker) if len(chunk_ids) == bs
-                         else self._tail(segs, worker, in_worker))
-                batch.partition, batch.seq = p, seq
-                counts[p] += 1
-                seq += 1
-                yield batch
+            lead = segs[0][0]
+            if in_worker and (self.decode is not None or self.collate is not None):
+                # Random draws of decode/collate: a function of the batch alone.
+                _rng.seed_batch(self.seed, lead, counts[lead])
+            batch = (self._batch(segs, worker, in_worker) if not need
+                     else self._tail(segs, worker, in_worker))
+            batch.partition, batch.seq = lead, seq
+            counts[lead] += 1
+            seq += 1
+            yield batch
         yield Batch(data=[], ids={}, offsets={}, worker=worker, seq=seq, final=True)
+
+    def _low(self, reader: Reader, heads: dict[int, tuple[list[str], list[list[bytes]]]],
+             q: int) -> int:
+        """The lowest cut partition ``q``'s next record can have: that of the record
+        read ahead, else that of its last consumed one (IDs only grow)."""
+        return self._cut(heads[q][0][0] if q in heads else reader.positions[q])
+
+    def _current_cut(self, reader: Reader, heads: dict[int, tuple[list[str], list[list[bytes]]]],
+                     active: list[int]) -> tuple[list[int], int | None]:
+        """The partitions left and the lowest cut (epoch) any of them has a record of:
+        the lowest bound of :meth:`_low`, once a record read ahead has it (until then
+        the partitions at that bound are read, waiting when none has data)."""
+        while True:
+            active = [q for q in active if q in heads or not reader.finished(q)]
+            if not active:
+                return active, None
+            low = {q: self._low(reader, heads, q) for q in active}
+            e = min(low.values())
+            if any(q in heads for q in active if low[q] == e):
+                return active, e
+            unknown = [q for q in active if low[q] == e]
+            got = reader.read({q: self.batch_size for q in unknown})
+            for q in unknown:
+                if got[q][0]:
+                    heads[q] = got[q]
+            waiting = [q for q in unknown if not reader.finished(q)]
+            if waiting and not any(q in heads for q in unknown):
+                reader.wait(waiting)
+
+    def _take_cut(self, reader: Reader, heads: dict[int, tuple[list[str], list[list[bytes]]]],
+                  q: int, e: int, n: int) -> tuple[list[str], list[list[bytes]]]:
+        """Up to ``n`` next records of partition ``q`` of cut ``e`` (fewer once its
+        records of ``e`` end); records read past them stay in ``heads``."""
+        ids: list[str] = []
+        flats: list[list[bytes]] = []
+        while len(ids) < n:
+            if q not in heads:
+                got_ids, got_flats = reader.read({q: n - len(ids)})[q]
+                if not got_ids:
+                    if reader.finished(q):
+                        break
+                    reader.wait([q])
+                    continue
+                heads[q] = (got_ids, got_flats)
+            h_ids, h_flats = heads.pop(q)
+            k = min(n - len(ids), len(h_ids))
+            if self._cut(h_ids[k - 1]) != e:
+                k = next(i for i, x in enumerate(h_ids) if self._cut(x) != e)
+            ids += h_ids[:k]
+            flats += h_flats[:k]
+            if k < len(h_ids):
+                heads[q] = (h_ids[k:], h_flats[k:])
+                if self._cut(h_ids[k]) != e:
+                    break
+        return ids, flats
 
     def _batch(self, segments: list[Segment], worker: int, in_worker: bool) -> Batch:
         ids: dict[int, list[str]] = {}

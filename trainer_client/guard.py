@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from trainer_client._batch_ids import batch_id, overlaps
-from trainer_client.dataset import Batch
+from trainer_client.batch import Batch
 from trainer_client.errors import GpuCriticalError, NoRollbackTargetError, PeerGpuCriticalError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport
 from trainer_client.health.leave import leave_node

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Any, cast
 
@@ -12,7 +13,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from trainguard.core import redis_url
 
-__all__ = ["wait_any", "REPLICA_WAIT_MS", "client", "eval_per_node", "is_cluster", "servers"]
+__all__ = ["wait_any", "REPLICA_WAIT_MS", "ProcessClient", "client", "eval_per_node", "is_cluster", "servers"]
 
 
 def client(url: str, **kwargs: Any) -> redis.Redis:
@@ -115,3 +116,32 @@ def wait_any(client: redis.Redis, keys: dict[Any, Any], block_ms: int) -> None:
         turn += 1
         if client.xread({key: keys[key]}, count=1, block=min(left_ms, CLUSTER_WAIT_MS)):
             return
+
+
+class ProcessClient:
+    """One process's client of ``url``, made on first use and kept (on a cluster,
+    making one costs about 10 ms: the slot map and the command table). A process that
+    inherited a copy by fork (a DataLoader worker) makes its own and leaves the
+    parent's connections alone; a pickled copy carries no client."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        self.url = url
+        self._kwargs = kwargs
+        self._client: redis.Redis | None = None
+        self._pid = 0
+
+    def get(self) -> redis.Redis:
+        if self._client is None or self._pid != os.getpid():
+            self._client = client(self.url, **self._kwargs)
+            self._pid = os.getpid()
+        return self._client
+
+    def drop(self) -> None:
+        """Close this process's client (after a connection error: a connection cut off
+        mid-command may still have a reply in flight, so none of it is reused)."""
+        if self._client is not None and self._pid == os.getpid():
+            self._client.close()
+        self._client = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None}

@@ -412,9 +412,10 @@ class TrainingSession:
         epochs: int | None = None,
     ) -> StreamingDataset:
         """A :class:`StreamingDataset` of this run's rank; pass it to a DataLoader with
-        ``batch_size=None`` and iterate that through :meth:`batches`. A batch never
-        holds two epochs: an epoch's last batch may be short, or with ``drop_last`` is
-        consumed without being trained; ``straddle_epochs=True`` fills batches across
+        ``batch_size=None`` and iterate that through :meth:`batches`. Batches span
+        this rank's partitions and never hold two epochs: only a worker's last batch
+        of an epoch may be short, or with ``drop_last`` is consumed (acknowledged)
+        without being trained; ``straddle_epochs=True`` fills batches across
         epochs instead. ``epochs``: train this many epochs (up to the dataset's own;
         any number of an endless one, whose producer writes epochs as they drain)."""
         ds = StreamingDataset(
@@ -556,7 +557,6 @@ class TrainingSession:
         return measure(
             self._consumed.snapshot(), lambda e: self._call(self._sizes.get, e), mine,
             world_size=self.world_size, num_workers=self._num_workers,
-            deterministic=self.deterministic,
             dataset=self._datasets[-1] if self._datasets else None, epochs=self.spec.epochs,
         )
 
