@@ -3,8 +3,8 @@
 Same data as ``examples/lightning_gpt.py``; ``--die-at-step`` SIGKILLs the run, and the
 same command again resumes it through the Trainer's own ``resume_from_checkpoint``::
 
-    python examples/hf_gpt.py --dataset story --run gpt-hf --die-at-step 25
-    python examples/hf_gpt.py --dataset story --run gpt-hf
+    python examples/hf_gpt.py --dataset story --run-name gpt-hf --die-at-step 25
+    python examples/hf_gpt.py --dataset story --run-name gpt-hf
 """
 
 from __future__ import annotations
