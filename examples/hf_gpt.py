@@ -61,8 +61,8 @@ def main() -> int:
         logging_steps=10, disable_tqdm=True,
     )
     model = GPT()
-    trainer = tg.attach(Trainer(model=model, args=targs, train_dataset=tg.train_dataset,
-                                callbacks=[tg.callback, DieAt(args.die_at_step)]))
+    trainer = Trainer(model=model, args=targs, train_dataset=tg.train_dataset,
+                      callbacks=[tg.callback, DieAt(args.die_at_step)])
     trainer.train(resume_from_checkpoint=tg.last_checkpoint(targs.output_dir))
     print(f"resumed from step {tg.restored_step}, ended at step {trainer.state.global_step}",
           flush=True)
