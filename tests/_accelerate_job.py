@@ -10,15 +10,13 @@ checkpoint, ``<rank>: COMMITTED <step>`` after it, ``<rank>: DONE <step>``.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 
 import torch
 from accelerate import Accelerator
 
-from tests._hf_job import Ledger, say
+from tests._hf_job import Ledger, job_args, say
 from trainguard.integrations.hf_accelerate import TrainguardAccelerate
 
 
@@ -29,17 +27,7 @@ def warm_up() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
-    for flag in ("--redis", "--dataset", "--run", "--store"):
-        ap.add_argument(flag, required=True)
-    ap.add_argument("--n", type=int, required=True)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--ckpt-every", type=int, default=6)
-    ap.add_argument("--sleep-ms", type=float, default=0.0)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process per rank, from the test
-        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    args = job_args(argv, "--redis", "--dataset", "--run", "--store")
     accelerator = Accelerator(cpu=True)
     tg = TrainguardAccelerate(accelerator, args.redis, dataset=args.dataset, run=args.run,
                               store=args.store, batch_size=args.batch_size, keep_last=2,

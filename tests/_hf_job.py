@@ -76,9 +76,11 @@ def warm_up() -> None:
     opt.step()
 
 
-def main(argv: list[str] | None = None) -> int:
+def job_args(argv: list[str] | None, *required: str) -> argparse.Namespace:
+    """The ledger jobs' flags (``required``: the string flags they need), one torch
+    thread, and the local rank a framework expects of a process launched per rank."""
     ap = argparse.ArgumentParser()
-    for flag in ("--redis", "--dataset", "--run", "--store", "--out"):
+    for flag in required:
         ap.add_argument(flag, required=True)
     ap.add_argument("--n", type=int, required=True)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -88,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process per rank, from the test
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = job_args(argv, "--redis", "--dataset", "--run", "--store", "--out")
     tg = TrainguardHF(args.redis, dataset=args.dataset, run=args.run, store=args.store,
                       batch_size=args.batch_size, keep_last=2, block_ms=200)
     targs = TrainingArguments(

@@ -15,7 +15,7 @@ import torch
 from tests import _client_fill as cf
 from tests import _client_ledger as ledger
 from tests.servers import RedisServer
-from tests.test_lightning_ddp import _kill_one_rank
+from tests.test_lightning_ddp import kill_across_world_sizes, newest_world_size
 
 N = 480
 P = 4
@@ -59,23 +59,8 @@ def _run(redis_server: RedisServer, tmp_path: Path, seed: int, module: str, key:
     args = ["--redis", redis_server.url, "--dataset", "tok", "--run", "ddp", "--store", store,
             "--n", str(N), "--batch-size", "8", "--ckpt-every", "4", "--sleep-ms", "2", *extra]
     with ledger.zygote(tmp_path / "job.log", module) as z:
-        first = 1 if seed == 1 else rng.choice([0, 1])
-        for world, victim in ((2, first), (1, None), (2, None)):
-            job = z.spawn(args, world)
-            assert job.wait_line("STEP", 180, nth=rng.randint(3, 10)), job.seen[-20:]
-            if victim is None:
-                job.kill()
-            else:
-                _kill_one_rank(job, victim)
-        job = z.spawn(args, 2)
-        job.finish(300)
-        assert any(s.startswith("1: STEP") for s in job.seen), "rank 1 trained no step"
-    from checkpoint_store import CheckpointStore
-    from trainguard.core.record import SessionRecord, newest_first
-
-    with CheckpointStore(store) as ckpt:
-        rec = SessionRecord.of(newest_first(ckpt.list())[0])
-    assert rec is not None and rec.world_size == 2
+        kill_across_world_sizes(z, args, rng, first=1 if seed == 1 else rng.choice([0, 1]))
+    assert newest_world_size(store) == 2
     counts = final_counts(store, key)
     assert len(counts) == N
     ledger.assert_each_once(counts)
