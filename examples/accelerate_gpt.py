@@ -8,8 +8,8 @@ cannot shard a stream that trainguard already assigns): the loop reads
 it to ``accelerator.device``. Checkpoints are ``session.checkpoint`` (weights,
 optimizer and the consumed offsets in one commit), the restart ``session.restore``::
 
-    python examples/accelerate_gpt.py --dataset story --run gpt-acc --die-at-step 25
-    python examples/accelerate_gpt.py --dataset story --run gpt-acc
+    python examples/accelerate_gpt.py --dataset story --run-name gpt-acc --die-at-step 25
+    python examples/accelerate_gpt.py --dataset story --run-name gpt-acc
 
 Single process (``accelerate launch`` with one process, or plain ``python``).
 """

@@ -3,8 +3,8 @@
 Same data as ``examples/lightning_gpt.py``; ``--die-at-step`` SIGKILLs the run, and the
 same command again resumes it through the Trainer's own ``resume_from_checkpoint``::
 
-    python examples/hf_gpt.py --dataset story --run gpt-hf --die-at-step 25
-    python examples/hf_gpt.py --dataset story --run gpt-hf
+    python examples/hf_gpt.py --dataset story --run-name gpt-hf --die-at-step 25
+    python examples/hf_gpt.py --dataset story --run-name gpt-hf
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class GPT(nn.Module):
         self.model = TinyGPT()
 
     def forward(self, input_ids: torch.Tensor, labels: Any = None) -> dict[str, torch.Tensor]:
+        if not len(input_ids):  # a rank out of data, in step with the others (DDP)
+            return {"loss": sum(p.sum() for p in self.parameters()) * 0.0}
         return {"loss": self.model.loss(input_ids)}
 
 

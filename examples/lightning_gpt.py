@@ -6,8 +6,8 @@ with Lightning's own ``fit(ckpt_path="last")``::
 
     trainguard ingest --dataset story --source examples/data/corpus.txt --format text \\
         --tokenizer examples/data/tokenizer.json --pack 65 --partitions 4
-    python examples/lightning_gpt.py --dataset story --run gpt-pl --die-at-step 25
-    python examples/lightning_gpt.py --dataset story --run gpt-pl
+    python examples/lightning_gpt.py --dataset story --run-name gpt-pl --die-at-step 25
+    python examples/lightning_gpt.py --dataset story --run-name gpt-pl
 
 The second run ends with ``sequences trained: N of N; each exactly once``. Redis comes
 from ``$TRAINGUARD_REDIS_URL`` (or ``--redis-url``).

@@ -85,7 +85,8 @@ def parse_args(doc: str, run: str, argv: list[str] | None = None) -> argparse.Na
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--dataset", default="story")
-    ap.add_argument("--run", default=run)
+    ap.add_argument("--run-name", "--run", dest="run", default=run,
+                    help="the run's name (old spelling --run: torchrun takes it for its --run-path)")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "trainguard-examples"),
                     help="checkpoints go here (default: $TMPDIR/trainguard-examples)")
     ap.add_argument("--batch-size", type=int, default=16)

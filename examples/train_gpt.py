@@ -12,7 +12,7 @@ states (dropout) and the DataLoader's seeds with the offsets. The loop does noth
 about RNG itself::
 
     python examples/train_gpt.py --redis-url redis://127.0.0.1:6379/0 \\
-        --dataset text --run gpt --store file:///tmp/ckpt/gpt
+        --dataset text --run-name gpt --store file:///tmp/ckpt/gpt
 
 One process (the README's loop shows several ranks). Prints ``<rank>: STEP <step>
 <loss> <loss as float.hex>`` per step, ``<rank>: SAVE <step>`` before each checkpoint,
@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--redis-url", default=env("TRAINGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--dataset", default="text")
-    p.add_argument("--run", default="gpt")
+    p.add_argument("--run-name", "--run", dest="run", default="gpt",
+                   help="the run's name (old spelling --run: torchrun takes it for its --run-path)")
     p.add_argument("--store", default="file:///tmp/trainguard-ckpt/gpt")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--workers", type=int, default=2)

@@ -12,7 +12,7 @@ Run it against a running service (``docker compose --profile trainer up``, or by
 hand)::
 
     python examples/train_mlp.py --redis-url redis://127.0.0.1:6379/0 \\
-        --dataset demo --run mlp --store file:///tmp/ckpt/mlp --records 4000
+        --dataset demo --run-name mlp --store file:///tmp/ckpt/mlp --records 4000
 
 It prints one JSON event per line on stdout (restored, checkpoint, done), which is
 what the demo reads. Kill it with SIGKILL at any moment and start it again: it
@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--redis-url", default=env("TRAINGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--dataset", default=env("TRAINGUARD_DATASET", "demo"))
-    p.add_argument("--run", default=env("TRAINGUARD_RUN", "mlp"))
+    p.add_argument("--run-name", "--run", dest="run", default=env("TRAINGUARD_RUN", "mlp"),
+                   help="the run's name (old spelling --run: torchrun takes it for its --run-path)")
     p.add_argument("--store", default=env("TRAINGUARD_STORE", "file:///tmp/trainguard-ckpt/mlp"),
                    help="checkpoint store URL (any fsspec URL: file://, s3://, ...)")
     p.add_argument("--records", type=int, default=int(env("TRAINGUARD_RECORDS", "4000")),

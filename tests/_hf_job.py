@@ -4,19 +4,23 @@ The model holds ``counts``, one float per record; each forward pass over a batch
 1 to the count of each of its records (``input_ids[:, 0]`` is the record's index).
 Checkpoints are the Trainer's own (``save_steps``) with the trainguard callback, and
 every attempt resumes with ``trainer.train(resume_from_checkpoint=tg.last_checkpoint(...))``.
+Launched with ``WORLD_SIZE > 1`` (one process per rank), the Trainer runs DDP on gloo
+and each step adds every rank's records to the counts on every rank.
 
-Prints ``0: READY``, ``0: STEP <step>``, ``0: SAVE <step>`` before a checkpoint,
-``0: COMMITTED <step>`` after its commit, ``0: DONE``.
+Prints ``<rank>: READY``, ``<rank>: STEP <step>``, ``<rank>: SAVE <step>`` before a
+checkpoint, ``<rank>: COMMITTED <step>`` after its commit, ``<rank>: DONE``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -24,7 +28,7 @@ from trainguard.integrations.hf import TrainguardHF
 
 
 def say(line: str) -> None:
-    sys.stdout.write(f"0: {line}\n")
+    sys.stdout.write(f"{os.environ.get('RANK', '0')}: {line}\n")
     sys.stdout.flush()
 
 
@@ -37,8 +41,15 @@ class Ledger(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: Any = None) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            self.counts.index_add_(0, input_ids[:, 0].long(), torch.ones(len(input_ids)))
-        return {"loss": self.lin(input_ids.float() / self.n).pow(2).mean()}
+            local = torch.zeros(self.n)
+            local.index_add_(0, input_ids[:, 0].long(), torch.ones(len(input_ids)))
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(local)  # every rank's records, on every rank
+            self.counts += local
+        # A sum, not a mean: an empty batch (a rank out of data) gives a zero loss that
+        # still reaches every parameter, as DDP's gradient all-reduce needs.
+        loss = self.lin(input_ids.float() / self.n).pow(2).sum() / max(1, len(input_ids))
+        return {"loss": loss}
 
 
 class Say(TrainerCallback):
@@ -65,9 +76,11 @@ def warm_up() -> None:
     opt.step()
 
 
-def main(argv: list[str] | None = None) -> int:
+def job_args(argv: list[str] | None, *required: str) -> argparse.Namespace:
+    """The ledger jobs' flags (``required``: the string flags they need), one torch
+    thread, and the local rank a framework expects of a process launched per rank."""
     ap = argparse.ArgumentParser()
-    for flag in ("--redis", "--dataset", "--run", "--store", "--out"):
+    for flag in required:
         ap.add_argument(flag, required=True)
     ap.add_argument("--n", type=int, required=True)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -75,17 +88,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep-ms", type=float, default=0.0)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process per rank, from the test
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = job_args(argv, "--redis", "--dataset", "--run", "--store", "--out")
     tg = TrainguardHF(args.redis, dataset=args.dataset, run=args.run, store=args.store,
                       batch_size=args.batch_size, keep_last=2, block_ms=200)
     targs = TrainingArguments(
         args.out, per_device_train_batch_size=args.batch_size,
         max_steps=-(-args.n // args.batch_size), save_steps=args.ckpt_every, save_total_limit=3,
         ignore_data_skip=True, report_to=[], use_cpu=True, logging_strategy="no",
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        ddp_find_unused_parameters=False,
         disable_tqdm=True, learning_rate=1e-3,
     )
     # Say first: its on_save reports the commit the trainguard callback made before it.
-    trainer = Trainer(model=Ledger(args.n), args=targs, train_dataset=tg.train_dataset,
-                      callbacks=[tg.callback, Say(args.sleep_ms)])
+    trainer = tg.attach(Trainer(model=Ledger(args.n), args=targs, train_dataset=tg.train_dataset,
+                                callbacks=[tg.callback, Say(args.sleep_ms)]))
     say("READY")
     trainer.train(resume_from_checkpoint=tg.last_checkpoint(args.out))
     tg.close()

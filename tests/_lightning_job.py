@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--ckpt-every", type=int, default=8)
     ap.add_argument("--sleep-ms", type=float, default=0.0)
+    ap.add_argument("--workers", type=int, default=0, help="the DataLoader's reading workers")
     ap.add_argument("--die-before-marker", default=None,
                     help="K:last or K:any: SIGKILL after the K-th commit, before its marker")
     args = ap.parse_args(argv)
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
         os.environ.setdefault("NODE_RANK", "0")
     dm = TrainguardDataModule(args.redis, dataset=args.dataset, run=args.run, store=args.store,
-                              batch_size=args.batch_size, keep_last=2, block_ms=200)
+                              batch_size=args.batch_size, num_workers=args.workers,
+                              keep_last=2, block_ms=200)
     die = None
     if args.die_before_marker:
         k, _, which = args.die_before_marker.partition(":")

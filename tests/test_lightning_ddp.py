@@ -24,10 +24,11 @@ N = 480
 P = 4
 
 
-def _args(url: str, tmp_path: Path) -> list[str]:
+def _args(url: str, tmp_path: Path, workers: int = 0) -> list[str]:
     return ["--redis", url, "--dataset", "tok", "--run", "ddp", "--store",
             f"file://{tmp_path}/ckpt", "--ckpt-dir", str(tmp_path / "lightning"), "--n", str(N),
-            "--batch-size", "8", "--ckpt-every", "4", "--sleep-ms", "2"]
+            "--batch-size", "8", "--ckpt-every", "4", "--sleep-ms", "2",
+            "--workers", str(workers)]
 
 
 def _kill_one_rank(job: ledger.Job, rank: int, timeout_s: float = 60) -> None:
@@ -42,34 +43,48 @@ def _kill_one_rank(job: ledger.Job, rank: int, timeout_s: float = 60) -> None:
     assert job.exits[rank] == -9, job.seen[-20:]
 
 
-@pytest.mark.parametrize("seed", [1, *(pytest.param(s, marks=pytest.mark.chaos)
-                                      for s in range(2, 12))])
-def test_lightning_ddp_survives_rank_kills_and_world_size_changes(
-        redis_server: RedisServer, tmp_path: Path, seed: int) -> None:
-    """World sizes 2, 1, 2, 2: one rank killed (rank 1; under chaos, either), then the
-    one process, then both ranks; the last run finishes: 0 lost, 0 duplicated."""
-    spec = cf.create(redis_server.url, "tok", partitions=P)
-    cf.fill(redis_server.url, spec, N)
-    rng = random.Random(seed)
-    args = _args(redis_server.url, tmp_path)
-    with ledger.zygote(tmp_path / "job.log", "tests._lightning_job") as z:
-        first = 1 if seed == 1 else rng.choice([0, 1])
-        for world, victim in ((2, first), (1, None), (2, None)):
-            job = z.spawn(args, world)
-            assert job.wait_line("STEP", 120, nth=rng.randint(3, 10)), job.seen[-20:]
-            if victim is None:
-                job.kill()
-            else:
-                _kill_one_rank(job, victim)
-        job = z.spawn(args, 2)
-        job.finish(300)
-        assert any(s.startswith("1: STEP") for s in job.seen), "rank 1 trained no step"
+def kill_across_world_sizes(z: ledger.Zygote, args: list[str], rng: random.Random,
+                            first: int) -> None:
+    """World sizes 2 (rank ``first`` SIGKILLed), 1 (killed), 2 (both killed), each
+    after 3-10 steps, then 2 to the end, where rank 1 must train."""
+    for world, victim in ((2, first), (1, None), (2, None)):
+        job = z.spawn(args, world)
+        assert job.wait_line("STEP", 180, nth=rng.randint(3, 10)), job.seen[-20:]
+        if victim is None:
+            job.kill()
+        else:
+            _kill_one_rank(job, victim)
+    job = z.spawn(args, 2)
+    job.finish(300)
+    assert any(s.startswith("1: STEP") for s in job.seen), "rank 1 trained no step"
+
+
+def newest_world_size(store_url: str) -> int:
     from checkpoint_store import CheckpointStore
     from trainguard.core.record import SessionRecord, newest_first
 
-    with CheckpointStore(f"file://{tmp_path}/ckpt") as store:
+    with CheckpointStore(store_url) as store:
         rec = SessionRecord.of(newest_first(store.list())[0])
-    assert rec is not None and rec.world_size == 2
+    assert rec is not None, "the newest commit has no session record"
+    return rec.world_size
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("seed", [1, *(pytest.param(s, marks=pytest.mark.chaos)
+                                      for s in range(2, 12))])
+def test_lightning_ddp_survives_rank_kills_and_world_size_changes(
+        redis_server: RedisServer, tmp_path: Path, seed: int, workers: int) -> None:
+    """World sizes 2, 1, 2, 2: one rank killed (rank 1; under chaos, either), then the
+    one process, then both ranks; the last run finishes: 0 lost, 0 duplicated. With
+    ``workers=2`` each rank reads through 2 DataLoader workers (batches they read
+    ahead and the kill lost are read again, never counted)."""
+    spec = cf.create(redis_server.url, "tok", partitions=P)
+    cf.fill(redis_server.url, spec, N)
+    rng = random.Random(seed)
+    args = _args(redis_server.url, tmp_path, workers)
+    with ledger.zygote(tmp_path / "job.log", "tests._lightning_job") as z:
+        kill_across_world_sizes(z, args, rng, first=1 if seed == 1 else rng.choice([0, 1]))
+    assert newest_world_size(f"file://{tmp_path}/ckpt") == 2
     counts = final_counts(f"file://{tmp_path}/ckpt")
     assert len(counts) == N
     ledger.assert_each_once(counts)

@@ -42,7 +42,7 @@ def _fill(url: str) -> None:
 
 
 def _args(url: str, store: str, run: str) -> list[str]:
-    return ["--redis-url", url, "--dataset", "text", "--run", run, "--store", store,
+    return ["--redis-url", url, "--dataset", "text", "--run-name", run, "--store", store,
             "--workers", "2", "--ckpt-every", "10", "--batch-size", "8"]
 
 

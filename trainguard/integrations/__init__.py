@@ -5,7 +5,9 @@
   ``trainer.fit(model, datamodule=dm, ckpt_path="last")`` resumes exactly once.
 - :mod:`trainguard.integrations.hf` (``pip install 'trainguard[hf]'``): a
   ``transformers`` ``TrainerCallback`` with its dataset glue, and the helpers of the
-  Accelerate recipe (``examples/accelerate_gpt.py``).
+  Accelerate recipe (``examples/accelerate_gpt.py``);
+  :mod:`trainguard.integrations.hf_accelerate`: a plain Accelerate loop on one
+  process or several (``docs/guides/integrations.md``).
 
 Each module imports its framework; this package imports none, and nothing below it
 (``trainer_client``, ``ingest_service``, ``checkpoint_store``, ``trainguard.core``)

@@ -1,4 +1,5 @@
-"""Lightning on several processes (DDP): what the integration adds for more than one rank.
+"""Several processes (Lightning DDP, the Hugging Face Trainer): what the integrations
+add for more than one rank.
 
 - :func:`save_on_every_rank`: Lightning's strategies call the ``CheckpointIO`` on rank 0
   only, but a session's checkpoint is a collective (every rank's offsets end in one
@@ -16,16 +17,18 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
 from trainguard.integrations._consumption import ConfirmedBatches
 
-__all__ = ["in_step", "same_on_every_rank", "save_on_every_rank"]
+if TYPE_CHECKING:  # Hugging Face runs use this module without Lightning installed
+    import lightning.pytorch as pl
+
+__all__ = ["empty_like", "in_step", "same_on_every_rank", "save_on_every_rank"]
 
 
 def _save(strategy: Any, checkpoint: dict[str, Any], filepath: Any,
@@ -48,18 +51,21 @@ def _flag(value: int) -> torch.Tensor:
     return torch.tensor([value], dtype=torch.int32)
 
 
-def _empty_like(data: Any) -> Any:
+def empty_like(data: Any) -> Any:
     # A fresh tensor, never a view: a view of a worker's batch would keep its
     # shared-memory slot alive.
     if isinstance(data, torch.Tensor):
         return data.new_empty((0, *data.shape[1:]))
+    if isinstance(data, Mapping):  # a collated batch of dict records (Hugging Face)
+        return {key: empty_like(value) for key, value in data.items()}
     return []
 
 
-def in_step(batches: ConfirmedBatches) -> Iterator[Any]:
-    """The batches' data, every rank ending in the same step (see the module)."""
+def in_step(batches: ConfirmedBatches, empty: Any = None) -> Iterator[Any]:
+    """The batches' data, every rank ending in the same step (see the module).
+    ``empty``: a rank's empty batch before it had one of its own to shape it on."""
     it = iter(batches)
-    empty: Any = torch.empty(0)
+    empty = torch.empty(0) if empty is None else empty
     while True:
         batch = next(it, None)
         flag = _flag(0 if batch is None else 1)
@@ -70,7 +76,7 @@ def in_step(batches: ConfirmedBatches) -> Iterator[Any]:
             batches.pad()
             yield empty
         else:
-            empty = _empty_like(batch.data)
+            empty = empty_like(batch.data)
             yield batch.data
 
 

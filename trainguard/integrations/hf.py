@@ -10,8 +10,8 @@ Accelerate loop needs, so that every record trains exactly once across kills.
                       store="file:///ckpt/gpt", batch_size=16)
     args = TrainingArguments("out", per_device_train_batch_size=16, max_steps=500,
                              save_steps=50, ignore_data_skip=True, report_to=[])
-    trainer = Trainer(model=model, args=args, train_dataset=tg.train_dataset,
-                      callbacks=[tg.callback])
+    trainer = tg.attach(Trainer(model=model, args=args, train_dataset=tg.train_dataset,
+                                callbacks=[tg.callback]))
     trainer.train(resume_from_checkpoint=tg.last_checkpoint(args.output_dir))
 
 - ``tg.train_dataset`` is a torch ``IterableDataset`` of the records, each as a dict
@@ -29,9 +29,24 @@ Accelerate loop needs, so that every record trains exactly once across kills.
   that commit, for ``resume_from_checkpoint``: complete (the commit comes after the
   folder is written), where the newest folder may be torn by a kill.
 
+- ``tg.attach(trainer)`` makes the Trainer train the session's batches as they are
+  (its ``get_train_dataloader``): Accelerate would otherwise shard the stream again
+  across processes (``IterableDatasetShard``: each rank keeps a slice of every
+  ``world * batch_size`` records and pads the last with repeats) although trainguard
+  already gave each rank its own partitions. Needed for several processes; with one
+  it also ends a finite stream's run cleanly (the epoch ends with the data).
+
+Several processes (``torchrun``/``accelerate launch``, DDP): the session is made on
+first use with the process group's rank and world size, each rank reads its own
+partitions, every rank commits in ``on_save`` (the offsets of all ranks end in one
+manifest), and a restart may run on another number of processes. A rank out of data
+trains empty batches (zero rows) until every rank is out, so that all ranks take the
+same steps: the model's loss must be defined (and reach every parameter) on an empty
+batch. The run's last step is committed in ``on_train_end``.
+
 Needs ``ignore_data_skip=True`` (the stream resumes itself: skipping batches would
 lose records) and ``dataloader_num_workers=0`` (``num_workers`` here sets the
-reading workers); one process only (multi-process runs are refused).
+reading workers).
 
 An Accelerate loop needs no glue (``examples/accelerate_gpt.py``): prepare the model
 and optimizer, not the trainguard loader, and iterate ``session.batches(loader)``.
@@ -50,6 +65,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trainer_client import TrainingSession
+from trainguard.integrations import _ranks
 from trainguard.integrations._consumption import ConfirmedBatches
 from trainguard.integrations._consumption import session_options as session_options_for
 
@@ -83,9 +99,10 @@ class TrainguardHF:
     def __init__(self, redis_url: str, *, dataset: str, run: str, store: str, batch_size: int,
                  num_workers: int = 0, labels: bool = True,
                  decode: Callable[[Any], Any] | None = None, **session_options: Any) -> None:
-        options = session_options_for("Hugging Face", session_options)
-        self.session = TrainingSession(redis_url, dataset=dataset, run=run, store=store,
-                                       **options)
+        self._options = session_options_for("Hugging Face", session_options)
+        self.redis_url, self.dataset_name, self.run, self.store = redis_url, dataset, run, store
+        self._session: TrainingSession | None = None
+        self._attached = False
         self.batch_size, self.num_workers = batch_size, num_workers
         self.decode = decode or _token_record(labels)
         self.train_dataset = TrainguardIterable(self)
@@ -93,12 +110,42 @@ class TrainguardHF:
         self.restored_step: int | None = None
         self._batches: ConfirmedBatches | None = None
 
+    @property
+    def session(self) -> TrainingSession:
+        """The run's session, one per process: made on first use, with the rank and
+        world size of the process group the Trainer's arguments set up (one process
+        without one)."""
+        if self._session is None:
+            import torch.distributed as dist
+
+            rank, world = ((dist.get_rank(), dist.get_world_size()) if dist.is_initialized()
+                           else (0, 1))
+            self._session = TrainingSession(self.redis_url, dataset=self.dataset_name,
+                                            run=self.run, store=self.store, rank=rank,
+                                            world_size=world, **self._options)
+        return self._session
+
+    def attach(self, trainer: Any) -> Any:
+        """Make ``trainer`` train this run's batches as the session hands them (see the
+        module): its ``get_train_dataloader`` returns them, unsharded by Accelerate.
+        Adds the callback when the Trainer lacks it. Returns the trainer."""
+        if self.callback not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self.callback)
+        trainer.get_train_dataloader = self._train_batches
+        self._attached = True
+        return trainer
+
+    def _train_batches(self) -> _TrainBatches:
+        return _TrainBatches(self)
+
     def batches(self) -> ConfirmedBatches:
         if self.restored_step is None:
             raise RuntimeError("the trainguard dataset was iterated before the Trainer started "
                                "training: pass callbacks=[tg.callback] to the Trainer")
         if self._batches is None:
-            loader = DataLoader(self.session.dataset(self.batch_size, decode=self.decode),
+            collate = _collate if self._attached else None
+            loader = DataLoader(self.session.dataset(self.batch_size, decode=self.decode,
+                                                     collate=collate),
                                 batch_size=None, num_workers=self.num_workers,
                                 persistent_workers=self.num_workers > 0)
             self._batches = ConfirmedBatches(self.session, loader)
@@ -115,7 +162,38 @@ class TrainguardHF:
     def close(self) -> None:
         if self._batches is not None:
             self._batches.close()
-        self.session.close()
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+
+def _collate(records: list[Any]) -> Any:
+    from torch.utils.data import default_collate
+
+    return default_collate(records)
+
+
+class _TrainBatches:
+    """The attached Trainer's training loader: the session's batches (see attach).
+    No ``__len__``: the Trainer runs it to ``max_steps`` or to the end of the data."""
+
+    def __init__(self, owner: TrainguardHF) -> None:
+        self.owner = owner
+
+    def __iter__(self) -> Iterator[Any]:
+        owner = self.owner
+        batches = owner.batches()
+        if owner.session.world_size == 1:
+            return (b.data for b in batches)
+        # A rank with no batch of its own yet is handed an empty one shaped like a
+        # decoded record of the dataset's sample length.
+        length = owner.session.spec.sample_len
+        empty = None
+        if length:
+            import numpy as np
+
+            empty = _ranks.empty_like(_collate([owner.decode(np.zeros(length, np.int64))]))
+        return _ranks.in_step(batches, empty)
 
 
 def _state(kwargs: dict[str, Any], step: int) -> dict[str, Any]:
@@ -131,6 +209,7 @@ class TrainguardCallback(TrainerCallback):
 
     def __init__(self, owner: TrainguardHF) -> None:
         self.owner = owner
+        self.committed: int | None = None  # the step of the newest commit, once known
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
@@ -143,8 +222,9 @@ class TrainguardCallback(TrainerCallback):
         if args.per_device_train_batch_size != self.owner.batch_size:
             problems.append(f"per_device_train_batch_size={self.owner.batch_size} (the "
                             "TrainguardHF batch_size)")
-        if args.world_size > 1:
-            problems.append("a single process (this integration refuses multi-process runs)")
+        if args.world_size > 1 and not self.owner._attached:
+            problems.append(f"tg.attach(trainer) for its {args.world_size} processes (else "
+                            "Accelerate shards the stream again, dropping and repeating records)")
         if problems:
             raise ValueError("the trainguard callback needs " + "; ".join(problems))
         owner = self.owner
@@ -152,6 +232,7 @@ class TrainguardCallback(TrainerCallback):
             owner.restored_step = owner.session.restore(_state(kwargs, state.global_step))
             # The commit's step wins over whatever folder the Trainer resumed from.
             state.global_step = owner.restored_step
+            self.committed = owner.restored_step
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -164,3 +245,11 @@ class TrainguardCallback(TrainerCallback):
                 control: TrainerControl, **kwargs: Any) -> None:
         self.owner.session.checkpoint(_state(kwargs, state.global_step), state.global_step,
                                       blocking=True)
+        self.committed = state.global_step
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        # A run whose data ended before max_steps (or between save_steps) would leave
+        # its last steps uncommitted: a restart would train them again.
+        if self.owner.restored_step is not None and self.committed != state.global_step:
+            self.on_save(args, state, control, **kwargs)

@@ -326,7 +326,7 @@ def run_demo(args: argparse.Namespace, say: Any,
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [str(TRAINER.parents[1]), os.environ.get("PYTHONPATH")]))}
         argv = [sys.executable, str(TRAINER), "--redis-url", redis_url, "--dataset", DATASET,
-                "--run", RUN, "--store", str(store), "--records", str(args.records),
+                "--run-name", RUN, "--store", str(store), "--records", str(args.records),
                 "--batch-size", str(args.batch_size), "--checkpoint-every",
                 str(args.checkpoint_every), "--step-delay-ms", str(args.step_delay_ms)]
         steps_total = -(-args.records // args.batch_size)
