@@ -13,6 +13,7 @@ The on-disk format is documented in ``FORMAT.md`` (shipped with the package).
 from checkpoint_store.export import export_safetensors
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.manifest import FORMAT_VERSION, Manifest
+from checkpoint_store.ram_tier import RamTierFullError, RamTierStore
 from checkpoint_store.retention import GcReport
 from checkpoint_store.shard import Shard, Shards
 from checkpoint_store.store import CheckpointStore
@@ -47,6 +48,8 @@ __all__ = [
     "Manifest",
     "NoCheckpointError",
     "PinnedCheckpointError",
+    "RamTierFullError",
+    "RamTierStore",
     "SaveHandle",
     "SaveInProgressError",
     "Shard",

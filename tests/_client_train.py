@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                     "session.batches (stateful) and also put in the state (stateful-in-state)")
     ap.add_argument("--auto-mtbf-s", type=float, default=0.0,
                     help="checkpoint when session.should_checkpoint says so (this prior MTBF)")
+    ap.add_argument("--ram-tier-budget", type=int, default=0,
+                    help="the store is a RamTierStore at --store (a /dev/shm path), this budget")
     args = ap.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
@@ -84,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     state, model, opt = make_state(args.n)
+    store: Any = args.store
+    if args.ram_tier_budget:
+        from checkpoint_store.ram_tier import RamTierStore
+
+        store = RamTierStore(args.store, budget_bytes=args.ram_tier_budget,
+                             keep_last=args.keep_last)
     session = TrainingSession(
-        args.redis, dataset=args.dataset, run=args.run, store=args.store,
+        args.redis, dataset=args.dataset, run=args.run, store=store,
         rank=rank, world_size=world, keep_last=args.keep_last, deterministic=args.deterministic,
         block_ms=200,
         interval=IntervalPolicy(prior_mtbf_s=args.auto_mtbf_s or 86400.0, min_interval_s=0.05),

@@ -1,0 +1,310 @@
+"""``RamTierStore``: checkpoints in the node's shared memory, under a byte budget.
+
+```python
+store = RamTierStore(run="run42", budget_bytes=8 << 30)     # /dev/shm/trainguard/run42
+session = TrainingSession(redis_url, dataset="tok", run="run42", store=store)
+```
+
+The tier is a :class:`CheckpointStore` whose root is a directory on a memory-backed
+file system (tmpfs, e.g. ``/dev/shm``). So it has the FORMAT.md layout, the same
+manifest, CRC-32C checksums and commit order (data, then the manifest by exclusive
+create, then LATEST) as the disk tiers, and every rule they keep holds here: a save
+killed half-way commits nothing. The files belong to the kernel, not to the
+process: a trainer restarted on the same node (after a crash, a SIGKILL, a watchdog
+exit) loads them without touching a disk. A node's reboot or loss takes them away,
+which is what partner copies (``partner.py``) are for.
+
+Memory is bounded: ``budget_bytes`` caps what the tier's files may hold, the
+checkpoint being written included. A save that would exceed it, by ``on_full``:
+
+- ``"drop_oldest"``: deletes the oldest unpinned checkpoints until the new one fits;
+- ``"wait"``: waits (up to ``full_timeout_s``) until checkpoints may be dropped,
+  i.e. until ``may_drop`` allows it (the partner replicator allows a checkpoint once
+  its copy is committed on a partner), then drops the oldest of those;
+
+and raises :class:`RamTierFullError` when the state alone exceeds the budget, or when
+the wait runs out. Nothing is ever written beyond the budget.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from checkpoint_store.backends import LocalBackend
+from checkpoint_store.flatten import flatten
+from checkpoint_store.handle import SaveHandle
+from checkpoint_store.manifest import Manifest
+from checkpoint_store.retention import GcReport, apply_retention, choose_deletions
+from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
+from trainguard.core.checkpoints import CheckpointError
+
+__all__ = ["MEMORY_FILESYSTEMS", "RamTierFullError", "RamTierStore", "default_ram_root",
+           "memory_backed"]
+
+log = logging.getLogger("checkpoint_store.ram_tier")
+
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+ON_FULL = ("drop_oldest", "wait")
+# A manifest, LATEST and the skeleton's chunk on top of the tensor bytes.
+_OVERHEAD_BYTES = 256 << 10
+_NO_LIMIT = 1 << 62
+
+
+class RamTierFullError(CheckpointError, MemoryError):
+    """A checkpoint does not fit the RAM tier's byte budget."""
+
+
+def default_ram_root(run: str) -> Path:
+    """Where a run's RAM tier lives by default: ``$TRAINGUARD_RAM_TIER`` or
+    ``/dev/shm/trainguard``, then the run's name."""
+    base = os.environ.get("TRAINGUARD_RAM_TIER", "/dev/shm/trainguard")
+    return Path(base) / run
+
+
+def memory_backed(path: str | os.PathLike[str]) -> str | None:
+    """The file system type of ``path`` if it is memory-backed (tmpfs, ramfs), else
+    None. Read from /proc/mounts: the longest mount point above the path wins."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            mounts = [line.split()[:3] for line in f]
+    except OSError:
+        return None
+    for _dev, point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind if kind in MEMORY_FILESYSTEMS else None
+
+
+def tree_bytes(root: str | os.PathLike[str]) -> int:
+    """Bytes held by the files under ``root`` (what the tier costs in memory)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                continue  # removed by retention while we walked
+    return total
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """What a save of ``state`` writes, as an upper estimate."""
+    leaves, skeleton = flatten(state)
+    return sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves
+               if leaf.writes) + len(skeleton) + _OVERHEAD_BYTES
+
+
+class RamTierStore:
+    """A :class:`CheckpointStore` in shared memory with a byte budget (module doc).
+
+    ``root`` defaults to :func:`default_ram_root` of ``run``; it must be on a
+    memory-backed file system (``require_memory=False`` lifts that, for a tier
+    on a node-local disk one wants the same budget on). ``keep_last`` is this tier's
+    retention. ``may_drop(name)`` says whether retention or the budget may delete a
+    checkpoint yet (default: always); :meth:`dropped` is called after it does."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        run: str | None = None,
+        budget_bytes: int,
+        on_full: str = "drop_oldest",
+        full_timeout_s: float = 60.0,
+        keep_last: int = 2,
+        keep_every: int | None = None,
+        require_memory: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        io_threads: int = 4,
+    ):
+        if root is None:
+            if not run:
+                raise ValueError("RamTierStore needs root= or run= (the run's name)")
+            root = default_ram_root(run)
+        if on_full not in ON_FULL:
+            raise ValueError(f"on_full must be one of {ON_FULL}, got {on_full!r}")
+        if budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if require_memory and memory_backed(self.root) is None:
+            raise CheckpointError(
+                f"the RAM tier's root {self.root} is not on a memory-backed file system "
+                f"({'/'.join(sorted(MEMORY_FILESYSTEMS))}); give a directory under "
+                "/dev/shm, or require_memory=False for a tier on disk"
+            )
+        self.budget_bytes = budget_bytes
+        self.on_full = on_full
+        self.full_timeout_s = full_timeout_s
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.may_drop: Callable[[str], bool] = lambda _name: True
+        self.on_dropped: Callable[[builtins.list[str]], None] = lambda _names: None
+        # The inner store keeps everything: this class decides what goes.
+        self.store = CheckpointStore(self.root, keep_last=_NO_LIMIT, keep_every=keep_every,
+                                     chunk_bytes=chunk_bytes, io_threads=io_threads)
+        if self.store.world_size > 1:
+            self.store.close()
+            raise ValueError("RamTierStore holds one process's checkpoints (world size 1); "
+                             "give each rank its own root")
+        self.url = self.store.url
+        self._backend = LocalBackend(str(self.root))
+        self._lock = threading.Lock()  # budget decisions and retention, one at a time
+        self._freed = threading.Condition(self._lock)
+        self._last: SaveHandle | None = None
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    # ---------------------------------------------------------------- budget
+    def used_bytes(self) -> int:
+        """Bytes the tier's files hold now."""
+        return tree_bytes(self.root)
+
+    def _wait_last(self) -> None:
+        last = self._last
+        if last is not None and not last.done():
+            try:
+                last.wait()
+            except Exception:
+                pass  # the inner store raises it on the next save
+
+    def _droppable(self, keep: set[str]) -> builtins.list[Manifest]:
+        return [m for m in self.store.list()
+                if not m.pinned and m.name not in keep and self.may_drop(m.name)]
+
+    def _make_room(self, need: int) -> None:
+        """Drop checkpoints (oldest first, by policy) until ``need`` more bytes fit."""
+        if need > self.budget_bytes:
+            raise RamTierFullError(
+                f"a checkpoint of about {need} bytes does not fit the RAM tier's budget of "
+                f"{self.budget_bytes} bytes ({self.root}); raise budget_bytes or checkpoint "
+                "to a disk tier"
+            )
+        deadline = time.monotonic() + self.full_timeout_s
+        with self._lock:
+            while self.used_bytes() + need > self.budget_bytes:
+                victims = self._droppable(set())
+                if self.on_full == "drop_oldest" or victims:
+                    if not victims:
+                        raise self._full(need, "every checkpoint left is pinned")
+                    self._drop([victims[0]])
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._full(need, f"none could be dropped within "
+                                           f"{self.full_timeout_s} s (on_full='wait')")
+                self._freed.wait(min(left, 0.05))
+
+    def _full(self, need: int, why: str) -> RamTierFullError:
+        return RamTierFullError(
+            f"the RAM tier {self.root} holds {self.used_bytes()} of {self.budget_bytes} bytes "
+            f"and the next checkpoint needs about {need}: {why}; raise budget_bytes, unpin "
+            "checkpoints, or use on_full='drop_oldest'"
+        )
+
+    def _drop(self, doomed: builtins.list[Manifest]) -> None:
+        names = apply_retention(self._backend, doomed)
+        log.info("RAM tier %s dropped %s", self.root, names)
+        self.on_dropped(names)
+
+    def notify(self) -> None:
+        """Wake a save waiting for room (``may_drop`` may answer differently now)."""
+        with self._lock:
+            self._freed.notify_all()
+
+    def _retain(self, protect: str) -> None:
+        with self._lock:
+            manifests = self.store.list()
+            doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
+                                                  keep_every=self.keep_every)
+                      if m.name != protect and self.may_drop(m.name)]
+            if doomed:
+                self._drop(doomed)
+
+    # ---------------------------------------------------------------- save / load
+    def save(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        extra: Mapping[str, Any] | None = None,
+        blocking: bool = True,
+        if_busy: str = "wait",
+    ) -> SaveHandle:
+        """As :meth:`CheckpointStore.save`, after making room for it in the budget
+        (which first waits for the save in flight: its bytes count)."""
+        self._wait_last()
+        self._make_room(state_bytes(state))
+        handle = self.store.save(state, step=step, extra=extra, blocking=blocking,
+                                 if_busy=if_busy)
+        self._last = handle
+        handle.add_done_callback(self._on_commit)
+        return handle
+
+    def _on_commit(self, handle: SaveHandle) -> None:
+        if handle.manifest is not None:
+            self._retain(protect=handle.manifest.name)
+
+    def load(self, state: Mapping[str, Any], *, step: int | None = None,
+             keys: Iterable[str] | None = None, strict: bool = False) -> Manifest | None:
+        return self.store.load(state, step=step, keys=keys, strict=strict)
+
+    def list(self) -> builtins.list[Manifest]:
+        return self.store.list()
+
+    def latest(self) -> Manifest | None:
+        return self.store.latest()
+
+    def verify(self, step: int) -> Manifest:
+        return self.store.verify(step)
+
+    def pin(self, step: int) -> Manifest:
+        return self.store.pin(step)
+
+    def unpin(self, step: int) -> None:
+        self.store.unpin(step)
+
+    def delete(self, step: int) -> builtins.list[str]:
+        deleted = self.store.delete(step)
+        self.notify()
+        return deleted
+
+    def gc(self) -> GcReport:
+        return self.store.gc()
+
+    def close(self) -> None:
+        """Waits for the save in flight; the checkpoints stay in shared memory."""
+        self.store.close()
+
+    def wipe(self) -> None:
+        """Remove the tier's files (the node is being given back; its memory with it)."""
+        self.close()
+        self._backend.remove_tree("")
+
+    def __enter__(self) -> RamTierStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RamTierStore({str(self.root)!r}, budget_bytes={self.budget_bytes})"
