@@ -1,4 +1,4 @@
-"""README's "Where you already train": every shell block runs as written (ingest the
+"""The integrations guide (docs/guides/integrations.md, once README's "Where you already train"): every shell block runs as written (ingest the
 bundled text tokenized and packed, then each example killed at step 25 and resumed,
 ending with every sequence trained exactly once; under ``make chaos``: the default
 suite has each integration's kill -9 ledger test instead), and every Python block is
@@ -17,7 +17,6 @@ import pytest
 from tests.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTION = "## Where you already train"
 # 1110 sequences in 4 partitions (278, 278, 277, 277), 16 a batch. The Lightning and HF
 # integrations read in greedy order, whose batches mix partitions: ceil(1110 / 16) = 70
 # steps. The Accelerate loop uses the session's default, deterministic order, whose
@@ -28,9 +27,7 @@ ENDS = {"examples/lightning_gpt.py": 70, "examples/hf_gpt.py": 70,
 
 
 def _blocks(kind: str) -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(SECTION):]
-    section = section[:section.index("\n## ", len(SECTION))]
+    section = (ROOT / "docs" / "guides" / "integrations.md").read_text()
     return re.findall(rf"```{kind}\n(.*?)```", section, flags=re.S)
 
 
