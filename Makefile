@@ -84,7 +84,7 @@ compose: .env
 	@echo "wrote .env with fresh secrets (keep it private)"
 
 # All the benchmarks into one results file, bench/results/<host>-<UTC stamp>.json;
-# `make bench-readme` then regenerates README's performance section from the newest.
+# `make bench-readme` then regenerates docs/performance.md's measured section from the newest.
 bench: setup
 	export BENCH_STAMP=$${BENCH_STAMP:-$$(date -u +%Y-%m-%dT%H%MZ)} && \
 	$(PY) bench/checkpoint.py $(BENCH_ARGS) && $(PY) bench/ingest.py && $(PY) bench/consume.py && \

@@ -1,15 +1,15 @@
-"""Results files -> README's performance section, and run-to-run agreement.
+"""Results files -> docs/performance.md (the performance notes), and run-to-run agreement.
 
-    python bench/report.py                      # README from the newest results file
-    python bench/report.py --readme a.json      # README from a given one
+    python bench/report.py                      # docs/performance.md from the newest results file
+    python bench/report.py --readme a.json      # docs/performance.md from a given one
     python bench/report.py --agreement a.json b.json c.json   (or --compare)
     python bench/report.py --agreement --newest 3
         # each headline ratio in each run, the largest deviation from their median,
         # and whether every one agrees within +-15 % (exit status 1 if not);
         # `make bench-agreement` runs `make bench` three times, then this
 
-The README section lies between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``
-and is replaced whole; everything else in README.md is left as it is.
+The measured section lies between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``
+and is replaced whole; everything else in docs/performance.md is left as it is.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
-README = BENCH.parent / "README.md"
+README = BENCH.parent / "docs" / "performance.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 

@@ -1,4 +1,4 @@
-"""README's "Where you already train": every shell block runs as written (ingest the
+"""The integrations guide (docs/guides/integrations.md, once README's "Where you already train"): every shell block runs as written (ingest the
 bundled text tokenized and packed, then each example killed at step 25 and resumed,
 ending with every sequence trained exactly once; under ``make chaos``: the default
 suite has each integration's kill -9 ledger test instead), and every Python block is
@@ -17,7 +17,6 @@ import pytest
 from tests.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTION = "## Where you already train"
 # 1110 sequences in 4 partitions (278, 278, 277, 277), 16 a batch. Batches span
 # partitions in both orders (greedy: Lightning, HF; the session's default,
 # deterministic: Accelerate), so only an epoch's last batch is short:
@@ -27,9 +26,7 @@ ENDS = {"examples/lightning_gpt.py": 70, "examples/hf_gpt.py": 70,
 
 
 def _blocks(kind: str) -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(SECTION):]
-    section = section[:section.index("\n## ", len(SECTION))]
+    section = (ROOT / "docs" / "guides" / "integrations.md").read_text()
     return re.findall(rf"```{kind}\n(.*?)```", section, flags=re.S)
 
 

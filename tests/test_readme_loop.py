@@ -1,11 +1,10 @@
-"""README's first Python code block is a complete training loop: run as it is, on one
+"""The training-loop guide's Python code block (docs/guides/training-loop.md, the
+same as examples/quickstart.py) is a complete training loop: run as it is, on one
 rank and on two ranks whose partitions hold different amounts of data, it finishes
 (exit 0 on every rank) with every record of both epochs consumed exactly once: the
 final checkpoint's offsets are each partition's last record, its batch counts are
 what one pass over every partition cuts, and nothing is left pending.
 
-(The `make demo` / `make test` block above it is a shell block, not Python: it stays
-where the README's two-command promise puts it.)
 """
 
 from __future__ import annotations
@@ -36,9 +35,9 @@ def _window(i: int) -> np.ndarray:
 
 
 def readme_loop() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "guides" / "training-loop.md").read_text()
     found = re.search(r"```python\n(.*?)```", text, re.S)
-    assert found, "README has no Python code block"
+    assert found, "docs/guides/training-loop.md has no Python code block"
     return found.group(1)
 
 

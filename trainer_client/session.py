@@ -293,7 +293,18 @@ class TrainingSession:
         self._clock.count_failures(self._heal.failures)
         step = int(manifest.step) if manifest is not None else 0
         self._heal.restored(step, rec, self.generation)
+        self._log_restored(manifest)
         return step
+
+    def _log_restored(self, manifest: ManifestView | None) -> None:
+        """One line on every restore: which checkpoint, which step, what is trained."""
+        if manifest is None:
+            log.info("run %s: no checkpoint yet, training from the start", self.run)
+            return
+        p = self.progress()
+        log.info("run %s resumed from checkpoint %s (step %s): epoch %s, %s records of "
+                 "it already trained on rank %s, %s left", self.run, manifest.name,
+                 manifest.step, p.epoch, p.records, self.rank, p.remaining)
 
     def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
         return None if manifest is None else self._check(manifest)

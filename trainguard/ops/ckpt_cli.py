@@ -20,11 +20,36 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import record
+from trainguard.core.errors import TrainguardError
 from trainguard.core.urls import has_password, redact_url
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 from trainguard.ops.output import Progress, emit, table
 
-__all__ = ["register"]
+__all__ = ["StoreNotFoundError", "StorePathError", "register"]
+
+
+class StoreNotFoundError(TrainguardError, FileNotFoundError):
+    """The local store path does not exist (exit 3, never "no checkpoints")."""
+
+
+class StorePathError(TrainguardError, ValueError):
+    """The local store path is not a directory (exit 2)."""
+
+
+def _check_local(url: str) -> None:
+    """A local store must be an existing directory: every ckpt command reads one, and
+    a typo must not read as an empty store."""
+    if "://" in url and not url.startswith("file://"):
+        return  # s3:// and other remotes: the backend answers
+    path = Path(url.removeprefix("file://"))
+    if path.is_file():
+        raise StorePathError(
+            f"expected a checkpoint store directory, found a file at {path}: pass the "
+            "directory the trainer's store= URL names (the one holding manifests/)")
+    if not path.exists():
+        raise StoreNotFoundError(
+            f"expected a checkpoint store at {path}, found nothing there: check the path "
+            "(it is the trainer's store= / CKPT_URL) or list the parent directory")
 
 
 def _store(args: argparse.Namespace) -> Any:
@@ -45,6 +70,7 @@ def _store(args: argparse.Namespace) -> Any:
             f"the store URL {redact_url(args.url)!r} carries user:password@: give the "
             "credentials to the backend instead (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
             "or a profile for s3://, or --storage-options) and drop them from the URL")
+    _check_local(args.url)
     return CheckpointStore(args.url, **kwargs)
 
 
@@ -162,7 +188,7 @@ def register(sub: Any) -> None:
         p = csub.add_parser(name, help=helptext)
         p.add_argument("url", help="checkpoint store URL (path, file://, s3://...)")
         if step == "required":
-            p.add_argument("step", type=int)
+            p.add_argument("step", type=int, help="the checkpoint's step")
         elif step == "optional":
             p.add_argument("step", type=int, nargs="?", help="default: the newest")
         p.add_argument("--storage-options", help="fsspec options as JSON")
@@ -181,7 +207,8 @@ def register(sub: Any) -> None:
                    help="keep the last N and delete older unpinned ones (default: keep all)")
     p.add_argument("--keep-every", type=int, help="also keep every N-th step")
     p = add("export", "write a checkpoint's tensors to one file", _export, step="optional")
-    p.add_argument("--format", default="safetensors", choices=["safetensors"])
+    p.add_argument("--format", default="safetensors", choices=["safetensors"],
+                   help="output format (default: safetensors)")
     p.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
     p.add_argument("--key", help="export only the tensors under this top-level key of the "
                                  "state (e.g. model), named by their path below it")

@@ -457,12 +457,12 @@ def register(sub: Any) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--records", type=int, default=3000, help="records to generate (default 3000)")
-    p.add_argument("--partitions", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--partitions", type=int, default=4, help="partitions of the demo dataset")
+    p.add_argument("--batch-size", type=int, default=32, help="records per training batch")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     p.add_argument("--step-delay-ms", type=float, default=15.0,
                    help="sleep per training step, so the run can be watched (default 15)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="shuffle and model seed")
     p.add_argument("--port", type=int, default=None, help="service port (default: a free one)")
     p.add_argument("--workdir", help="keep everything here (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true",

@@ -106,6 +106,21 @@ def _redis_errors() -> tuple[type[BaseException], ...]:
     return (RedisError,)
 
 
+def _credential_errors() -> tuple[type[BaseException], ...]:
+    # botocore comes with the s3 extra only; looked up when an error is being mapped.
+    try:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+    except ImportError:
+        return ()
+    return (NoCredentialsError, PartialCredentialsError)
+
+
+NO_CREDENTIALS = (
+    "expected S3 credentials for the store, found none: set AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass --storage-options "
+    "'{\"key\": ..., \"secret\": ...}', then run this again")
+
+
 def exit_code(exc: BaseException) -> int | None:
     """The exit code for ``exc``, or None when it is not an expected failure."""
     if isinstance(exc, KeyboardInterrupt):
@@ -118,6 +133,8 @@ def exit_code(exc: BaseException) -> int | None:
             return code
     if isinstance(exc, _redis_errors()):
         return EXIT_FAILED
+    if isinstance(exc, _credential_errors()):
+        return EXIT_USAGE
     return None
 
 
@@ -134,4 +151,6 @@ def describe(exc: BaseException, *, redis_url: str | None = None) -> str:
         return redact_text(
             f"{where} failed ({type(exc).__name__}: {exc}); check that it runs and that "
             f"--redis-url / ${settings.REDIS_URL_ENV} points at it")
+    if isinstance(exc, _credential_errors()):
+        return NO_CREDENTIALS
     return redact_text(str(exc) or type(exc).__name__)

@@ -37,13 +37,17 @@ def register(subparsers: Any) -> None:
     ingest.add_argument("--dataset", required=True, help="dataset name")
     ingest.add_argument("--source", help="fsspec URL, folder or glob (omit to produce an "
                                          "already registered dataset)")
-    ingest.add_argument("--format", default="jsonl", choices=[f for f in streams.FORMATS if f != "push"])
-    ingest.add_argument("--partitions", type=int, default=streams.DEFAULT_PARTITIONS)
-    ingest.add_argument("--seed", type=int, default=0)
+    ingest.add_argument("--format", default="jsonl", choices=[f for f in streams.FORMATS if f != "push"],
+                        help="how to read the source (default: jsonl)")
+    ingest.add_argument("--partitions", type=int, default=streams.DEFAULT_PARTITIONS,
+                        help="Redis streams to shard into (default %(default)s)")
+    ingest.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
     ingest.add_argument("--epochs", type=int, default=1, help="passes over the source; 0: endless")
     ingest.add_argument("--sample-len", type=int, default=None, help="tokens per record (npy)")
-    ingest.add_argument("--shuffle-buffer", type=int, default=4096)
-    ingest.add_argument("--max-record-bytes", type=int, default=16 * 1024 * 1024)
+    ingest.add_argument("--shuffle-buffer", type=int, default=4096,
+                        help="records shuffled together (default 4096)")
+    ingest.add_argument("--max-record-bytes", type=int, default=16 * 1024 * 1024,
+                        help="larger records go to dead letters (default 16 MiB)")
     ingest.add_argument("--lease-ms", type=int, default=None, help=_LEASE_HELP)
     tok = ingest.add_argument_group(
         "tokenize at ingest (text, jsonl, parquet, hf, webdataset; needs trainguard[hf])")
@@ -66,7 +70,7 @@ def register(subparsers: Any) -> None:
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
     parser.add_argument("--redis-url", default=None,
                         help=_REDIS_HELP)
     parser.add_argument("--dataset", action="append", default=None,

@@ -190,7 +190,7 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
     p.set_defaults(handler=_ls)
     p = ssub.add_parser("clear", help="remove a node's record so it may join again")
-    p.add_argument("node")
+    p.add_argument("node", help="the node's name, as `nodes ls` shows it")
     _redis(p)
     p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
     p.set_defaults(handler=_clear)

@@ -170,7 +170,7 @@ def register(sub: Any) -> None:
     _common(p)
     p.set_defaults(handler=_ls)
     p = rsub.add_parser("show", help="a run's checkpoints, restarts, rollbacks and advice")
-    p.add_argument("run")
+    p.add_argument("run", help="the run's name")
     p.add_argument("--dataset", help="the run's dataset, when the name is used on several")
     _common(p)
     p.set_defaults(handler=_show)
