@@ -65,7 +65,8 @@ def test_lightning_ddp_survives_rank_kills_and_world_size_changes(
         job.finish(300)
         assert any(s.startswith("1: STEP") for s in job.seen), "rank 1 trained no step"
     from checkpoint_store import CheckpointStore
-    from trainguard.core.record import SessionRecord, newest_first
+    from trainguard.core.newest import newest_first
+    from trainguard.core.record import SessionRecord
 
     with CheckpointStore(f"file://{tmp_path}/ckpt") as store:
         rec = SessionRecord.of(newest_first(store.list())[0])
