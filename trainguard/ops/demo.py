@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard.core.errors import TrainguardError
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 
 __all__ = ["main", "register", "run_demo"]
@@ -52,7 +53,7 @@ VOCAB, LENGTH = 64, 16
 TRAINER = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 
 
-class DemoError(RuntimeError):
+class DemoError(TrainguardError, RuntimeError):
     """A step of the demo failed; the message says which and where its logs are."""
 
 
