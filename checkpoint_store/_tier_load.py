@@ -13,8 +13,8 @@ from typing import Any
 from checkpoint_store.layout import parse_manifest_name
 from checkpoint_store.manifest import Manifest
 from checkpoint_store.store import CheckpointStore
-from trainguard.core import record
 from trainguard.core.checkpoints import CorruptCheckpointError, NoCheckpointError
+from trainguard.core.newest import newest_first, newest_save_of, saves_of
 
 __all__ = ["Tiers", "load_from_tiers", "newest_of"]
 
@@ -23,8 +23,8 @@ log = logging.getLogger("checkpoint_store.tiered")
 
 def newest_of(step: int, names: Iterable[str]) -> str | None:
     """The newest save of ``step`` among manifest ``names`` (None: none)."""
-    same = [p for p in map(parse_manifest_name, names) if p and p.step == step]
-    return max(same).name if same else None
+    newest = newest_save_of(step, [p for p in map(parse_manifest_name, names) if p])
+    return newest.name if newest else None
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,10 @@ def load_from_tiers(
     """``TieredCheckpointStore.load`` over the manifests ``local`` and ``remote``."""
     local_names = set(local)
     if step is None:  # the order a restart resumes in
-        ordered = [m.name for m in record.newest_first({**remote, **local}.values())]
+        ordered = [m.name for m in newest_first({**remote, **local}.values())]
     else:  # that step's newest save first
-        ordered = sorted([*local_names, *remote], key=lambda n: parse_manifest_name(n) or n,
-                         reverse=True)
+        ordered = [p.name for p in saves_of(step, [p for p in map(
+            parse_manifest_name, {*local_names, *remote}) if p])]
     candidates = [p for p in map(parse_manifest_name, dict.fromkeys(ordered))
                   if p and (step is None or p.step == step)]
     if not candidates:

@@ -54,6 +54,7 @@ from trainguard.core.checkpoints import (
     CommitConflictError,
     DistributedSaveError,
 )
+from trainguard.core.newest import newest_committed
 
 __all__ = ["SaveJob", "latest_pointer", "run_save"]
 
@@ -79,7 +80,7 @@ def latest_pointer(name: str, step: int, uid: str) -> bytes:
 
 def _newest_name(backend: Backend) -> ManifestName | None:
     names = [p for p in map(parse_manifest_name, backend.listdir(MANIFEST_DIR)) if p]
-    return max(names) if names else None
+    return newest_committed(names)
 
 
 def _tensor_entries(job: SaveJob) -> dict[str, Any]:

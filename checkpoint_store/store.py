@@ -43,7 +43,6 @@ from checkpoint_store.retention import (
 )
 from checkpoint_store.saving import SaveJob, latest_pointer, run_save
 from checkpoint_store.staging import BufferPool, Staged, direct_segments
-from trainguard.core import record
 from trainguard.core.checkpoints import (
     CheckpointError,
     CorruptCheckpointError,
@@ -52,6 +51,7 @@ from trainguard.core.checkpoints import (
     SaveInProgressError,
     UnsupportedValueError,
 )
+from trainguard.core.newest import commit_order, newest_committed, restore_order, saves_of
 
 __all__ = ["CheckpointStore"]
 
@@ -256,8 +256,9 @@ class CheckpointStore:
     # ---------------------------------------------------------------- read side
     def _names(self) -> builtins.list[ManifestName]:
         """Manifest names in commit order (oldest first)."""
-        return sorted(p for p in map(parse_manifest_name,
-                                     self._backend.listdir(MANIFEST_DIR)) if p)
+        return sorted((p for p in map(parse_manifest_name,
+                                      self._backend.listdir(MANIFEST_DIR)) if p),
+                      key=commit_order)
 
     def _pins(self) -> set[str]:
         return set(self._backend.listdir(PINS_DIR))
@@ -338,7 +339,7 @@ class CheckpointStore:
         """A problem with LATEST (it is a hint: loads never depend on it), or None.
         A LATEST older than the newest manifest is no problem: a crash after the
         commit and before the pointer swap leaves it so."""
-        newest = max(names) if names else None
+        newest = newest_committed(names)
         try:
             raw = self._backend.read(LATEST)
         except FileNotFoundError:
@@ -357,18 +358,18 @@ class CheckpointStore:
 
     def _candidates(self, step: int | None) -> builtins.list[ManifestName]:
         """``step``'s saves, newest first; without a step, every checkpoint in the
-        order a restart resumes in (:func:`trainguard.core.record.restore_order`),
+        order a restart resumes in (:func:`trainguard.core.newest.restore_order`),
         which needs each manifest read. One that cannot be read sorts by its commit
         time, after every checkpoint with a session record, and is reported as damaged
         when its turn comes."""
         names = self._names()
         if step is not None:
-            return [n for n in reversed(names) if n.step == step]
+            return saves_of(step, names)
         pins = self._pins()
         keys: dict[ManifestName, tuple[int, int, str, int]] = {}
         for n in names:
             try:
-                keys[n] = record.restore_order(self._read_manifest(n.name, pins))
+                keys[n] = restore_order(self._read_manifest(n.name, pins))
             except (CorruptCheckpointError, NoCheckpointError):
                 keys[n] = (0, 0, n.uid, n.step)
         return sorted(names, key=keys.__getitem__, reverse=True)
@@ -383,7 +384,7 @@ class CheckpointStore:
     ) -> Manifest | None:
         """Load the checkpoint a restart resumes from (or ``step``'s newest save) into
         ``state`` in place: the newest valid one in restore order
-        (:func:`trainguard.core.record.restore_order`; commit order for checkpoints
+        (:func:`trainguard.core.newest.restore_order`; commit order for checkpoints
         without a session record).
 
         Every chunk read is verified (CRC-32C), and a load that returns has loaded

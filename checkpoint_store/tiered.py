@@ -67,6 +67,7 @@ from trainguard.core.checkpoints import (
     NoCheckpointError,
     PinnedCheckpointError,
 )
+from trainguard.core.newest import newest_committed, newest_save_of
 from trainguard.core.resilience import (
     OBJECT_STORE_NOT_TRANSIENT,
     OBJECT_STORE_POLICY,
@@ -249,7 +250,8 @@ class TieredCheckpointStore:
             remote = self._uploader.remote_committed()
             damaged = self._uploader.damaged()
             parsed = [p for p in map(parse_manifest_name, remote) if p]
-            newest_remote = max(parsed).name if parsed else None
+            newest = newest_committed(parsed)
+            newest_remote = newest.name if newest else None
             doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
                                                   keep_every=self.keep_every)
                       if (m.name in remote and m.name != newest_remote) or m.name in damaged]
@@ -297,8 +299,8 @@ class TieredCheckpointStore:
         self._remote.list(wait=True)
 
     def latest(self) -> Manifest | None:
-        found = self.list()
-        return found[-1] if found else None
+        """The last committed checkpoint of either tier (commit order, as LATEST)."""
+        return newest_committed(self.list())
 
     def tiers(self) -> builtins.list[TierStatus]:
         """Where each checkpoint is, oldest first. No remote I/O: the remote side is
@@ -309,10 +311,10 @@ class TieredCheckpointStore:
 
     def tier_status(self, step: int) -> TierStatus:
         """Where the newest checkpoint of ``step`` is."""
-        found = [t for t in self.tiers() if t.step == step]
-        if not found:
+        found = newest_save_of(step, self.tiers())
+        if found is None:
             raise self._no_such_step(step)
-        return found[-1]
+        return found
 
     def wait_uploads(self, timeout_s: float | None = None) -> bool:
         """Wait until every local checkpoint known so far is remote-committed (or
@@ -347,7 +349,7 @@ class TieredCheckpointStore:
         strict: bool = False,
     ) -> Manifest | None:
         """Load the checkpoint a restart resumes from (or ``step``'s newest; the order
-        is :func:`trainguard.core.record.restore_order`) into ``state`` in place: the
+        is :func:`trainguard.core.newest.restore_order`) into ``state`` in place: the
         local copy if it verifies, else the remote copy; if neither loads, the previous
         checkpoint (``strict=True`` raises CorruptCheckpointError instead)."""
         self._wait_local()

@@ -1,13 +1,13 @@
 """trainguard's ingestion service: datasets from files or HTTP push into Redis streams.
 
 The stream layout it writes is :mod:`trainguard.core.streams` (shared with the trainer
-client). Modules: ``datasets`` (registry), ``sources`` and ``planner`` (what goes
-where), ``producer`` (exactly-once appends, backpressure, retention, dead letters),
-``push``, ``push_body``, ``push_route`` and ``auth`` (HTTP push ingestion and who may
-push), ``app`` (the aiohttp application: push, health,
-metrics and the admin routes of ``admin``), ``inspection`` and ``seek`` (what the admin
-API and the CLI read and move). The ``trainguard ingest`` and ``serve`` commands are
-the operations layer's (:mod:`trainguard.ops`).
+client). Wings over a shared floor (``datasets``, ``errors``, ``metrics``,
+``redis_client``, ``backlog``, ``inspection``, ``seek``, the wire code): ``sources``
+(what records there are and where each goes), ``producer`` (exactly-once appends,
+backpressure, leases, dead letters), ``push`` (HTTP push ingestion's core) and
+``service`` (the aiohttp app, its routes, admin API and dashboard). The
+``trainguard ingest`` and ``serve`` commands are the operations layer's
+(:mod:`trainguard.ops`).
 """
 
 from ingest_service.datasets import (

@@ -13,6 +13,7 @@ __all__ = [
     "DatasetNotFoundError",
     "DatasetExistsError",
     "SourceError",
+    "StreamLostError",
     "PushRejectedError",
     "MalformedPushError",
     "PushTooLargeError",
@@ -147,6 +148,11 @@ class WrongDatasetKindError(IngestError, TypeError):
 
 
 # --------------------------------------------------------------------------- admin
+
+
+class StreamLostError(IngestError):
+    """Redis no longer holds what the producer wrote to a partition (a failover lost
+    it, or the dataset was deleted): the producer syncs again from the source."""
 
 
 class AdminError(IngestError):

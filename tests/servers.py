@@ -17,23 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+from trainguard.core.process import free_port
+
 PERSISTENCE = ("none", "everysec", "always")
 
 
-_given: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now and never handed out before in this process: the kernel may
-    return a port it just returned, so the ports of servers picked before any of them
-    starts (a cluster's nodes and bus ports) could otherwise repeat."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _given:
-            _given.add(port)
-            return port
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:

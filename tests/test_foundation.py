@@ -18,6 +18,7 @@ from trainguard.core.checkpoints import (
     PinnedCheckpointError,
     open_store,
 )
+from trainguard.core.newest import newest_first
 from trainguard.core.record import RankState, RecordError, SessionRecord
 from trainguard.core.resilience import Backoff, CircuitOpenError, RetryPolicy
 from trainguard.core.streams import ContractError, DatasetNotFoundError
@@ -147,7 +148,7 @@ def test_restore_order_is_generation_then_commit_then_commit_time() -> None:
     zombie_late = m(40, "0006-aa", generation=1, commit=4)
     restarted = m(25, "0005-aa", generation=2, commit=4)
     broken = _Manifest("000000000050-0007-aa.json", 50, "0007-aa", {"trainguard": "junk"})
-    order = record.newest_first(
+    order = newest_first(
         [plain_old, abandoned, broken, zombie_late, rolled_back, plain_new, restarted])
     assert [x.step for x in order] == [25, 40, 20, 30, 50, 1, 5]
 

@@ -34,6 +34,7 @@ import torch
 from tests import _client_fill as cf
 from tests._client_ledger import final_counts
 from trainguard.core import incidents as inc
+from trainguard.core.exit_codes import EXIT_RESTART_LOOP
 from trainguard.core.process import pid_alive
 from trainguard.ops.cli import main
 
@@ -325,7 +326,7 @@ def test_settings_parse_or_say_what_was_expected_and_the_exit_codes_are_document
     assert LoopPolicy.from_env("max_tries=2").max_tries == 2
     with pytest.raises(ValueError, match="expected 'off' or 'max_tries=N'"):
         LoopPolicy.from_env("tries=2")
-    err = RestartLoopError("stopped", exit_code=inc.EXIT_RESTART_LOOP)
+    err = RestartLoopError("stopped", exit_code=EXIT_RESTART_LOOP)
     assert exits.exit_code(err) == exits.EXIT_RESTART_LOOP == 87
     assert exits.EXIT_HUNG == 86
     assert "\n  86 " in exits.EPILOG and "\n  87 " in exits.EPILOG

@@ -61,7 +61,8 @@ def kill_across_world_sizes(z: ledger.Zygote, args: list[str], rng: random.Rando
 
 def newest_world_size(store_url: str) -> int:
     from checkpoint_store import CheckpointStore
-    from trainguard.core.record import SessionRecord, newest_first
+    from trainguard.core.newest import newest_first
+    from trainguard.core.record import SessionRecord
 
     with CheckpointStore(store_url) as store:
         rec = SessionRecord.of(newest_first(store.list())[0])

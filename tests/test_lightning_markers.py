@@ -34,7 +34,7 @@ def _commits_left(step: int) -> int:
 def _store_commits(store_url: str) -> list[tuple[int, str | None]]:
     """(step, lightning commit id) of the store's checkpoints, newest first (restore order)."""
     from checkpoint_store import CheckpointStore
-    from trainguard.core.record import newest_first
+    from trainguard.core.newest import newest_first
     from trainguard.integrations._lineage import lineage_of
 
     store = CheckpointStore(store_url)

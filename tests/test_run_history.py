@@ -20,6 +20,7 @@ from trainer_client import TrainingSession
 from trainguard.core import record
 from trainguard.core.history import history
 from trainguard.core.interval import IntervalPolicy, advise
+from trainguard.core.newest import newest_first
 from trainguard.core.timing import Event, SaveTime, TimingError, TimingRecord, Totals
 from trainguard.ops.cli import main
 
@@ -63,7 +64,7 @@ def test_history_of_a_run_killed_twice(redis_server, tmp_path: Path) -> None:
     # What the restore order picks among the older generation's manifests.
     for r in h["restarts"]:
         older = [m for m in manifests if record.SessionRecord.of(m).generation < r["generation"]]
-        assert r["resumed_step"] == record.newest_first(older)[0].step
+        assert r["resumed_step"] == newest_first(older)[0].step
         assert r["steps_redone_exact"] is False  # a SIGKILL leaves no last step behind
     assert h["totals"]["failures"] == 2
     assert [c["generation"] for c in h["checkpoints"]] == sorted(

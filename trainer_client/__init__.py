@@ -38,7 +38,8 @@ from trainer_client.routes import HttpRoute, LocalRoute, RouteClient
 from trainer_client.session import TrainingSession
 from trainer_client.spikes import LossSpikeDetector, RollbackConfig, SpikeConfig, SpikeGuard
 from trainer_client.watchdog import WatchdogConfig, init_process_group
-from trainguard.core.incidents import EXIT_HUNG, EXIT_RESTART_LOOP, LoopPolicy
+from trainguard.core.exit_codes import EXIT_HUNG, EXIT_RESTART_LOOP
+from trainguard.core.incidents import LoopPolicy
 from trainguard.core.resilience import (
     BreakerState,
     CircuitBreaker,

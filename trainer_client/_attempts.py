@@ -34,6 +34,7 @@ import redis
 from trainer_client import redis_client
 from trainer_client.errors import RestartLoopError
 from trainguard.core import incidents as inc
+from trainguard.core.exit_codes import EXIT_RESTART_LOOP
 from trainguard.core.process import pid_alive, started_at
 
 __all__ = ["IMPORTED_AT", "AttemptLog"]
@@ -199,14 +200,14 @@ class AttemptLog:
             msg = (f"run {self.run!r}: the same failure ({last.get('signature')}) came back "
                    f"{self.remedy.repeats} times in a row after "
                    f"{', '.join(self.remedy.tried) or 'a restore'}: stopping (exit "
-                   f"{inc.EXIT_RESTART_LOOP}, not retryable). {_look_at(last)} `trainguard "
+                   f"{EXIT_RESTART_LOOP}, not retryable). {_look_at(last)} `trainguard "
                    f"runs show {self.run}` has the incidents; a fresh launch starts over.")
         else:
             msg = (f"run {self.run!r} was stopped by the restart-loop breaker and this is "
                    f"a restart by the agent: refusing to train (exit "
-                   f"{inc.EXIT_RESTART_LOOP}). Read `trainguard runs show {self.run}`, fix "
+                   f"{EXIT_RESTART_LOOP}). Read `trainguard runs show {self.run}`, fix "
                    "the cause, then launch the job again.")
-        raise RestartLoopError(msg, exit_code=inc.EXIT_RESTART_LOOP)
+        raise RestartLoopError(msg, exit_code=EXIT_RESTART_LOOP)
 
     def skipped_batch(self) -> str | None:
         """The batch this rank had in flight when the failure struck, when the remedy

@@ -68,7 +68,7 @@ class RestartLoopError(TrainerClientError, RuntimeError):
     """The same failure came back after every remedy the restart-loop breaker tried
     (or the breaker already stopped this run and the agent restarted it). Not
     retryable: the process exits with ``exit_code``
-    (:data:`trainguard.core.incidents.EXIT_RESTART_LOOP`, 87); the run's last
+    (:data:`trainguard.core.exit_codes.EXIT_RESTART_LOOP`, 87); the run's last
     incident says what was tried and where to look."""
 
     def __init__(self, message: str, *, exit_code: int) -> None:

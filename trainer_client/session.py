@@ -71,6 +71,7 @@ from trainguard.core.checkpoints import (
 )
 from trainguard.core.incidents import LoopPolicy
 from trainguard.core.interval import Advice, IntervalPolicy
+from trainguard.core.newest import newest_first
 from trainguard.core.record import RankState, SessionRecord
 from trainguard.core.timing import TIMING_KEY
 
@@ -220,9 +221,9 @@ class TrainingSession:
 
     def checkpoints(self) -> list[ManifestView]:
         """The store's committed checkpoints (manifests; one store per run), in the
-        order restores prefer them (:func:`trainguard.core.record.restore_order`).
+        order restores prefer them (:func:`trainguard.core.newest.restore_order`).
         ``rollback(state, to_step)`` loads the first of them with that step."""
-        return record.newest_first(self.store.list())
+        return newest_first(self.store.list())
 
     def _load(self, state: Any, to_step: int | None, *,
               skip_newest: bool = False) -> ManifestView | None:

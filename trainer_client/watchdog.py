@@ -14,7 +14,7 @@ On firing it dumps every thread's stack (``sys._current_frames``) into a report
 (written by the session to Redis, see :mod:`trainguard.core.incidents`), kills
 peers of this host whose heartbeat stopped (a process stopped by a signal or wedged
 in user space: torchrun's agent would otherwise wait out its 30 s shutdown for them)
-and exits with :data:`~trainguard.core.incidents.EXIT_HUNG` (86), so the torchrun
+and exits with :data:`~trainguard.core.exit_codes.EXIT_HUNG` (86), so the torchrun
 agent restarts the group.
 
 The peers of a hung or dead rank must give up in seconds, not torch's 30 minutes:
@@ -43,7 +43,8 @@ from datetime import timedelta
 from typing import Any
 
 from trainguard.core import settings
-from trainguard.core.incidents import EXIT_HUNG, HANG
+from trainguard.core.exit_codes import EXIT_HUNG
+from trainguard.core.incidents import HANG
 
 __all__ = ["WATCHDOG_ENV", "Watchdog", "WatchdogConfig", "init_process_group", "thread_stacks"]
 

@@ -5,7 +5,7 @@ A partition's backlog is what it holds above the lowest committed offset of ever
 consumer group (``backlog.Backlog``); the producer asks :meth:`Backpressure.wait_room`
 before each batch. A paused partition is listed in ``streams.paused_key`` (for the
 admin API and the dashboard) until it has room again, the producer stops, or the
-dataset disappears (then :class:`StreamLost` makes the producer sync again).
+dataset disappears (then :class:`~ingest_service.errors.StreamLostError` makes the producer sync again).
 """
 
 from __future__ import annotations
@@ -19,16 +19,13 @@ from redis.asyncio import Redis
 
 from ingest_service._resp import honour_cancel
 from ingest_service.backlog import Backlog, BacklogLimits, min_committed, read_offsets
+from ingest_service.errors import StreamLostError
 from ingest_service.metrics import IngestMetrics
 from trainguard.core import streams
 
-__all__ = ["Backpressure", "StreamLost"]
+__all__ = ["Backpressure"]
 
 log = logging.getLogger("ingest_service.producer.producer")
-
-
-class StreamLost(Exception):
-    """Redis no longer holds what the producer wrote to a partition: sync again."""
 
 
 class Backpressure:
@@ -95,7 +92,7 @@ class Backpressure:
                 honour_cancel()
                 if not await self.redis.exists(streams.meta_key(self.spec.name)):
                     # Deleted (or Redis lost it) while paused: the sync tells which.
-                    raise StreamLost(f"dataset {self.spec.name!r} is gone")
+                    raise StreamLostError(f"dataset {self.spec.name!r} is gone")
                 self.advance(p, await self.committed())
                 if n := backlog.room(sizes, self.limits):
                     await self.redis.srem(streams.paused_key(self.spec.name), str(p))

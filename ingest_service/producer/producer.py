@@ -50,8 +50,9 @@ from ingest_service.backlog import (
     min_committed,
 )
 from ingest_service.datasets import create_dataset
+from ingest_service.errors import StreamLostError
 from ingest_service.metrics import IngestMetrics
-from ingest_service.producer.backpressure import Backpressure, StreamLost
+from ingest_service.producer.backpressure import Backpressure
 from ingest_service.producer.batching import DATA, BatchQueue, ByteBudget, first_batch
 from ingest_service.producer.dead_letters import append_dead_letters
 from ingest_service.producer.leases import LEASE_MS, PartitionLeases
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 _NEVER = 1 << 62
 
 
-_RETRYABLE: tuple[type[Exception], ...] = (StreamLost, *redis_client.TRANSIENT)
+_RETRYABLE: tuple[type[Exception], ...] = (StreamLostError, *redis_client.TRANSIENT)
 
 SYNC_POLICY = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=0.1, wait_max_s=2.0,
                           wait_jitter_s=0.05)
@@ -479,11 +480,11 @@ class Producer:
         known = self._position[p]
         if raw is None:
             if not self._may_create[p]:
-                raise StreamLost(f"partition {p} stream is gone")
+                raise StreamLostError(f"partition {p} stream is gone")
             return
         last = streams.parse_id(raw)
         if known is not None and last < known:
-            raise StreamLost(f"partition {p} ends at {streams.format_id(last)}, "
+            raise StreamLostError(f"partition {p} ends at {streams.format_id(last)}, "
                               f"before {streams.format_id(known)}")
         self._may_create[p] = False
 
@@ -501,7 +502,7 @@ class Producer:
         xadd_records(parts, self._key_bulk[p], ms, first, batch, nomkstream=not self._may_create[p])
         replies = await link.send_many(parts, len(batch))
         if None in replies:
-            raise StreamLost(f"partition {p} stream is gone")
+            raise StreamLostError(f"partition {p} stream is gone")
         errors = [r for r in replies if r.__class__ is not bytes]
         skipped = len(errors)
         added = len(batch) - skipped

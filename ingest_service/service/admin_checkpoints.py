@@ -37,6 +37,7 @@ from trainguard.core.checkpoints import (
     NoCheckpointError,
     PinnedCheckpointError,
 )
+from trainguard.core.newest import commit_order, newest_first
 from trainguard.core.record import SessionRecord
 from trainguard.core.urls import has_password, redact_text, redact_url
 
@@ -110,13 +111,13 @@ def _translate(exc: Exception) -> Exception:
 
 def newest_valid(store: Any) -> list[Any]:
     """The checkpoints a delete must keep: the first whose data verifies in restore
-    order (:func:`trainguard.core.record.newest_first`: what a restart resumes from)
+    order (:func:`trainguard.core.newest.newest_first`: what a restart resumes from)
     and in commit order (what LATEST names, and so what an outside reader following
     FORMAT.md loads). One manifest when they agree; two when a fenced zombie
     committed late."""
     manifests = store.list()
     found: dict[str, Any] = {}
-    for order in (record.newest_first(manifests), list(reversed(manifests))):
+    for order in (newest_first(manifests), sorted(manifests, key=commit_order, reverse=True)):
         for m in order:
             try:
                 store.verify(m.step)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from trainguard.core.checkpoints import CorruptCheckpointError, NoCheckpointError
+from trainguard.core.newest import saves_of
 from trainguard.core.urls import redact_text
 
 __all__ = ["MAX_CACHED_MANIFESTS", "NEVER", "Abandoned", "Flights", "ManifestCache", "Never"]
@@ -163,10 +164,8 @@ class ManifestCache:
         from checkpoint_store.layout import parse_manifest_name
 
         names, pins = self.listing()
-        for name in reversed(names):
-            parsed = parse_manifest_name(name)
-            if parsed is None or parsed.step != step:
-                continue
+        for parsed in saves_of(step, [p for p in map(parse_manifest_name, names) if p]):
+            name = parsed.name
             try:
                 return self._store.read_manifest(name, pinned=name in pins)
             except (CorruptCheckpointError, NoCheckpointError):

@@ -21,6 +21,7 @@ from typing import IO, Any
 import fsspec
 from fsspec.utils import infer_compression
 
+from ingest_service.errors import SourceError
 from ingest_service.sources.records import BadRecord, SourceItem, structured
 from trainguard.core import streams
 
@@ -34,7 +35,7 @@ def split_key(member: str) -> tuple[str, str]:
     return posixpath.join(folder, stem) if folder else stem, ext if dot else ""
 
 
-class TornTarError(ValueError):
+class TornTarError(SourceError, ValueError):
     """The shard is not a complete tar (cut, or a damaged header)."""
 
 

@@ -10,19 +10,12 @@ import threading
 from collections.abc import Callable
 
 from trainer_client.health.report import HealthReport
+from trainguard.core.exit_codes import EXIT_GPU_CRITICAL, EXIT_PEER_CRITICAL
 
 __all__ = ["EXIT_GPU_CRITICAL", "EXIT_PEER_CRITICAL", "exit_if_not_handled"]
 
 log = logging.getLogger("trainer_client.health")
 
-EXIT_GPU_CRITICAL = 75
-"""Process exit code after a CRITICAL GPU health report (sysexits EX_TEMPFAIL)."""
-
-EXIT_PEER_CRITICAL = 76
-"""Exit code of a healthy rank after another node's rank reported CRITICAL and the
-job checkpointed: not this node's fault (a failure counter must not count it), but
-the worker must restart so that its torchrun agent rendezvous again without the bad
-node (an exit of 0 would end the job on this node)."""
 
 def exit_if_not_handled(
     grace_s: float = 300.0, *, exit_fn: Callable[[int], object] = os._exit

@@ -38,6 +38,7 @@ __all__ = [
     "ExportExistsError",
     "ManifestView",
     "NoCheckpointError",
+    "StoreNotRegisteredError",
     "PinnedCheckpointError",
     "SaveHandleView",
     "SaveInProgressError",
@@ -131,7 +132,7 @@ def open_store(url: str, *, implementation: str = "default", **options: Any) -> 
     ``keep_last``, ``storage_options``, ``process_group``)."""
     found = entry_points(group=STORE_ENTRY_POINTS, name=implementation)
     if not found:
-        raise LookupError(
+        raise StoreNotRegisteredError(
             f"no checkpoint store implementation {implementation!r} is registered under the "
             f"{STORE_ENTRY_POINTS!r} entry points: install trainguard (pip install -e .), "
             "or pass a store object instead of a URL"
@@ -145,6 +146,10 @@ def open_store(url: str, *, implementation: str = "default", **options: Any) -> 
 
 class CheckpointError(TrainguardError):
     """Base class of every error raised by ``checkpoint_store``."""
+
+
+class StoreNotRegisteredError(CheckpointError, LookupError):
+    """``open_store`` found no implementation of that name among the entry points."""
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):

@@ -50,8 +50,6 @@ from trainguard.core.errors import TrainguardError
 from trainguard.core.streams import PREFIX
 
 __all__ = [
-    "EXIT_HUNG",
-    "EXIT_RESTART_LOOP",
     "INCIDENT_VERSION",
     "IncidentError",
     "LoopPolicy",
@@ -74,14 +72,6 @@ INCIDENTS_KEPT = 200
 ATTEMPTS_KEPT = 1000
 """The attempts hash keeps the newest this many documents ("seq" counts them all)."""
 
-EXIT_HUNG = 86
-"""A trainer's watchdog found no progress within its budget: the process dumped its
-threads' stacks into a report and exited so that the agent restarts the group
-(retryable). Documented in :mod:`trainguard.ops.exits`."""
-EXIT_RESTART_LOOP = 87
-"""The same failure came back after every remedy the restart-loop breaker tried: not
-retryable; a person must look at the run's last incident. Documented in
-:mod:`trainguard.ops.exits`."""
 
 HANG, CRASH, KILLED, RESTART_LOOP = "hang", "crash", "killed", "restart_loop"
 ROLLBACK = "rollback"

@@ -1,12 +1,29 @@
-"""Whether a process of this host still runs: the one check behind every "is its owner
-gone?" decision (stale temp files and writer markers, a DataLoader worker's ring)."""
+"""Process helpers of this host: whether a process still runs (the one check behind
+every "is its owner gone?" decision: stale temp files and writer markers, a DataLoader
+worker's ring) and a free local port for a server about to start (the demo, the tests)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 
-__all__ = ["pid_alive", "started_at"]
+__all__ = ["free_port", "pid_alive", "started_at"]
+
+_given: set[int] = set()
+
+
+def free_port() -> int:
+    """A port free now and never handed out before in this process: the kernel may
+    return a port it just returned, so the ports of servers picked before any of them
+    starts (a cluster's nodes and bus ports) could otherwise repeat."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _given:
+            _given.add(port)
+            return port
 
 
 def pid_alive(pid: int) -> bool:

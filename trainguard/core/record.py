@@ -27,7 +27,7 @@ beside them)::
 ``test_fresh_run_reads_everything_and_final_checkpoint_acks_all`` pins the exact
 document.
 
-Restore order (:func:`restore_order`): the newest by ``(generation, commit, commit
+Restore order (:func:`trainguard.core.newest.restore_order`): the newest by ``(generation, commit, commit
 time)``. A rollback's lineage beats the higher steps it abandoned (a rollback keeps
 counting commits up), and a newer generation beats a zombie's late commit. A
 checkpoint without a session record sorts by its commit time alone, so for plain
@@ -38,9 +38,9 @@ API and the CLI.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from trainguard.core import streams
 from trainguard.core.checkpoints import ManifestView
@@ -53,8 +53,6 @@ __all__ = [
     "RankState",
     "RecordError",
     "SessionRecord",
-    "newest_first",
-    "restore_order",
     "retention_floor",
 ]
 
@@ -62,7 +60,6 @@ RECORD_KEY = "trainguard"
 SKIPPED_KEY = "skipped_batches"
 RECORD_VERSION = 2
 
-M = TypeVar("M", bound=ManifestView)
 
 
 class RecordError(TrainguardError, ValueError):
@@ -194,25 +191,6 @@ def _name(kind: str, value: Any) -> str:
     could carry terminal escapes into ``trainguard runs ls``); "" means none."""
     text = str(value)
     return streams.check_name(kind, text) if text else text
-
-
-def restore_order(manifest: ManifestView) -> tuple[int, int, str, int]:
-    """The sort key of "which checkpoint a restart resumes from" (larger: preferred).
-
-    ``(generation, commit, uid, step)``: the uid starts with the commit time, so
-    checkpoints without a (readable) session record sort by commit time."""
-    try:
-        record = SessionRecord.of(manifest)
-    except RecordError:
-        record = None
-    if record is None:
-        return 0, 0, manifest.uid, manifest.step
-    return record.generation, record.commit, manifest.uid, manifest.step
-
-
-def newest_first(manifests: Iterable[M]) -> list[M]:
-    """``manifests`` in the order restores try them: the preferred one first."""
-    return sorted(manifests, key=restore_order, reverse=True)
 
 
 def retention_floor(

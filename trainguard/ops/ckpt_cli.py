@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import record
 from trainguard.core.errors import TrainguardError
+from trainguard.core.newest import newest_first, newest_save_of
 from trainguard.core.urls import has_password, redact_url
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 from trainguard.ops.output import Progress, emit, table
@@ -79,10 +79,10 @@ def _find(store: Any, step: int | None) -> Any:
     if not manifests:
         raise LookupError("the store has no committed checkpoint")
     if step is None:  # the one a restart would resume from
-        return record.newest_first(manifests)[0]
-    for m in reversed(manifests):  # a step saved twice: its newest save
-        if m.step == step:
-            return m
+        return newest_first(manifests)[0]
+    found = newest_save_of(step, manifests)  # a step saved twice: its newest save
+    if found is not None:
+        return found
     raise LookupError(f"no checkpoint at step {step}; it has steps {[m.step for m in manifests]}")
 
 

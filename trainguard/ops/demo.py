@@ -32,7 +32,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard.core.errors import TrainguardError
+from trainguard.core.process import free_port
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 
 __all__ = ["main", "register", "run_demo"]
@@ -52,14 +53,8 @@ VOCAB, LENGTH = 64, 16
 TRAINER = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 
 
-class DemoError(RuntimeError):
+class DemoError(TrainguardError, RuntimeError):
     """A step of the demo failed; the message says which and where its logs are."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

@@ -33,8 +33,12 @@ from __future__ import annotations
 from trainguard.core import settings
 from trainguard.core.checkpoints import CorruptCheckpointError
 from trainguard.core.errors import TrainguardError
-from trainguard.core.incidents import EXIT_HUNG as _HUNG
-from trainguard.core.incidents import EXIT_RESTART_LOOP as _RESTART_LOOP
+from trainguard.core.exit_codes import (
+    EXIT_GPU_CRITICAL,
+    EXIT_HUNG,
+    EXIT_PEER_CRITICAL,
+    EXIT_RESTART_LOOP,
+)
 from trainguard.core.urls import redact_text
 
 __all__ = [
@@ -54,19 +58,8 @@ __all__ = [
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_REFUSED = 0, 1, 2, 3, 4
-EXIT_GPU_CRITICAL = 75
-"""The code a trainer exits with on a CRITICAL GPU (``trainer_client.health``'s, which
-``GpuCriticalError.exit_code`` carries; ``test_cli_exit_codes`` pins that they agree)."""
-EXIT_HUNG = _HUNG
-"""A trainer's watchdog fired (``trainer_client.watchdog``): retryable."""
-EXIT_RESTART_LOOP = _RESTART_LOOP
-"""The restart-loop breaker stopped the run (``RestartLoopError.exit_code``): not
-retryable. The values live in :mod:`trainguard.core.incidents`, which the trainer
-imports; this module is where operators read them."""
-EXIT_PEER_CRITICAL = 76
-"""A healthy rank's code after another node's GPU turned CRITICAL and the job
-checkpointed (``trainer_client.health.EXIT_PEER_CRITICAL``): ``trainguard node fail``
-does not count it against the node."""
+# The trainer's codes (75, 76, 86, 87) live in :mod:`trainguard.core.exit_codes`,
+# which the trainer imports too; this module is where operators read them.
 EXIT_INTERRUPTED = 130
 
 _TABLE: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
