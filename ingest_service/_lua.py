@@ -84,6 +84,16 @@ local mark = redis.call('HGET', KEYS[2], producer)
 if mark then
   local m = tonumber(mark)
   if seq <= m then
+    -- The last complete batch is known by its count and digest: another batch under
+    -- its seq is refused (answered 'in already', its records would be lost in silence).
+    local last = redis.call('HGET', KEYS[2], producer .. ':last')
+    if last then
+      local c = string.find(last, ':', 1, true)
+      if tonumber(string.sub(last, 1, c - 1)) == seq
+          and string.sub(last, c + 1) ~= ARGV[4] .. ':' .. ARGV[6] then
+        return {-4, mark, string.sub(last, c + 1)}
+      end
+    end
     -- Rewritten as it is: a write, so the WAIT after this call also covers the
     -- batch's own earlier writes (a retry of a push that was not yet replicated).
     redis.call('HSET', KEYS[2], producer, mark)
@@ -133,7 +143,7 @@ end
 local reached = math.max(done, start + count)
 local acked = 0
 if reached >= total then
-  redis.call('HSET', KEYS[2], producer, ARGV[2])
+  redis.call('HSET', KEYS[2], producer, ARGV[2], producer .. ':last', ARGV[2] .. ':' .. batch)
   redis.call('HDEL', KEYS[2], inflight)
   -- The partition's count of whole batches: the service remembers the highest it saw,
   -- and a Redis that comes back with less lost acknowledged batches.
@@ -148,7 +158,9 @@ return {1, first, last, added, acked}
 KEYS[1] stream, KEYS[2] the partition's seq hash: ``<producer>`` holds the mark (the
 last seq wholly appended), ``<producer>:inflight`` holds
 ``<seq>:<records appended>:<record count>:<digest>`` of the batch under way (':' is
-not allowed in a producer_id, so the fields never collide). ARGV: producer_id, seq,
+not allowed in a producer_id, so the fields never collide), ``<producer>:last`` holds
+``<seq>:<record count>:<digest>`` of the last batch wholly appended (one per producer:
+bounded). ARGV: producer_id, seq,
 index of the slice's first record, the batch's record count, the slice's record
 count, the batch's digest (hex, of its entries), then per record: field count n and n
 field/value pairs.
@@ -163,7 +175,8 @@ first_id, last_id, appended, acked} (IDs '' when the slice appended nothing new;
 seq is not mark+1 (0 for a producer without a mark); {-2, reached} when the slice
 starts past what is in (a slice skipped: resend the batch from its start); {-3,
 reached, '<count>:<digest>'} when another batch (that count and digest) is partly in
-under this seq: nothing appended.
+under this seq: nothing appended; {-4, mark, '<count>:<digest>'} when seq is the
+last complete batch's and this is another batch: nothing appended.
 """
 
 PUSH_CONFIRM = """

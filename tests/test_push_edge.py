@@ -281,3 +281,43 @@ def test_a_producer_whose_resend_fails_again_takes_no_new_records(
                 p.send(a if p.pending is None else _batch("new", 3))
         assert p.pending == 0
     assert _stream(redis_server.url, "actor-1") == a[:256]
+
+
+async def _push(client: TestClient, producer: str, seq: int, batch: list[bytes]
+                ) -> tuple[int, dict[str, Any]]:
+    resp = await client.post(URL.format("big"), params={"producer_id": producer,
+                                                        "seq": str(seq)},
+                             headers={"Content-Type": "application/msgpack", **AUTH},
+                             data=msgpack.packb(batch))
+    return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize("other", [3, 50])
+async def test_another_batch_under_the_last_complete_seq_is_409_and_the_same_one_200(
+        redis_server: RedisServer, other: int) -> None:
+    """Batches A (seq 0) and B (seq 1) are complete. A different batch C under seq 1
+    (fewer records than B, or as many) is answered 409 batch_mismatch naming B's count,
+    and appends nothing; B itself resent under seq 1 is 200 appended:false (a retry),
+    also after a service restart; C under seq 2 is then appended: the stream holds A, B,
+    C, each once, in order."""
+    r = Redis.from_url(redis_server.url)
+    await _big(r)
+    a, b, c = _batch("a", 10), _batch("b", 50), _batch("c", other)
+    async with service(redis_server) as client:
+        assert (await _push(client, "actor-1", 0, a))[0] == 200
+        assert (await _push(client, "actor-1", 1, b))[0] == 200
+        status, reply = await _push(client, "actor-1", 1, c)
+        assert status == 409 and reply["error"]["code"] == "batch_mismatch", reply
+        assert reply["error"]["count"] == 50 and "next seq, 2" in reply["error"]["message"]
+        assert _stream(redis_server.url, "actor-1") == a + b
+        status, reply = await _push(client, "actor-1", 1, b)
+        assert status == 200 and not reply["appended"] and reply["mark"] == 1, reply
+    async with service(redis_server) as client:
+        status, reply = await _push(client, "actor-1", 1, c)
+        assert status == 409 and reply["error"]["code"] == "batch_mismatch", reply
+        status, reply = await _push(client, "actor-1", 1, b)
+        assert status == 200 and not reply["appended"], reply
+        status, reply = await _push(client, "actor-1", 2, c)
+        assert status == 200 and reply["appended"] and reply["count"] == other, reply
+    assert _stream(redis_server.url, "actor-1") == a + b + c
+    await r.aclose()

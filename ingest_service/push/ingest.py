@@ -16,7 +16,10 @@ The client's contract (what :class:`trainguard.push.Producer` does):
   seq until it is answered 200; it is completed, never duplicated. Another batch
   under that seq is refused with 409 ``batch_mismatch``: a batch is known by its record
   count and digest (:class:`~ingest_service.push.body.BatchDigest`), kept in the
-  in-flight marker.
+  in-flight marker, and for the last complete batch in ``<producer>:last``: a resend
+  of the producer's last seq has its body read and compared (the same batch is 200
+  ``appended: false``, another 409 ``batch_mismatch``); older seqs are answered in
+  already unread (only the last one is kept, and the client resends only that one).
 - A Redis that lost batches this service acknowledged is caught against its memory
   (:mod:`ingest_service.push.ledger`): the producer's next push is answered 409
   ``lost_acknowledged_data`` with the seqs lost, once.
@@ -48,14 +51,13 @@ from ingest_service.backlog import Backlog, BacklogLimits, min_committed
 from ingest_service.datasets import spec_from_hash
 from ingest_service.errors import (
     BacklogFullError,
-    BatchMismatchError,
     MalformedPushError,
     PushDataLostError,
-    PushOutOfOrderError,
     WrongDatasetKindError,
 )
 from ingest_service.push.body import BatchDigest
 from ingest_service.push.ledger import ACKED_FIELD, AckLedger
+from ingest_service.push.refusals import complete_mismatch, mismatch, out_of_order, text
 from trainguard.core import groups, streams
 
 __all__ = [
@@ -216,7 +218,8 @@ class PushIngest:
                     ) -> tuple[streams.DatasetSpec, int | None]:
         """Before the body is read: the dataset's spec, and the producer's mark when
         ``seq`` is at or below it (the batch is in: nothing to parse or append), None
-        when ``seq`` is next and its partition has room. Raises DatasetNotFoundError
+        when ``seq`` is next and its partition has room, or is the last complete
+        batch's (the body is compared with it). Raises DatasetNotFoundError
         (404), WrongDatasetKindError (409), PushOutOfOrderError (409) for any other
         seq, and BacklogFullError (429) when the partition's backlog is at its bound (a
         single batch over the bound still goes into an empty one). ``known`` receives the
@@ -233,7 +236,7 @@ class PushIngest:
             pipe.hgetall(streams.meta_key(name))
             pipe.smembers(streams.groups_key(name))
             if guess is not None:
-                pipe.hmget(streams.seq_key(name, guess), [producer_id, ACKED_FIELD])
+                pipe.hmget(streams.seq_key(name, guess), _mark_fields(producer_id))
             raw_spec, raw_groups, *raw_mark = await pipe.execute()
         if not raw_spec:
             self._specs.pop(name, None)
@@ -253,11 +256,11 @@ class PushIngest:
         check_push_dataset(spec)
         p = choose_partition(producer_id, spec.partitions)
         if p != guess:
-            raw_mark = [await self.redis.hmget(streams.seq_key(name, p), [producer_id, ACKED_FIELD])]
-        raw, acked = raw_mark[0]
+            raw_mark = [await self.redis.hmget(streams.seq_key(name, p), _mark_fields(producer_id))]
+        raw, acked, last = raw_mark[0]
         mark = None if raw is None else int(raw)
         await self._check_ledger(name, p, producer_id, mark, acked, read_at)
-        if mark is not None and seq <= mark:
+        if mark is not None and seq <= mark and not _is_last(seq, last):
             if self.wait_replicas != 0:
                 # The batch is in, but it is acknowledged only once a replica has it (as
                 # a batch appended now is): the retry of a push answered 503 for want of
@@ -270,8 +273,12 @@ class PushIngest:
                                          wait_aof=self.wait_aof)
             self.ledger.acknowledged(name, p, producer_id, mark, 0)
             return spec, mark
+        if mark is not None and seq <= mark:
+            # The last complete batch's seq: its body is read and its digest compared
+            # by the append script (another batch is 409, the same one 200 in already).
+            return spec, None
         if seq != (0 if mark is None else mark + 1):
-            raise _out_of_order(seq, mark)
+            raise out_of_order(seq, mark)
         backlog = await self._backlog(name, p, await self._committed(name, p, raw_groups))
         if backlog.entries > 0 and (backlog.entries >= self.limits.max_entries
                                     or backlog.bytes >= self.limits.max_bytes):
@@ -325,7 +332,7 @@ class PushIngest:
         p = choose_partition(producer_id, spec.partitions)
         if seq == PROBE_SEQ:
             mark = await self.redis.hget(streams.seq_key(spec.name, p), producer_id)
-            raise _out_of_order(seq, None if mark is None else int(mark))
+            raise out_of_order(seq, None if mark is None else int(mark))
         keys = [streams.partition_key(spec.name, p).encode(), streams.seq_key(spec.name, p).encode()]
         if sizes is None:
             sizes = [streams.record_size(f) for f in records]
@@ -353,19 +360,21 @@ class PushIngest:
                  replies: list[list[object]], digest: str) -> PushResult:
         status = int(replies[0][0])  # type: ignore[call-overload]
         if status == 0:
-            return PushResult(p, seq, False, 0, None, None, int(_text(replies[0][1])))
+            return PushResult(p, seq, False, 0, None, None, int(text(replies[0][1])))
         if status == -1:
-            mark_text = _text(replies[0][1])
-            raise _out_of_order(seq, int(mark_text) if mark_text else None)
+            mark_text = text(replies[0][1])
+            raise out_of_order(seq, int(mark_text) if mark_text else None)
         if status == -3:
-            raise _mismatch(seq, len(records), digest, replies[0])
+            raise mismatch(seq, len(records), digest, replies[0])
+        if status == -4:
+            raise complete_mismatch(seq, len(records), digest, replies[0])
         backlog = self._backlogs.get((spec.name, p))
         count, first, last, acked = 0, None, None, 0
         for (_, end), reply in zip(slices, replies, strict=True):
             if int(reply[0]) != 1:  # type: ignore[call-overload]
                 continue  # a concurrent request for the same batch finished it
             acked = max(acked, int(reply[4]))  # type: ignore[call-overload]
-            a, b = _text(reply[1]), _text(reply[2])
+            a, b = text(reply[1]), text(reply[2])
             if not a:
                 continue
             parsed_a, parsed_b = streams.parse_id(a), streams.parse_id(b)
@@ -380,29 +389,14 @@ class PushIngest:
         return PushResult(p, seq, count > 0, count, first, last, seq, acked)
 
 
-def _mismatch(seq: int, count: int, digest: str, reply: list[object]) -> BatchMismatchError:
-    done = int(_text(reply[1]))
-    their_count, _, their_digest = _text(reply[2]).partition(":")
-    return BatchMismatchError(
-        f"seq {seq} of this producer is partly appended ({done} of {their_count} records) "
-        f"from another batch (digest {their_digest}); this request's batch is {count} "
-        f"records, digest {digest}: nothing was appended. Resend the batch first sent "
-        f"under seq {seq}, whole, to complete it; send new records under the next seq",
-        appended=done, count=int(their_count), digest=their_digest)
+def _mark_fields(producer_id: str) -> list[str]:
+    """The seq hash fields admit reads: the mark, the partition's count of whole
+    batches and the last complete batch (``<seq>:<count>:<digest>``)."""
+    return [producer_id, ACKED_FIELD, f"{producer_id}:last"]
 
 
-def _out_of_order(seq: int, mark: int | None) -> PushOutOfOrderError:
-    expected = 0 if mark is None else mark + 1
-    return PushOutOfOrderError(
-        f"seq {seq} is out of order for this producer: its mark (last batch wholly appended) "
-        f"is {mark if mark is not None else 'none'}, so the next batch is seq {expected}; "
-        "resend from there (batches at or below the mark are in already)",
-        mark,
-    )
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _is_last(seq: int, last: bytes | None) -> bool:
+    return last is not None and last.split(b":", 1)[0] == b"%d" % seq
 
 
 def _slices(sizes: list[int]) -> list[tuple[int, int]]:
