@@ -21,7 +21,8 @@ A fault is injected ``gap_s x U(0.5, 1.5)`` after the job trained again. Classes
   again and admitted at the next round.
 - ``hang``: SIGSTOP of a worker; the peers' watchdog kills it and exits 86.
 - ``loss_spike``: the job's loss x50 (odd reps: NaN) at a step a few ahead, through
-  the job's ``--spike-file``; the spike guard rolls every rank back together.
+  the job's ``--spike-file``; the spike guard rolls every rank back together (time to
+  the next step: from the step before the spike).
 - ``corrupt_chunk``: a chunk file of the newest checkpoint overwritten, then a worker
   killed so the group restores: the restore falls back to an intact checkpoint.
 - ``redis_restart``: kill -9 of redis-server (AOF, fsync always) and a restart on the
@@ -89,7 +90,13 @@ def _inject(job: cj.Job, cls: str, rep: int, rng: random.Random) -> list[dict[st
     if cls == "loss_spike":
         step = job.max_step() + rng.randint(3, 6)
         job.spike(step, "nan" if rep % 2 else "x50")
-        return [{"class": cls, "resume_s": _resume_s(job, live, at, "ROLLBACK")}]
+        resumed = job.resumed(live, at, "ROLLBACK")
+        if resumed is None:
+            return [{"class": cls, "resume_s": None}]
+        # From the step before the spike (the job waited for the spike's step first).
+        first = min(t for a in live for t, _ in a.seen(": ROLLBACK ") if t > at)
+        began = max((t for t, _ in job.steps() if t < first), default=at)
+        return [{"class": cls, "resume_s": resumed - began}]
     if cls == "redis_restart":
         job.redis.kill()
         time.sleep(1.0)
