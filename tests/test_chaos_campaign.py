@@ -17,6 +17,7 @@ import chaos  # noqa: E402
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(2400)  # each class once: ~10 min on a quiet 2-core machine
 def test_every_fault_class_is_healed_with_no_human_and_no_record_lost_or_trained_twice(
         tmp_path: Path) -> None:
     """Each injected class once (seeded moments): every one handled with no human (the
