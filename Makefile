@@ -19,7 +19,7 @@ BENCH_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: test demo setup redis chromium lint chaos bench bench-agreement bench-readme gpu-check clean compose
+.PHONY: test demo setup redis chromium lint chaos chaos-campaign bench bench-agreement bench-readme gpu-check clean compose
 
 setup: $(STAMP) redis chromium
 
@@ -68,6 +68,11 @@ test: lint
 
 chaos: setup
 	$(VENV)/bin/python -m pytest -m chaos $(PYTEST_ARGS)
+
+# The chaos campaign (bench/chaos.py): a 3-node elastic job, every fault class
+# CHAOS_ARGS="--reps 2 --gap-s 30" times; the table and bench/results/<host>-<stamp>.json.
+chaos-campaign: setup
+	$(PY) bench/chaos.py $(CHAOS_ARGS)
 
 # make demo KEEP=1: keep the service (and its dashboard) up after the demo until Ctrl-C.
 demo: setup

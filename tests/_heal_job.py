@@ -7,7 +7,10 @@ trained. Prints ``<rank>: PID <pid>``, ``READY <step>`` after the restore, ``STE
 ``--crash-at S`` raises at step S in every attempt (a bug at step N);
 ``--poison R`` raises in the step whose batch holds record R (a poisoned record);
 ``--die-before-checkpoint`` SIGKILLs itself a second after its first step on a
-fresh run.
+fresh run; ``--spike-file F`` (bench/chaos.py): when F holds ``<step> x50`` or
+``<step> nan``, that step's loss (1.0 on every other step) is multiplied by 50 or made
+NaN, once per process, and the spike guard's verdict rolls every rank back together
+(they all read F at the same step), printing ``ROLLBACK <step>``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,21 @@ from torch.utils.data import DataLoader
 
 from tests._client_train import make_state
 from trainer_client import TrainingSession, init_process_group
+from trainer_client.spikes import LossSpikeDetector, SpikeConfig
 from trainer_client.watchdog import WatchdogConfig
+
+
+def _loss(spike_file: str, step: int, fired: set[int]) -> float:
+    """The step's loss: 1.0, unless ``spike_file`` asks this step for a spike."""
+    try:
+        with open(spike_file) as f:
+            at, kind = f.read().split()
+    except (OSError, ValueError):
+        return 1.0
+    if int(at) != step or step in fired:
+        return 1.0
+    fired.add(step)
+    return float("nan") if kind == "nan" else 50.0
 
 
 def main() -> int:
@@ -38,6 +55,8 @@ def main() -> int:
     ap.add_argument("--crash-at", type=int, default=0)
     ap.add_argument("--poison", type=int, default=-1)
     ap.add_argument("--die-before-checkpoint", action="store_true")
+    ap.add_argument("--spike-file", default="")
+    ap.add_argument("--watchdog-floor-s", type=float, default=1.5)
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -47,7 +66,7 @@ def main() -> int:
 
     say(f"PID {os.getpid()}")
     # Budgets sized for a test: steps of ~20 ms, so a stall of 1.5 s is a hang.
-    cfg = WatchdogConfig(k=10, floor_s=1.5, ceiling_s=120, startup_s=60, restore_s=60,
+    cfg = WatchdogConfig(k=10, floor_s=args.watchdog_floor_s, ceiling_s=120, startup_s=60, restore_s=60,
                          checkpoint_s=60, min_steps=3, heartbeat_s=0.2)
     if world > 1:
         init_process_group("gloo", config=cfg)
@@ -58,6 +77,7 @@ def main() -> int:
     step = session.restore(state)
     say(f"READY {step}")
     fresh = step == 0
+    spikes, fired = LossSpikeDetector(SpikeConfig(warmup_steps=5)), set()
     it = iter(session.batches(DataLoader(session.dataset(batch_size=args.batch_size),
                                          batch_size=None)))
     while True:
@@ -78,6 +98,11 @@ def main() -> int:
             raise RuntimeError(f"deterministic bug at step {step + 1}")
         if batch is not None and args.poison in batch.data[:, 0].tolist():
             raise ValueError(f"poisoned record {args.poison} in the batch of step {step + 1}")
+        verdict = spikes.observe(step + 1, _loss(args.spike_file, step + 1, fired))
+        if verdict.spike:  # this step's batch is dropped: the rollback replays it
+            step = session.rollback(state, reason=verdict.reason)
+            say(f"ROLLBACK {step}")
+            continue
         model.counts += local
         step += 1
         say(f"STEP {step}")

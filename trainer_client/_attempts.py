@@ -107,6 +107,7 @@ class AttemptLog:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         doc = {"attempt": n, "pid": os.getpid(), "host": _HOST, "world_size": self.world_size,
                "restart_count": None if restart is None else int(restart),
+               "rendezvous_at": _rendezvous_at(),
                "started_at": started_at(), "imported_at": IMPORTED_AT, "session_at": time.time(),
                "restored_at": None, "restored_step": None, "first_step_at": None,
                "outcome": "running"}
@@ -350,6 +351,16 @@ class AttemptLog:
             sys.stderr.flush()
             sys.stdout.flush()
             os._exit(code)
+
+
+def _rendezvous_at() -> float | None:
+    """When the round this worker was spawned for closed (the agent's rendezvous
+    handler says, in the environment it passes on); None outside that backend."""
+    raw = os.environ.get(inc.RDZV_CLOSED_ENV)
+    try:
+        return None if raw is None else float(raw)
+    except ValueError:
+        return None
 
 
 def _look_at(incident: dict[str, Any]) -> str:

@@ -17,7 +17,8 @@ Documents (all carry ``version``; readers refuse newer ones)::
 
     attempt    {"attempt", "pid", "host", "world_size", "restart_count" (torchrun's
                 TORCHELASTIC_RESTART_COUNT, null outside torchrun), "started_at" (the
-                process start, unix s), "imported_at", "session_at", "restored_at",
+                process start, unix s), "rendezvous_at" (when the trainguard
+                rendezvous round that spawned it closed; null under other backends), "imported_at", "session_at", "restored_at",
                 "restored_step", "first_step_at", "outcome": running|ok|failed}
     heartbeat  {"attempt", "rank", "pid", "host", "alive_at", "progress_at", "phase",
                 "step" (in flight), "records" (consumed since the restore), "batch"
@@ -51,6 +52,7 @@ from trainguard.core.streams import PREFIX
 
 __all__ = [
     "INCIDENT_VERSION",
+    "RDZV_CLOSED_ENV",
     "IncidentError",
     "LoopPolicy",
     "Remedy",
@@ -182,6 +184,23 @@ def assemble(attempt: Mapping[str, Any], reports: Sequence[Mapping[str, Any]],
     }
 
 
+RDZV_CLOSED_ENV = "TRAINGUARD_RDZV_CLOSED_AT"
+"""Set by the trainguard rendezvous handler in its agent's environment when a round
+closes (unix s); the workers it then spawns inherit it (torch's subprocess handler
+copies the agent's ``os.environ``), and the attempt records it as ``rendezvous_at``."""
+
+
+def _restart_marks(incident: Mapping[str, Any], attempt: Mapping[str, Any]
+                   ) -> list[tuple[str, Any, Any]]:
+    """detect → process start: one "restart" phase, or, when the attempt knows when
+    its rendezvous round closed, "rendezvous" (agent stop and the round) and "spawn"."""
+    closed = attempt.get("rendezvous_at")
+    if closed is None:
+        return [("restart", incident.get("detected_at"), attempt.get("started_at"))]
+    return [("rendezvous", incident.get("detected_at"), closed),
+            ("spawn", closed, attempt.get("started_at"))]
+
+
 def recovery(incident: Mapping[str, Any], attempt: Mapping[str, Any],
              records_redone: int | None = None) -> dict[str, Any]:
     """What the attempt after ``incident`` redid and how long it took to train again,
@@ -191,7 +210,7 @@ def recovery(incident: Mapping[str, Any], attempt: Mapping[str, Any],
     restored = attempt.get("restored_step")
     step = incident.get("step")
     marks = [("detect", incident.get("failed_at"), incident.get("detected_at")),
-             ("restart", incident.get("detected_at"), attempt.get("started_at")),
+             *(_restart_marks(incident, attempt)),
              ("imports", attempt.get("started_at"), attempt.get("imported_at")),
              ("session", attempt.get("imported_at"), attempt.get("session_at")),
              ("restore", attempt.get("session_at"), attempt.get("restored_at")),

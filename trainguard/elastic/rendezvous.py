@@ -46,6 +46,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -60,6 +61,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousStateHolder,
 )
 
+from trainguard.core.incidents import RDZV_CLOSED_ENV
 from trainguard.elastic._redis import Connection
 from trainguard.elastic.admission import QuarantineAdmission
 from trainguard.elastic.backend import DEFAULT_STATE_TTL_S, RedisRendezvousBackend
@@ -172,7 +174,11 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
                     f"node {request.addr!r} may not join rendezvous {request.run_id!r}: "
                     f"{reason}; its agent leaves, the other nodes go on without it"
                 )
-        return super().next_rendezvous()
+        info = super().next_rendezvous()
+        # The workers the agent spawns next inherit os.environ: their incidents split
+        # the time to the next step at this moment (rendezvous | spawn).
+        os.environ[RDZV_CLOSED_ENV] = f"{time.time():.3f}"
+        return info
 
     def _withdraw(self) -> None:
         """Leave the last round (if this node was in it) so that the others need not

@@ -1,0 +1,236 @@
+"""The job of bench/chaos.py: 3 torchrun agents (tests/_elastic_agents.py) on the
+trainguard rendezvous training the ledger job (tests/_heal_job.py), the faults' means
+of injection, and the ledger's verdict."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from checkpoint_store import CheckpointStore
+from tests import _client_fill as cf
+from tests._client_train import make_state
+from tests._elastic_agents import FAST_CONF, Agent, agent_command
+from tests.servers import RedisServer
+from trainguard.core import incidents as inc
+
+__all__ = ["FIRST_CKPT", "Agent", "Job", "crash_loop", "fault_free_rate"]
+
+NODES, P, BATCH, SLEEP_MS = 3, 6, 4, 50
+FIRST_CKPT = 5  # the job checkpoints every 5 steps (blocking)
+MAX_RECORDS_S = NODES * BATCH * 1000 / SLEEP_MS  # the job cannot train faster
+RESUME_TIMEOUT_S = 240.0
+AHEAD = int(MAX_RECORDS_S * 10)  # records filled ahead of the job: 10 s at top speed
+# A step slower than this, once steps were measured, is a hang (the job's default,
+# 1.5 s, is for a quiet machine; this one is shared).
+WATCHDOG_FLOOR_S = 5.0
+_CHUNK = re.compile(r"^\d+(\.\d+)*$")  # zarr v2-style chunk keys ("0", "0.0")
+
+
+def _ledger(work: Path, n: int) -> tuple[Any, int]:
+    """The newest checkpoint's ``counts`` and step."""
+    state, model, _ = make_state(n)
+    store = CheckpointStore(f"file://{work}/ckpt")
+    try:
+        manifest = store.load(state)
+    finally:
+        store.close()
+    assert manifest is not None, f"no checkpoint was committed under {work}"
+    return model.counts.clone(), int(manifest.step)
+
+
+def _incidents(url: str) -> list[dict[str, Any]]:
+    r = redis.Redis.from_url(url)
+    try:
+        raw = r.hgetall(inc.incidents_key("heal", "job"))
+    finally:
+        r.close()
+    docs = [inc.loads(v) for k, v in raw.items() if k != b"seq"]
+    return sorted(docs, key=lambda d: str(d.get("attempt")))
+
+
+class Job:
+    """One elastic job of ``NODES`` agents; ``live`` are the nodes meant to be up."""
+
+    def __init__(self, work: Path, name: str, *, reps: int, gap_s: float,
+                 persistence: str = "none", records: int | None = None,
+                 extra: tuple[str, ...] = (), max_restarts: int = 100) -> None:
+        self.work, self.name = work, name
+        self.redis = RedisServer(work / "redis", persistence=persistence).start()
+        url = self.redis.url
+        # The ledger's size: every fault's gap (at most 1.5 gap_s) and its recovery at
+        # the job's top speed; what is not filled stays 0 and is not counted.
+        self.n = records or int(MAX_RECORDS_S * (reps * (1.5 * gap_s + 90) + 60))
+        self.spec = cf.create(url, "heal", partitions=P)
+        self.filled = min(self.n, AHEAD)
+        cf.fill(url, self.spec, self.filled, finish=records is not None)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._filler = threading.Thread(target=self._keep_ahead, daemon=True)
+        if records is None:
+            self._filler.start()
+        self.spike_file = work / "spike"
+        self.command = agent_command(
+            "trainguard", url, f"chaos-{name}-{time.time_ns()}", f"1:{NODES}",
+            ["--redis", url, "--store", f"file://{work}/ckpt", "--records", str(self.n),
+             "--batch-size", str(BATCH), "--sleep-ms", str(SLEEP_MS),
+             "--ckpt-every", str(FIRST_CKPT), "--spike-file", str(self.spike_file),
+             "--watchdog-floor-s", str(WATCHDOG_FLOOR_S), *extra],
+            max_restarts=max_restarts, conf=FAST_CONF, entry=("-m", "tests._heal_job"))
+        self.every: list[Agent] = []
+        self.live: list[Agent] = []
+        for i in range(NODES):
+            self.start_agent(f"n{i}")
+
+    def start_agent(self, name: str) -> Agent:
+        agent = Agent(name, self.command, self.work / f"{name}.log")
+        self.every.append(agent)
+        self.live.append(agent)
+        return agent
+
+    # ---------------------------------------------------------------- reading the lines
+    def steps(self) -> list[tuple[float, int]]:
+        return [(t, int(x.rsplit(" ", 1)[1])) for a in self.every for t, x in a.seen(": STEP ")]
+
+    def max_step(self) -> int:
+        return max((s for _, s in self.steps()), default=0)
+
+    def wait_trained(self, min_step: int) -> None:
+        deadline = time.monotonic() + RESUME_TIMEOUT_S
+        while self.max_step() < min_step:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: no step {min_step} in time:\n"
+                                     + "\n".join(a.tail() for a in self.live))
+            time.sleep(0.1)
+
+    def readies_after(self, live: list[Agent], after: float) -> int:
+        return sum(1 for a in live for t, _ in a.seen(": READY ") if t > after)
+
+    def resumed(self, live: list[Agent], after: float, via: str) -> float | None:
+        """When the first step was trained after ``after``, once every ``live`` node
+        printed ``via`` (READY: restarted and restored; ROLLBACK) past it; None if not
+        within RESUME_TIMEOUT_S."""
+        deadline = time.monotonic() + RESUME_TIMEOUT_S
+        while time.monotonic() < deadline:
+            marks = [[t for t, _ in a.seen(f": {via} ") if t > after] for a in live]
+            if via == "STEP" or all(marks):
+                since = after if via == "STEP" else max(min(m) for m in marks)
+                firsts = [t for a in live for t, _ in a.seen(": STEP ") if t > since]
+                if firsts:
+                    return min(firsts)
+            time.sleep(0.05)
+        return None
+
+    def rank0(self) -> Agent:
+        """The live node whose newest worker is rank 0."""
+        newest = [(a.seen(": READY ")[-1], a) for a in self.live if a.seen(": READY ")]
+        return next(a for (_, x), a in newest if x.startswith("0:"))
+
+    # ---------------------------------------------------------------- injecting
+    def signal_worker(self, agent: Agent, sig: int) -> None:
+        """``sig`` to the agent's newest worker (its ``PID`` line)."""
+        pid = int(agent.seen(": PID ")[-1][1].rsplit(" ", 1)[1])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    def spike(self, step: int, kind: str) -> None:
+        tmp = self.spike_file.with_suffix(".tmp")
+        tmp.write_text(f"{step} {kind}\n")
+        os.replace(tmp, self.spike_file)
+
+    def corrupt_newest_chunk(self) -> Path:
+        """Overwrite the first bytes of the newest chunk file under the store."""
+        chunks = [p for p in (self.work / "ckpt").rglob("*") if p.is_file() and
+                  _CHUNK.match(p.name)]
+        assert chunks, f"no chunk file under {self.work / 'ckpt'}"
+        newest = max(chunks, key=lambda p: p.stat().st_mtime)
+        with open(newest, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(0)
+            f.write(b"\xde\xad\xbe\xef" * max(1, min(size, 64) // 4))
+        return newest
+
+    def _keep_ahead(self) -> None:
+        """Keep the stream AHEAD records ahead of what was trained (a full world's
+        steps: an overestimate when fewer nodes train), until finish()."""
+        while not self._done.wait(0.5):
+            with self._lock:
+                ahead = min(self.n, self.max_step() * NODES * BATCH + AHEAD)
+                if ahead > self.filled:
+                    with contextlib.suppress(redis.RedisError):  # Redis may be restarting
+                        cf.fill(self.redis.url, self.spec, ahead, start=self.filled,
+                                finish=False)
+                        self.filled = ahead
+
+    # ---------------------------------------------------------------- the verdict
+    def finish(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Publish the end, wait for the live nodes, read the ledger."""
+        self._done.set()
+        with self._lock:
+            cf.fill(self.redis.url, self.spec, self.filled, start=self.filled, finish=True)
+        codes: dict[str, int | None] = {}
+        for a in self.live:
+            try:
+                codes[a.name] = a.wait(timeout_s)
+            except AssertionError:
+                codes[a.name] = None
+        counts, _ = _ledger(self.work, self.n)
+        head, tail = counts[: self.filled], counts[self.filled:]
+        steps = self.steps()
+        first = min(t for t, _ in steps)
+        done = max((t for a in self.live for t, _ in a.seen(": DONE ")), default=time.time())
+        return {"finished": all(c == 0 for c in codes.values()), "exit_codes": codes,
+                "records": self.filled, "once": int((head == 1).sum()),
+                "lost": int((head == 0).sum()),
+                "duplicated": int((head - 1).clamp(min=0).sum()) + int(tail.sum()),
+                "wall_s": done - first, "incidents": _incidents(self.redis.url)}
+
+    def close(self) -> None:
+        self._done.set()
+        for a in self.every:
+            a.close()
+        self.redis.kill()
+
+
+def fault_free_rate(work: Path, steps: int = 120) -> float:
+    """Records/s of a fault-free job of the campaign's shape: first step to DONE."""
+    n = steps * NODES * BATCH
+    job = Job(work, "fault-free", reps=0, gap_s=0, records=n)
+    try:
+        verdict = job.finish()
+    finally:
+        job.close()
+    assert verdict["finished"] and verdict["once"] == n, verdict
+    return n / verdict["wall_s"]
+
+
+def crash_loop(work: Path, reps: int) -> dict[str, Any]:
+    """A bug at one step in every attempt: handled when the breaker stops the job with
+    exit 87 and a restart_loop incident, no record twice and none lost up to the newest
+    checkpoint (every step of a full world consumed NODES x BATCH records)."""
+    crash_at = 3 * FIRST_CKPT + 2
+    job = Job(work, "crash_loop", reps=reps, gap_s=0, records=NODES * BATCH * 40,
+              extra=("--crash-at", str(crash_at)), max_restarts=6)
+    try:
+        for a in job.live:
+            with contextlib.suppress(AssertionError):
+                a.wait(RESUME_TIMEOUT_S * 2)
+        stopped = all(any("exitcode  : 87" in x for _, x in a.lines) for a in job.live)
+        found = _incidents(job.redis.url)
+        counts, step = _ledger(work, job.n)
+    finally:
+        job.close()
+    trained = int(counts.sum())
+    return {"handled": stopped and any(i.get("cause") == "restart_loop" for i in found),
+            "lost": max(0, NODES * BATCH * step - int((counts == 1).sum())),
+            "duplicated": int((counts - 1).clamp(min=0).sum()), "trained": trained,
+            "newest_step": step, "incidents": found, "events": [], "once": trained,
+            "wall_s": 0.0, "finished": stopped}
+
