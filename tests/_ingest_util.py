@@ -123,3 +123,16 @@ def kill_at_random_points(url: str, spec: streams.DatasetSpec, total: int, kills
     finally:
         client.close()
     return landed
+
+
+async def push_marks(r: Any, dataset: str, partition: int) -> dict[bytes, bytes]:
+    """A partition's push marks (producer -> its last complete seq, and ``:acked``), with
+    each ``<producer>:last`` field (the seq, count and digest of that producer's last
+    complete batch) checked to name the producer's mark and then left out."""
+    fields: dict[bytes, bytes] = await r.hgetall(streams.seq_key(dataset, partition))
+    marks = {k: v for k, v in fields.items() if not k.endswith(b":last")}
+    for key, last in fields.items():
+        if key.endswith(b":last"):
+            producer = key[: -len(b":last")]
+            assert last.split(b":")[0] == marks[producer], (key, last, marks)
+    return marks

@@ -27,7 +27,7 @@ from ingest_service.push.ingest import choose_partition
 from ingest_service.service.app import create_app
 from ingest_service.service.auth import PushTokens
 from ingest_service.service.config import IngestConfig
-from tests._ingest_util import until, write_jsonl
+from tests._ingest_util import push_marks, until, write_jsonl
 from tests.servers import RedisServer, free_port
 from trainguard.core import streams
 
@@ -161,7 +161,7 @@ async def test_push_retry_is_appended_once_and_producers_keep_their_sequences(
 
         await asyncio.gather(producer("a", 1), producer("b", 0))
     entries = await r.xrange(streams.partition_key("rl", 0))
-    marks = await r.hgetall(streams.seq_key("rl", 0))
+    marks = await push_marks(r, "rl", 0)
     await r.aclose()
     got = [streams.decode_record(f) for _, f in entries]
     assert len(got) == 2 + 2 * 20 * 2
@@ -193,7 +193,7 @@ async def test_a_batch_of_several_slices_is_appended_once_after_redis_lost_its_s
     entries = await r.xrange(streams.partition_key("rl", 0))
     assert [streams.decode_record(f) for _, f in entries] == [b"warm", *batch, b"next"]
     assert reply["first_id"] == entries[1][0].decode() and reply["last_id"] == entries[600][0].decode()
-    assert await r.hgetall(streams.seq_key("rl", 0)) == {b"a": b"2", b":acked": b"3"}
+    assert await push_marks(r, "rl", 0) == {b"a": b"2", b":acked": b"3"}
     await r.aclose()
 
 
@@ -224,7 +224,7 @@ async def test_push_follows_a_dataset_recreated_with_other_partitions(
     entries = await r.xrange(streams.partition_key("rl", p))
     assert [streams.decode_record(f) for _, f in entries] == ["new"]
     assert await r.xlen(streams.partition_key("rl", 0)) == 0
-    assert await r.hgetall(streams.seq_key("rl", p)) == {producer.encode(): b"0", b":acked": b"1"}
+    assert await push_marks(r, "rl", p) == {producer.encode(): b"0", b":acked": b"1"}
     assert await r.hgetall(streams.seq_key("rl", 0)) == {producer.encode(): b"5"}
     await r.aclose()
 
