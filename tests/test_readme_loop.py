@@ -3,7 +3,8 @@ same as examples/quickstart.py) is a complete training loop: run as it is, on on
 rank and on two ranks whose partitions hold different amounts of data, it finishes
 (exit 0 on every rank) with every record of both epochs consumed exactly once: the
 final checkpoint's offsets are each partition's last record, its batch counts are
-what one pass over every partition cuts, and nothing is left pending.
+what each worker's pass over its partitions cuts (each batch counted for the
+partition that led it), and nothing is left pending.
 
 """
 
@@ -25,7 +26,7 @@ from tests.test_session_loop import fill_epochs
 from trainguard.core import streams
 
 ROOT = Path(__file__).resolve().parents[1]
-P, N = 3, 600  # per epoch: 200 records a partition, 7 batches of 32 (the last short)
+P, N = 3, 600  # per epoch: 200 records a partition
 TEXT = np.frombuffer((ROOT / "README.md").read_bytes(), dtype=np.uint8)
 
 
@@ -81,10 +82,15 @@ def test_readme_loop_runs_and_trains_every_record_once(redis_server, tmp_path, w
     rec = manifest.extra["trainguard"]
     ends = {p: streams.make_id(1, N // P - 1) for p in range(P)}
     assert streams.offsets_from_wire(rec["offsets"]) == ends
-    assert rec["batches"] == {str(p): 2 * 7 for p in range(P)}
-    # One rank: 42 batches. Two: rank 0 reads two partitions (28 batches), rank 1 one
-    # (14, then 14 empty ones): both loops ran 28 steps.
-    assert manifest.step == (42 if world == 1 else 28)
+    # Batches span a worker's partitions; each counts for the partition that led it.
+    # One rank: worker 0 reads partitions 0 and 2 (400 records an epoch: 13 batches,
+    # the last short, led in turn by 0 and 2) and worker 1 partition 1 (7 batches):
+    # 2 x (13 + 7) = 40 steps. Two ranks: rank 0's workers read partitions 0 and 2
+    # (7 batches an epoch each, 28 steps), rank 1 reads partition 1 (14, then 14
+    # empty ones): both loops ran 28 steps.
+    led = {0: 13, 1: 14, 2: 13} if world == 1 else {p: 2 * 7 for p in range(P)}
+    assert rec["batches"] == {str(p): n for p, n in led.items()}
+    assert manifest.step == (40 if world == 1 else 28)
     client = redis.Redis.from_url(redis_server.url)
     for p in range(P):
         assert client.xpending(streams.partition_key("tokens", p), "exp42")["pending"] == 0
