@@ -252,7 +252,8 @@ def deep_read(t: Target, args: argparse.Namespace, *, deterministic: bool) -> di
     """A StreamingDataset reading ``--deep-partitions`` long partitions to their end: many
     entries per XREADGROUP, as when a worker owns one partition or a few (the projected
     shape) rather than thousands with a record each. Greedy reads ask every partition
-    in each read; deterministic ones read one partition's next batch at a time."""
+    in each read; deterministic ones ask, in one round trip, every partition whose next
+    records are not read ahead yet, a batch of each (see docs/guides/batches.md)."""
     client = redis_client.client(t.url)
     keys = [streams.partition_key(DEEP, p) for p in range(args.deep_partitions)]
     mem0, calls0 = key_bytes(client, keys), t.calls()
@@ -288,8 +289,8 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
     sample = range(min(MEMORY_SAMPLE, args.partitions))
     before = sum(key_bytes(client, group_keys(p, run)) for p in sample)
     mem0 = t.used_memory()
-    # Greedy: each read asks every partition (deterministic reads go one partition at a
-    # time: see the deep reads).
+    # Greedy: each read asks every partition (deterministic reads ask those whose next
+    # records are not read ahead: see the deep reads).
     session = TrainingSession(t.url, dataset=DATASET, run=run, store=store, keep_last=2,
                               deterministic=False)
     state = {"model": torch.nn.Linear(8, 8)}

@@ -42,8 +42,11 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
         assert fig["deep_read"]["pending_bytes_per_entry"] > 0
         assert (fig["deep_ingest"]["records"] == fig["deep_read"]["records"]
                 == fig["deep_read_deterministic"]["records"] == 4 * 32)
-        # Deterministic reads go one partition (its next batch) at a time.
-        assert fig["deep_read_deterministic"]["partitions_per_read"] == 1
+        # A deterministic read asks, in one round trip, every partition whose next
+        # records are not read ahead yet, a batch of each: batches led in turn use up
+        # the 4 heads together, so each read asks all 4 partitions for BATCH entries.
+        assert fig["deep_read_deterministic"]["partitions_per_read"] == 4
+        assert fig["deep_read_deterministic"]["entries_per_xreadgroup"] == BATCH
         read = fig["read"]
         assert read["records"] == ROUNDS * P
         # One read per round asks every partition, and each is sent ahead of its round
