@@ -28,8 +28,9 @@ import train_gpt  # noqa: E402
 
 SEQ = 32
 N = 480  # 4 partitions of 120 records: 60 steps of 8, checkpoints every 10
-TEXT = np.frombuffer((ROOT / "README.md").read_bytes() + (ROOT / "ARCHITECTURE.md").read_bytes(),
-                     dtype=np.uint8)
+# A text that does not change with the docs (the README's rewrite once made its last
+# steps' batches harder than its first, failing the "loss goes down" check).
+TEXT = np.frombuffer((ROOT / "LICENSE").read_bytes(), dtype=np.uint8)
 
 
 def _window(i: int) -> np.ndarray:
