@@ -142,7 +142,9 @@ def test_sigstopped_rank_is_detected_and_the_job_recovers_training_each_record_o
     assert hang["detected_by"] == "watchdog" and hang["world_before"] == 2
     (report,) = hang["reports"]
     assert report["rank"] == 0 and report["suspects"] == [1] and report["phase"] == "train"
-    assert report["limit_s"] == 1.5 and report["stalled_s"] > report["limit_s"]  # why it fired
+    # Why it fired: the stall passed the limit, k x p99 of the steps measured, never
+    # below the 1.5 s floor (a loaded machine's slow steps may raise it above).
+    assert report["limit_s"] >= 1.5 and report["stalled_s"] > report["limit_s"]
     assert any("all_reduce" in "".join(frames) for frames in report["stacks"].values())
     assert hang["detection_latency_s"] > 0 and hang["failed_at"] < hang["detected_at"]
     rec = hang["recovery"]
