@@ -80,7 +80,15 @@ demo: setup
 
 # docker compose with secrets: .env is written once from .env.example, each CHANGE_ME a
 # fresh random value (an existing .env is kept as it is).
+# Compose v2 (the `docker compose` plugin) reads this file; compose v1 (`docker-compose`
+# 1.x, Debian's package) cannot, and without the plugin docker's own error is
+# "unknown shorthand flag: 'd'", which says nothing of what is missing.
 compose: .env
+	@docker compose version >/dev/null 2>&1 || { \
+	  echo "make compose: 'docker compose version' failed: this needs Docker with the compose v2 plugin." >&2; \
+	  echo "  Install Docker Engine with docker-compose-plugin (https://docs.docker.com/compose/install/linux/);" >&2; \
+	  echo "  compose v1 (docker-compose 1.x) cannot read docker-compose.yml. Or run without Docker: make demo." >&2; \
+	  exit 2; }
 	docker compose up -d
 
 .env:
