@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from trainguard.core import lists
+
 __all__ = ["STATUS_NAMES", "nodes_health", "parse_probes", "summarize_metrics"]
 
 STATUS_NAMES = ("OK", "WARN", "CRITICAL")
@@ -27,13 +29,13 @@ MAX_METRICS_BYTES = 1 << 20
 
 def parse_probes(text: str) -> dict[str, str]:
     """``"a=http://h:9400,b=http://g:9400"`` -> {node: URL}."""
-    out: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, url = item.partition("=")
-        if not sep or not name.strip() or not url.strip().startswith(("http://", "https://")):
-            raise ValueError(
-                f"probe {item!r} is not valid: expected node=http://host:port, comma-separated")
-        out[name.strip()] = url.strip().rstrip("/")
+    expected = "node=http://host:port"
+    out = lists.pairs(text, what="probe", expected=expected)
+    for name, url in out.items():
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"probe {f'{name}={url}'!r} is not valid: expected {expected}, "
+                             "comma-separated")
+        out[name] = url.rstrip("/")
     return out
 
 
