@@ -57,7 +57,7 @@ from ingest_service.errors import (
 )
 from ingest_service.push.body import BatchDigest
 from ingest_service.push.ledger import ACKED_FIELD, AckLedger
-from ingest_service.push.refusals import complete_mismatch, mismatch, out_of_order, text
+from ingest_service.push.refusals import mismatch, out_of_order, text
 from trainguard.core import groups, streams
 
 __all__ = [
@@ -364,10 +364,8 @@ class PushIngest:
         if status == -1:
             mark_text = text(replies[0][1])
             raise out_of_order(seq, int(mark_text) if mark_text else None)
-        if status == -3:
+        if status in (-3, -4):
             raise mismatch(seq, len(records), digest, replies[0])
-        if status == -4:
-            raise complete_mismatch(seq, len(records), digest, replies[0])
         backlog = self._backlogs.get((spec.name, p))
         count, first, last, acked = 0, None, None, 0
         for (_, end), reply in zip(slices, replies, strict=True):
