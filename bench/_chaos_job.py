@@ -52,7 +52,7 @@ def _incidents(url: str) -> list[dict[str, Any]]:
         raw = r.hgetall(inc.incidents_key("heal", "job"))
     finally:
         r.close()
-    docs = [inc.loads(v) for k, v in raw.items() if k != b"seq"]
+    docs = inc.documents(raw).values()
     return sorted(docs, key=lambda d: str(d.get("attempt")))
 
 

@@ -91,7 +91,7 @@ def _incidents(url: str) -> list[dict[str, object]]:
         raw = r.hgetall(inc.incidents_key("el", "exp"))
     finally:
         r.close()
-    return [inc.loads(v) for k, v in raw.items() if k != b"seq"]
+    return list(inc.documents(raw).values())
 
 
 def test_a_node_that_comes_back_is_admitted_at_the_next_round(
