@@ -17,9 +17,8 @@ import redis
 from checkpoint_store import CheckpointStore
 from tests import _client_fill as cf
 from tests._client_train import make_state
-from tests._elastic_agents import FAST_CONF, Agent, agent_command
+from tests._elastic_agents import FAST_CONF, Agent, agent_command, read_incidents
 from tests.servers import RedisServer
-from trainguard.core import incidents as inc
 
 __all__ = ["FIRST_CKPT", "Agent", "Job", "crash_loop", "fault_free_rate"]
 
@@ -44,16 +43,6 @@ def _ledger(work: Path, n: int) -> tuple[Any, int]:
         store.close()
     assert manifest is not None, f"no checkpoint was committed under {work}"
     return model.counts.clone(), int(manifest.step)
-
-
-def _incidents(url: str) -> list[dict[str, Any]]:
-    r = redis.Redis.from_url(url)
-    try:
-        raw = r.hgetall(inc.incidents_key("heal", "job"))
-    finally:
-        r.close()
-    docs = [inc.loads(v) for k, v in raw.items() if k != b"seq"]
-    return sorted(docs, key=lambda d: str(d.get("attempt")))
 
 
 class Job:
@@ -190,7 +179,7 @@ class Job:
                 "records": self.filled, "once": int((head == 1).sum()),
                 "lost": int((head == 0).sum()),
                 "duplicated": int((head - 1).clamp(min=0).sum()) + int(tail.sum()),
-                "wall_s": done - first, "incidents": _incidents(self.redis.url)}
+                "wall_s": done - first, "incidents": read_incidents(self.redis.url, "heal", "job")}
 
     def close(self) -> None:
         self._done.set()
@@ -223,7 +212,7 @@ def crash_loop(work: Path, reps: int) -> dict[str, Any]:
             with contextlib.suppress(AssertionError):
                 a.wait(RESUME_TIMEOUT_S * 2)
         stopped = all(any("exitcode  : 87" in x for _, x in a.lines) for a in job.live)
-        found = _incidents(job.redis.url)
+        found = read_incidents(job.redis.url, "heal", "job")
         counts, step = _ledger(work, job.n)
     finally:
         job.close()

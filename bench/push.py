@@ -50,7 +50,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +67,7 @@ from ingest_service.datasets import create_dataset, delete_dataset  # noqa: E402
 from ingest_service.push.ingest import choose_partition  # noqa: E402
 from tests.servers import RedisServer, free_port  # noqa: E402
 from trainguard.core import streams  # noqa: E402
+from trainguard.core.process import http_ready, wait_until  # noqa: E402
 
 TOKEN = "bench-producer-token-0123456789"
 OTHER_TOKEN = "bench-hostile-token-0123456789"
@@ -235,16 +235,13 @@ def worst_case_body(limit: int) -> bytes:
 
 
 def wait_ready(base: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    def up() -> bool:
         if proc.poll() is not None:
             raise RuntimeError("trainguard serve exited")
-        try:
-            with urllib.request.urlopen(f"{base}/readyz", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("trainguard serve did not become ready")
+        return http_ready(f"{base}/readyz")
+
+    if not wait_until(up, 60):
+        raise RuntimeError("trainguard serve did not become ready")
 
 
 def summary(lat: list[float]) -> str:

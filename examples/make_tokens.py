@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from ingest_service.datasets import create_dataset
 from trainguard.core.streams import DatasetSpec
 from trainguard.core.urls import redact_url
-from trainguard.ops.demo import write_dataset
+from trainguard.ops.demo_stack import write_dataset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

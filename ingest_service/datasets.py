@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from redis.asyncio import Redis
 
-from ingest_service.errors import DatasetExistsError, DatasetNotFoundError
+from ingest_service.errors import DatasetExistsError
 from trainguard.core import streams
 
 __all__ = [
@@ -62,12 +62,7 @@ async def describe_dataset(redis: Redis, name: str) -> streams.DatasetSpec:
 def spec_from_hash(name: str, raw: Mapping[bytes | str, bytes | str]) -> streams.DatasetSpec:
     """The spec stored as ``raw`` (the meta hash of dataset ``name``); raises
     DatasetNotFoundError when the hash is empty."""
-    if not raw:
-        raise DatasetNotFoundError(
-            f"dataset {name!r} is not registered in Redis: create it first "
-            "(trainguard ingest --dataset ... --source ...)"
-        )
-    return streams.DatasetSpec.from_redis(raw)
+    return streams.DatasetSpec.of_meta(name, raw)
 
 
 async def delete_dataset(redis: Redis, name: str) -> None:

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from ingest_service.errors import BadRequest, NotFound, Refused
 from trainguard.core import streams
-from trainguard.core.streams import ContractError, DatasetSpec
+from trainguard.core.streams import ContractError, DatasetNotFoundError, DatasetSpec
 
 __all__ = [
     "BYTES_METHOD",
@@ -54,15 +54,10 @@ def _check_dataset_name(dataset: str) -> None:
 async def dataset_spec(r: aioredis.Redis, dataset: str) -> DatasetSpec:
     """The dataset's spec; NotFound when it is not registered."""
     _check_dataset_name(dataset)
-    raw = await r.hgetall(streams.meta_key(dataset))
-    if not raw:
-        raise NotFound(
-            "dataset_not_found",
-            f"dataset {dataset!r} does not exist in this Redis: expected one of the names "
-            "`trainguard datasets ls` lists; create it with `trainguard datasets create`",
-        )
     try:
-        return DatasetSpec.from_redis(raw)
+        return DatasetSpec.of_meta(dataset, await r.hgetall(streams.meta_key(dataset)))
+    except DatasetNotFoundError as exc:
+        raise NotFound("dataset_not_found", str(exc)) from exc
     except (ContractError, ValueError, TypeError) as exc:
         raise Refused(
             "dataset_unreadable", f"metadata of dataset {dataset!r} cannot be read: {exc}"

@@ -11,24 +11,14 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from trainguard import redisio
 from trainguard.core import redis_url
 
 __all__ = ["FAILOVER_ERRORS", "TRANSIENT", "client", "is_cluster", "node_name", "pool_for", "refresh"]
 
 
-FAILOVER_ERRORS: tuple[type[Exception], ...] = (
-    redis_errors.ClusterDownError, redis_errors.TryAgainError, redis_errors.ReadOnlyError,
-    redis_errors.MovedError, redis_errors.AskError, redis_errors.ClusterError,
-)
-"""What a Redis Cluster answers during a failover (no master for a slot yet, a write
-to a demoted master, a slot moved under one of our own connections, redis-py's own
-retries used up): transient, like a connection error."""
-
-
-TRANSIENT: tuple[type[Exception], ...] = (
-    redis_errors.ConnectionError, redis_errors.TimeoutError, *FAILOVER_ERRORS,
-)
-"""Errors after which the same call may succeed: a lost connection, a failover."""
+# The transient errors are the Redis floor's, one list for every part.
+FAILOVER_ERRORS, TRANSIENT = redisio.FAILOVER_ERRORS, redisio.TRANSIENT
 
 
 def client(url: str, *, queue_timeout_s: float | None = None, **kwargs: Any) -> Redis:

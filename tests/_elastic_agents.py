@@ -21,6 +21,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+from trainguard.core import incidents as inc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,6 +146,18 @@ def wait_for(agents: list[Agent], needle: str, *, count: int = 1, timeout_s: flo
             tails = "\n---\n".join(f"{a.name}:\n{a.tail()}" for a in agents)
             raise AssertionError(f"every agent exited before {needle!r}:\n{tails}")
         time.sleep(0.02)
+
+
+def read_incidents(url: str, dataset: str, run: str) -> list[dict[str, Any]]:
+    """The incidents a job recorded in Redis, by attempt."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        docs = inc.documents(r.hgetall(inc.incidents_key(dataset, run))).values()
+    finally:
+        r.close()
+    return sorted(docs, key=lambda d: int(d.get("attempt") or 0))
 
 
 def rank0_agent(agents: list[Agent]) -> Agent:

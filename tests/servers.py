@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.core.process import free_port
+from trainguard.core.process import free_port, wait_until
 
 PERSISTENCE = ("none", "everysec", "always")
 
@@ -25,14 +25,15 @@ PERSISTENCE = ("none", "everysec", "always")
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode} before listening")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.02)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s} s")
+            return True
+        return False
+
+    if not wait_until(listening, timeout_s, interval_s=0.02):
+        raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s} s")
 
 
 class RedisServer:

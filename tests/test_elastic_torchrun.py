@@ -20,13 +20,11 @@ import random
 from pathlib import Path
 
 import pytest
-import redis
 
 from tests import _client_fill as cf
 from tests._client_ledger import assert_each_once, final_counts
-from tests._elastic_agents import Agent, agent_command, rank0_agent, wait_for
+from tests._elastic_agents import Agent, agent_command, rank0_agent, read_incidents, wait_for
 from tests.servers import RedisServer
-from trainguard.core import incidents as inc
 
 P = 6
 
@@ -76,22 +74,13 @@ def test_killing_the_first_node_leaves_the_others_to_finish_exactly_once(
         assert_each_once(counts)  # type: ignore[arg-type]
         # The incident splits the restart where the round closed (the handler's mark,
         # inherited by the workers): rendezvous, then spawn, both measured.
-        incident = min(_incidents(url), key=lambda i: int(i["attempt"]))  # type: ignore[call-overload]
+        incident = read_incidents(url, "el", "exp")[0]
         phases = incident["recovery"]["phases_s"]
         assert "restart" not in phases and phases["rendezvous"] is not None, phases
         assert phases["spawn"] is not None and phases["spawn"] >= 0, phases
     finally:
         for a in agents:
             a.close()
-
-
-def _incidents(url: str) -> list[dict[str, object]]:
-    r = redis.Redis.from_url(url)
-    try:
-        raw = r.hgetall(inc.incidents_key("el", "exp"))
-    finally:
-        r.close()
-    return [inc.loads(v) for k, v in raw.items() if k != b"seq"]
 
 
 def test_a_node_that_comes_back_is_admitted_at_the_next_round(

@@ -155,3 +155,26 @@ def test_daemon_serves_and_stops_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_service_reads_what_the_daemon_writes(
+    served: tuple[HealthMonitor, ProbeServer], gpu: FakeGpu
+) -> None:
+    """The probe metrics are one contract (``trainguard.core.probe_metrics``): the
+    service's reader turns the daemon's own /metrics into the monitor's report, node
+    status, per-GPU status, the failing signal and every reading."""
+    from ingest_service.service.gpu_health import summarize_metrics
+
+    monitor, server = served
+    gpu.ecc_uncorrected = 3
+    report = monitor.probe_now()
+    code, text = fetch(server.url + "/metrics")
+    assert code == 200
+    node = summarize_metrics(text)
+    assert node["status"] == "CRITICAL" and node["no_gpu"] is False
+    assert node["taken_at"] == report.taken_at
+    [seen] = node["gpus"]
+    assert seen["gpu"] == 0 and seen["status"] == "CRITICAL"
+    assert seen["problems"] == ["ecc_uncorrected: CRITICAL"]
+    readings = {k: v for check in report.gpus[0].checks for k, v in check.values.items()}
+    assert seen["readings"] == readings

@@ -28,7 +28,7 @@ from trainer_client import _rng, redis_client
 from trainer_client._reader import LIB_VERSION, Reader, ReadSpec
 from trainer_client._stacking import Segment, decode_records, positions, stack_arrays, take
 from trainer_client.batch import Batch
-from trainer_client.errors import DatasetNotFoundError, SessionBypassedError
+from trainer_client.errors import SessionBypassedError
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
 from trainguard.core import streams
 
@@ -36,14 +36,7 @@ __all__ = ["Batch", "StreamingDataset", "load_spec"]
 
 
 def load_spec(client: redis.Redis, dataset: str) -> streams.DatasetSpec:
-    raw = client.hgetall(streams.meta_key(dataset))
-    if not raw:
-        raise DatasetNotFoundError(
-            f"dataset {dataset!r} does not exist in Redis (expected its metadata at "
-            f"{streams.meta_key(dataset)!r}): create it with the ingest service first, "
-            "or check the Redis URL and the dataset name"
-        )
-    return streams.DatasetSpec.from_redis(raw)
+    return streams.DatasetSpec.of_meta(dataset, client.hgetall(streams.meta_key(dataset)))
 
 
 

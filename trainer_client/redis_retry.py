@@ -17,8 +17,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar
 
-import redis.exceptions
-
+from trainguard import redisio
 from trainguard.core.resilience import CircuitBreaker, Retrier, RetryPolicy
 
 __all__ = [
@@ -39,23 +38,9 @@ REDIS_POLICY = RetryPolicy(attempts=None, timeout_s=900.0, wait_max_s=10.0)
 """Redis outages (restart, failover, AOF reload) take seconds to minutes: keep trying
 for up to 15 minutes, then let the error surface so the orchestrator restarts us."""
 
-REDIS_RETRY_ON: tuple[type[Exception], ...] = (
-    redis.exceptions.ConnectionError,  # includes BusyLoadingError (Redis loading AOF)
-    redis.exceptions.TimeoutError,
-    ConnectionError,
-    TimeoutError,
-    # A Redis Cluster in a failover: no master for a slot yet (CLUSTERDOWN, MASTERDOWN,
-    # TRYAGAIN), a write reaching a demoted master (READONLY), a slot moved under a
-    # connection of our own (MOVED, ASK: redis-py follows these on its own connections),
-    # or redis-py's own retries used up (ClusterError).
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.MovedError,
-    redis.exceptions.AskError,
-    redis.exceptions.ClusterError,
-)
-"""Transient Redis errors, on one server or a cluster."""
+REDIS_RETRY_ON: tuple[type[Exception], ...] = (*redisio.TRANSIENT, ConnectionError, TimeoutError)
+"""Transient Redis errors, on one server or a cluster (the Redis floor's), and the
+built-in ones a socket raises under redis-py."""
 
 
 def redis_breaker(name: str = "redis", **kwargs: Any) -> CircuitBreaker:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Any
 
-from trainguard.core import settings
+from trainguard.core import lists, settings
 from trainguard.core.exit_codes import EXIT_HUNG
 from trainguard.core.incidents import HANG
 
@@ -104,11 +104,12 @@ class WatchdogConfig:
             return cls(enabled=False)
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}
-        for item in text.split(","):
-            key, sep, value = item.strip().partition("=")
-            if not sep or key not in types:
-                raise ValueError(f"{WATCHDOG_ENV}={text!r}: {item.strip()!r} is not "
-                                 f"key=value of {sorted(types)} (or 'off')")
+        expected = f"key=value of {sorted(types)} (or 'off')"
+        for key, value in lists.pairs(text, what=f"{WATCHDOG_ENV} item",
+                                      expected=expected).items():
+            if key not in types:
+                raise ValueError(f"{WATCHDOG_ENV}={text!r}: {f'{key}={value}'!r} is not "
+                                 f"{expected}")
             kind = types[key]
             try:
                 values[key] = (value.lower() in ("1", "true", "on") if kind == "bool"

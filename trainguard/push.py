@@ -39,6 +39,7 @@ from typing import Any
 
 import msgpack
 
+from trainguard.core import push_wire
 from trainguard.core.errors import TrainguardError
 
 __all__ = ["Producer", "PushDataLostError", "PushError", "PushRefusedError", "PushReply"]
@@ -93,10 +94,9 @@ class Producer:
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"base_url {base_url!r} is not valid: expected http(s)://host[:port]")
         self._url = url
-        self._path = (f"{url.path.rstrip('/')}/v1/datasets/{urllib.parse.quote(dataset, safe='')}"
-                      "/records")
+        self._path = f"{url.path.rstrip('/')}{push_wire.records_path(dataset)}"
         self.dataset, self.producer_id = dataset, producer_id
-        self._headers = {"Content-Type": "application/msgpack"}
+        self._headers = {"Content-Type": push_wire.MSGPACK_TYPE}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
@@ -128,7 +128,8 @@ class Producer:
         self.close()
 
     def _post(self, seq: int, body: bytes) -> tuple[int, dict[str, Any], str | None]:
-        query = urllib.parse.urlencode({"producer_id": self.producer_id, "seq": seq})
+        query = urllib.parse.urlencode({push_wire.PRODUCER_ID: self.producer_id,
+                                        push_wire.SEQ: seq})
         conn = self._connection()
         try:
             conn.request("POST", f"{self._path}?{query}", body=body, headers=self._headers)
@@ -160,14 +161,14 @@ class Producer:
         appended: a skip-ahead is never stored). Raises PushDataLostError when the
         service answers that Redis lost batches it acknowledged (``next_seq`` is set
         to go on after the mark all the same)."""
-        status, payload, _ = self._send_with_retries(2**53 - 1, msgpack.packb([None]))
+        status, payload, _ = self._send_with_retries(push_wire.PROBE_SEQ, msgpack.packb([None]))
         error = payload.get("error", {})
         if status != 409 or "mark" not in error:
             raise PushError(f"the service did not say this producer's mark (answer {status}: "
                             f"{error or payload})")
         mark = error["mark"]
         self.next_seq = 0 if mark is None else int(mark) + 1
-        if error.get("code") == "lost_acknowledged_data":
+        if error.get("code") == push_wire.LOST_ACKNOWLEDGED_DATA:
             self._lost(mark, int(error.get("acknowledged", -1)), str(error.get("message", "")))
         self._acked = None if mark is None else int(mark)
         return self.next_seq
@@ -203,11 +204,11 @@ class Producer:
         if status == 409:
             error = payload.get("error", {})
             code, mark = error.get("code"), error.get("mark")
-            if code == "lost_acknowledged_data":
+            if code == push_wire.LOST_ACKNOWLEDGED_DATA:
                 acked = max(int(error.get("acknowledged", -1)), -1 if self._acked is None
                             else self._acked)
                 self._lost(mark, acked, str(error.get("message", "")))
-            if code == "batch_mismatch":
+            if code == push_wire.BATCH_MISMATCH:
                 raise PushRefusedError(409, code, str(error.get("message", error)))
             if self._acked is not None and (mark is None or int(mark) < self._acked):
                 # The service acknowledged up to _acked, and now its mark is lower: Redis

@@ -18,7 +18,13 @@ from collections.abc import Mapping
 from redis.asyncio import Redis
 
 from ingest_service._resp import honour_cancel
-from ingest_service.backlog import Backlog, BacklogLimits, min_committed, read_offsets
+from ingest_service.backlog import (
+    Backlog,
+    BacklogLimits,
+    apply_retention,
+    min_committed,
+    read_offsets,
+)
 from ingest_service.errors import StreamLostError
 from ingest_service.metrics import IngestMetrics
 from trainguard.core import streams
@@ -54,6 +60,22 @@ class Backpressure:
                 self._committed = await read_offsets(self.redis, self.spec.name, "committed")
                 self._committed_at = now
             return self._committed
+
+    async def maintain(self) -> dict[int, streams.StreamId]:
+        """One maintenance pass: every backlog advanced to the groups' new commits, the
+        partitions trimmed to the retention floors, the length gauges exported; returns
+        the floors trimmed to (where a refill starts when Redis lost a stream)."""
+        committed = await self.committed(force=True)
+        for p in range(self.spec.partitions):
+            self.advance(p, committed)
+        floors = await apply_retention(self.redis, self.spec, self.limits)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for p in range(self.spec.partitions):
+                pipe.xlen(streams.partition_key(self.spec.name, p))
+            lengths = await pipe.execute()
+        for p, n in enumerate(lengths):
+            self.metrics.backlog.labels(dataset=self.spec.name, partition=str(p)).set(n)
+        return floors
 
     def advance(self, p: int, committed: Mapping[str, Mapping[int, str]]) -> None:
         """Drop from ``p``'s backlog what every group committed."""

@@ -43,20 +43,24 @@ from redis.asyncio import Redis
 from redis.driver_info import DriverInfo
 
 from ingest_service import _lua, redis_client
-from ingest_service._resp import Link, bulk, xadd_records
-from ingest_service.backlog import (
-    BacklogLimits,
-    apply_retention,
-    min_committed,
-)
+from ingest_service._resp import Link, bulk
+from ingest_service.backlog import BacklogLimits, min_committed
 from ingest_service.datasets import create_dataset
 from ingest_service.errors import StreamLostError
 from ingest_service.metrics import IngestMetrics
+from ingest_service.producer.appending import Links, append_batch, check_end
 from ingest_service.producer.backpressure import Backpressure
-from ingest_service.producer.batching import DATA, BatchQueue, ByteBudget, first_batch
+from ingest_service.producer.batching import (
+    DATA,
+    BatchLimits,
+    BatchQueue,
+    ByteBudget,
+    hand_out_epoch,
+)
 from ingest_service.producer.dead_letters import append_dead_letters
+from ingest_service.producer.finishing import mark_done, wait_finished
 from ingest_service.producer.leases import LEASE_MS, PartitionLeases
-from ingest_service.sources.planner import PlanChunk, PlannedDeadLetter, plan_spec_chunks
+from ingest_service.sources.planner import PlannedDeadLetter, plan_spec_chunks
 from ingest_service.sources.records import GoodRecord
 from trainguard.core import streams
 from trainguard.core.resilience import Backoff, RetryPolicy
@@ -146,10 +150,7 @@ class Producer:
         self.leases.on_change = self._halt.set
         self._run_id: str | None = None
         self._labels = {"dataset": spec.name}
-        # Local and in-memory sources are read on the event loop, in chunks: a reader
-        # thread would only compete with the loop for the GIL (a hand-off after every
-        # socket call). Remote sources are read in a thread, so that a slow network
-        # read does not stall the writers.
+        # Local and in-memory sources are read on the event loop (see hand_out_epoch).
         self._inline_reads = fsspec.utils.get_protocol(spec.source) in ("file", "local", "memory")
 
     # ------------------------------------------------------------------ public
@@ -214,18 +215,11 @@ class Producer:
 
     async def _wait_for_others(self) -> bool:
         """This producer's partitions are done, others' are not: wait until the dataset
-        is finished (True) or this producer's leases change (False: a take-over)."""
-        while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.leases.changed.wait(), self.leases.interval_s)
-            if self.leases.changed.is_set():
-                return False
-            finished = await self.redis.hget(streams.progress_key(self.spec.name),
-                                             streams.PROGRESS_FINISHED)
-            if finished == b"1":
-                self.progress.finished = True
-                return True
-        return True
+        is finished or stopped (True) or this producer's leases change (False)."""
+        finished = await wait_finished(self.redis, self.spec, self.leases, self._stop)
+        if finished:
+            self.progress.finished = True
+        return finished is not False
 
     # ------------------------------------------------------------------ sync
 
@@ -323,17 +317,8 @@ class Producer:
                 await self.redis.hset(progress_key, streams.PROGRESS_EPOCHS_DONE, str(epoch + 1))
         if not self.spec.finite or self._stop.is_set():
             return "done"
-        # Each producer marks its own partitions done (with their ends); the one that
-        # finds every partition done marks the dataset finished.
-        marks: dict[Any, Any] = {streams.progress_done_field(p): b"1" for p in owned}
-        marks |= {streams.progress_end_field(p): streams.format_id(pos).encode()
-                  for p in owned if (pos := self._position[p]) is not None}
-        await self.redis.hset(progress_key, mapping=marks)
-        progress = await self.redis.hgetall(progress_key)
-        if any(streams.progress_done_field(p) not in progress
-               for p in range(self.spec.partitions)):
+        if not await mark_done(self.redis, self.spec, owned, self._position):
             return "wait"
-        await self.redis.hset(progress_key, streams.PROGRESS_FINISHED, b"1")
         self.progress.finished = True
         return "done"
 
@@ -370,70 +355,21 @@ class Producer:
 
     async def _read_epoch(self, epoch: int, queues: list[BatchQueue], budget: ByteBudget,
                           owned: frozenset[int]) -> bool:
-        """Plan the epoch and hand each partition its batches. Memory: the shuffle buffer,
-        one chunk, and at most ``max_inflight_bytes`` of batches not yet appended (the
-        pending ones are flushed early when they would pass half of it)."""
-        spec = self.spec
-        partitions = spec.partitions
-        chunks = plan_spec_chunks(spec, epoch, self.storage_options)
-        next_index = [self._next_index(p, epoch, owned) for p in range(partitions)]
+        """Plan the epoch and hand each partition's missing records to the writers."""
+        chunks = plan_spec_chunks(self.spec, epoch, self.storage_options)
+        next_index = [self._next_index(p, epoch, owned) for p in range(self.spec.partitions)]
         if min(next_index) == _NEVER:
             return True  # every partition is past this epoch
-        pending: list[list[GoodRecord]] = [[] for _ in range(partitions)]
-        pending_first = [0] * partitions
-        pending_bytes = [0] * partitions
-        pending_total = 0
-
-        async def hand_over(p: int, count: int, size: int) -> None:
-            nonlocal pending_total
-            batch = pending[p][:count]
-            del pending[p][:count]
-            await budget.take(size)
-            queues[p % len(queues)].put_nowait((p, pending_first[p], batch, size))
-            pending_first[p] += count
-            pending_bytes[p] -= size
-            pending_total -= size
-
-        while not self._halted():
-            chunk: PlanChunk | None
-            if self._inline_reads:
-                chunk = next(chunks, None)
-                await asyncio.sleep(0)  # let the writers run between chunks
-            else:
-                chunk = await asyncio.to_thread(next, chunks, None)
-            if chunk is None:
-                break
-            for p, index, records in chunk.by_partition(partitions):
-                skip = next_index[p] - index
-                if skip > 0:  # already in the partition (a resumed run)
-                    records = records[skip:]
-                    index += skip
-                    if not records:
-                        continue
-                if not pending[p]:
-                    pending_first[p] = index
-                pending[p] += records
-                size = sum(map(len, map(DATA, records)))
-                pending_bytes[p] += size
-                pending_total += size
-                while len(pending[p]) >= self.batch_records or pending_bytes[p] >= self.batch_bytes:
-                    await hand_over(p, *first_batch(pending[p], self.batch_records, self.batch_bytes))
-            if pending_total > self.max_inflight_bytes // 2:
-                for p in range(partitions):  # many partitions: do not hoard
-                    if pending[p]:
-                        await hand_over(p, len(pending[p]), pending_bytes[p])
-            if chunk.dead:
-                await self._dead_letters(chunk.dead, epoch)
-        for p in range(partitions):
-            if pending[p]:
-                await hand_over(p, len(pending[p]), pending_bytes[p])
+        cut = BatchLimits(self.batch_records, self.batch_bytes, self.max_inflight_bytes)
+        await hand_out_epoch(chunks, next_index, queues, budget, cut, inline=self._inline_reads,
+                             halted=self._halted,
+                             dead_letters=lambda dead: self._dead_letters(dead, epoch))
         return not self._halted()
 
     # ------------------------------------------------------------------ writing
 
     async def _writer(self, queue: BatchQueue, epoch: int, budget: ByteBudget) -> None:
-        # One link per server: on a cluster a queue's partitions live on several masters.
-        links: dict[str, Link] = {}
+        links = Links(self.redis)
         verified: set[int] = set()
         dropped: set[int] = set()
         broken = True
@@ -443,7 +379,7 @@ class Producer:
                 try:
                     if p in dropped:
                         continue  # never a later batch after a dropped one: no gaps
-                    link = await self._link(links, p)
+                    link = await links.get(self._keys[p])
                     if p not in verified:
                         await self._verify(p, link)
                         verified.add(p)
@@ -462,56 +398,25 @@ class Producer:
                     budget.give(size)
             broken = False
         finally:
-            for link in links.values():
-                await link.close(broken=broken)
-
-    async def _link(self, links: dict[str, Link], p: int) -> Link:
-        node = redis_client.node_name(self.redis, self._keys[p])
-        link = links.get(node)
-        if link is None:
-            link = links[node] = Link(self.redis, self._keys[p])
-            await link.open()
-        return link
+            await links.close(broken=broken)
 
     async def _verify(self, p: int, link: Link) -> None:
         """On the writer's own connection: the partition still ends where the producer
         thinks it does (no restart of Redis since the sync)."""
-        raw = await link.call("EVAL", _lua.LAST_ID, 1, self._keys[p])
-        known = self._position[p]
-        if raw is None:
-            if not self._may_create[p]:
-                raise StreamLostError(f"partition {p} stream is gone")
-            return
-        last = streams.parse_id(raw)
-        if known is not None and last < known:
-            raise StreamLostError(f"partition {p} ends at {streams.format_id(last)}, "
-                              f"before {streams.format_id(known)}")
-        self._may_create[p] = False
+        if await check_end(link, self._keys[p], self._position[p],
+                           may_create=self._may_create[p]):
+            self._may_create[p] = False
 
     async def _write(
         self, p: int, first: int, batch: list[GoodRecord], epoch: int, size: int, link: Link
     ) -> None:
-        """Pipelined ``XADD key NOMKSTREAM <id> ...`` of one batch on the writer's link.
-
-        NOMKSTREAM: a stream that vanished (deleted, or lost with its Redis) is never
-        re-created behind the producer's back. An XADD refused because its ID is not
-        above the stream's last one means the entry is already there (another producer
-        or a previous attempt); any other refusal fails the run."""
-        parts: list[bytes] = []
+        """One batch appended (:func:`append_batch`), then what the producer knows of
+        the partition, its backlog, progress and metrics moved past it."""
         ms = epoch + 1
-        xadd_records(parts, self._key_bulk[p], ms, first, batch, nomkstream=not self._may_create[p])
-        replies = await link.send_many(parts, len(batch))
-        if None in replies:
-            raise StreamLostError(f"partition {p} stream is gone")
-        errors = [r for r in replies if r.__class__ is not bytes]
-        skipped = len(errors)
+        skipped = await append_batch(link, self._keys[p], self._key_bulk[p], ms, first, batch,
+                                     nomkstream=not self._may_create[p])
         added = len(batch) - skipped
-        refused = errors[0] if errors else None
         last = (ms, first + len(batch) - 1)
-        if refused is not None:
-            raw = await link.call("EVAL", _lua.LAST_ID, 1, self._keys[p])
-            if raw is None or streams.parse_id(raw) < last:
-                raise refused
         self._position[p] = last
         self._may_create[p] = False
         self._pressure.backlogs[p].add((ms, first), last, len(batch), size)
@@ -535,16 +440,7 @@ class Producer:
         while True:
             final = done.is_set()  # a pass that starts after the last append
             try:
-                committed = await self._pressure.committed(force=True)
-                for p in range(self.spec.partitions):
-                    self._pressure.advance(p, committed)
-                self._floors.update(await apply_retention(self.redis, self.spec, self.limits))
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for key in self._keys:
-                        pipe.xlen(key)
-                    lengths = await pipe.execute()
-                for p, n in enumerate(lengths):
-                    self.metrics.backlog.labels(dataset=self.spec.name, partition=str(p)).set(n)
+                self._floors.update(await self._pressure.maintain())
             except _RETRYABLE as exc:
                 log.debug("dataset %s maintenance skipped: %s", self.spec.name, exc)
             if final:

@@ -43,7 +43,7 @@ from ingest_service.errors import (
     PushTooLargeError,
 )
 from ingest_service.push.bounds import BoundsOverflow, MsgpackBounds, needs_scan, scan_json
-from trainguard.core import streams
+from trainguard.core import push_wire, streams
 
 __all__ = [
     "CONTENT_TYPES",
@@ -60,7 +60,7 @@ __all__ = [
 
 NDJSON_TYPE = "application/x-ndjson"
 JSON_TYPE = "application/json"
-MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+MSGPACK_TYPES = (push_wire.MSGPACK_TYPE, "application/x-msgpack", "application/vnd.msgpack")
 CONTENT_TYPES = (NDJSON_TYPE, JSON_TYPE, *MSGPACK_TYPES)
 
 

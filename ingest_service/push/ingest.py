@@ -57,8 +57,8 @@ from ingest_service.errors import (
 )
 from ingest_service.push.body import BatchDigest
 from ingest_service.push.ledger import ACKED_FIELD, AckLedger
-from ingest_service.push.refusals import complete_mismatch, mismatch, out_of_order, text
-from trainguard.core import groups, streams
+from ingest_service.push.refusals import mismatch, out_of_order, text
+from trainguard.core import groups, push_wire, streams
 
 __all__ = [
     "MAX_SEQ",
@@ -72,11 +72,7 @@ __all__ = [
     "parse_uint",
 ]
 
-MAX_SEQ = 2**53 - 2
-"""The largest seq of a batch (Lua compares seqs as doubles: exact up to 2^53)."""
-PROBE_SEQ = MAX_SEQ + 1
-"""Never appended: a push with this seq is answered 409 with the producer's mark, which
-is how a (re)starting client learns where it stands."""
+MAX_SEQ, PROBE_SEQ = push_wire.MAX_SEQ, push_wire.PROBE_SEQ
 SLICE_RECORDS = 256
 SLICE_BYTES = 512 * 1024
 _SLICE_SHA = hashlib.sha1(_lua.PUSH_SLICE.encode()).hexdigest().encode()
@@ -107,23 +103,22 @@ def parse_uint(name: str, text: str, maximum: int) -> int:
     return int(text)
 
 
-_PARAMS = frozenset({"producer_id", "seq"})
 
 
 def parse_params(query: Mapping[str, str]) -> tuple[str, int]:
     """``producer_id`` and ``seq`` of a push request."""
-    unknown = sorted(set(query) - _PARAMS)
+    unknown = sorted(set(query) - push_wire.PARAMS)
     if unknown:
         raise MalformedPushError(
             f"unknown query parameters {unknown}: a push takes producer_id and seq (a "
             "producer's partition is fixed by its producer_id)"
         )
-    producer_id = query.get("producer_id", "")
+    producer_id = query.get(push_wire.PRODUCER_ID, "")
     try:
-        streams.check_name("producer_id", producer_id)
+        streams.check_name(push_wire.PRODUCER_ID, producer_id)
     except streams.ContractError as exc:
         raise MalformedPushError(str(exc)) from exc
-    seq = parse_uint("seq", query.get("seq", ""), PROBE_SEQ)
+    seq = parse_uint(push_wire.SEQ, query.get(push_wire.SEQ, ""), PROBE_SEQ)
     return producer_id, seq
 
 
@@ -364,10 +359,8 @@ class PushIngest:
         if status == -1:
             mark_text = text(replies[0][1])
             raise out_of_order(seq, int(mark_text) if mark_text else None)
-        if status == -3:
+        if status in (-3, -4):
             raise mismatch(seq, len(records), digest, replies[0])
-        if status == -4:
-            raise complete_mismatch(seq, len(records), digest, replies[0])
         backlog = self._backlogs.get((spec.name, p))
         count, first, last, acked = 0, None, None, 0
         for (_, end), reply in zip(slices, replies, strict=True):

@@ -31,7 +31,7 @@ from typing import Any, TypeVar, cast
 
 from ingest_service.errors import AdminError, BadRequest, NotFound, Refused
 from ingest_service.service.catalog import NEVER, Cancel, Flights, ManifestCache
-from trainguard.core import record
+from trainguard.core import lists, record
 from trainguard.core.checkpoints import (
     CorruptCheckpointError,
     NoCheckpointError,
@@ -66,25 +66,24 @@ class StoreRoot:
 def parse_store_roots(text: str) -> dict[str, StoreRoot]:
     """``"a=file:///x,b=file:///y|s3://bkt/y"`` -> store roots by name."""
     roots: dict[str, StoreRoot] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, urls = item.partition("=")
+    expected = "name=url or name=local_url|remote_url"
+    for name, urls in lists.pairs(text, what="checkpoint store", expected=expected,
+                                  shown=lambda item: str(redact_url(item))).items():
         local, _, remote = urls.partition("|")
-        if not sep or not name.strip() or not local.strip():
-            raise ValueError(
-                f"checkpoint store {redact_url(item)!r} is not valid: expected name=url or "
-                "name=local_url|remote_url, comma-separated"
-            )
+        if not local.strip():
+            raise ValueError(f"checkpoint store {redact_url(f'{name}={urls}')!r} is not valid: "
+                             f"expected {expected}, comma-separated")
         for url in filter(None, (local.strip(), remote.strip())):
             # A store's URL is shown to operators and quoted in backend errors (botocore
             # names the bucket "KEY:SECRET@bucket"): credentials never belong in it.
             if has_password(url):
                 raise ValueError(
-                    f"checkpoint store {name.strip()!r}: its URL {redact_url(url)!r} carries "
+                    f"checkpoint store {name!r}: its URL {redact_url(url)!r} carries "
                     "user:password@, which would be shown in errors and logs; give the "
                     "credentials to the backend instead (AWS_ACCESS_KEY_ID/"
                     "AWS_SECRET_ACCESS_KEY or a profile for s3://) and drop them from the URL"
                 )
-        roots[name.strip()] = StoreRoot(name.strip(), local.strip(), remote.strip() or None)
+        roots[name] = StoreRoot(name, local.strip(), remote.strip() or None)
     return roots
 
 

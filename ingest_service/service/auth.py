@@ -29,7 +29,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from ingest_service.errors import Forbidden, Misdirected, TokenConfigError, Unauthorized
-from trainguard.core import settings
+from trainguard.core import lists, settings
 
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",
@@ -117,8 +117,7 @@ class PushTokens:
                     "'<token>:<dataset>[,...]:<producer_id or prefix*>[,...]'",
                 )
             token = check_secret(f"{settings.PUSH_TOKENS_ENV} entry {n}'s token", parts[0])
-            datasets = tuple(d.strip() for d in parts[1].split(",") if d.strip())
-            producers = tuple(p.strip() for p in parts[2].split(",") if p.strip())
+            datasets, producers = tuple(lists.items(parts[1])), tuple(lists.items(parts[2]))
             out.append(ProducerToken(token, datasets, producers))
         return cls(tuple(out))
 

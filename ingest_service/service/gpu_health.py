@@ -17,9 +17,12 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from trainguard.core import lists
+from trainguard.core import probe_metrics as pm
+
 __all__ = ["STATUS_NAMES", "nodes_health", "parse_probes", "summarize_metrics"]
 
-STATUS_NAMES = ("OK", "WARN", "CRITICAL")
+STATUS_NAMES = pm.STATUS_NAMES
 SCRAPE_TIMEOUT_S = 3.0
 MAX_METRICS_BYTES = 1 << 20
 """A probe's /metrics is a few KB; past 1 MiB the body is not read further."""
@@ -27,13 +30,13 @@ MAX_METRICS_BYTES = 1 << 20
 
 def parse_probes(text: str) -> dict[str, str]:
     """``"a=http://h:9400,b=http://g:9400"`` -> {node: URL}."""
-    out: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, url = item.partition("=")
-        if not sep or not name.strip() or not url.strip().startswith(("http://", "https://")):
-            raise ValueError(
-                f"probe {item!r} is not valid: expected node=http://host:port, comma-separated")
-        out[name.strip()] = url.strip().rstrip("/")
+    expected = "node=http://host:port"
+    out = lists.pairs(text, what="probe", expected=expected)
+    for name, url in out.items():
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"probe {f'{name}={url}'!r} is not valid: expected {expected}, "
+                             "comma-separated")
+        out[name] = url.rstrip("/")
     return out
 
 
@@ -57,17 +60,17 @@ def summarize_metrics(text: str) -> dict[str, Any]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
-            if name == "trainguard_node_health_status":
+            if name == pm.NODE_STATUS:
                 node["status"] = _status(value)
-            elif name == "trainguard_node_no_gpu":
+            elif name == pm.NODE_NO_GPU:
                 node["no_gpu"] = value == 1
-            elif name == "trainguard_health_probe_timestamp_seconds":
+            elif name == pm.PROBE_TIMESTAMP:
                 node["taken_at"] = _finite(value)
-            elif name.startswith("trainguard_gpu_") and "gpu" in labels:
+            elif name.startswith(pm.GPU_PREFIX) and "gpu" in labels:
                 gpu = gpus.setdefault(int(labels["gpu"]), {
                     "gpu": int(labels["gpu"]), "status": "OK", "problems": [],
                     "readings": {}})
-                if name == "trainguard_gpu_check_status":
+                if name == pm.GPU_CHECK_STATUS:
                     status = _status(value)
                     rank = STATUS_NAMES.index(status) if status in STATUS_NAMES else 99
                     old = STATUS_NAMES.index(gpu["status"]) if gpu["status"] in STATUS_NAMES \
@@ -75,9 +78,9 @@ def summarize_metrics(text: str) -> dict[str, Any]:
                     if rank > old:
                         gpu["status"] = status
                     if status != "OK":
-                        gpu["problems"].append(f"{labels.get('signal')}: {status}")
+                        gpu["problems"].append(f"{labels.get(pm.SIGNAL_LABEL)}: {status}")
                 else:
-                    gpu["readings"][name.removeprefix("trainguard_gpu_")] = _finite(value)
+                    gpu["readings"][name.removeprefix(pm.GPU_PREFIX)] = _finite(value)
     node["gpus"] = [gpus[i] for i in sorted(gpus)]
     return node
 

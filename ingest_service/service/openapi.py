@@ -201,6 +201,17 @@ _SCHEMAS: dict[str, Any] = {
 }
 
 
+def _pin_op(operation_id: str, done: str, summary: str) -> dict[str, Any]:
+    """Pin and unpin: one shape, a POST on a checkpoint answering the checkpoint."""
+    return {"post": {
+        "operationId": operation_id,
+        "summary": summary,
+        "security": _BEARER,
+        "parameters": [_STORE, _STEP],
+        "responses": {"200": _json(_ref("Checkpoint"), done), **_errors(*_WRITE_ERRORS)},
+    }}
+
+
 def _paths() -> dict[str, Any]:
     return {
         "/admin/datasets": {
@@ -326,26 +337,11 @@ def _paths() -> dict[str, Any]:
                 },
             }
         },
-        "/admin/checkpoints/{store}/{step}/pin": {
-            "post": {
-                "operationId": "pinCheckpoint",
-                "summary": "Pin a checkpoint in every tier that has it: retention and delete keep it",
-                "security": _BEARER,
-                "parameters": [_STORE, _STEP],
-                "responses": {"200": _json(_ref("Checkpoint"), "pinned"),
-                              **_errors(*_WRITE_ERRORS)},
-            }
-        },
-        "/admin/checkpoints/{store}/{step}/unpin": {
-            "post": {
-                "operationId": "unpinCheckpoint",
-                "summary": "Unpin a checkpoint in every tier that has it",
-                "security": _BEARER,
-                "parameters": [_STORE, _STEP],
-                "responses": {"200": _json(_ref("Checkpoint"), "unpinned"),
-                              **_errors(*_WRITE_ERRORS)},
-            }
-        },
+        "/admin/checkpoints/{store}/{step}/pin": _pin_op(
+            "pinCheckpoint", "pinned",
+            "Pin a checkpoint in every tier that has it: retention and delete keep it"),
+        "/admin/checkpoints/{store}/{step}/unpin": _pin_op(
+            "unpinCheckpoint", "unpinned", "Unpin a checkpoint in every tier that has it"),
         "/healthz": {
             "get": {
                 "operationId": "healthz",

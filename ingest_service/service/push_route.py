@@ -63,7 +63,7 @@ from ingest_service.push.read import ByteBudget, read_body
 from ingest_service.service.auth import PushTokens, bearer_token
 from ingest_service.service.config import CONFIG_KEY, METRICS_KEY
 from ingest_service.service.http_errors import RETRY_AFTER_S, error_response, unavailable
-from trainguard.core import streams
+from trainguard.core import push_wire, streams
 
 __all__ = ["PUSH_KEY", "PushRoute", "setup_push"]
 
@@ -106,12 +106,12 @@ async def push_records(request: web.Request) -> web.StreamResponse:
     try:
         response = await _push(request, app[PUSH_KEY], known)
     except PushOutOfOrderError as exc:
-        response = error_response(409, "out_of_order", str(exc), details={"mark": exc.mark})
+        response = error_response(409, push_wire.OUT_OF_ORDER, str(exc), details={"mark": exc.mark})
     except BatchMismatchError as exc:
-        response = error_response(409, "batch_mismatch", str(exc), details={
+        response = error_response(409, push_wire.BATCH_MISMATCH, str(exc), details={
             "appended": exc.appended, "count": exc.count, "digest": exc.digest})
     except PushDataLostError as exc:
-        response = error_response(409, "lost_acknowledged_data", str(exc), details={
+        response = error_response(409, push_wire.LOST_ACKNOWLEDGED_DATA, str(exc), details={
             "mark": exc.mark, "acknowledged": exc.acknowledged})
     except BacklogFullError as exc:
         response = error_response(429, "backlog_full", str(exc),
@@ -226,5 +226,5 @@ def setup_push(app: web.Application, ingest: PushIngest, stopping: asyncio.Event
         stopping=stopping,
     )
     app[PUSH_KEY] = route
-    app.router.add_post("/v1/datasets/{name}/records", push_records)
+    app.router.add_post(push_wire.RECORDS_ROUTE, push_records)
     return route

@@ -126,14 +126,7 @@ async def dataset_detail(r: aioredis.Redis, dataset: str,
 async def _docs(r: aioredis.Redis, key: str) -> list[dict[str, Any]]:
     """A hash of attempt/incident documents, by attempt number (unreadable ones left
     out: the history must show what it can)."""
-    out = []
-    for field, raw in (await r.hgetall(key) or {}).items():
-        if inspection.as_text(field) == "seq":
-            continue
-        try:
-            out.append(inc.loads(raw))
-        except inc.IncidentError:
-            continue
+    out = list(inc.documents(await r.hgetall(key)).values())
     # An attempt's rollbacks came before the failure that ended it.
     return sorted(out, key=lambda d: (int(d.get("attempt") or 0),
                                       float(d.get("detected_at") or 0.0)))

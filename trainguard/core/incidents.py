@@ -43,7 +43,7 @@ dated by the last heartbeat.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,7 @@ __all__ = [
     "assemble",
     "attempts_key",
     "decide",
+    "documents",
     "dumps",
     "field_order",
     "incidents_key",
@@ -128,6 +129,25 @@ def loads(raw: str | bytes) -> dict[str, Any]:
         raise IncidentError(f"an attempt/incident document has version {version!r}, this "
                             f"trainguard reads up to {INCIDENT_VERSION}: upgrade trainguard")
     return doc
+
+
+def documents(raw: Mapping[Any, Any] | None,
+              on_bad: Callable[[str, IncidentError], None] | None = None
+              ) -> dict[str, dict[str, Any]]:
+    """The documents of an attempts or incidents hash as HGETALL returns it (bytes or
+    text), by field; the ``seq`` counter is no document. One that does not load is
+    left out (a history shows what it can) and handed to ``on_bad`` with its field."""
+    out: dict[str, dict[str, Any]] = {}
+    for field, value in (raw or {}).items():
+        name = field.decode() if isinstance(field, bytes) else str(field)
+        if name == "seq":
+            continue
+        try:
+            out[name] = loads(value)
+        except IncidentError as exc:
+            if on_bad is not None:
+                on_bad(name, exc)
+    return out
 
 
 # ------------------------------------------------------------------ one incident per failure

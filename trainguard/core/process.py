@@ -1,14 +1,18 @@
 """Process helpers of this host: whether a process still runs (the one check behind
 every "is its owner gone?" decision: stale temp files and writer markers, a DataLoader
-worker's ring) and a free local port for a server about to start (the demo, the tests)."""
+worker's ring), a free local port for a server about to start, and the wait until it
+answers (the demo, the tests, the benchmarks)."""
 
 from __future__ import annotations
 
 import os
 import socket
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 
-__all__ = ["free_port", "pid_alive", "started_at"]
+__all__ = ["free_port", "http_ready", "pid_alive", "started_at", "wait_until"]
 
 _given: set[int] = set()
 
@@ -54,3 +58,25 @@ def started_at(pid: int | None = None) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return now - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
+    """Call ``check`` every ``interval_s`` until it returns True (True) or ``timeout_s``
+    passed (False: the caller says what was not up, in its own error). An exception
+    from ``check`` (the process it waits for exited) ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if check():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+
+
+def http_ready(url: str, timeout_s: float = 2.0) -> bool:
+    """``GET url`` answers 200 now (a service's ``/readyz``); False on any refusal."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False

@@ -69,9 +69,8 @@ class ContractError(TrainguardError, ValueError):
 
 
 class DatasetNotFoundError(TrainguardError, LookupError):
-    """The dataset has no metadata in Redis (``meta_key``): it was never created, was
-    deleted, or Redis lost it. Raised by both sides of the contract, the producer's
-    registry and the trainer's reader, each with its own advice."""
+    """The dataset has no metadata in Redis (never created, deleted, or lost with its
+    Redis): :meth:`DatasetSpec.of_meta` for every side."""
 
 
 # --------------------------------------------------------------------------- names
@@ -82,8 +81,7 @@ def check_name(kind: str, name: str) -> str:
     if not name or len(name) > 128 or not all(c.isalnum() or c in "-_." for c in name):
         raise ContractError(
             f"{kind} name {name!r} is not valid: expected 1-128 characters from "
-            "letters, digits, '-', '_' and '.'"
-        )
+            "letters, digits, '-', '_' and '.'")
     return name
 
 
@@ -387,10 +385,18 @@ class DatasetSpec:
         if version != CONTRACT_VERSION:
             raise ContractError(
                 f"dataset {values.get('name')!r} was written with stream contract "
-                f"{version}, this trainguard speaks {CONTRACT_VERSION}: upgrade trainguard"
-            )
-        known = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in values.items() if k in known})
+                f"{version}, this trainguard speaks {CONTRACT_VERSION}: upgrade trainguard")
+        return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
+
+    @classmethod
+    def of_meta(cls, name: str, raw: Mapping[bytes | str, bytes | str]) -> DatasetSpec:
+        """Dataset ``name``'s spec from its meta hash as read (empty: not found)."""
+        if not raw:
+            raise DatasetNotFoundError(
+                f"dataset {name!r} does not exist in this Redis (not registered: no "
+                f"{meta_key(name)!r}); create it (`trainguard datasets create`, or the "
+                "service's file datasets), or check the Redis URL and the name")
+        return cls.from_redis(raw)
 
     def differences(self, other: DatasetSpec) -> dict[str, tuple[Any, Any]]:
         """Fields that differ, as ``{field: (self, other)}``."""

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from trainguard.core import settings, streams
+from trainguard.core import lists, settings, streams
 from trainguard.core.urls import redact_url, redact_values
 from trainguard.ops.exits import EXIT_OK
 from trainguard.ops.output import emit, table
@@ -147,13 +147,7 @@ def _offsets_show(args: argparse.Namespace) -> int:
 
 
 def _parse_ids_arg(text: str) -> dict[str, str]:
-    out = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        part, sep, sid = item.partition("=")
-        if not sep:
-            raise ValueError(f"--ids item {item!r} is not PARTITION=ID (e.g. 0=1-41,1=1-40)")
-        out[part.strip()] = sid.strip()
-    return out
+    return lists.pairs(text, what="--ids item", expected="PARTITION=ID (e.g. 0=1-41,1=1-40)")
 
 
 def _offsets_seek(args: argparse.Namespace) -> int:

@@ -18,17 +18,16 @@ What it does, all on this machine and cleaned up afterwards:
    until Ctrl-C, then stops them (the work directory stays).
 
 Every child runs in its own process group (and, on Linux, dies with the demo); the
-demo kills them all on exit, on Ctrl-C and on SIGTERM.
+demo kills them all on exit, on Ctrl-C and on SIGTERM. What it starts around the
+trainer (Redis, the dataset, the service) is :mod:`trainguard.ops.demo_stack`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
@@ -36,186 +35,28 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from trainguard.core.errors import TrainguardError
 from trainguard.core.process import free_port
+from trainguard.ops.demo_stack import (
+    DATASET,
+    STORE_NAME,
+    Children,
+    DemoError,
+    records_ingested,
+    register_dataset,
+    start_redis,
+    start_service,
+    write_dataset,
+)
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 
 __all__ = ["main", "register", "run_demo"]
 
-DATASET, RUN, STORE_NAME = "demo", "mlp", "demo"
-VOCAB, LENGTH = 64, 16
+RUN = "mlp"
 TRAINER = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
-
-
-class DemoError(TrainguardError, RuntimeError):
-    """A step of the demo failed; the message says which and where its logs are."""
-
-
-def _die_with_parent() -> None:
-    """In the child: own process group, and SIGKILL when the demo dies (Linux)."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class Children:
-    """Every process the demo started; ``kill_all`` leaves none behind."""
-
-    def __init__(self, log: IO[str]):
-        self.procs: list[tuple[str, subprocess.Popen[Any]]] = []
-        self.log = log
-
-    def start(self, name: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        proc = subprocess.Popen(argv, preexec_fn=_die_with_parent, **kwargs)
-        self.procs.append((name, proc))
-        print(f"started {name} pid={proc.pid}", file=self.log, flush=True)
-        return proc
-
-    @staticmethod
-    def kill_group(proc: subprocess.Popen[Any], sig: int = signal.SIGKILL) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-
-    def kill_all(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                self.kill_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for _, proc in reversed(self.procs):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            # Whatever is left in the group (the process or its children) goes now.
-            self.kill_group(proc)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5)
-
-
-# --------------------------------------------------------------------------- pieces
-
-
-def write_dataset(path: Path, records: int, seed: int) -> None:
-    """Token sequences from a few affine rules with some noise: learnable, not trivial."""
-    rng = random.Random(seed)
-    rules = [(rng.randrange(1, VOCAB, 2), rng.randrange(VOCAB)) for _ in range(4)]
-    with path.open("w") as f:
-        for i in range(records):
-            a, b = rules[rng.randrange(len(rules))]
-            tok = [rng.randrange(VOCAB)]
-            while len(tok) < LENGTH:
-                nxt = (a * tok[-1] + b) % VOCAB
-                tok.append(nxt if rng.random() > 0.1 else rng.randrange(VOCAB))
-            f.write(json.dumps({"id": i, "tokens": tok}) + "\n")
-
-
-def start_redis(children: Children, workdir: Path) -> str:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise DemoError("redis-server is not on PATH: run `make demo` (it installs it) or "
-                        "install it (Debian/Ubuntu: apt-get install redis-server)")
-    port = free_port()
-    (workdir / "redis").mkdir()
-    children.start("redis-server", [
-        binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir / "redis"),
-        "--save", "", "--appendonly", "no", "--daemonize", "no",
-        "--logfile", str(workdir / "redis" / "redis.log"),
-    ], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    _wait(lambda: _redis_ping(url), 15, f"redis-server on port {port}")
-    return url
-
-
-def _redis_ping(url: str) -> bool:
-    import redis
-
-    from trainer_client import redis_client
-
-    client = redis_client.client(url, socket_timeout=1)
-    try:
-        return bool(client.ping())
-    except redis.exceptions.RedisError:
-        return False
-    finally:
-        client.close()
-
-
-def _wait(check: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise DemoError(f"{what} was not up within {timeout_s} s")
-
-
-def register_dataset(redis_url: str, source: Path, partitions: int) -> None:
-    from ingest_service import redis_client
-    from ingest_service.datasets import create_dataset
-    from trainguard.core.streams import DatasetSpec
-
-    async def go() -> None:
-        r = redis_client.client(redis_url)
-        try:
-            await create_dataset(r, DatasetSpec(name=DATASET, partitions=partitions,
-                                                source=str(source), format="jsonl", seed=7))
-        finally:
-            await r.aclose()
-
-    asyncio.run(go())
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def start_service(children: Children, workdir: Path, redis_url: str, store: Path,
-                  token: str, port: int) -> str:
-    env = {**os.environ, "TRAINGUARD_ADMIN_TOKEN": token,
-           "TRAINGUARD_CHECKPOINT_STORES": f"{STORE_NAME}={store}"}
-    log = (workdir / "service.log").open("w")
-    proc = children.start("ingest service", [
-        sys.executable, "-m", "trainguard", "serve", "--host", "127.0.0.1",
-        "--port", str(port), "--redis-url", redis_url,
-    ], env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise DemoError(f"the ingest service exited with {proc.returncode}; "
-                            f"see {workdir / 'service.log'}")
-        return _ready(url)
-
-    _wait(up, 60, f"the ingest service on {url}")
-    return url
-
-
-def records_ingested(redis_url: str) -> tuple[int, bool, int]:
-    """(records the producer appended, producer finished, dead letters)."""
-    from ingest_service import inspection, redis_client
-
-    async def go() -> dict[str, Any]:
-        r = redis_client.client(redis_url)
-        try:
-            return await inspection.show_dataset(r, DATASET)
-        finally:
-            await r.aclose()
-
-    info = asyncio.run(go())
-    total = sum(p["producer_position"]["records"] for p in info["partitions"]
-                if p["producer_position"])
-    return total, bool(info["producer"]["finished"]), int(info["dead_letters"])
 
 
 class Trainer:

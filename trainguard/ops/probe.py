@@ -14,14 +14,8 @@ node, expose them deliberately. ``--quarantine``: the first CRITICAL report writ
 node's quarantine record in Redis (:mod:`trainguard.core.quarantine`), so that its
 gate (``trainguard node gate``) and a rendezvous admission refuse it.
 
-Metric names (labels ``gpu`` = index, ``uuid``)::
-
-    trainguard_node_health_status            0 OK, 1 WARN, 2 CRITICAL
-    trainguard_node_no_gpu                   1 when no GPU / no NVML
-    trainguard_node_gpus                     GPUs visible
-    trainguard_health_probe_timestamp_seconds
-    trainguard_gpu_check_status{signal=...}  0/1/2 per signal
-    trainguard_gpu_<reading>                 e.g. trainguard_gpu_temperature_celsius
+The metric names are :mod:`trainguard.core.probe_metrics` (the service reads them
+from there too).
 """
 
 from __future__ import annotations
@@ -48,6 +42,7 @@ from trainer_client.health import (
     Status,
 )
 from trainer_client.health.leave import quarantine_on_critical
+from trainguard.core import probe_metrics as pm
 from trainguard.core import settings
 
 __all__ = ["ProbeServer", "exit_code_for", "format_table", "run_probe"]
@@ -64,18 +59,17 @@ class _ReportCollector(Collector):
         if report is None:
             return
         node = [
-            ("node_health_status", "Worst check status: 0 OK, 1 WARN, 2 CRITICAL.",
+            (pm.NODE_STATUS, "Worst check status: 0 OK, 1 WARN, 2 CRITICAL.",
              float(report.status)),
-            ("node_no_gpu", "1 when the node has no GPU (or no NVML).", float(report.no_gpu)),
-            ("node_gpus", "GPUs visible to NVML.", float(len(report.gpus))),
-            ("health_probe_timestamp_seconds", "Unix time of the latest probe.",
-             report.taken_at),
+            (pm.NODE_NO_GPU, "1 when the node has no GPU (or no NVML).", float(report.no_gpu)),
+            (pm.NODE_GPUS, "GPUs visible to NVML.", float(len(report.gpus))),
+            (pm.PROBE_TIMESTAMP, "Unix time of the latest probe.", report.taken_at),
         ]
         for name, doc, value in node:
-            yield GaugeMetricFamily(f"trainguard_{name}", doc, value=value)
-        status = GaugeMetricFamily("trainguard_gpu_check_status",
+            yield GaugeMetricFamily(name, doc, value=value)
+        status = GaugeMetricFamily(pm.GPU_CHECK_STATUS,
                                    "Per-GPU check status: 0 OK, 1 WARN, 2 CRITICAL.",
-                                   labels=["gpu", "uuid", "signal"])
+                                   labels=[*pm.GPU_LABELS, pm.SIGNAL_LABEL])
         readings: dict[str, GaugeMetricFamily] = {}
         for gpu in report.gpus:
             labels = [str(gpu.index), gpu.uuid]
@@ -85,8 +79,8 @@ class _ReportCollector(Collector):
                     family = readings.get(key)
                     if family is None:
                         family = readings[key] = GaugeMetricFamily(
-                            f"trainguard_gpu_{key}", f"GPU reading {key} (from NVML).",
-                            labels=["gpu", "uuid"])
+                            pm.gpu_reading(key), f"GPU reading {key} (from NVML).",
+                            labels=list(pm.GPU_LABELS))
                     family.add_metric(labels, value)
         yield status
         yield from readings.values()
