@@ -6,7 +6,9 @@ recognised and skipped. Version 2 hashes the exact bytes stored: the file ends w
 ``,"checksum":"sha256:<64 hex>"}`` and a newline (``CHECKSUM_SUFFIX_BYTES`` bytes),
 and the SHA-256 covers every byte before that suffix, so any language verifies it
 without re-encoding JSON. Version 1 (read, never written) hashed Python's canonical
-JSON of the other fields. See FORMAT.md for every field.
+JSON of the other fields. Version 3 adds ``ranks``: the index of the per-rank state
+objects (:mod:`checkpoint_store.rank_state`), None when the save carried none; version 2
+(read, no longer written) is version 3 without it. See FORMAT.md for every field.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from checkpoint_store._manifest_checks import check_structure
 from checkpoint_store.layout import data_dir, parse_manifest_name
+from checkpoint_store.rank_state import check_index
 from trainguard.core.checkpoints import CorruptCheckpointError
 
 __all__ = [
@@ -28,16 +31,17 @@ __all__ = [
 ]
 
 FORMAT_NAME = "trainguard.checkpoint"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 CHECKSUM_SUFFIX_BYTES = len(',"checksum":"sha256:') + 64 + len('"}\n')
 _SUFFIX_RE = re.compile(rb',"checksum":"(sha256:[0-9a-f]{64})"\}\n\Z')
 MANIFEST_KEYS = frozenset(
     {
         "format", "version", "step", "uid", "created_at", "parent", "world_size", "nbytes",
-        "extra", "arrays", "tensors", "state", "checksum",
+        "extra", "arrays", "tensors", "state", "ranks", "checksum",
     }
 )
+_KEYS_BEFORE_3 = MANIFEST_KEYS - {"ranks"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +61,9 @@ class Manifest:
     tensors: dict[str, Any] = field(default_factory=dict, repr=False)
     arrays: dict[str, Any] = field(default_factory=dict, repr=False)
     state: bytes = field(default=b"", repr=False)
+    ranks: dict[str, Any] | None = field(default=None, repr=False)
+    """The index of the per-rank state objects (``rank_state.make_index``); None when
+    the save carried none (and in manifests of versions 1 and 2)."""
 
     @property
     def data_dir(self) -> str:
@@ -111,7 +118,7 @@ def _canonical_body(body: dict[str, Any], tensors_json: str) -> bytes:
 def encode_manifest(
     *, step: int, uid: str, created_at: float, parent: str | None, world_size: int,
     extra: dict[str, Any], arrays: dict[str, Any], tensors: dict[str, Any], state: bytes,
-    fragments: TensorFragments | None = None,
+    fragments: TensorFragments | None = None, ranks: dict[str, Any] | None = None,
 ) -> bytes:
     """The manifest's bytes. ``fragments`` (kept by the writer from save to save)
     reuses the JSON of unchanged tensor entries; the bytes are the same either way."""
@@ -128,6 +135,7 @@ def encode_manifest(
         "arrays": arrays,
         "tensors": tensors,
         "state": {"encoding": "msgpack", "base64": base64.b64encode(state).decode()},
+        "ranks": ranks,
     }
     tensors_json = (fragments or TensorFragments()).encode(tensors)
     prefix = _canonical_body(body, tensors_json)[:-1]  # without its closing brace
@@ -198,9 +206,10 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
         _check_v1(name, body, checksum)
     else:
         _check_v2(name, raw)
-    if set(body) | {"checksum"} != MANIFEST_KEYS:
+    keys = MANIFEST_KEYS if version >= 3 else _KEYS_BEFORE_3
+    if set(body) | {"checksum"} != keys:
         raise CorruptCheckpointError(f"manifest {name} has fields {sorted(body)}, expected "
-                                     f"{sorted(MANIFEST_KEYS - {'checksum'})}")
+                                     f"{sorted(keys - {'checksum'})}")
     if body["step"] != parsed_name.step or body["uid"] != parsed_name.uid:
         raise CorruptCheckpointError(
             f"manifest {name} records step {body['step']} uid {body['uid']}, which do not "
@@ -213,6 +222,8 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
         raise CorruptCheckpointError(
             f"manifest {name}: the state is not {{'encoding': 'msgpack', 'base64': ...}}")
     check_structure(name, body, len(state["base64"]))
+    ranks = body.get("ranks")
+    check_index(name, ranks, body["world_size"] if type(body["world_size"]) is int else -1)
     try:
         state_bytes = base64.b64decode(state["base64"], validate=True)
     except ValueError as e:
@@ -230,4 +241,5 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
         tensors=body["tensors"],
         arrays=body["arrays"],
         state=state_bytes,
+        ranks=ranks,
     )

@@ -43,7 +43,7 @@ from checkpoint_store.handle import SaveHandle
 from checkpoint_store.manifest import Manifest
 from checkpoint_store.retention import GcReport, apply_retention, choose_deletions
 from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
-from trainguard.core.checkpoints import CheckpointError
+from trainguard.core.checkpoints import CheckpointError, ManifestView
 
 __all__ = ["MEMORY_FILESYSTEMS", "RamTierFullError", "RamTierStore", "default_ram_root",
            "memory_backed"]
@@ -113,6 +113,10 @@ class RamTierStore:
     on a node-local disk one wants the same budget on). ``keep_last`` is this tier's
     retention. ``may_drop(name)`` says whether retention or the budget may delete a
     checkpoint yet (default: always); :meth:`dropped` is called after it does."""
+
+    supports_rank_state = True
+    """Capability: ``save(rank_state=...)`` and :meth:`read_rank_state` (a session
+    then writes per-rank state objects; without it, its whole record in ``extra``)."""
 
     def __init__(
         self,
@@ -249,13 +253,14 @@ class RamTierStore:
         extra: Mapping[str, Any] | None = None,
         blocking: bool = True,
         if_busy: str = "wait",
+        rank_state: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """As :meth:`CheckpointStore.save`, after making room for it in the budget
         (which first waits for the save in flight: its bytes count)."""
         self._wait_last()
         self._make_room(state_bytes(state))
         handle = self.store.save(state, step=step, extra=extra, blocking=blocking,
-                                 if_busy=if_busy)
+                                 if_busy=if_busy, rank_state=rank_state)
         self._last = handle
         handle.add_done_callback(self._on_commit)
         return handle
@@ -267,6 +272,9 @@ class RamTierStore:
     def load(self, state: Mapping[str, Any], *, step: int | None = None,
              keys: Iterable[str] | None = None, strict: bool = False) -> Manifest | None:
         return self.store.load(state, step=step, keys=keys, strict=strict)
+
+    def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
+        return self.store.read_rank_state(manifest, rank)
 
     def list(self) -> builtins.list[Manifest]:
         return self.store.list()

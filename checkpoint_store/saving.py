@@ -2,9 +2,10 @@
 
 1. rank 0 picks the uid (sorting after every existing manifest); every rank gathers it
    once every rank has staged its state;
-2. each rank writes its in-flight marker, then its arrays (every file and directory
-   fsync'd);
-3. ranks report success or failure to rank 0 (all-gather);
+2. each rank writes its in-flight marker, then its arrays and its state object
+   (``rank_state``; every file and directory fsync'd);
+3. ranks report success or failure to rank 0 (all-gather; the state object goes as
+   its digest only);
 4. rank 0, only if every rank succeeded, writes the manifest (exclusive create: the
    commit point), then swaps LATEST; otherwise it removes the save's data;
 5. rank 0 broadcasts the outcome (the manifest bytes, or the error) to every rank;
@@ -45,6 +46,7 @@ from checkpoint_store.layout import (
 )
 from checkpoint_store.manifest import Manifest, TensorFragments, encode_manifest, parse_manifest
 from checkpoint_store.plan import RankPlan
+from checkpoint_store.rank_state import digest, encode_rank_state, make_index, rank_state_path
 from checkpoint_store.reshard import unique_blocks
 from checkpoint_store.staging import Staged
 from checkpoint_store.writer import write_rank, write_root_group
@@ -69,6 +71,8 @@ class SaveJob:
     plan: RankPlan
     staged: Staged
     skeleton: bytes
+    rank_state: dict[str, Any] | None = None
+    """This rank's state object (``checkpoint_store.rank_state``); None: none."""
     error: BaseException | None = None
     """Set when this rank failed before writing: it still takes part in the
     protocol, reporting the error, so every rank aborts together and promptly."""
@@ -198,6 +202,9 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
             arrays = write_rank(backend, ddir, job.plan, job.staged.segments,
                                 io_threads=io_threads)
             report = {"ok": True, "arrays": arrays, "tensors": _tensor_entries(job)}
+            if job.rank_state is not None:
+                report["rank_state"] = _write_rank_state(backend, job, uid, rank,
+                                                         comm.world_size)
         except Exception as e:
             local_error = _as_save_error(e, job.step)
             report = {"ok": False, "error": f"{type(local_error).__name__}: {local_error}"}
@@ -220,6 +227,38 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
             raise CheckpointWriteError(outcome["errno"], outcome["error"])
         raise DistributedSaveError(outcome["error"])
     return parse_manifest(outcome["name"], manifest_bytes), manifest_bytes
+
+
+def _write_rank_state(backend: Backend, job: SaveJob, uid: str, rank: int,
+                      world_size: int) -> str:
+    """Write this rank's state object (fsync'd with its directory); returns its digest."""
+    assert job.rank_state is not None
+    try:
+        raw = encode_rank_state(job.rank_state, uid=uid, step=job.step, rank=rank,
+                                world_size=world_size)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"the rank state of rank {rank} is not plain JSON ({e}); expected str, int, "
+            "float, bool, None, lists and str-keyed objects"
+        ) from e
+    path = rank_state_path(uid, rank)
+    backend.write_file(path, [raw])
+    # The new ranks/ directory's entry in the data directory, and the object's in it.
+    backend.sync_dirs([path.rsplit("/", 1)[0], data_dir(uid)])
+    return digest(raw)
+
+
+def _rank_index(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
+    digests = [rep.get("rank_state") for rep in reports]
+    if all(d is None for d in digests):
+        return None
+    missing = [r for r, d in enumerate(digests) if d is None]
+    if missing:
+        raise CheckpointError(
+            f"ranks {missing} saved no rank state while the others did: every rank passes "
+            "rank_state to save, or none does"
+        )
+    return make_index([str(d) for d in digests])
 
 
 def _landed(backend: Backend, name: str, raw: bytes) -> bool:
@@ -254,7 +293,7 @@ def _commit(backend: Backend, job: SaveJob, uid: str, parent: str | None,
             step=job.step, uid=uid, created_at=time.time(), parent=parent,
             world_size=world_size, extra=job.extra, arrays=arrays,
             tensors=_merge_tensors([rep["tensors"] for rep in reports]), state=job.skeleton,
-            fragments=fragments,
+            fragments=fragments, ranks=_rank_index(reports),
         )
         try:
             backend.exclusive_create(manifest_path(name), raw)

@@ -32,6 +32,7 @@ from checkpoint_store.layout import (
 from checkpoint_store.loading import Applier
 from checkpoint_store.manifest import Manifest, TensorFragments, parse_manifest
 from checkpoint_store.plan import plan_rank
+from checkpoint_store.rank_state import read_rank_object
 from checkpoint_store.reader import ChunkReader, verify_data
 from checkpoint_store.retention import (
     GcReport,
@@ -46,6 +47,7 @@ from checkpoint_store.staging import BufferPool, Staged, direct_segments
 from trainguard.core.checkpoints import (
     CheckpointError,
     CorruptCheckpointError,
+    ManifestView,
     NoCheckpointError,
     PinnedCheckpointError,
     SaveInProgressError,
@@ -72,6 +74,10 @@ class CheckpointStore:
     I/O) tune throughput; ``stale_after_s`` is how old another host's in-flight marker
     must be before ``gc`` treats its save as dead.
     """
+
+    supports_rank_state = True
+    """Capability: ``save(rank_state=...)`` and :meth:`read_rank_state` (a session
+    then writes per-rank state objects; without it, its whole record in ``extra``)."""
 
     def __init__(
         self,
@@ -145,8 +151,13 @@ class CheckpointStore:
         extra: Mapping[str, Any] | None = None,
         blocking: bool = True,
         if_busy: str = "wait",
+        rank_state: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Stage ``state`` and write it as checkpoint ``step``.
+
+        ``rank_state``: this rank's own small JSON document, written beside its shards
+        as its state object and indexed (by digest) in the manifest; read back with
+        :meth:`read_rank_state`. Every rank passes one, or none does.
 
         ``blocking=False`` returns once the tensors are copied to host buffers; the
         handle completes when the manifest is committed. A second save waits for the
@@ -160,12 +171,14 @@ class CheckpointStore:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         extra_doc = _json_extra(extra)
+        rank_doc = None if rank_state is None else dict(rank_state)
         # One caller at a time from here to the hand-off: the staging buffer is shared.
         with self._save_lock:
-            return self._save_locked(state, step, extra_doc, blocking, if_busy)
+            return self._save_locked(state, step, extra_doc, blocking, if_busy, rank_doc)
 
     def _save_locked(self, state: Mapping[str, Any], step: int, extra_doc: dict[str, Any],
-                     blocking: bool, if_busy: str) -> SaveHandle:
+                     blocking: bool, if_busy: str,
+                     rank_doc: dict[str, Any] | None = None) -> SaveHandle:
         with self._lock:
             current = self._current
         if current is not None and not current.done():
@@ -180,6 +193,7 @@ class CheckpointStore:
         self._raise_unreported()
         try:
             job = self._prepare(state, step, extra_doc, blocking)
+            job.rank_state = rank_doc
         except Exception as e:
             if self.world_size == 1:
                 raise
@@ -477,13 +491,26 @@ class CheckpointStore:
         )
 
     def verify(self, step: int) -> Manifest:
-        """Read every chunk of the newest checkpoint of ``step`` and check its CRC."""
+        """Read every chunk of the newest checkpoint of ``step`` and check its CRC, and
+        every rank state object against its digest."""
         candidates = self._candidates(step)
         if not candidates:
             raise NoCheckpointError(f"no checkpoint of step {step} in {self.url}")
         manifest = self._read_manifest(candidates[0].name)
         verify_data(self._backend, manifest, io_threads=self.io_threads)
+        for r in range(manifest.world_size if manifest.ranks is not None else 0):
+            self.read_rank_state(manifest, r)
         return manifest
+
+    def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s state object of the checkpoint ``manifest`` names (its own
+        ``rank_state`` given to ``save``), verified against the manifest's digest; None
+        when that save carried no rank states. One small read: a restore reads the
+        objects it needs, not all. Raises CorruptCheckpointError when the object is
+        damaged or missing, IndexError when ``rank`` is not one of the save's."""
+        found = manifest if isinstance(manifest, Manifest) else \
+            self._read_manifest(manifest.name, set())
+        return read_rank_object(self._backend, found, rank)
 
     # ---------------------------------------------------------------- retention
     def _doomed(self, protect: str | None = None) -> builtins.list[Manifest]:

@@ -64,6 +64,7 @@ from checkpoint_store.upload import Uploader
 from trainguard.core.checkpoints import (
     CheckpointError,
     CorruptCheckpointError,
+    ManifestView,
     NoCheckpointError,
     PinnedCheckpointError,
 )
@@ -100,6 +101,10 @@ class TieredCheckpointStore:
     ``upload_backoff_s`` is (first, max) wait of the uploader after a failed attempt;
     ``io_threads`` also sets how many files an upload sends at once.
     """
+
+    supports_rank_state = True
+    """Capability: ``save(rank_state=...)`` and :meth:`read_rank_state` (a session
+    then writes per-rank state objects; without it, its whole record in ``extra``)."""
 
     def __init__(
         self,
@@ -190,13 +195,14 @@ class TieredCheckpointStore:
         extra: Mapping[str, Any] | None = None,
         blocking: bool = True,
         if_busy: str = "wait",
+        rank_state: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """As :meth:`CheckpointStore.save`; the handle completes when the checkpoint is
         committed locally. Its upload is queued then; it never delays this call."""
         if self._closed:
             raise CheckpointError("the store is closed")
         handle = self.local.save(state, step=step, extra=extra, blocking=blocking,
-                                 if_busy=if_busy)
+                                 if_busy=if_busy, rank_state=rank_state)
         with self._lock:
             self._last_handle = handle
         handle.add_done_callback(self._on_local_commit)
@@ -356,6 +362,23 @@ class TieredCheckpointStore:
         local, remote = self._catalog()
         return load_from_tiers(self._tiers(), local, remote, state, step=step,
                                keys=None if keys is None else list(keys), strict=strict)
+
+    def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
+        """As :meth:`CheckpointStore.read_rank_state`: from the local copy if it holds
+        the checkpoint and the object verifies, else from the remote copy."""
+        local, remote = self._catalog()
+        name = manifest.name
+        if name in local:
+            try:
+                return self.local.read_rank_state(local[name], rank)
+            except CorruptCheckpointError as e:
+                if name not in remote:
+                    raise
+                log.warning("local copy of %s is damaged (%s); reading rank %s's state from "
+                            "the remote copy", name, e, rank)
+        if name not in remote:
+            raise NoCheckpointError(f"checkpoint {name} is in neither tier of {self.url}")
+        return self._read.call(self.remote.read_rank_state, remote[name], rank)
 
     def verify(self, step: int) -> Manifest:
         """Verify the newest checkpoint of ``step``: the local copy if there is one

@@ -214,17 +214,26 @@ def run_until_done(
 
 
 def final_counts(store_url: str, n: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The restored ledger, and the newest checkpoint's ``extra`` with every
+    partition's offset under ``["trainguard"]["offsets"]`` (read from its rank objects
+    where the session record is of version 3, which keeps them out of the manifest)."""
     from checkpoint_store import CheckpointStore
     from tests._client_train import make_state
+    from trainguard.core import streams
+    from trainguard.core.rank_record import checkpoint_offsets
 
     state, model, _ = make_state(n)
     store = CheckpointStore(store_url)
     try:
         manifest = store.load(state)
+        assert manifest is not None, "no checkpoint was committed"
+        extra = dict(manifest.extra)
+        if "trainguard" in extra:
+            extra["trainguard"] = {**extra["trainguard"], "offsets": streams.offsets_to_wire(
+                checkpoint_offsets(store, manifest))}
     finally:
         store.close()
-    assert manifest is not None, "no checkpoint was committed"
-    return model.counts.clone(), dict(manifest.extra)
+    return model.counts.clone(), extra
 
 
 def assert_each_once(counts: torch.Tensor) -> None:

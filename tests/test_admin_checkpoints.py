@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import redis.asyncio as aioredis
+import torch
 
 from checkpoint_store import CheckpointStore
 from tests.admin_helpers import AUTH, admin_client, make_dataset, make_group, save_checkpoints
@@ -222,6 +223,34 @@ async def test_a_step_saved_twice_means_its_newest_save(redis_server, tmp_path):
                                  json={"checkpoint": {"store": "main", "step": 5}},
                                  headers=AUTH)
         assert (await resp.json())["offsets"] == {"0": "1-3", "1": "1-2"}
+    await r.aclose()
+
+
+async def test_seek_to_a_checkpoint_of_per_rank_objects_reads_every_rank(redis_server,
+                                                                          tmp_path):
+    """A checkpoint of session record 3 keeps its offsets in the ranks' state objects,
+    not the manifest: the seek to it reads every rank's object and moves each
+    partition to the offset its owner committed."""
+    from trainguard.core.rank_record import RankRecord
+    from trainguard.core.record import SessionRecord
+
+    r = aioredis.Redis.from_url(redis_server.url)
+    await make_dataset(r, partitions=2, per_partition=5)
+    await make_group(r, "toy", "run1", 2)
+    root = tmp_path / "ck"
+    rec = SessionRecord(dataset="toy", run="run1", partitions=2, generation=1, commit=1,
+                        world_size=1, num_workers=2, version=3)
+    own = RankRecord(rank=0, world_size=1, num_workers=2, offsets={0: "1-3", 1: "1-1"})
+    store = CheckpointStore(str(root), keep_last=100)
+    store.save({"w": torch.zeros(3)}, step=7, extra=rec.to_extra(),
+               rank_state=own.to_wire(), blocking=True)
+    store.close()
+    async with admin_client(redis_server.url, stores={"main": root}) as client:
+        resp = await client.post("/admin/datasets/toy/groups/run1/seek",
+                                 json={"checkpoint": {"store": "main", "step": 7}},
+                                 headers=AUTH)
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["offsets"] == {"0": "1-3", "1": "1-1"}
     await r.aclose()
 
 

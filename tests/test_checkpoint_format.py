@@ -42,8 +42,9 @@ EXPECTED_BODY = {
             {"array": "r0/t0", "nbytes": 320, "offset": 0, "offsets": [0, 0],
              "shape": [20, 4]}]},
     },
-    "version": 2,
+    "version": 3,
     "world_size": 1,
+    "ranks": None,
 }
 
 EXPECTED_T0 = {
@@ -87,7 +88,7 @@ def test_manifest_bytes_end_with_a_checksum_of_the_bytes_before_it(tmp_path):
         stored = (data / path / "zarr.json").read_bytes()
         assert entry.pop("zarr_json_sha256") == hashlib.sha256(stored).hexdigest()
     assert doc == EXPECTED_BODY
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
 
 
 def _as_version_1(raw: bytes) -> bytes:
@@ -96,6 +97,7 @@ def _as_version_1(raw: bytes) -> bytes:
     doc = json.loads(raw)
     doc.pop("checksum")
     doc["version"] = 1
+    doc.pop("ranks")
     for entry in doc["arrays"].values():
         entry.pop("zarr_json_sha256")
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
@@ -116,10 +118,10 @@ def test_version_1_checkpoints_still_load_and_unknown_versions_are_refused(tmp_p
     assert torch.equal(target["w"], torch.arange(80, dtype=torch.float32).reshape(20, 4))
     store.verify(3)
     doc = json.loads(path.read_bytes())
-    doc["version"] = 3
+    doc["version"] = 4
     path.write_bytes(json.dumps(doc).encode())
-    with pytest.raises(CorruptCheckpointError, match=r"format version 3; this reader "
-                                                     r"understands versions \[1, 2\]"):
+    with pytest.raises(CorruptCheckpointError, match=r"format version 4; this reader "
+                                                     r"understands versions \[1, 2, 3\]"):
         store.load(target, strict=True)
 
 
@@ -196,6 +198,33 @@ def test_bytesio_is_extension_type_6_and_the_format_md_reader_reads_it(tmp_path)
     assert "| 6 | in-memory binary stream (`io.BytesIO`) |" in FORMAT_MD.read_text()
     read = _reader()["read_state"](doc)
     assert list(read) == ["b"] and read["b"].getvalue() == b"abc"
+
+
+def test_rank_state_objects_are_pinned_and_checked_against_the_index(tmp_path):
+    """A save with rank_state writes data/<uid>/ranks/0.json as canonical JSON of the
+    documented fields, the manifest's ``ranks`` index holds the first 32 hex digits of
+    its SHA-256, read_rank_state returns the document, and one changed byte in the
+    object makes it (and verify) refuse the checkpoint as damaged."""
+    store = CheckpointStore(tmp_path)
+    m = store.save({"w": torch.ones(2)}, step=4, rank_state={"offsets": {"0": "1-2"}}).wait()
+    raw = (tmp_path / "data" / m.uid / "ranks" / "0.json").read_bytes()
+    assert raw == json.dumps({
+        "format": "trainguard.rank_state", "version": 1, "uid": m.uid, "step": 4,
+        "rank": 0, "world_size": 1, "state": {"offsets": {"0": "1-2"}},
+    }, sort_keys=True, separators=(",", ":")).encode()
+    doc = json.loads((tmp_path / "manifests" / m.name).read_bytes())
+    assert doc["ranks"] == {"digest": "sha256/128",
+                            "objects": [hashlib.sha256(raw).hexdigest()[:32]]}
+    assert store.read_rank_state(m, 0) == {"offsets": {"0": "1-2"}}
+    store.verify(4)
+    (tmp_path / "data" / m.uid / "ranks" / "0.json").write_bytes(raw.replace(b"1-2", b"1-3"))
+    with pytest.raises(CorruptCheckpointError, match=r"rank 0 .* does not match the manifest"):
+        store.read_rank_state(m, 0)
+    with pytest.raises(CorruptCheckpointError, match="rank 0"):
+        store.verify(4)
+    with pytest.raises(IndexError, match="rank 1 is not one of the 1 ranks"):
+        store.read_rank_state(m, 1)
+    store.close()
 
 
 def test_format_md_documents_every_manifest_field():

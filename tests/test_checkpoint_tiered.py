@@ -472,9 +472,16 @@ def test_both_stores_implement_the_shared_api(tmp_path):
     def params(fn) -> list[tuple[str, object, object]]:
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
-    for cls in (CheckpointStore, TieredCheckpointStore, DcpCheckpointStore):
-        for name in members:
-            want, have = getattr(CheckpointStoreAPI, name), getattr(cls, name)
+    from trainguard.core.checkpoints import RankStateStoreAPI
+
+    ranked = (CheckpointStore, TieredCheckpointStore)
+    for cls in (*ranked, DcpCheckpointStore):
+        # Stores with per-rank state objects match the wider protocol (save takes
+        # rank_state; read_rank_state); the others the base one, without the flag.
+        api = RankStateStoreAPI if cls in ranked else CheckpointStoreAPI
+        assert getattr(cls, "supports_rank_state", False) is (cls in ranked)
+        for name in [*members, *(["read_rank_state"] if cls in ranked else [])]:
+            want, have = getattr(api, name), getattr(cls, name)
             if isinstance(want, property):
                 assert isinstance(have, property), (cls.__name__, name)
             elif name == "close":

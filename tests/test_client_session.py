@@ -27,6 +27,7 @@ from trainer_client import (
 )
 from trainer_client import offsets as ofs
 from trainguard.core import streams
+from trainguard.core.rank_record import checkpoint_offsets
 from trainguard.core.timing import TIMING_KEY
 
 
@@ -64,20 +65,28 @@ def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(any_redis, tmp
     m = s.checkpoint(state, 13, blocking=True).wait()
     s.close()
     ends = {p: streams.make_id(0, 29) for p in range(3)}
-    rng = m.extra["trainguard"]["ranks"]["0"].pop("rng")
-    assert sorted(rng) == ["numpy", "python", "torch"]  # no CUDA in use here
-    # The session record, exactly (the timing record beside it: test_run_history.py).
+    # The session record, exactly (the timing record beside it: test_run_history.py):
+    # version 3 keeps the offsets, batches and random states out of the manifest.
     assert {k: v for k, v in m.extra.items() if k != TIMING_KEY} == {"trainguard": {
-        "version": 2, "dataset": "tok", "run": "exp", "partitions": 3, "generation": 1,
-        "commit": 1, "world_size": 1, "num_workers": 0,
+        "version": 3, "dataset": "tok", "run": "exp", "partitions": 3, "generation": 1,
+        "commit": 1, "world_size": 1, "num_workers": 0, "seed": zlib.crc32(b"exp"),
+    }}
+    # ... they are in the rank's own state object, indexed by digest in the manifest.
+    store = CheckpointStore(f"file://{tmp_path}/ckpt")
+    own = store.read_rank_state(m, 0)
+    store.close()
+    assert own is not None
+    rng = own.pop("rng")
+    assert sorted(rng) == ["numpy", "python", "torch"]  # no CUDA in use here
+    assert own == {
+        "version": 1, "rank": 0, "world_size": 1, "num_workers": 0,
         "offsets": {"0": "1-29", "1": "1-29", "2": "1-29"},
         # deterministic: 90 records in 13 batches of 7 (only the last one short: a
         # batch goes on in the next partition where one ends), each led by one
         "batches": {"0": 5, "1": 4, "2": 4},
-        "seed": zlib.crc32(b"exp"),
-        "ranks": {"0": {"epoch": 0, "epoch_batches": 13}},
-    }}
-    assert streams.offsets_from_wire(m.extra["trainguard"]["offsets"]) == ends
+        "epoch": 0, "epoch_batches": 13,
+    }
+    assert streams.offsets_from_wire(own["offsets"]) == ends
     client = redis_client.client(any_redis.url)
     assert streams.offsets_from_wire(client.hgetall(streams.committed_key("tok", "exp"))) == ends
     assert streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp"))) == ends
@@ -134,7 +143,7 @@ def test_prefetched_batches_are_not_committed(redis_target, tmp_path) -> None:
     expect = {p: "0-0" for p in range(4)}
     for b in first:
         expect.update(b.offsets)
-    assert streams.offsets_from_wire(m.extra["trainguard"]["offsets"]) == expect
+    assert checkpoint_offsets(a.store, m) == expect
     client = redis_client.client(redis_target.url)
     delivered = sum(client.xpending(streams.partition_key("tok", p), "exp")["pending"] for p in range(4))
     assert delivered > 0  # the workers really read ahead (still pending, not acked)
@@ -412,13 +421,13 @@ def test_retention_floor_is_below_every_kept_checkpoint(redis_target, tmp_path) 
         _take(it, 3)
         m = s.checkpoint(state, step, blocking=True).wait()
         if step == 1:
-            first = streams.offsets_from_wire(m.extra["trainguard"]["offsets"])
+            first = checkpoint_offsets(s.store, m)
     client = redis_client.client(redis_target.url)
     floor = streams.offsets_from_wire(client.hgetall(streams.floor_key("tok", "exp")))
     kept = s.store.list()
     assert 1 not in {m.step for m in kept}
     for m in kept:
-        offs = streams.offsets_from_wire(m.extra["trainguard"]["offsets"])
+        offs = checkpoint_offsets(s.store, m)
         assert all(streams.parse_id(floor[p]) <= streams.parse_id(offs[p]) for p in range(3))
     assert any(streams.parse_id(floor[p]) > streams.parse_id(first[p]) for p in range(3))
     s.close()

@@ -37,7 +37,7 @@ class _Manifest:
 def _record(**kw: Any) -> SessionRecord:
     base: dict[str, Any] = dict(dataset="tok", run="exp", partitions=2, generation=1, commit=1,
                                 world_size=1, num_workers=0, offsets={0: "1-4", 1: "0-0"},
-                                batches={0: 1, 1: 0})
+                                batches={0: 1, 1: 0}, version=2)
     return SessionRecord(**(base | kw))
 
 
@@ -101,6 +101,41 @@ def test_session_record_round_trips_through_extra() -> None:
     assert SessionRecord.from_extra({"user": 1}) is None
 
 
+def test_version_3_keeps_offsets_and_rank_states_out_of_the_manifest() -> None:
+    """Version 3 (the per-rank layout) writes the run-wide fields only: no offsets,
+    batches or rank states, which each rank's own object carries; it parses back."""
+    rec = _record(seed=7, offsets={}, batches={}, version=3)
+    doc = rec.to_extra()["trainguard"]
+    assert doc == {"version": 3, "dataset": "tok", "run": "exp", "partitions": 2,
+                   "generation": 1, "commit": 1, "world_size": 1, "num_workers": 0,
+                   "seed": 7}
+    assert SessionRecord.from_extra(rec.to_extra()) == rec
+
+
+def test_rank_objects_give_each_partition_from_its_owner_only() -> None:
+    """positions() reads, for partitions of a 4-rank checkpoint, only the objects of
+    the ranks that owned them, once each, and a version 2 record reads none."""
+    from trainguard.core.rank_record import RankRecord, positions
+
+    rec = _record(partitions=8, world_size=4, offsets={}, batches={}, version=3)
+    objs = {r: RankRecord(rank=r, world_size=4, num_workers=0,
+                          offsets={p: f"1-{p}" for p in range(r, 8, 4)},
+                          batches={p: p for p in range(r, 8, 4)}) for r in range(4)}
+    reads: list[int] = []
+
+    def read(rank: int) -> RankRecord:
+        reads.append(rank)
+        return RankRecord.from_wire(objs[rank].to_wire(), rank=rank)
+
+    got = positions(rec, [1, 5, 2], read)
+    assert got.offsets == {1: "1-1", 5: "1-5", 2: "1-2"} and got.batches == {1: 1, 5: 5, 2: 2}
+    assert reads == [1, 2]
+    assert positions(_record(), [0, 1], read).offsets == {0: "1-4", 1: "0-0"}
+    assert reads == [1, 2]
+    with pytest.raises(RecordError, match="rank 3's says rank 1"):
+        RankRecord.from_wire(objs[1].to_wire(), rank=3)
+
+
 def test_version_2_carries_seed_and_rank_states_and_version_1_still_reads() -> None:
     """Version 2 adds the run seed and each rank's random states and epoch position;
     a version 1 record (written before them) still reads, with none of them."""
@@ -123,7 +158,7 @@ def test_version_2_carries_seed_and_rank_states_and_version_1_still_reads() -> N
 
 
 @pytest.mark.parametrize("doc", [
-    {"trainguard": {"version": 3, "dataset": "tok"}},
+    {"trainguard": {"version": 4, "dataset": "tok"}},
     {"trainguard": "not a record"},
     {"trainguard": {"version": 2, "dataset": "tok", "ranks": {"0": {"rng": "x"}}}},
     {"trainguard": {"dataset": "tok", "generation": "x"}},

@@ -74,6 +74,41 @@ def test_every_partition_has_exactly_one_owner(p: int, world: int, workers: int)
     assert sorted(owners) == list(range(p))
 
 
+def _filtered(p: int, world: int, workers: int, rank: int, worker: int) -> list[int]:
+    """The assignment as version 2 computed it: a filter over every partition."""
+    total = world * max(1, workers)
+    return [q for q in range(p) if q % total == rank * max(1, workers) + worker]
+
+
+@given(st.integers(1, 300), st.integers(1, 40), st.integers(0, 8), st.data())
+def test_rank_assignment_equals_the_filtered_one(p: int, world: int, workers: int,
+                                                 data: st.DataObject) -> None:
+    """The stepped assignment, rank_partitions and partition_owner give exactly the
+    partitions (and owners) of the O(P) filter they replace."""
+    rank = data.draw(st.integers(0, world - 1))
+    per_worker = [_filtered(p, world, workers, rank, w) for w in range(max(1, workers))]
+    for w, expect in enumerate(per_worker):
+        assert s.assign_partitions(p, world_size=world, num_workers=workers, rank=rank,
+                                   worker=w) == expect
+    mine = s.rank_partitions(p, world_size=world, num_workers=workers, rank=rank)
+    assert mine == sorted(q for ps in per_worker for q in ps)
+    for q in range(p):
+        owner = s.partition_owner(q, partitions=p, world_size=world, num_workers=workers)
+        assert (owner == rank) == (q in mine)
+
+
+def test_the_largest_layout_is_accepted_and_owned_once() -> None:
+    """65,536 partitions is a valid dataset, and over 16,384 ranks x 8 workers (more
+    consumers than partitions) every partition still has exactly one owner."""
+    s.DatasetSpec("big", partitions=s.MAX_PARTITIONS, source="memory://x")
+    with pytest.raises(s.ContractError, match="between 1 and 65536"):
+        s.DatasetSpec("big", partitions=s.MAX_PARTITIONS + 1, source="memory://x")
+    P, W = s.MAX_PARTITIONS, 16384
+    seen = [q for r in range(W) for q in s.rank_partitions(P, world_size=W, num_workers=8, rank=r)]
+    assert sorted(seen) == list(range(P))
+    assert s.partition_key("big", 65535) == "tg:{big:p65535}"
+
+
 def test_spec_round_trips_through_redis_fields_and_reports_differences() -> None:
     spec = s.DatasetSpec("tok", partitions=4, source="memory://x.jsonl", seed=3)
     assert s.DatasetSpec.from_redis(spec.to_redis()) == spec

@@ -1,4 +1,5 @@
-"""Phase 3 of the commit protocol: after a manifest committed, acknowledge and publish.
+"""Phase 3 of the commit protocol: after a manifest committed, acknowledge and publish;
+and where each partition stands in a checkpoint.
 
 The manifest is the commit point; what follows only tells Redis about it: XACK every
 entry up to the committed offsets (fenced), then publish the committed offsets and the
@@ -7,6 +8,14 @@ for monitoring and for the producer's trimming. A crash in between is harmless:
 restore acknowledges again. This runs in the store's writer thread (the save
 handle's done-callback) unless the checkpoint was blocking; a fencing refusal met
 there is kept and raised by the session's next call.
+
+With per-rank state objects (a store with ``supports_rank_state``) every rank does
+this for the partitions it reads, and nothing else: it acknowledges them, publishes
+their committed offsets and retention floor, and no rank gathers another's offsets
+(:class:`PositionReader` reads a kept checkpoint's offsets from the objects of the
+ranks that owned those partitions, once per checkpoint). With a store without them,
+rank 0 does it for every partition from the gathered offsets (:func:`gather_offsets`,
+session record version 2).
 """
 
 from __future__ import annotations
@@ -23,10 +32,55 @@ import torch.distributed as dist
 from trainer_client import offsets as ofs
 from trainer_client.errors import FencedError
 from trainguard.core import record, streams
-from trainguard.core.checkpoints import CheckpointStoreAPI, SaveHandleView
-from trainguard.core.record import RankState
+from trainguard.core.checkpoints import (
+    CheckpointStoreAPI,
+    ManifestView,
+    RankStateStoreAPI,
+    SaveHandleView,
+)
+from trainguard.core.rank_record import Positions, RankRecord, positions
+from trainguard.core.record import RankState, SessionRecord
 
-__all__ = ["OffsetCommitter", "gather_offsets"]
+__all__ = ["OffsetCommitter", "PositionReader", "gather_offsets"]
+
+
+class PositionReader:
+    """Where partitions stand in checkpoints, from the fewest rank objects: each
+    object read is kept per checkpoint (manifests and objects are immutable), and a
+    rank's own object of its own commits is known without reading."""
+
+    def __init__(self, store: RankStateStoreAPI | None) -> None:
+        self._store = store
+        self._objects: dict[str, dict[int, RankRecord]] = {}
+        self._lock = threading.Lock()
+
+    def remember(self, name: str, obj: RankRecord) -> None:
+        with self._lock:
+            self._objects.setdefault(name, {})[obj.rank] = obj
+
+    def forget_all_but(self, names: set[str]) -> None:
+        with self._lock:
+            self._objects = {n: o for n, o in self._objects.items() if n in names}
+
+    def object(self, manifest: ManifestView, rank: int) -> RankRecord:
+        """Rank ``rank``'s object of ``manifest`` (read once)."""
+        with self._lock:
+            known = self._objects.get(manifest.name, {}).get(rank)
+        if known is not None:
+            return known
+        if self._store is None:
+            raise record.RecordError(f"checkpoint {manifest.name} has per-rank state objects "
+                                     "but the store cannot read them: open it with "
+                                     "checkpoint_store.CheckpointStore")
+        obj = RankRecord.from_wire(self._store.read_rank_state(manifest, rank), rank=rank)
+        self.remember(manifest.name, obj)
+        return obj
+
+    def positions(self, manifest: ManifestView, rec: SessionRecord,
+                  partitions: list[int]) -> Positions:
+        with self._lock:
+            known = dict(self._objects.get(manifest.name, {}))
+        return positions(rec, partitions, lambda r: self.object(manifest, r), known=known)
 
 log = logging.getLogger("trainer_client.session")
 
@@ -42,6 +96,7 @@ class OffsetCommitter:
         *,
         dataset: str,
         run: str,
+        reader: PositionReader | None = None,
     ) -> None:
         self._redis = client
         self._call = call
@@ -51,24 +106,32 @@ class OffsetCommitter:
         self._lock = threading.Lock()
         self._inflight: list[threading.Event] = []
         self._background_error: BaseException | None = None
+        self._reader = reader or PositionReader(None)
         self.last_publish_s: float | None = None
+        self.last_committed: tuple[ManifestView, SessionRecord] | None = None
+        """The newest checkpoint of this session that committed, with its record."""
 
     def after(self, handle: SaveHandleView, offsets: Mapping[int, str], generation: int,
-              *, blocking: bool) -> None:
+              *, blocking: bool, rec: SessionRecord, own: RankRecord | None = None) -> None:
         """Publish ``offsets`` once ``handle``'s manifest committed (nothing if it
-        failed). ``blocking``: now, raising a refusal; else from the handle's callback."""
+        failed). ``blocking``: now, raising a refusal; else from the handle's callback.
+        ``own``: this rank's object of the save (its offsets are ``offsets``: only its
+        partitions); None: ``offsets`` are every partition's (rank 0, record 2)."""
         done = threading.Event()
         with self._lock:
             self._inflight.append(done)
 
         def after_commit(h: Any) -> None:
             try:
-                h.wait()
+                manifest = h.wait()
             except BaseException:
                 done.set()  # the commit failed: nothing to acknowledge
                 return
+            if own is not None:
+                self._reader.remember(manifest.name, own)
+            self.last_committed = (manifest, rec)
             try:
-                self.publish(offsets, generation)
+                self.publish(offsets, generation, whole=own is None)
             except BaseException as exc:
                 if isinstance(exc, FencedError) or not isinstance(exc, Exception):
                     self._background_error = exc
@@ -84,13 +147,21 @@ class OffsetCommitter:
         else:
             handle.add_done_callback(after_commit)
 
-    def publish(self, offsets: Mapping[int, str], generation: int) -> None:
-        """XACK up to ``offsets``, then publish them and the retention floor."""
+    def publish(self, offsets: Mapping[int, str], generation: int, *,
+                whole: bool = True) -> None:
+        """XACK up to ``offsets``, then publish them and their retention floor.
+        ``whole``: ``offsets`` are every partition's (the floor hash is rewritten);
+        else only this rank's partitions' fields are set."""
         t0 = time.perf_counter()
         r = self._redis
         self._call(ofs.ack_upto, r, self._dataset, self._run, generation, offsets)
-        floor = record.retention_floor(offsets, self._store.list(), dataset=self._dataset,
-                                       run=self._run)
+        kept = self._store.list()
+        self._reader.forget_all_but({m.name for m in kept})
+        mine = sorted(offsets)
+        floor = record.retention_floor(
+            offsets, kept, dataset=self._dataset, run=self._run,
+            positions=None if whole else (
+                lambda m, rec: self._reader.positions(m, rec, mine).offsets))
         committed: dict[Any, Any] = streams.offsets_to_wire(offsets)
         floors: dict[Any, Any] = streams.offsets_to_wire(floor)
 
@@ -99,7 +170,8 @@ class OffsetCommitter:
             # retrying the same one would publish nothing.
             pipe = r.pipeline(transaction=True)
             pipe.hset(streams.committed_key(self._dataset, self._run), mapping=committed)
-            pipe.delete(streams.floor_key(self._dataset, self._run))
+            if whole:
+                pipe.delete(streams.floor_key(self._dataset, self._run))
             pipe.hset(streams.floor_key(self._dataset, self._run), mapping=floors)
             pipe.execute()
 

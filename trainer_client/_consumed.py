@@ -51,6 +51,16 @@ class Consumed:
                 self._epoch, self._epoch_batches = rank.epoch, rank.epoch_batches
             self._passes = 0
 
+    def place(self, offsets: Mapping[int, str], batches: Mapping[int, int],
+              rank: RankState | None = None) -> None:
+        """Set these partitions' positions (read from a checkpoint after a reset), and
+        with ``rank`` the epoch position."""
+        with self._lock:
+            self._offsets.update(offsets)
+            self._batches.update(batches)
+            if rank is not None:
+                self._epoch, self._epoch_batches = rank.epoch, rank.epoch_batches
+
     def record(self, batch: Batch) -> None:
         """``batch`` was handed to the loop (or, dropped, consumed unseen): its offsets
         and counts are consumed; the first batch of a newer epoch gets ``new_epoch``."""

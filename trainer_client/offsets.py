@@ -154,9 +154,11 @@ def assert_generation(
             raise FencedError(group=group, mine=generation, current=int(r), what="read")
 
 
-def current_generations(client: redis.Redis, dataset: str, group: str, partitions: int) -> list[int]:
+def current_generations(client: redis.Redis, dataset: str, group: str,
+                        partitions: int | Iterable[int]) -> list[int]:
+    """The fence of each partition (``partitions``: a count, all of them; or which)."""
     pipe = client.pipeline(transaction=False)
-    for p in range(partitions):
+    for p in range(partitions) if isinstance(partitions, int) else partitions:
         pipe.get(streams.fence_key(dataset, p, group))
     return [int(v) if v is not None else 0 for v in pipe.execute()]
 

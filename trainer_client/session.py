@@ -48,7 +48,7 @@ import torch.distributed as dist
 from trainer_client import _rng, redis_client
 from trainer_client import offsets as ofs
 from trainer_client._checks import check_not_bypassed, warn_divergent
-from trainer_client._commit import OffsetCommitter, gather_offsets
+from trainer_client._commit import OffsetCommitter, PositionReader, gather_offsets
 from trainer_client._consumed import Consumed, Snapshot
 from trainer_client._healing import Healing
 from trainer_client._loaders import in_worker_order, refuse_own_position, refuse_resuming_loader
@@ -68,11 +68,13 @@ from trainguard.core.checkpoints import (
     ManifestView,
     SaveHandleView,
     open_store,
+    rank_state_store,
 )
 from trainguard.core.incidents import LoopPolicy
 from trainguard.core.interval import Advice, IntervalPolicy
 from trainguard.core.newest import newest_first
-from trainguard.core.record import RankState, SessionRecord
+from trainguard.core.rank_record import Positions, RankRecord
+from trainguard.core.record import PER_RANK_VERSION, RankState, SessionRecord
 from trainguard.core.timing import TIMING_KEY
 
 __all__ = ["TrainingSession"]
@@ -164,8 +166,13 @@ class TrainingSession:
         self._commits = 0
         self._num_workers = 0
         self._restored: SessionRecord | None = None
+        # Per-rank state objects when the store has them: no rank gathers offsets.
+        self._rank_store = rank_state_store(self.store)
+        self._positions = PositionReader(self._rank_store)
+        self._basis: tuple[ManifestView, SessionRecord] | None = None
+        self._placed: set[int] = set()
         self._committer = OffsetCommitter(self._redis, self._call, self.store,
-                                          dataset=dataset, run=run)
+                                          dataset=dataset, run=run, reader=self._positions)
         self._reseek = False
         self._datasets: list[StreamingDataset] = []
         self.seed = _rng.default_seed(run) if seed is None else int(seed)
@@ -289,7 +296,7 @@ class TrainingSession:
             older = self._heal.restoring()
             manifest = self._load(state, None, skip_newest=older)
             rec = self._record(manifest)
-            self._apply_offsets(rec, new_generation=True)
+            self._apply_offsets(manifest, rec, new_generation=True)
         self._clock.restored(manifest, self.generation)
         self._clock.count_failures(self._heal.failures)
         step = int(manifest.step) if manifest is not None else 0
@@ -316,7 +323,12 @@ class TrainingSession:
             return None
         if rec.seed is not None:
             self.seed = rec.seed
-        mine = rec.ranks.get(self.rank)
+        if rec.version >= PER_RANK_VERSION:
+            assert self._basis is not None
+            mine = None if self.rank >= rec.world_size else \
+                self._positions.object(self._basis[0], self.rank).state
+        else:
+            mine = rec.ranks.get(self.rank)
         if mine is None:
             return None
         if rec.world_size != self.world_size:
@@ -329,27 +341,21 @@ class TrainingSession:
         _rng.restore(mine.rng)
         return mine
 
-    def _apply_offsets(self, rec: SessionRecord | None, *, new_generation: bool) -> None:
-        P = self.spec.partitions
-        offsets = {p: streams.ZERO_ID for p in range(P)}
-        batches = {p: 0 for p in range(P)}
-        if rec is not None:
-            offsets.update(rec.offsets)
-            batches.update(rec.batches)
+    def _apply_offsets(self, manifest: ManifestView | None, rec: SessionRecord | None, *,
+                       new_generation: bool) -> None:
+        """Take (or keep) the generation on rank 0, then on every rank move the group of
+        the partitions it reads to the checkpoint's offsets (:meth:`_place`)."""
         gen = None
         if self.rank == 0:
             r = self._redis
             self._call(r.sadd, streams.groups_key(self.dataset_name), self.run)
             if new_generation:
                 floor = rec.generation if rec is not None else 0
-                gen = self._call(ofs.bump_generation, r, self.dataset_name, self.run, P, floor)
+                gen = self._call(ofs.bump_generation, r, self.dataset_name, self.run,
+                                 self.spec.partitions, floor)
             else:
                 gen = self._gen()
-            self._call(
-                ofs.seek_group, r, self.dataset_name, self.run, gen, offsets,
-                batches=batches, write=True,
-            )
-            self._call(ofs.ack_upto, r, self.dataset_name, self.run, gen, offsets)
+        # Every rank seeks after this: the fences hold the new generation by then.
         gen = self._broadcast(gen)
         self.generation = gen
         # A rollback keeps counting commits up: its lineage must outrank the
@@ -357,9 +363,46 @@ class TrainingSession:
         restored = rec.commit if rec is not None else 0
         self._commits = restored if new_generation else max(self._commits, restored)
         self._restored = rec
-        self._consumed.reset(offsets, batches, self._apply_rank_state(rec))
+        self._basis = None if manifest is None or rec is None else (manifest, rec)
+        if rec is not None:
+            # Until a loader pass says otherwise, this rank reads what it read then.
+            self._num_workers = rec.num_workers
+        self._placed = set()
+        self._consumed.reset({}, {}, None)
+        self._place(self._mine(self._num_workers))
+        self._consumed.place({}, {}, self._apply_rank_state(rec))
         for ds in self._datasets:
             ds.generation, ds.seed = gen, self.seed
+
+    def _mine(self, num_workers: int) -> list[int]:
+        return streams.rank_partitions(self.spec.partitions, world_size=self.world_size,
+                                       num_workers=num_workers, rank=self.rank)
+
+    def _place(self, partitions: list[int]) -> Positions | None:
+        """Move the group of those of ``partitions`` not placed since the restore to
+        their offsets in the newest checkpoint (the restored one, or this session's
+        latest commit), reading only the objects of the ranks that owned them; then
+        acknowledge up to them. O(partitions + objects read)."""
+        todo = [p for p in partitions if p not in self._placed]
+        if not todo:
+            return None
+        basis = self._basis
+        if self._placed and self._committer.last_committed is not None:
+            # A loader of another worker count moved partitions between ranks: their
+            # newest positions are in this run's latest commit.
+            self._committer.wait()
+            basis = self._committer.last_committed
+        if basis is None:
+            pos = Positions({p: streams.ZERO_ID for p in todo}, {p: 0 for p in todo}, {})
+        else:
+            pos = self._positions.positions(basis[0], basis[1], todo)
+        gen, r = self._gen(), self._redis
+        self._call(ofs.seek_group, r, self.dataset_name, self.run, gen, pos.offsets,
+                   batches=pos.batches, write=True)
+        self._call(ofs.ack_upto, r, self.dataset_name, self.run, gen, pos.offsets)
+        self._consumed.place(pos.offsets, pos.batches)
+        self._placed.update(todo)
+        return pos
 
     def rollback(self, state: Any, to_step: int | None = None, *,
                  reason: str | None = None) -> int:
@@ -381,7 +424,7 @@ class TrainingSession:
                 "state and offsets are left as they are. Take a "
                 "checkpoint before a rollback can be needed, or restart the run instead"
             )
-        self._apply_offsets(self._record(manifest), new_generation=False)
+        self._apply_offsets(manifest, self._record(manifest), new_generation=False)
         self._reseek = True
         self._clock.rolled_back(int(manifest.step), self.generation)
         self._heal.rolled_back(int(manifest.step), reason)
@@ -506,6 +549,7 @@ class TrainingSession:
         self._num_workers = num_workers
         owned = self._owned(num_workers)
         mine = sorted(p for ps in owned.values() for p in ps)
+        self._place(mine)
         while True:
             self._reseek = False
             positions, counts = self._consumed.start_pass(mine)
@@ -604,6 +648,7 @@ class TrainingSession:
         self._committer.raise_background()
         gen = self._gen()
         self._check_fence(gen)
+        self._place(self._mine(self._num_workers))
         now = self._consumed.snapshot()
         offsets = now.offsets
         mine = RankState(rng=_rng.capture(), epoch=now.epoch, epoch_batches=now.epoch_batches)
@@ -621,14 +666,14 @@ class TrainingSession:
     def _save(self, state: Any, step: int, now: Snapshot, mine: RankState, *, blocking: bool,
               extra: Mapping[str, Any] | None, skipped: Sequence[str] | None) -> SaveHandleView:
         gen = self._gen()
-        offsets, batches = now.offsets, now.batches
-        ranks = {self.rank: mine}
-        if self.world_size > 1:
-            if isinstance(state, Mapping):
-                warn_divergent(state, self.world_size, self.process_group)
+        if self.world_size > 1 and isinstance(state, Mapping):
+            warn_divergent(state, self.world_size, self.process_group)
+        self._commits += 1
+        per_rank = self._rank_store is not None
+        offsets, batches, ranks = now.offsets, now.batches, {self.rank: mine}
+        if not per_rank and self.world_size > 1:
             offsets, batches, ranks = gather_offsets(offsets, batches, mine, self.world_size,
                                                      self.process_group)
-        self._commits += 1
         rec = SessionRecord(
             dataset=self.dataset_name,
             run=self.run,
@@ -637,28 +682,44 @@ class TrainingSession:
             commit=self._commits,
             world_size=self.world_size,
             num_workers=self._num_workers,
-            offsets=offsets,
-            batches=batches,
+            offsets={} if per_rank else offsets,
+            batches={} if per_rank else batches,
             skipped=None if skipped is None else tuple(skipped),
             seed=self.seed,
-            ranks=ranks,
+            ranks={} if per_rank else ranks,
+            version=PER_RANK_VERSION if per_rank else 2,
         )
-        timing = self._clock.extra(step)
+        doc = {**(extra or {}), **rec.to_extra(), **self._clock.extra(step)}
         started = time.monotonic()
-        handle = self.store.save(state, step=step,
-                                 extra={**(extra or {}), **rec.to_extra(), **timing},
-                                 blocking=blocking)
+        if self._rank_store is not None:
+            parts = self._mine(self._num_workers)
+            own = RankRecord(rank=self.rank, world_size=self.world_size,
+                             num_workers=self._num_workers,
+                             offsets={p: now.offsets[p] for p in parts},
+                             batches={p: now.batches[p] for p in parts}, state=mine)
+            handle = self._rank_store.save(state, step=step, extra=doc, blocking=blocking,
+                                           rank_state=own.to_wire())
+            self._clock.saved(handle, step, started)
+            # Every rank acknowledges and publishes its own partitions.
+            self._committer.after(handle, own.offsets, gen, blocking=blocking, rec=rec, own=own)
+            return handle
+        handle = self.store.save(state, step=step, extra=doc, blocking=blocking)
         self._clock.saved(handle, step, started)
         if self.rank == 0:
-            self._committer.after(handle, offsets, gen, blocking=blocking)
+            self._committer.after(handle, offsets, gen, blocking=blocking, rec=rec)
         return handle
 
     def _check_fence(self, gen: int) -> None:
+        """FencedError when a newer generation took the run over: checked on this
+        rank's partitions with per-rank objects (a restore bumps every partition's
+        fence, so each rank finds out on its own), else on every partition."""
+        parts = self._mine(self._num_workers) if self._rank_store is not None else None
         current = max(
             self._call(
                 ofs.current_generations, self._redis, self.dataset_name, self.run,
-                self.spec.partitions,
-            )
+                self.spec.partitions if parts is None else parts,
+            ),
+            default=0,
         )
         if current > gen:
             raise FencedError(group=self.run, mine=gen, current=current, what="checkpoint")

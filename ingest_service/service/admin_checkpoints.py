@@ -38,6 +38,7 @@ from trainguard.core.checkpoints import (
     PinnedCheckpointError,
 )
 from trainguard.core.newest import commit_order, newest_first
+from trainguard.core.rank_record import checkpoint_offsets
 from trainguard.core.record import SessionRecord
 from trainguard.core.urls import has_password, redact_text, redact_url
 
@@ -387,12 +388,14 @@ class StoreSet:
         step = int(target["step"])
 
         def run(root: StoreRoot) -> dict[str, str]:
+            manifest = self._manifest(root, step)
             try:
-                rec = SessionRecord.of(self._manifest(root, step))
+                rec = SessionRecord.of(manifest)
+                # Version 3 keeps them in the ranks' state objects: one read per rank.
+                offsets = checkpoint_offsets(self._open(root.url, root), manifest)
             except record.RecordError as exc:
                 raise Refused("bad_record", f"checkpoint {step} of store {root.name!r}: "
                                             f"{exc}") from exc
-            offsets = rec.offsets if rec is not None else {}
             owner = rec.dataset if rec is not None else None
             if owner and owner != dataset:
                 raise Refused(

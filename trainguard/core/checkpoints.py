@@ -40,11 +40,13 @@ __all__ = [
     "NoCheckpointError",
     "StoreNotRegisteredError",
     "PinnedCheckpointError",
+    "RankStateStoreAPI",
     "SaveHandleView",
     "SaveInProgressError",
     "StateMismatchError",
     "UnsupportedValueError",
     "open_store",
+    "rank_state_store",
 ]
 
 STORE_ENTRY_POINTS = "trainguard.checkpoint_stores"
@@ -125,6 +127,30 @@ class CheckpointStoreAPI(Protocol):
     def gc(self) -> object: ...
 
     def close(self) -> object: ...
+
+
+class RankStateStoreAPI(CheckpointStoreAPI, Protocol):
+    """A store with per-rank state objects (``supports_rank_state`` true): each rank's
+    ``save(rank_state=...)`` document is written beside its shards and indexed in the
+    manifest; :meth:`read_rank_state` reads one rank's back, verified. A session writes
+    its offsets, batch counts and random states there; with a store without them, it
+    keeps its whole record in the manifest's ``extra`` (session record version 2)."""
+
+    supports_rank_state: bool
+
+    def save(self, state: Mapping[str, Any], *, step: int,
+             extra: Mapping[str, Any] | None = None, blocking: bool = True,
+             if_busy: str = "wait",
+             rank_state: Mapping[str, Any] | None = None) -> SaveHandleView: ...
+
+    def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None: ...
+
+
+def rank_state_store(store: CheckpointStoreAPI) -> RankStateStoreAPI | None:
+    """``store`` as a :class:`RankStateStoreAPI` when it has the capability, else None."""
+    if getattr(store, "supports_rank_state", False) is True:
+        return cast(RankStateStoreAPI, store)
+    return None
 
 
 def open_store(url: str, *, implementation: str = "default", **options: Any) -> CheckpointStoreAPI:

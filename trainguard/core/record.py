@@ -4,17 +4,20 @@ and the one order in which checkpoints are restored.
 A manifest's ``extra`` carries it under two keys (the user's own ``extra`` keys sit
 beside them)::
 
-    extra["trainguard"]        version 2 (version 1: without seed and ranks)
-        version      2
+    extra["trainguard"]        version 3 (2: with offsets, batches and ranks, below;
+                               1: without seed and ranks)
+        version      3
         dataset      dataset name               run          the run (= consumer group)
         partitions   partition count            world_size   ranks that wrote it
         num_workers  DataLoader workers per rank of the pass it was taken in
         generation   fencing generation of the writer
         commit       the writer's commit counter
+        seed         the run seed (DataLoader generators derive from it)
+      version 2 only (from version 3 on, each rank writes its part of these into its
+      own state object: :mod:`trainguard.core.rank_record`):
         offsets      {"<partition>": "<last consumed stream ID>"} for every partition
                      ("0-0": nothing consumed yet)
         batches      {"<partition>": <batches consumed from it>} (deterministic mode)
-        seed         the run seed (DataLoader generators derive from it)
         ranks        {"<rank>": {"rng": {...}, "epoch": e, "epoch_batches": n}}: each
                      rank's random states when the checkpoint was taken (torch CPU,
                      CUDA per device, NumPy, Python ``random``; see ``RankState``) and
@@ -38,7 +41,7 @@ API and the CLI.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +51,7 @@ from trainguard.core.errors import TrainguardError
 
 __all__ = [
     "RECORD_KEY",
+    "PER_RANK_VERSION",
     "RECORD_VERSION",
     "SKIPPED_KEY",
     "RankState",
@@ -58,7 +62,9 @@ __all__ = [
 
 RECORD_KEY = "trainguard"
 SKIPPED_KEY = "skipped_batches"
-RECORD_VERSION = 2
+RECORD_VERSION = 3
+PER_RANK_VERSION = 3
+"""From this version on, offsets, batches and rank states are in per-rank objects."""
 
 
 
@@ -129,7 +135,10 @@ class SessionRecord:
                 "batches": {str(p): int(n) for p, n in sorted(self.batches.items())},
             }
         }
-        if self.version >= 2:
+        if self.version >= PER_RANK_VERSION:
+            del doc[RECORD_KEY]["offsets"], doc[RECORD_KEY]["batches"]
+            doc[RECORD_KEY]["seed"] = self.seed
+        elif self.version >= 2:
             doc[RECORD_KEY]["seed"] = self.seed
             doc[RECORD_KEY]["ranks"] = {str(r): s.to_wire() for r, s in sorted(self.ranks.items())}
         if self.skipped is not None:
@@ -194,10 +203,13 @@ def _name(kind: str, value: Any) -> str:
 
 
 def retention_floor(
-    newest: Mapping[int, str], kept: Sequence[ManifestView], *, dataset: str, run: str
+    newest: Mapping[int, str], kept: Sequence[ManifestView], *, dataset: str, run: str,
+    positions: Callable[[ManifestView, SessionRecord], Mapping[int, str]] | None = None,
 ) -> dict[int, str]:
-    """Per partition, the smallest offset over ``newest`` and the kept checkpoints of
-    this run: the producer may trim below it, never at or above."""
+    """Per partition of ``newest``, the smallest offset over ``newest`` and the kept
+    checkpoints of this run: the producer may trim below it, never at or above.
+    ``positions(manifest, record)``: the offsets of ``newest``'s partitions in a kept
+    checkpoint (default: the record's own, which a version 3 record does not carry)."""
     out = dict(newest)
     for m in kept:
         try:
@@ -206,6 +218,8 @@ def retention_floor(
             continue
         if record is None or record.run != run or record.dataset != dataset:
             continue
-        for p, i in record.offsets.items():
-            out[p] = streams.min_id(out.get(p), i) or i
+        offsets = record.offsets if positions is None else positions(m, record)
+        for p, i in offsets.items():
+            if p in out:
+                out[p] = streams.min_id(out[p], i) or i
     return out

@@ -56,7 +56,10 @@ CONTRACT_VERSION = 1
 
 PREFIX = "tg"
 DEFAULT_PARTITIONS = 16
-MAX_PARTITIONS = 4096
+MAX_PARTITIONS = 65536
+"""Up to 8,192 ranks x 8 DataLoader workers each own a partition. Partition keys print
+the number with at least four digits (``p0007``, ``p65535``), so keys below 10,000 are
+those of every earlier version."""
 
 FORMATS = ("jsonl", "text", "npy", "files", "parquet", "hf", "webdataset", "push")
 """Source formats. ``hf`` is a Hugging Face ``datasets`` folder (``save_to_disk`` Arrow
@@ -428,7 +431,26 @@ def assign_partitions(
         raise ContractError(f"worker {worker} is outside num_workers {num_workers}")
     total = consumer_count(world_size, num_workers)
     me = rank * workers + worker
-    return [p for p in range(partitions) if p % total == me]
+    # Stepping, not filtering: O(P / consumers) per call, not O(P).
+    return list(range(me, partitions, total))
+
+
+def rank_partitions(partitions: int, *, world_size: int, num_workers: int, rank: int) -> list[int]:
+    """Every partition one rank reads (all its workers' :func:`assign_partitions`),
+    sorted: O(P / world_size). A pure function of its arguments, like the assignment."""
+    workers = max(1, num_workers)
+    if not 0 <= rank < world_size:
+        raise ContractError(f"rank {rank} is outside world size {world_size}")
+    total = consumer_count(world_size, num_workers)
+    first = rank * workers
+    return sorted(p for c in range(first, first + workers) for p in range(c, partitions, total))
+
+
+def partition_owner(partition: int, *, partitions: int, world_size: int, num_workers: int) -> int:
+    """The rank whose workers read ``partition`` under :func:`assign_partitions`: O(1)."""
+    if not 0 <= partition < partitions:
+        raise ContractError(f"partition {partition} is outside 0..{partitions - 1}")
+    return (partition % consumer_count(world_size, num_workers)) // max(1, num_workers)
 
 
 def offsets_to_wire(offsets: Mapping[int, str]) -> dict[str, str]:

@@ -1,0 +1,146 @@
+"""The rank record: what one rank of a session writes as its own state object, and
+where a restore finds the position of each partition.
+
+From session record version 3 on, a checkpoint's manifest keeps only the run-wide
+record (``extra["trainguard"]``: identity, generation, commit, layout, seed); each
+rank writes the rest into its own state object beside its shards (the store's
+``save(rank_state=...)``, indexed by digest in the manifest)::
+
+    version      1
+    rank         the rank that wrote it     world_size   ranks of the save
+    num_workers  the DataLoader workers of the layout its partitions were counted in
+    offsets      {"<partition>": "<last consumed stream ID>"} for every partition the
+                 rank reads in that layout (``streams.rank_partitions``)
+    batches      {"<partition>": <batches consumed from it>}
+    rng, epoch, epoch_batches   its random states and epoch position (``RankState``)
+
+The partitions of all ranks' objects together are every partition once, so no rank
+needs another's offsets to commit. :func:`positions` answers "where does each of these
+partitions stand in this checkpoint?" by reading only the objects of the ranks that
+owned them (:func:`streams.partition_owner` of the checkpoint's layout): on the same
+world size and worker count one object, a rank's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.core import streams
+from trainguard.core.record import RankState, RecordError, SessionRecord
+
+__all__ = ["RANK_RECORD_VERSION", "Positions", "RankRecord", "checkpoint_offsets", "positions"]
+
+RANK_RECORD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """One rank's state object of a checkpoint; see the module docstring."""
+
+    rank: int
+    world_size: int
+    num_workers: int
+    offsets: Mapping[int, str] = field(default_factory=dict)
+    batches: Mapping[int, int] = field(default_factory=dict)
+    state: RankState = field(default_factory=RankState)
+    version: int = RANK_RECORD_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "rank": self.rank, "world_size": self.world_size,
+            "num_workers": self.num_workers, "offsets": streams.offsets_to_wire(self.offsets),
+            "batches": {str(p): int(n) for p, n in sorted(self.batches.items())},
+            **self.state.to_wire(),
+        }
+
+    @classmethod
+    def from_wire(cls, doc: Mapping[str, Any] | None, *, rank: int) -> RankRecord:
+        """Parse rank ``rank``'s object; RecordError when it is missing, malformed or
+        of a newer version."""
+        if not isinstance(doc, Mapping):
+            raise RecordError(f"checkpoint has no state object of rank {rank} (found "
+                              f"{type(doc).__name__}): expected one written by a session")
+        try:
+            version = int(doc.get("version", 0))
+            if version > RANK_RECORD_VERSION:
+                raise RecordError(f"the state object of rank {rank} has version {version}, "
+                                  f"this trainguard reads up to {RANK_RECORD_VERSION}: "
+                                  "upgrade trainguard")
+            out = cls(
+                rank=int(doc["rank"]), world_size=int(doc["world_size"]),
+                num_workers=int(doc["num_workers"]),
+                offsets=streams.offsets_from_wire(doc.get("offsets") or {}),
+                batches={int(p): int(n) for p, n in (doc.get("batches") or {}).items()},
+                state=RankState.from_wire(doc), version=version,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, RecordError):
+                raise
+            raise RecordError(f"the state object of rank {rank} is malformed "
+                              f"({type(exc).__name__}: {exc}); expected the document "
+                              "TrainingSession.checkpoint writes") from exc
+        if out.rank != rank:
+            raise RecordError(f"the state object read as rank {rank}'s says rank {out.rank}")
+        return out
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Where some partitions stand in one checkpoint, and which objects told it."""
+
+    offsets: dict[int, str]
+    batches: dict[int, int]
+    read: dict[int, RankRecord]
+    """The rank objects read, by rank (empty for a version 2 record)."""
+
+
+def positions(rec: SessionRecord, partitions: Iterable[int],
+              read: Callable[[int], RankRecord], *,
+              known: Mapping[int, RankRecord] | None = None) -> Positions:
+    """The offsets and batch counts of ``partitions`` in the checkpoint of ``rec``.
+
+    A version 2 record carries them all; from version 3 on, each is read from the
+    object of the rank that owned it (``read(rank)``, once per rank, ``known``
+    ones not at all). O(len(partitions) + objects read)."""
+    wanted = list(partitions)
+    if rec.version < 3:
+        return Positions({p: rec.offsets.get(p, streams.ZERO_ID) for p in wanted},
+                         {p: rec.batches.get(p, 0) for p in wanted}, {})
+    objects: dict[int, RankRecord] = dict(known or {})
+    read_now: dict[int, RankRecord] = {}
+    offsets: dict[int, str] = {}
+    batches: dict[int, int] = {}
+    for p in wanted:
+        owner = streams.partition_owner(p, partitions=rec.partitions,
+                                        world_size=rec.world_size, num_workers=rec.num_workers)
+        obj = objects.get(owner)
+        if obj is None:
+            obj = objects[owner] = read_now[owner] = read(owner)
+        if p not in obj.offsets:
+            raise RecordError(
+                f"the state object of rank {owner} holds no offset of partition {p}, which "
+                f"that rank reads in the checkpoint's layout (world_size={rec.world_size}, "
+                f"num_workers={rec.num_workers}): the checkpoint is inconsistent; restore "
+                "an earlier one"
+            )
+        offsets[p] = obj.offsets[p]
+        batches[p] = obj.batches.get(p, 0)
+    return Positions(offsets, batches, read_now)
+
+
+def checkpoint_offsets(store: Any, manifest: Any) -> dict[int, str]:
+    """Every partition's offset in checkpoint ``manifest`` of ``store`` (a
+    ``RankStateStoreAPI``): the record's own (version 2), or from all its rank objects
+    (version 3: one read per rank, for tools and the admin API; a rank's commit or
+    restore reads only what :func:`positions` needs). Empty without a session record."""
+    rec = SessionRecord.of(manifest)
+    if rec is None:
+        return {}
+    if rec.version < 3:
+        return dict(rec.offsets)
+    out: dict[int, str] = {}
+    for rank in range(rec.world_size):
+        out.update(RankRecord.from_wire(store.read_rank_state(manifest, rank), rank=rank).offsets)
+    return out
