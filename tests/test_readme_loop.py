@@ -24,6 +24,7 @@ from tests import _client_fill as cf
 from tests.servers import free_port
 from tests.test_session_loop import fill_epochs
 from trainguard.core import streams
+from trainguard.core.rank_record import checkpoint_positions
 
 ROOT = Path(__file__).resolve().parents[1]
 P, N = 3, 600  # per epoch: 200 records a partition
@@ -77,11 +78,11 @@ def test_readme_loop_runs_and_trains_every_record_once(redis_server, tmp_path, w
 
     store = CheckpointStore(f"file://{tmp_path}/ckpt")
     manifest = store.latest()
-    store.close()
     assert manifest is not None
-    rec = manifest.extra["trainguard"]
+    pos = checkpoint_positions(store, manifest)  # from the ranks' state objects
+    store.close()
     ends = {p: streams.make_id(1, N // P - 1) for p in range(P)}
-    assert streams.offsets_from_wire(rec["offsets"]) == ends
+    assert pos.offsets == ends
     # Batches span a worker's partitions; each counts for the partition that led it.
     # One rank: worker 0 reads partitions 0 and 2 (400 records an epoch: 13 batches,
     # the last short, led in turn by 0 and 2) and worker 1 partition 1 (7 batches):
@@ -89,7 +90,7 @@ def test_readme_loop_runs_and_trains_every_record_once(redis_server, tmp_path, w
     # (7 batches an epoch each, 28 steps), rank 1 reads partition 1 (14, then 14
     # empty ones): both loops ran 28 steps.
     led = {0: 13, 1: 14, 2: 13} if world == 1 else {p: 2 * 7 for p in range(P)}
-    assert rec["batches"] == {str(p): n for p, n in led.items()}
+    assert pos.batches == led
     assert manifest.step == (40 if world == 1 else 28)
     client = redis.Redis.from_url(redis_server.url)
     for p in range(P):

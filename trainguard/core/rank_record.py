@@ -30,7 +30,8 @@ from typing import Any
 from trainguard.core import streams
 from trainguard.core.record import RankState, RecordError, SessionRecord
 
-__all__ = ["RANK_RECORD_VERSION", "Positions", "RankRecord", "checkpoint_offsets", "positions"]
+__all__ = ["RANK_RECORD_VERSION", "Positions", "RankRecord", "checkpoint_offsets",
+           "checkpoint_positions", "positions"]
 
 RANK_RECORD_VERSION = 1
 
@@ -130,17 +131,22 @@ def positions(rec: SessionRecord, partitions: Iterable[int],
     return Positions(offsets, batches, read_now)
 
 
-def checkpoint_offsets(store: Any, manifest: Any) -> dict[int, str]:
-    """Every partition's offset in checkpoint ``manifest`` of ``store`` (a
-    ``RankStateStoreAPI``): the record's own (version 2), or from all its rank objects
-    (version 3: one read per rank, for tools and the admin API; a rank's commit or
-    restore reads only what :func:`positions` needs). Empty without a session record."""
+def checkpoint_positions(store: Any, manifest: Any) -> Positions:
+    """Every partition's offset and batch count in checkpoint ``manifest`` of ``store``
+    (a ``RankStateStoreAPI``): the record's own (version 2), or from all its rank
+    objects (version 3: one read per rank, for tools, tests and the admin API; a rank's
+    commit or restore reads only what :func:`positions` needs). Empty without a
+    session record."""
     rec = SessionRecord.of(manifest)
     if rec is None:
-        return {}
+        return Positions({}, {}, {})
     if rec.version < 3:
-        return dict(rec.offsets)
-    out: dict[int, str] = {}
-    for rank in range(rec.world_size):
-        out.update(RankRecord.from_wire(store.read_rank_state(manifest, rank), rank=rank).offsets)
-    return out
+        return Positions(dict(rec.offsets), dict(rec.batches), {})
+    return positions(rec, range(rec.partitions), lambda rank: RankRecord.from_wire(
+        store.read_rank_state(manifest, rank), rank=rank))
+
+
+def checkpoint_offsets(store: Any, manifest: Any) -> dict[int, str]:
+    """Every partition's offset in checkpoint ``manifest`` (see
+    :func:`checkpoint_positions`)."""
+    return checkpoint_positions(store, manifest).offsets
