@@ -74,10 +74,12 @@ class Agent:
     (the ledger job's ``<rank>: WORD step`` lines and the agent's log), each with
     the wall-clock time it was read (bench/rdzv_recovery.py lays phases on it)."""
 
-    def __init__(self, name: str, command: list[str], log: Path) -> None:
+    def __init__(self, name: str, command: list[str], log: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(command, cwd=ROOT, env=agent_env(), text=True,
+        self.proc = subprocess.Popen(command, cwd=ROOT, env={**agent_env(), **(env or {})},
+                                     text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.lines: list[tuple[float, str]] = []
