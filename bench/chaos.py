@@ -77,7 +77,10 @@ CLASSES = ("worker_kill", "node_kill", "hang", "loss_spike", "corrupt_chunk",
 ROWS = (*CLASSES[:2], "node_rejoin", *CLASSES[2:])
 S3_OUTAGE_S = 8.0  # how long the S3 endpoint is gone
 NOT_RUN = {
-    "full_local_tier": "not built yet: needs the tiered store's local tier on a small fs",
+    # A tmpfs in a private mount namespace works here (tests/test_checkpoint_enospc.py),
+    # but the tiered store is world-size 1 and a full local tier has no remedy yet.
+    "full_local_tier": "not built: the tiered store is single-process and a save on a "
+                       "full local tier fails at every checkpoint (docs/guides/chaos.md)",
 }
 
 
