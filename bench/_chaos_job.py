@@ -18,7 +18,10 @@ from checkpoint_store import CheckpointStore
 from tests import _client_fill as cf
 from tests._client_train import make_state
 from tests._elastic_agents import FAST_CONF, Agent, agent_command, read_incidents
-from tests.servers import RedisServer
+from tests._tcp_proxy import TcpProxy
+from tests.servers import MotoServer, RedisCluster, RedisServer
+from trainer_client import redis_client
+from trainguard.core import quarantine as qr
 
 __all__ = ["FIRST_CKPT", "Agent", "Job", "crash_loop", "fault_free_rate"]
 
@@ -33,27 +36,55 @@ WATCHDOG_FLOOR_S = 5.0
 _CHUNK = re.compile(r"^\d+(\.\d+)*$")  # zarr v2-style chunk keys ("0", "0.0")
 
 
-def _ledger(work: Path, n: int) -> tuple[Any, int]:
+def _ledger(store_url: str, n: int, storage_options: dict[str, Any] | None = None
+            ) -> tuple[Any, int]:
     """The newest checkpoint's ``counts`` and step."""
     state, model, _ = make_state(n)
-    store = CheckpointStore(f"file://{work}/ckpt")
+    store = CheckpointStore(store_url, storage_options=storage_options)
     try:
         manifest = store.load(state)
     finally:
         store.close()
-    assert manifest is not None, f"no checkpoint was committed under {work}"
+    assert manifest is not None, f"no checkpoint was committed under {store_url}"
     return model.counts.clone(), int(manifest.step)
 
 
 class Job:
-    """One elastic job of ``NODES`` agents; ``live`` are the nodes meant to be up."""
+    """One elastic job of ``NODES`` agents; ``live`` are the nodes meant to be up. Its
+    Redis is one redis-server, or with ``cluster`` a Redis Cluster of 3 masters with a
+    replica each (``self.cluster``; ``self.redis`` is None then). Checkpoints go to a
+    local directory, or with ``s3`` to a bucket of moto's S3 server reached through
+    ``self.proxy`` (a :class:`TcpProxy` that ``stop()`` takes away). Each node's
+    ``TRAINGUARD_NODE_ID`` is its name (quarantine records name it)."""
 
     def __init__(self, work: Path, name: str, *, reps: int, gap_s: float,
                  persistence: str = "none", records: int | None = None,
-                 extra: tuple[str, ...] = (), max_restarts: int = 100) -> None:
+                 extra: tuple[str, ...] = (), max_restarts: int = 100,
+                 cluster: bool = False, s3: bool = False) -> None:
         self.work, self.name = work, name
-        self.redis = RedisServer(work / "redis", persistence=persistence).start()
-        url = self.redis.url
+        self.moto: MotoServer | None = None
+        self.proxy: TcpProxy | None = None
+        self.store_url, self.store_options = f"file://{work}/ckpt", None
+        self._env: dict[str, str] = {}
+        if s3:
+            self.moto = MotoServer().start()
+            self.moto.create_bucket("chaos")
+            self.proxy = TcpProxy(self.moto.port).start()
+            self.store_url = "s3://chaos/ckpt"
+            self.store_options = {**self.moto.storage_options(), "client_kwargs": {
+                "endpoint_url": self.proxy.url, "region_name": "us-east-1"}}
+            # The workers' s3fs finds the endpoint in fsspec's environment config.
+            self._env = {"FSSPEC_S3_ENDPOINT_URL": self.proxy.url, "FSSPEC_S3_KEY": "testing",
+                         "FSSPEC_S3_SECRET": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        self.redis: RedisServer | None = None
+        self.cluster: RedisCluster | None = None
+        if cluster:
+            self.cluster = RedisCluster(work / "cluster").start()
+            url = self.cluster.url
+        else:
+            self.redis = RedisServer(work / "redis", persistence=persistence).start()
+            url = self.redis.url
+        self.url = url
         # The ledger's size: every fault's gap (at most 1.5 gap_s) and its recovery at
         # the job's top speed; what is not filled stays 0 and is not counted.
         self.n = records or int(MAX_RECORDS_S * (reps * (1.5 * gap_s + 90) + 60))
@@ -66,11 +97,14 @@ class Job:
         if records is None:
             self._filler.start()
         self.spike_file = work / "spike"
+        self.critical_file = work / "critical"
+        self.run_id = f"chaos-{name}-{time.time_ns()}"
         self.command = agent_command(
-            "trainguard", url, f"chaos-{name}-{time.time_ns()}", f"1:{NODES}",
-            ["--redis", url, "--store", f"file://{work}/ckpt", "--records", str(self.n),
+            "trainguard", url, self.run_id, f"1:{NODES}",
+            ["--redis", url, "--store", self.store_url, "--records", str(self.n),
              "--batch-size", str(BATCH), "--sleep-ms", str(SLEEP_MS),
              "--ckpt-every", str(FIRST_CKPT), "--spike-file", str(self.spike_file),
+             "--critical-file", str(self.critical_file),
              "--watchdog-floor-s", str(WATCHDOG_FLOOR_S), *extra],
             max_restarts=max_restarts, conf=FAST_CONF, entry=("-m", "tests._heal_job"))
         self.every: list[Agent] = []
@@ -78,10 +112,14 @@ class Job:
         for i in range(NODES):
             self.start_agent(f"n{i}")
 
-    def start_agent(self, name: str) -> Agent:
-        agent = Agent(name, self.command, self.work / f"{name}.log")
+    def start_agent(self, name: str, *, node: str | None = None, live: bool = True) -> Agent:
+        """Start node ``name`` (its node id ``node``, default the name); ``live``: one
+        meant to join and train (not one expected to be refused)."""
+        agent = Agent(name, self.command, self.work / f"{name}.log",
+                      env={**self._env, "TRAINGUARD_NODE_ID": node or name})
         self.every.append(agent)
-        self.live.append(agent)
+        if live:
+            self.live.append(agent)
         return agent
 
     # ---------------------------------------------------------------- reading the lines
@@ -134,6 +172,42 @@ class Job:
         tmp.write_text(f"{step} {kind}\n")
         os.replace(tmp, self.spike_file)
 
+    def gpu_critical(self, agent: Agent, step: int) -> None:
+        """``agent``'s (fake NVML) GPU reports CRITICAL once it trained ``step``."""
+        tmp = self.critical_file.with_suffix(".tmp")
+        tmp.write_text(f"{agent.name} {step}\n")
+        os.replace(tmp, self.critical_file)
+
+    def quarantined(self) -> list[str]:
+        """The nodes a quarantine record keeps out now."""
+        r = redis_client.client(self.url)
+        try:
+            return [rec.node for rec in qr.list_quarantined(r)]
+        finally:
+            r.close()
+
+    def kill_master(self, key: str) -> float:
+        """kill -9 of the cluster master serving ``key``, once every replica has what
+        the stream was given (the filler is held meanwhile: an append a failover loses
+        is one the producer would replay, which this filler does not); its replica
+        takes over, then the killed node comes back as a replica. Returns when the kill
+        was sent."""
+        assert self.cluster is not None, "kill_master needs Job(cluster=True)"
+        with self._lock:
+            self.cluster.wait_replicated()
+            at = time.time()
+            victim = self.cluster.kill_master(key)
+        victim.restart()
+        self.cluster.wait_healthy()
+        return at
+
+    def restart_redis(self) -> None:
+        """kill -9 of the redis-server, a restart on the same port a second later."""
+        assert self.redis is not None
+        self.redis.kill()
+        time.sleep(1.0)
+        self.redis.start()
+
     def corrupt_newest_chunk(self) -> Path:
         """Overwrite the first bytes of the newest chunk file under the store."""
         chunks = [p for p in (self.work / "ckpt").rglob("*") if p.is_file() and
@@ -154,23 +228,48 @@ class Job:
                 ahead = min(self.n, self.max_step() * NODES * BATCH + AHEAD)
                 if ahead > self.filled:
                     with contextlib.suppress(redis.RedisError):  # Redis may be restarting
-                        cf.fill(self.redis.url, self.spec, ahead, start=self.filled,
+                        cf.fill(self.url, self.spec, ahead, start=self.filled,
                                 finish=False)
                         self.filled = ahead
 
     # ---------------------------------------------------------------- the verdict
-    def finish(self, timeout_s: float = 600.0) -> dict[str, Any]:
-        """Publish the end, wait for the live nodes, read the ledger."""
-        self._done.set()
-        with self._lock:
-            cf.fill(self.redis.url, self.spec, self.filled, start=self.filled, finish=True)
+    def _progress(self) -> tuple[int, ...]:
+        """What the job's workers said so far: grows while the job makes progress."""
+        return tuple(len(a.seen(f": {w} ")) for a in self.every
+                     for w in ("PID", "READY", "STEP", "ROLLBACK", "CRITICAL", "DONE"))
+
+    def wait_ended(self, stall_s: float = RESUME_TIMEOUT_S) -> dict[str, int | None]:
+        """Until every live node's agent exited: the job's real end, however long the
+        drain of the stream takes on a loaded machine. Gives up (kills the agents
+        left, their code None) only when no worker said anything for ``stall_s``: a
+        job that stopped making progress, not a slow one."""
+        seen, since = self._progress(), time.monotonic()
+        while any(a.proc.poll() is None for a in self.live):
+            now = self._progress()
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since > stall_s:
+                break
+            time.sleep(0.2)
         codes: dict[str, int | None] = {}
         for a in self.live:
-            try:
-                codes[a.name] = a.wait(timeout_s)
-            except AssertionError:
-                codes[a.name] = None
-        counts, _ = _ledger(self.work, self.n)
+            code = a.proc.poll()
+            if code is None:
+                print(f"{self.name}: agent {a.name} made no progress in {stall_s} s; "
+                      f"killed:\n{a.tail()}", flush=True)
+                a.kill()
+            codes[a.name] = code
+        return codes
+
+    def finish(self) -> dict[str, Any]:
+        """Publish the end, wait for the live nodes to end (``wait_ended``), read the
+        ledger. ``finished`` is false unless every live node exited 0: then records
+        counted lost may only not have been trained yet."""
+        self._done.set()
+        with self._lock:
+            cf.fill(self.url, self.spec, self.filled, start=self.filled, finish=True)
+        codes = self.wait_ended()
+        counts, _ = _ledger(self.store_url, self.n, self.store_options)
         head, tail = counts[: self.filled], counts[self.filled:]
         steps = self.steps()
         first = min(t for t, _ in steps)
@@ -179,13 +278,20 @@ class Job:
                 "records": self.filled, "once": int((head == 1).sum()),
                 "lost": int((head == 0).sum()),
                 "duplicated": int((head - 1).clamp(min=0).sum()) + int(tail.sum()),
-                "wall_s": done - first, "incidents": read_incidents(self.redis.url, "heal", "job")}
+                "wall_s": done - first, "incidents": read_incidents(self.url, "heal", "job")}
 
     def close(self) -> None:
         self._done.set()
         for a in self.every:
             a.close()
-        self.redis.kill()
+        if self.redis is not None:
+            self.redis.kill()
+        if self.cluster is not None:
+            self.cluster.stop()
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.moto is not None:
+            self.moto.stop()
 
 
 def fault_free_rate(work: Path, steps: int = 120) -> float:
@@ -212,8 +318,8 @@ def crash_loop(work: Path, reps: int) -> dict[str, Any]:
             with contextlib.suppress(AssertionError):
                 a.wait(RESUME_TIMEOUT_S * 2)
         stopped = all(any("exitcode  : 87" in x for _, x in a.lines) for a in job.live)
-        found = read_incidents(job.redis.url, "heal", "job")
-        counts, step = _ledger(work, job.n)
+        found = read_incidents(job.url, "heal", "job")
+        counts, step = _ledger(job.store_url, job.n)
     finally:
         job.close()
     trained = int(counts.sum())

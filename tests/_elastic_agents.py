@@ -77,10 +77,12 @@ class Agent:
     (the ledger job's ``<rank>: WORD step`` lines and the agent's log), each with
     the wall-clock time it was read (bench/rdzv_recovery.py lays phases on it)."""
 
-    def __init__(self, name: str, command: list[str], log: Path) -> None:
+    def __init__(self, name: str, command: list[str], log: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(command, cwd=ROOT, env=agent_env(), text=True,
+        self.proc = subprocess.Popen(command, cwd=ROOT, env={**agent_env(), **(env or {})},
+                                     text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.lines: list[tuple[float, str]] = []
@@ -149,10 +151,10 @@ def wait_for(agents: list[Agent], needle: str, *, count: int = 1, timeout_s: flo
 
 
 def read_incidents(url: str, dataset: str, run: str) -> list[dict[str, Any]]:
-    """The incidents a job recorded in Redis, by attempt."""
-    import redis
+    """The incidents a job recorded in Redis (one server or a cluster), by attempt."""
+    from trainer_client import redis_client
 
-    r = redis.Redis.from_url(url)
+    r = redis_client.client(url)
     try:
         docs = inc.documents(r.hgetall(inc.incidents_key(dataset, run))).values()
     finally:

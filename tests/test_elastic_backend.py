@@ -278,6 +278,29 @@ def test_a_refused_node_leaves_and_the_others_go_on(redis_server: RedisServer) -
         _shutdown([a, b])
 
 
+def test_a_refused_node_shutting_down_leaves_the_rendezvous_open(
+        redis_server: RedisServer) -> None:
+    """What torch's launcher does after a refusal: the refused agent's run returns
+    nothing (a graceful exit), the launcher fails on that and calls its handler's
+    ``shutdown()``. That must not close the rendezvous: the node left in it forms its
+    next round alone (world size 1). (It used to close it: every other node's next
+    round raised RendezvousClosedError, so one quarantined node restarting ended the
+    job; the chaos campaign's gpu_critical class found it.)"""
+    conf = {"last_call_timeout": "1", "join_timeout": "60", "keep_alive_interval": "600"}
+    a = create_handler(_params(redis_server.url, "open", 1, 2, **conf))
+    b = create_handler(_params(redis_server.url, "open", 1, 2, **conf),
+                       admit=lambda request: "quarantined by test")
+    try:
+        assert [i.world_size for i in _join_all([a])] == [1]
+        with pytest.raises(NodeRefusedError, match="quarantined by test"):
+            b.next_rendezvous()
+        assert b.shutdown() is True
+        assert not a.is_closed()
+        assert [i.world_size for i in _join_all([a])] == [1]
+    finally:
+        _shutdown([a, b])
+
+
 def test_a_quarantined_node_is_refused_by_default_and_quarantine_false_admits_it(
         redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without an ``admit`` option the rendezvous checks this node's quarantine record

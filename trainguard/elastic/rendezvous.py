@@ -28,8 +28,9 @@ What this handler changes in torch's:
   join (by default :class:`~trainguard.elastic.admission.QuarantineAdmission`: no
   quarantine record of this node in the rendezvous' Redis); a refusal makes the node leave the rendezvous (its participation in
   the last round withdrawn, so the others do not wait for its keep-alive to expire)
-  and its agent exit through torch's graceful-exit path. This is the one place where
-  the rendezvous asks "may this node join?".
+  and its agent exit through torch's graceful-exit path, leaving the rendezvous open
+  (its handler's ``shutdown`` does not close it: see there). This is the one place
+  where the rendezvous asks "may this node join?".
 
 Options (``--rdzv-conf key=value,...``; seconds may be fractional):
 ``join_timeout`` (600), ``last_call_timeout`` (``DEFAULT_LAST_CALL_S``),
@@ -158,6 +159,7 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
 
     admit: Admission | None = None
     _conn: Connection | None = None
+    _refused = False
 
     @property
     def use_agent_store(self) -> bool:
@@ -170,6 +172,7 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
             reason = self.admit(request)
             if reason is not None:
                 self._withdraw()
+                self._refused = True
                 raise NodeRefusedError(
                     f"node {request.addr!r} may not join rendezvous {request.run_id!r}: "
                     f"{reason}; its agent leaves, the other nodes go on without it"
@@ -192,7 +195,15 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
                         self._settings.run_id, exc_info=True)
 
     def shutdown(self) -> bool:
+        """Close the rendezvous (torch's launcher calls this when its agent ends other
+        than by a signal), except after a refusal: torch's agent returns nothing from
+        a graceful exit, its launcher fails on that and shuts the handler down, and a
+        close would end the job for every node, the refused one's only sin being that
+        it asked to join."""
         try:
+            if self._refused:
+                self._stop_heartbeats()
+                return True
             return super().shutdown()
         finally:
             if self._conn is not None:
