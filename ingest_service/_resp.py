@@ -98,8 +98,11 @@ async def call_packed_scripts(
         pending = list(calls)
         loaded = False
         while pending:
-            await conn.send_packed_command([c for call in pending for c in call],
-                                           check_health=False)
+            # Call by call (each at most a slice, ~512 KiB), still pipelined: one write
+            # of all the calls was joined into one bytes (asyncio's writelines) and then
+            # copied into the transport's buffer, 45 ms of the loop for a 15 MiB batch.
+            for call in pending:
+                await conn.send_packed_command(call, check_health=False)
             got: list[object] = []
             for _ in pending:
                 try:

@@ -102,8 +102,9 @@ async def _start_push(port: int, token: str, dataset: str, producer: str, length
 async def test_one_token_holds_at_most_its_share_of_the_body_budget(
         redis_server: RedisServer) -> None:
     """Budget 16,000 bytes, a token's share an eighth (2,000: two bodies of the 1,000-byte
-    limit): token one's two unfinished 900-byte bodies leave its token no room for a
-    third (503 busy naming the per-token bound), while token two's push to another
+    limit): token one's two unfinished bodies (900 of their declared 1,000 bytes sent;
+    a declared body takes its whole room before it is read) leave its token no room for
+    a third (503 busy naming the per-token bound), while token two's push to another
     dataset goes in (200)."""
     r = Redis.from_url(redis_server.url)
     await _datasets(r)
@@ -114,10 +115,10 @@ async def test_one_token_holds_at_most_its_share_of_the_body_budget(
                    for i in range(2)]
         for _ in range(1000):
             metrics = await (await client.get("/metrics")).text()
-            if "trainguard_ingest_push_body_bytes 1800.0" in metrics:
+            if "trainguard_ingest_push_body_bytes 2000.0" in metrics:
                 break
             await asyncio.sleep(0.01)
-        assert "trainguard_ingest_push_body_bytes 1800.0" in metrics
+        assert "trainguard_ingest_push_body_bytes 2000.0" in metrics
         busy = await client.post(URL.format("rl"), params={"producer_id": "a-3", "seq": "0"},
                                  headers={**NDJSON, "Authorization": f"Bearer {T1}"},
                                  data=b'"' + b"y" * 300 + b'"\n')

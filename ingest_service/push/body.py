@@ -6,7 +6,9 @@ Parsing (:func:`parse_records_sliced`) runs on the event loop in slices: it deco
 record by record (one JSON line, one element of a JSON array, one msgpack item per
 call) and hands the loop back after every 64 records or 32 KiB of JSON (about a
 millisecond) or 128 KiB of msgpack, so other requests are served between slices; a
-msgpack body of at most 128 KiB is decoded in one call. A record's containers and
+msgpack body of at most 128 KiB is decoded in one call; a bigger one is read by the
+unpacker 64 KiB at a time (not copied into its buffer whole) and, given as the
+bytearray :func:`~ingest_service.push.read.read_body` fills, consumed as it is read. A record's containers and
 nesting are bounded while it is decoded (:mod:`ingest_service.push.bounds`: 413), so
 no one record holds the loop either. Each record is encoded into its
 stream entry as soon as it is decoded (decoded values do not pile up for the garbage
@@ -114,7 +116,7 @@ def too_many(limits: BodyLimits, found: str) -> PushTooLargeError:
     )
 
 
-def msgpack_array_len(head: bytes) -> int | None:
+def msgpack_array_len(head: bytes | bytearray) -> int | None:
     """The element count of a msgpack array from its first bytes (None: not yet known
     or not an array; the parser reports the latter)."""
     if not head:
@@ -262,11 +264,14 @@ class _Entries:
         self.data_bytes += len(fields[streams.F_DATA])
 
 
+Body = bytes | bytearray
+"""A push body as read (:func:`ingest_service.push.read.read_body` fills a bytearray)."""
+
 Steps = Generator[None, None, None]
 """A parser: adds the records to its ``_Entries``, yields between slices."""
 
 
-def _ndjson(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
+def _ndjson(body: Body, decoder: json.JSONDecoder, out: _Entries) -> Steps:
     pacer = _Pacer(_SLICE_TEXT)
     shape = (out.limits.max_record_containers, out.limits.max_record_depth)
     pos, lineno = 0, 0
@@ -296,7 +301,7 @@ def _ndjson(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
             yield
 
 
-def _json_array(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
+def _json_array(body: Body, decoder: json.JSONDecoder, out: _Entries) -> Steps:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -337,17 +342,48 @@ def _json_array(body: bytes, decoder: json.JSONDecoder, out: _Entries) -> Steps:
 _UNSET = object()
 
 
-def _unpacker(body: bytes, limits: BodyLimits, bounds: MsgpackBounds) -> msgpack.Unpacker:
-    items = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1),
-                             max_array_len=limits.max_records, max_map_len=limits.max_records,
-                             strict_map_key=True, list_hook=bounds.list_hook,
-                             object_hook=bounds.object_hook)
+class _Reader:
+    """A body read by the unpacker a slice at a time (``read``, as a file is): fed the
+    whole body, the unpacker copied it into its own buffer, a second copy of every big
+    body while it was parsed. A bytearray body is consumed as it is read (its front
+    cut off), so the records decoded from it take the room it gives back: a body and
+    its records are not both in memory whole."""
+
+    def __init__(self, body: Body) -> None:
+        self._body, self._pos = body, 0
+
+    def read(self, n: int) -> bytes:
+        body = self._body
+        if isinstance(body, bytearray):
+            chunk = bytes(body[:n])
+            del body[:n]  # CPython moves the start, and shrinks it once half is gone
+            return chunk
+        start = self._pos
+        self._pos = min(len(body), start + n)
+        return bytes(body[start:self._pos])
+
+
+_READ_BYTES = 64 * 1024
+
+
+def _unpacker(body: Body, limits: BodyLimits, bounds: MsgpackBounds, *, whole: bool
+              ) -> msgpack.Unpacker:
+    """An unpacker of ``body``: fed it ``whole`` (a small body, one copy), else reading
+    it in slices of 64 KiB (its buffer then holds a slice and the record under way)."""
+    options: dict[str, object] = dict(
+        raw=False, max_buffer_size=max(len(body), _READ_BYTES), max_array_len=limits.max_records,
+        max_map_len=limits.max_records, strict_map_key=True, list_hook=bounds.list_hook,
+        object_hook=bounds.object_hook)
+    if not whole:
+        return msgpack.Unpacker(_Reader(body), read_size=_READ_BYTES, **options)
+    items = msgpack.Unpacker(**options)
     items.feed(body)
     return items
 
 
-def _msgpack(body: bytes, out: _Entries) -> Steps:
+def _msgpack(body: Body, out: _Entries) -> Steps:
     limits = out.limits
+    size = len(body)  # a big bytearray body is consumed while it is read
     count = msgpack_array_len(body[:5])
     if count is not None and count > limits.max_records:
         raise too_many(limits, str(count))
@@ -358,7 +394,7 @@ def _msgpack(body: bytes, out: _Entries) -> Steps:
     try:
         array: object = _UNSET
         if len(body) <= _SLICE_CHARS:
-            items = _unpacker(body, limits, bounds)
+            items = _unpacker(body, limits, bounds, whole=True)
             with contextlib.suppress(BoundsOverflow):  # then record by record: which one?
                 array = items.unpack()
         if array is not _UNSET:
@@ -372,7 +408,7 @@ def _msgpack(body: bytes, out: _Entries) -> Steps:
                 if (n + 1) % _ENCODE_SLICE_RECORDS == 0:
                     yield
         else:
-            items = _unpacker(body, limits, bounds)
+            items = _unpacker(body, limits, bounds, whole=False)
             count = items.read_array_header()
             pacer = _Pacer(_SLICE_CHARS)
             for n in range(count):
@@ -393,11 +429,11 @@ def _msgpack(body: bytes, out: _Entries) -> Steps:
         raise MalformedPushError(
             f"body is not valid msgpack, or not an array of records ({type(exc).__name__}: {exc})"
         ) from exc
-    if items.tell() != len(body):
+    if items.tell() != size:
         raise MalformedPushError("the msgpack body holds more after its array of records")
 
 
-def _parse(body: bytes, content_type: str, max_record_bytes: int,
+def _parse(body: Body, content_type: str, max_record_bytes: int,
            limits: BodyLimits) -> Generator[None, None, ParsedBatch]:
     if content_type in MSGPACK_TYPES:
         out = _Entries("record", max_record_bytes, limits)
@@ -413,10 +449,11 @@ def _parse(body: bytes, content_type: str, max_record_bytes: int,
     return ParsedBatch(out.records, out.sizes, out.data_bytes, out.digest.hexdigest())
 
 
-async def parse_records_sliced(body: bytes, content_type: str, max_record_bytes: int,
+async def parse_records_sliced(body: Body, content_type: str, max_record_bytes: int,
                                limits: BodyLimits, *, share: float = 1.0
                                ) -> ParsedBatch:
-    """The records of a push body, encoded as stream entries; raises MalformedPushError
+    """The records of a push body, encoded as stream entries (a big msgpack body given
+    as a bytearray is consumed: empty on return); raises MalformedPushError
     (400) or PushTooLargeError (413) naming the offending record. Runs on the event
     loop, handing it back after every slice of at most 64 records or 32 KiB of JSON,
     so other requests are served between slices. With ``share`` below 1 it rests

@@ -106,12 +106,12 @@ class MsgpackBounds:
                 else _too_many(where, self.max_containers))
 
 
-def needs_scan(text: str | bytes, max_containers: int, max_depth: int, start: int = 0,
+def needs_scan(text: str | bytes | bytearray, max_containers: int, max_depth: int, start: int = 0,
                end: int | None = None) -> bool:
     """Whether a JSON text (or ``text[start:end]``) may hold a record past a bound: not
     when all its brackets together (counted in C, no copy) are within both."""
     end = len(text) if end is None else end
-    if isinstance(text, bytes):
+    if not isinstance(text, str):
         opened = text.count(b"[", start, end) + text.count(b"{", start, end)
     else:
         opened = text.count("[", start, end) + text.count("{", start, end)
@@ -127,7 +127,7 @@ _SCAN_TOKENS = 4096
 """Brackets and strings read per slice of a scan (a millisecond or two)."""
 
 
-def scan_json(text: str | bytes, start: int, where: str, max_containers: int, max_depth: int,
+def scan_json(text: str | bytes | bytearray, start: int, where: str, max_containers: int, max_depth: int,
               end: int | None = None) -> Generator[None, None, None]:
     """Read the JSON value at ``text[start]`` (a ``[`` or ``{``; text or UTF-8 bytes)
     as far as its end (or ``end``), yielding every few thousand tokens; raises
@@ -137,7 +137,8 @@ def scan_json(text: str | bytes, start: int, where: str, max_containers: int, ma
     depth = containers = 0
     pos, budget = start, _SCAN_TOKENS
     end = len(text) if end is None else end
-    search, rest = _TOKENS[type(text)].search, _STRING_RESTS[type(text)].match
+    kind_of = str if isinstance(text, str) else bytes  # a bytearray reads as bytes do
+    search, rest = _TOKENS[kind_of].search, _STRING_RESTS[kind_of].match
     while True:
         m = search(text, pos, end)
         if m is None:

@@ -340,6 +340,8 @@ class PushIngest:
         for start, end in slices:
             head[2], head[4] = b"%d" % start, b"%d" % (end - start)
             calls.append(_pack_slice(keys, head, records[start:end]))
+            if len(slices) > 1:
+                await asyncio.sleep(0)  # a slice packed: the loop's turn (a millisecond each)
         # All slices pipelined on one connection to the partition's master; acknowledged
         # only once a replica has them (when there is one): see NotReplicatedError.
         replies = await call_packed_scripts(self.redis, _lua.PUSH_SLICE, _SLICE_SHA, keys, calls,
@@ -417,16 +419,20 @@ def _pack_slice(keys: list[bytes], head: list[bytes], records: list[dict[bytes, 
     for a batch of 100 records cost 0.25 ms of CPU, this 0.07 ms."""
     argc = len(head) + sum(1 + 2 * len(f) for f in records)
     parts: list[bytes] = []
-    pending = evalsha_head(_SLICE_SHA, keys, argc) + b"".join(bulk(a) for a in head)
+    # The small pieces gathered in a list and joined once per run of them: ``bytes +=``
+    # copied the whole run at each piece, quadratic (a slice of 256 small records took
+    # 6 ms, a batch of 10,000 a quarter of a second of the loop).
+    pending = [evalsha_head(_SLICE_SHA, keys, argc), *(bulk(a) for a in head)]
     for fields in records:
         n = len(fields)
-        pending += _COUNTS[n] if n < len(_COUNTS) else bulk(b"%d" % n)
+        pending.append(_COUNTS[n] if n < len(_COUNTS) else bulk(b"%d" % n))
         for k, v in fields.items():
             if len(v) < _BIG:
-                pending += b"$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(k), k, len(v), v)
+                pending.append(b"$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(k), k, len(v), v))
             else:
-                parts.append(b"%b$%d\r\n%b\r\n$%d\r\n" % (pending, len(k), k, len(v)))
+                pending.append(b"$%d\r\n%b\r\n$%d\r\n" % (len(k), k, len(v)))
+                parts.append(b"".join(pending))
                 parts.append(v)
-                pending = b"\r\n"
-    parts.append(pending)
+                pending = [b"\r\n"]
+    parts.append(b"".join(pending))
     return parts

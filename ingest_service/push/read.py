@@ -72,12 +72,25 @@ class ByteBudget:
 
 
 async def read_body(content: StreamReader, content_type: str, limits: BodyLimits,
-                    budget: ByteBudget, owner: str = "") -> bytes:
+                    budget: ByteBudget, owner: str = "", *, length: int | None = None
+                    ) -> bytearray:
     """The whole body, refused with 413 as soon as it passes a limit, with 408 when it
     arrives too slowly, or with 503 when the bodies of all requests together (or of
     ``owner``'s) would pass ``budget``. The bytes stay taken from ``budget``: the
-    caller gives back ``len(body)`` for ``owner`` when done with it."""
-    chunks: list[bytes] = []
+    caller gives back ``len(body)`` for ``owner`` when done with it.
+
+    Each chunk is copied into one buffer as it arrives and dropped: a list of chunks
+    joined at the end held every body twice at its peak, which the budget did not
+    count. With ``length`` (the declared Content-Length) its room is taken from the
+    budget before a byte is read (503 at once when there is none) and the buffer is
+    made that size once, so the memory a body holds is always what it took."""
+    taken = 0  # the bytes taken from the budget so far
+    if length is not None and 0 < length <= limits.max_bytes:
+        budget.take(length, owner)
+        taken = length
+        body = bytearray(length)
+    else:
+        body = bytearray()
     size = newlines = 0
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -112,10 +125,13 @@ async def read_body(content: StreamReader, content_type: str, limits: BodyLimits
                     count = msgpack_array_len(head)
                     if count is not None and count > limits.max_records:
                         raise too_many(limits, str(count))
-                budget.take(len(chunk), owner)
-                chunks.append(chunk)
+                if size > taken:  # past the room taken (no length declared, or a longer body)
+                    budget.take(size - taken, owner)
+                    taken = size
+                body[size - len(chunk):size] = chunk
+                del chunk
     except TimeoutError as exc:
-        budget.give(sum(len(c) for c in chunks), owner)
+        budget.give(taken, owner)
         raise PushTooSlowError(
             f"the body did not arrive in time ({size} bytes in {loop.time() - started:.1f} s: "
             f"each chunk within {limits.chunk_timeout_s} s, after {limits.min_rate_grace_s} s "
@@ -123,6 +139,9 @@ async def read_body(content: StreamReader, content_type: str, limits: BodyLimits
             "send it at once"
         ) from exc
     except BaseException:
-        budget.give(sum(len(c) for c in chunks), owner)
+        budget.give(taken, owner)
         raise
-    return b"".join(chunks)
+    if size < len(body):  # shorter than declared (aiohttp refuses that): keep what came
+        del body[size:]
+        budget.give(taken - size, owner)
+    return body

@@ -170,7 +170,8 @@ async def _push(request: web.Request, route: PushRoute,
         return _reply(PushResult(choose_partition(producer_id, spec.partitions), seq, False, 0,
                                  None, None, mark))
     owner = _owner(request, route)
-    body = await read_body(request.content, content_type, route.limits, route.budget, owner)
+    body = await read_body(request.content, content_type, route.limits, route.budget, owner,
+                           length=length)
     held = len(body)
     try:
         # The body's room in the budget is held until its records are appended: the

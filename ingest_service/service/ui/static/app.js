@@ -54,9 +54,18 @@ const swatch = (color) => h("svg", { class: "swatch", viewBox: "0 0 10 10", widt
   h("rect", { width: 10, height: 10, fill: color }));
 const card = (title, ...kids) => h("section", { class: "card" }, h("h2", {}, title), ...kids);
 
+// The token set in the footer goes with every read too: a service with
+// TRAINGUARD_READ_TOKEN answers its read routes only to that token or the admin token.
 async function getJSON(path) {
-  const r = await fetch(path, { headers: { Accept: "application/json" } });
+  const headers = { Accept: "application/json" };
+  const t = token();
+  if (t) headers.Authorization = `Bearer ${t}`;
+  const r = await fetch(path, { headers });
   const body = await r.json();
+  if (r.status === 401 || r.status === 403) {
+    throw new Error(`${(body.error && body.error.message) || r.statusText}: this service needs ` +
+      "its read token (or the admin token) for every page; set it with \"set token\" below");
+  }
   if (!r.ok) throw new Error((body.error && body.error.message) || r.statusText);
   return body;
 }
@@ -380,9 +389,10 @@ async function refresh() {
 }
 
 document.getElementById("token-btn").addEventListener("click", () => {
-  const t = prompt("Admin token (kept in this tab's sessionStorage only):", "");
+  const t = prompt("Read or admin token (kept in this tab's sessionStorage only):", "");
   if (t === null) return;
   if (t) sessionStorage.setItem("trainguard-token", t); else sessionStorage.removeItem("trainguard-token");
+  refresh();
 });
 window.addEventListener("hashchange", refresh);
 refresh();
