@@ -40,6 +40,7 @@ from typing import Any
 
 from checkpoint_store._wrapped import WrappedStore
 from checkpoint_store.backends import LocalBackend
+from checkpoint_store.dist import ONE_PROCESS
 from checkpoint_store.flatten import flatten
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.manifest import Manifest
@@ -134,7 +135,9 @@ class RamTierStore(WrappedStore):
     memory-backed file system (``require_memory=False`` lifts that, for a tier
     on a node-local disk one wants the same budget on). ``keep_last`` is this tier's
     retention. ``may_drop(name)`` says whether retention or the budget may delete a
-    checkpoint yet (default: always); :meth:`dropped` is called after it does."""
+    checkpoint yet (default: always); ``on_dropped(names)`` is called after it does.
+    The tier is one process's, with torch.distributed or without: in a multi-node job
+    each rank has a root of its own (and ``node_tiers`` makes the copies)."""
 
     def __init__(
         self,
@@ -169,11 +172,8 @@ class RamTierStore(WrappedStore):
         self.on_dropped: Callable[[builtins.list[str]], None] = lambda _names: None
         # The inner store keeps everything: this class decides what goes.
         self.store = CheckpointStore(self.root, keep_last=_NO_LIMIT, keep_every=keep_every,
-                                     chunk_bytes=chunk_bytes, io_threads=io_threads)
-        if self.store.world_size > 1:
-            self.store.close()
-            raise ValueError("RamTierStore holds one process's checkpoints (world size 1); "
-                             "give each rank its own root")
+                                     chunk_bytes=chunk_bytes, io_threads=io_threads,
+                                     process_group=ONE_PROCESS)
         self.url = self.store.url
         self._backend = LocalBackend(str(self.root))
         self._lock = threading.Lock()  # budget decisions and retention, one at a time
