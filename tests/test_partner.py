@@ -4,6 +4,7 @@ copies are never used, and a job whose node was lost trains every record once.""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,10 +48,13 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _node_store(servers: TierServers, node: int, disk: Path | None = None,
-                disk_every: int = 0) -> NodeTierStore:
+                disk_every: int = 0, remote: str | None = None,
+                options: dict[str, Any] | None = None) -> NodeTierStore:
     ram = RamTierStore(node_root(servers.node_shm(node), node), budget_bytes=64 * MB)
     return NodeTierStore(ram, node=node, peers=servers.urls, disk_root=disk,
-                         intervals=TierIntervals(partner_every=1, disk_every=disk_every))
+                         remote_url=remote, storage_options=options,
+                         intervals=TierIntervals(partner_every=1, disk_every=disk_every,
+                                                 remote_every=1 if remote else 0))
 
 
 def _saves_of_node(servers: TierServers, node: int, steps: list[int]) -> None:
@@ -125,6 +130,38 @@ def test_damaged_partner_copy_falls_back_to_disk(shm: Path, tmp_path: Path) -> N
         for k, v in _state(5).items():
             assert torch.equal(target[k], v), k
         again.close()
+
+
+def test_two_nodes_lost_at_once_fall_back_to_remote(shm: Path, moto_server, s3_bucket,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Both nodes of a 2-node job are lost (RAM, partner copies, servers): each node's
+    part is restored from remote storage (moto S3) bit for bit, and the log says that
+    the restore came from remote."""
+    remote, options = f"s3://{s3_bucket}/run", moto_server.storage_options()
+    with tier_servers(shm, 2) as servers:
+        for node in (0, 1):
+            store = _node_store(servers, node, remote=remote, options=options)
+            store.save(_state(10 * node + 3), step=3).wait()
+            store.wait_copies()
+            assert store.copy_failures == 0
+            store.close()
+        for node in (0, 1):
+            servers.lose(node)
+        for node in (0, 1):
+            servers.start(node)
+        for node in (0, 1):
+            again = _node_store(servers, node, remote=remote, options=options)
+            assert [m.step for m in again.list()] == [3]
+            target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="checkpoint_store.node_tiers"):
+                manifest = again.load(target)
+            assert manifest is not None and manifest.step == 3
+            assert again.restored_from == "remote"
+            assert "from REMOTE storage" in caplog.text
+            for k, v in _state(10 * node + 3).items():
+                assert torch.equal(target[k], v), k
+            again.close()
 
 
 _TORN_SENDER = """
