@@ -94,13 +94,15 @@ class TierIntervals:
 class NodeTierStore(WrappedStore):
     """The checkpoint port over one node's tiers (module doc). ``peers[r]`` is node
     ``r``'s tier server; ``copies`` partners keep each checkpoint. ``on_copied(name)``
-    is called once a save's copies are all made."""
+    is called once a save's copies are all made; ``hold_until_copied`` keeps the RAM
+    tier from dropping a checkpoint before then (its ``may_drop``)."""
 
     def __init__(self, ram: RamTierStore, *, node: int, peers: Sequence[str],
                  disk_root: str | os.PathLike[str] | None = None, disk_keep_last: int = 2,
                  remote_url: str | None = None, storage_options: dict[str, Any] | None = None,
                  intervals: TierIntervals = TierIntervals(), copies: int = 1,
-                 domains: Sequence[str] | None = None, timeout_s: float = 30.0):
+                 domains: Sequence[str] | None = None, timeout_s: float = 30.0,
+                 hold_until_copied: bool = False):
         self.ram = ram
         self.store = ram.store  # what passes through: verify, pins, gc (WrappedStore)
         self.node = node
@@ -130,6 +132,10 @@ class NodeTierStore(WrappedStore):
         self.restored_from: str | None = None
         self.copy_failures = 0
         self.on_copied: Callable[[str], None] = lambda _name: None
+        self._copied: set[str] = set()
+        if hold_until_copied:
+            # The RAM tier drops a checkpoint only once its copies exist elsewhere.
+            ram.may_drop = self._copied.__contains__
         self._saves = 0
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread = threading.Thread(target=self._copy_loop, daemon=True,
@@ -165,6 +171,8 @@ class NodeTierStore(WrappedStore):
                 every = self.intervals.remote_every
                 if self._uploader is not None and every and self._saves % every == 0:
                     self._uploader.enqueue(name)
+                self._copied.add(name)
+                self.ram.notify()
                 self.on_copied(name)
             except (OSError, CheckpointError) as e:
                 # The RAM copy stands; the next save is copied again.

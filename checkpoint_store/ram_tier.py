@@ -211,7 +211,8 @@ class RamTierStore(WrappedStore):
                 victims = self._droppable(set())
                 if self.policy.on_full == "drop_oldest" or victims:
                     if not victims:
-                        raise self._full(need, "every checkpoint left is pinned")
+                        raise self._full(need, "every checkpoint left is pinned or may not be "
+                                                 "dropped yet (may_drop)")
                     self._drop([victims[0]])
                     continue
                 left = deadline - time.monotonic()

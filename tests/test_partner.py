@@ -20,7 +20,7 @@ import torch
 from checkpoint_store.layout import DATA_DIR
 from checkpoint_store.node_tiers import NodeTierStore, TierIntervals
 from checkpoint_store.partner import node_root, partners_of
-from checkpoint_store.ram_tier import RamTierStore, memory_backed
+from checkpoint_store.ram_tier import RamTierFullError, RamTierStore, memory_backed
 from tests import _client_fill as cf
 from tests import _client_ledger as ledger
 from tests._tier_servers import TierServers, tier_servers
@@ -105,6 +105,25 @@ def test_lost_node_restores_its_part_from_the_partner(shm: Path) -> None:
         # The copy came back into node 0's RAM tier: the next restore needs no network.
         assert again.load(target) is not None and again.restored_from == "ram"
         again.close()
+
+
+def test_hold_until_copied_never_drops_a_checkpoint_without_copies(shm: Path) -> None:
+    """hold_until_copied: with the partner's server gone, the RAM tier refuses a save
+    that would drop an uncopied checkpoint (RamTierFullError), and keeps both."""
+    with tier_servers(shm, 2) as servers:
+        servers.kill(1)
+        ram = RamTierStore(node_root(servers.node_shm(0), 0), budget_bytes=2 * MB + MB // 2,
+                           keep_last=10)
+        store = NodeTierStore(ram, node=0, peers=servers.urls, hold_until_copied=True,
+                              timeout_s=2.0)
+        for step in (1, 2):
+            store.save(_state(step), step=step).wait()
+        store.wait_copies()
+        assert store.copy_failures == 2
+        with pytest.raises(RamTierFullError, match="may_drop"):
+            store.save(_state(3), step=3)
+        assert [m.step for m in ram.list()] == [1, 2]
+        store.close()
 
 
 def test_damaged_partner_copy_falls_back_to_disk(shm: Path, tmp_path: Path) -> None:
