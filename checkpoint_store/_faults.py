@@ -27,7 +27,8 @@ PHASES = (
     "retired",
 )
 """A save's phases in order. ``retired`` comes after the save returned: the manifests
-retention drops are deleted, their data not yet."""
+retention drops are deleted, their data not yet. A partner copy's send has one phase,
+``partner-mid-send`` (one file staged on the partner, the others and the commit not)."""
 CRASH_ENV = "TRAINGUARD_CKPT_CRASH_AT"
 FAIL_ENV = "TRAINGUARD_CKPT_FAIL_AT"
 STOP_ENV = "TRAINGUARD_CKPT_STOP_AT"

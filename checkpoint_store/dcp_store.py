@@ -14,7 +14,6 @@ DCP reports failures as ``CheckpointException``, a ``BaseException`` that
 
 from __future__ import annotations
 
-import builtins
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
@@ -23,10 +22,10 @@ from typing import Any
 import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from checkpoint_store._wrapped import WrappedStore
 from checkpoint_store.dcp import StorageReader, StorageWriter
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.manifest import Manifest
-from checkpoint_store.retention import GcReport
 from checkpoint_store.store import CheckpointStore
 from trainguard.core.checkpoints import (
     CheckpointError,
@@ -50,7 +49,7 @@ def _plain(e: BaseException, what: str) -> BaseException:
     return CheckpointError(f"{what} failed: {e}")
 
 
-class DcpCheckpointStore:
+class DcpCheckpointStore(WrappedStore):
     """``store``: a ``CheckpointStore`` or its URL (``options`` then go to it)."""
 
     def __init__(self, store: CheckpointStore | str, **options: Any):
@@ -59,14 +58,6 @@ class DcpCheckpointStore:
         self.url = self.store.url
         self._lock = threading.Lock()
         self._current: tuple[SaveHandle, Any] | None = None
-
-    @property
-    def rank(self) -> int:
-        return self.store.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.store.world_size
 
     def _settle_current(self, if_busy: str) -> None:
         with self._lock:
@@ -80,8 +71,9 @@ class DcpCheckpointStore:
 
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: str = "wait") -> SaveHandle:
+             if_busy: str = "wait", rank_state: Mapping[str, Any] | None = None) -> SaveHandle:
         """``dcp.save`` (or ``dcp.async_save``) of ``state`` as checkpoint ``step``."""
+        self._refuse_rank_state(rank_state)
         self._settle_current(if_busy)
         writer = StorageWriter(self.store, step=step, extra=extra)
         handle = SaveHandle(step)
@@ -127,27 +119,6 @@ class DcpCheckpointStore:
         if reader.manifest is None:
             raise NoCheckpointError(f"no checkpoint was loaded from {self.url}")
         return reader.manifest
-
-    def list(self) -> builtins.list[Manifest]:
-        return self.store.list()
-
-    def latest(self) -> Manifest | None:
-        return self.store.latest()
-
-    def verify(self, step: int) -> Manifest:
-        return self.store.verify(step)
-
-    def pin(self, step: int) -> Manifest:
-        return self.store.pin(step)
-
-    def unpin(self, step: int) -> None:
-        self.store.unpin(step)
-
-    def delete(self, step: int) -> builtins.list[str]:
-        return self.store.delete(step)
-
-    def gc(self) -> GcReport:
-        return self.store.gc()
 
     def close(self) -> None:
         self._settle_current("wait")

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Comm", "GlooComm", "LocalComm", "all_gather_json", "broadcast_json", "make_comm"]
+__all__ = ["ONE_PROCESS", "Comm", "GlooComm", "LocalComm", "all_gather_json", "broadcast_json", "make_comm"]
 
 
 class Comm(Protocol):
@@ -90,10 +90,19 @@ def all_gather_json(comm: Comm, doc: Any) -> list[Any]:
     return [json.loads(b) for b in comm.all_gather_bytes(json.dumps(doc).encode())]
 
 
+ONE_PROCESS = "one-process"
+"""As a store's ``process_group``: the store is this process's alone, whether
+torch.distributed is initialized or not (a node's RAM tier in a multi-node job)."""
+
+
 def make_comm(process_group: Any = None, *, timeout_s: float = 600.0) -> Comm:
     """A gloo group over ``process_group`` (default: the world), or a single-rank
-    stand-in when torch.distributed is not initialized."""
+    stand-in when torch.distributed is not initialized or ``process_group`` is
+    :data:`ONE_PROCESS`."""
     import torch.distributed as dist
+
+    if isinstance(process_group, str) and process_group == ONE_PROCESS:
+        return LocalComm()
 
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:

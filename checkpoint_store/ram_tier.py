@@ -34,18 +34,21 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpoint_store._wrapped import WrappedStore
 from checkpoint_store.backends import LocalBackend
+from checkpoint_store.dist import ONE_PROCESS
 from checkpoint_store.flatten import flatten
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.manifest import Manifest
-from checkpoint_store.retention import GcReport, apply_retention, choose_deletions
+from checkpoint_store.retention import apply_retention, choose_deletions
 from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
-from trainguard.core.checkpoints import CheckpointError, ManifestView
+from trainguard.core.checkpoints import CheckpointError
 
-__all__ = ["MEMORY_FILESYSTEMS", "RamTierFullError", "RamTierStore", "default_ram_root",
+__all__ = ["MEMORY_FILESYSTEMS", "RamTierFullError", "RamTierPolicy", "RamTierStore", "default_ram_root",
            "memory_backed"]
 
 log = logging.getLogger("checkpoint_store.ram_tier")
@@ -59,6 +62,26 @@ _NO_LIMIT = 1 << 62
 
 class RamTierFullError(CheckpointError, MemoryError):
     """A checkpoint does not fit the RAM tier's byte budget."""
+
+
+@dataclass(frozen=True)
+class RamTierPolicy:
+    """How much the tier may hold and what a save that does not fit does (module doc);
+    ``keep_last``/``keep_every`` are the tier's retention."""
+
+    budget_bytes: int
+    on_full: str = "drop_oldest"
+    full_timeout_s: float = 60.0
+    keep_last: int = 2
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_full not in ON_FULL:
+            raise ValueError(f"on_full must be one of {ON_FULL}, got {self.on_full!r}")
+        if self.budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be positive, got {self.budget_bytes}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
 
 
 def default_ram_root(run: str) -> Path:
@@ -105,14 +128,16 @@ def state_bytes(state: Mapping[str, Any]) -> int:
                if leaf.writes) + len(skeleton) + _OVERHEAD_BYTES
 
 
-class RamTierStore:
+class RamTierStore(WrappedStore):
     """A :class:`CheckpointStore` in shared memory with a byte budget (module doc).
 
     ``root`` defaults to :func:`default_ram_root` of ``run``; it must be on a
     memory-backed file system (``require_memory=False`` lifts that, for a tier
     on a node-local disk one wants the same budget on). ``keep_last`` is this tier's
     retention. ``may_drop(name)`` says whether retention or the budget may delete a
-    checkpoint yet (default: always); :meth:`dropped` is called after it does."""
+    checkpoint yet (default: always); ``on_dropped(names)`` is called after it does.
+    The tier is one process's, with torch.distributed or without: in a multi-node job
+    each rank has a root of its own (and ``node_tiers`` makes the copies)."""
 
     supports_rank_state = True
     """Capability: ``save(rank_state=...)`` and :meth:`read_rank_state` (a session
@@ -136,12 +161,9 @@ class RamTierStore:
             if not run:
                 raise ValueError("RamTierStore needs root= or run= (the run's name)")
             root = default_ram_root(run)
-        if on_full not in ON_FULL:
-            raise ValueError(f"on_full must be one of {ON_FULL}, got {on_full!r}")
-        if budget_bytes < 1:
-            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.policy = RamTierPolicy(budget_bytes=budget_bytes, on_full=on_full,
+                                    full_timeout_s=full_timeout_s, keep_last=keep_last,
+                                    keep_every=keep_every)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         if require_memory and memory_backed(self.root) is None:
@@ -150,33 +172,17 @@ class RamTierStore:
                 f"({'/'.join(sorted(MEMORY_FILESYSTEMS))}); give a directory under "
                 "/dev/shm, or require_memory=False for a tier on disk"
             )
-        self.budget_bytes = budget_bytes
-        self.on_full = on_full
-        self.full_timeout_s = full_timeout_s
-        self.keep_last = keep_last
-        self.keep_every = keep_every
         self.may_drop: Callable[[str], bool] = lambda _name: True
         self.on_dropped: Callable[[builtins.list[str]], None] = lambda _names: None
         # The inner store keeps everything: this class decides what goes.
         self.store = CheckpointStore(self.root, keep_last=_NO_LIMIT, keep_every=keep_every,
-                                     chunk_bytes=chunk_bytes, io_threads=io_threads)
-        if self.store.world_size > 1:
-            self.store.close()
-            raise ValueError("RamTierStore holds one process's checkpoints (world size 1); "
-                             "give each rank its own root")
+                                     chunk_bytes=chunk_bytes, io_threads=io_threads,
+                                     process_group=ONE_PROCESS)
         self.url = self.store.url
         self._backend = LocalBackend(str(self.root))
         self._lock = threading.Lock()  # budget decisions and retention, one at a time
         self._freed = threading.Condition(self._lock)
         self._last: SaveHandle | None = None
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        return 1
 
     # ---------------------------------------------------------------- budget
     def used_bytes(self) -> int:
@@ -197,30 +203,31 @@ class RamTierStore:
 
     def _make_room(self, need: int) -> None:
         """Drop checkpoints (oldest first, by policy) until ``need`` more bytes fit."""
-        if need > self.budget_bytes:
+        if need > self.policy.budget_bytes:
             raise RamTierFullError(
                 f"a checkpoint of about {need} bytes does not fit the RAM tier's budget of "
-                f"{self.budget_bytes} bytes ({self.root}); raise budget_bytes or checkpoint "
+                f"{self.policy.budget_bytes} bytes ({self.root}); raise budget_bytes or checkpoint "
                 "to a disk tier"
             )
-        deadline = time.monotonic() + self.full_timeout_s
+        deadline = time.monotonic() + self.policy.full_timeout_s
         with self._lock:
-            while self.used_bytes() + need > self.budget_bytes:
+            while self.used_bytes() + need > self.policy.budget_bytes:
                 victims = self._droppable(set())
-                if self.on_full == "drop_oldest" or victims:
+                if self.policy.on_full == "drop_oldest" or victims:
                     if not victims:
-                        raise self._full(need, "every checkpoint left is pinned")
+                        raise self._full(need, "every checkpoint left is pinned or may not be "
+                                                 "dropped yet (may_drop)")
                     self._drop([victims[0]])
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._full(need, f"none could be dropped within "
-                                           f"{self.full_timeout_s} s (on_full='wait')")
+                                           f"{self.policy.full_timeout_s} s (on_full='wait')")
                 self._freed.wait(min(left, 0.05))
 
     def _full(self, need: int, why: str) -> RamTierFullError:
         return RamTierFullError(
-            f"the RAM tier {self.root} holds {self.used_bytes()} of {self.budget_bytes} bytes "
+            f"the RAM tier {self.root} holds {self.used_bytes()} of {self.policy.budget_bytes} bytes "
             f"and the next checkpoint needs about {need}: {why}; raise budget_bytes, unpin "
             "checkpoints, or use on_full='drop_oldest'"
         )
@@ -238,32 +245,22 @@ class RamTierStore:
     def _retain(self, protect: str) -> None:
         with self._lock:
             manifests = self.store.list()
-            doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
-                                                  keep_every=self.keep_every)
+            doomed = [m for m in choose_deletions(manifests, keep_last=self.policy.keep_last,
+                                                  keep_every=self.policy.keep_every)
                       if m.name != protect and self.may_drop(m.name)]
             if doomed:
                 self._drop(doomed)
 
     # ---------------------------------------------------------------- save / load
-    def save(
-        self,
-        state: Mapping[str, Any],
-        *,
-        step: int,
-        extra: Mapping[str, Any] | None = None,
-        blocking: bool = True,
-        if_busy: str = "wait",
-        rank_state: Mapping[str, Any] | None = None,
-    ) -> SaveHandle:
-        """As :meth:`CheckpointStore.save`, after making room for it in the budget
-        (which first waits for the save in flight: its bytes count)."""
+    def _before_save(self, state: Mapping[str, Any]) -> None:
+        """Makes room for the save in the budget, after waiting for the save in
+        flight (its bytes count)."""
         self._wait_last()
         self._make_room(state_bytes(state))
-        handle = self.store.save(state, step=step, extra=extra, blocking=blocking,
-                                 if_busy=if_busy, rank_state=rank_state)
+
+    def _after_save(self, handle: SaveHandle) -> None:
         self._last = handle
         handle.add_done_callback(self._on_commit)
-        return handle
 
     def _on_commit(self, handle: SaveHandle) -> None:
         if handle.manifest is not None:
@@ -273,31 +270,10 @@ class RamTierStore:
              keys: Iterable[str] | None = None, strict: bool = False) -> Manifest | None:
         return self.store.load(state, step=step, keys=keys, strict=strict)
 
-    def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
-        return self.store.read_rank_state(manifest, rank)
-
-    def list(self) -> builtins.list[Manifest]:
-        return self.store.list()
-
-    def latest(self) -> Manifest | None:
-        return self.store.latest()
-
-    def verify(self, step: int) -> Manifest:
-        return self.store.verify(step)
-
-    def pin(self, step: int) -> Manifest:
-        return self.store.pin(step)
-
-    def unpin(self, step: int) -> None:
-        self.store.unpin(step)
-
     def delete(self, step: int) -> builtins.list[str]:
         deleted = self.store.delete(step)
         self.notify()
         return deleted
-
-    def gc(self) -> GcReport:
-        return self.store.gc()
 
     def close(self) -> None:
         """Waits for the save in flight; the checkpoints stay in shared memory."""
@@ -308,11 +284,5 @@ class RamTierStore:
         self.close()
         self._backend.remove_tree("")
 
-    def __enter__(self) -> RamTierStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
-        return f"RamTierStore({str(self.root)!r}, budget_bytes={self.budget_bytes})"
+        return f"RamTierStore({str(self.root)!r}, budget_bytes={self.policy.budget_bytes})"

@@ -53,6 +53,7 @@ from typing import Any
 
 from checkpoint_store._remote_catalog import RemoteCatalog
 from checkpoint_store._tier_load import Tiers, load_from_tiers, newest_of
+from checkpoint_store._wrapped import WrappedStore
 from checkpoint_store.backends import LocalBackend, open_backend
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.layout import manifest_path, parse_manifest_name
@@ -87,7 +88,7 @@ log = logging.getLogger("checkpoint_store.tiered")
 _NO_LIMIT = sys.maxsize
 
 
-class TieredCheckpointStore:
+class TieredCheckpointStore(WrappedStore):
     """A local :class:`CheckpointStore` plus a remote copy of every checkpoint.
 
     ``local_url`` must be a local directory (plain path or ``file://``);
@@ -138,6 +139,7 @@ class TieredCheckpointStore:
             local_url, keep_last=_NO_LIMIT, keep_every=keep_every, chunk_bytes=chunk_bytes,
             io_threads=io_threads, stale_after_s=stale_after_s,
         )
+        self.store = self.local  # what WrappedStore.save writes through
         if self.local.world_size > 1:
             self.local.close()
             raise ValueError(
@@ -178,35 +180,18 @@ class TieredCheckpointStore:
         )
         self._uploader.start()
 
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        return 1
-
     # ---------------------------------------------------------------- save
-    def save(
-        self,
-        state: Mapping[str, Any],
-        *,
-        step: int,
-        extra: Mapping[str, Any] | None = None,
-        blocking: bool = True,
-        if_busy: str = "wait",
-        rank_state: Mapping[str, Any] | None = None,
-    ) -> SaveHandle:
-        """As :meth:`CheckpointStore.save`; the handle completes when the checkpoint is
-        committed locally. Its upload is queued then; it never delays this call."""
+    def _before_save(self, state: Mapping[str, Any]) -> None:
+        """The save itself is the local tier's; the handle completes when the
+        checkpoint is committed locally. Its upload is queued then; it never delays
+        the save."""
         if self._closed:
             raise CheckpointError("the store is closed")
-        handle = self.local.save(state, step=step, extra=extra, blocking=blocking,
-                                 if_busy=if_busy, rank_state=rank_state)
+
+    def _after_save(self, handle: SaveHandle) -> None:
         with self._lock:
             self._last_handle = handle
         handle.add_done_callback(self._on_local_commit)
-        return handle
 
     def _on_local_commit(self, handle: SaveHandle) -> None:
         if handle.error is not None or handle.manifest is None:
@@ -482,12 +467,6 @@ class TieredCheckpointStore:
             self._uploader.stop(join_timeout_s=5.0)
             self.remote.close()
         return drained
-
-    def __enter__(self) -> TieredCheckpointStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"TieredCheckpointStore({self.url!r}, {self.remote_url!r})"

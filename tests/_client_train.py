@@ -57,6 +57,23 @@ def committed(handle: object, step: int) -> None:
     say(f"COMMITTED {step}")
 
 
+def node_tiers(args: argparse.Namespace, rank: int) -> Any:
+    """This rank as a node: its RAM tier, its partners' copies, its local disk."""
+    from pathlib import Path
+
+    from checkpoint_store.node_tiers import NodeTierStore, TierIntervals
+    from checkpoint_store.partner import node_root
+    from checkpoint_store.ram_tier import RamTierStore
+
+    ram = RamTierStore(node_root(Path(args.store) / f"node{rank}", rank),
+                       budget_bytes=args.ram_tier_budget or 64 << 20, keep_last=args.keep_last)
+    disk = Path(args.tier_disk) / f"node{rank}" if args.tier_disk else None
+    store = NodeTierStore(ram, node=rank, peers=args.tier_peers.split(","), disk_root=disk,
+                          intervals=TierIntervals(partner_every=1, disk_every=3))
+    store.on_copied = lambda name: say(f"COPIED {name}")
+    return store
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--redis", required=True)
@@ -79,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="checkpoint when session.should_checkpoint says so (this prior MTBF)")
     ap.add_argument("--ram-tier-budget", type=int, default=0,
                     help="the store is a RamTierStore at --store (a /dev/shm path), this budget")
+    ap.add_argument("--tier-peers", default="",
+                    help="the tier servers' URLs, node by node: the store is a NodeTierStore "
+                    "(node = RANK) over a RamTierStore in --store/node<rank>/n<rank>")
+    ap.add_argument("--tier-disk", default="", help="with --tier-peers: the local disk tier")
     args = ap.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
@@ -88,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     state, model, opt = make_state(args.n)
     store: Any = args.store
-    if args.ram_tier_budget:
+    if args.tier_peers:
+        store = node_tiers(args, rank)
+    elif args.ram_tier_budget:
         from checkpoint_store.ram_tier import RamTierStore
 
         store = RamTierStore(args.store, budget_bytes=args.ram_tier_budget,
@@ -110,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.loader == "stateful-in-state":
             state["loader"] = loader
     step = session.restore(state)
+    if args.tier_peers:
+        say(f"RESTORED_FROM {store.restored_from}")
     say(f"READY {step}")
     if loader is None:
         loader = DataLoader(

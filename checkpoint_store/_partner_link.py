@@ -1,0 +1,117 @@
+"""The client side of the tier servers (``partner.py``): send a copy, read an index,
+fetch a copy back. Standard library HTTP only, one short request per file."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from checkpoint_store import _faults
+from checkpoint_store._copies import (
+    PartnerCopyError,
+    checkpoint_files,
+    clear_staging,
+    commit_staged,
+    sha256_of,
+    staged_path,
+)
+from checkpoint_store.layout import manifest_path, parse_manifest_name
+
+__all__ = ["PartnerLink"]
+
+log = logging.getLogger("checkpoint_store.partner")
+
+
+class PartnerLink:
+    """Talks to the tier servers of a job's nodes (``urls[r]`` serves node ``r``)."""
+
+    def __init__(self, urls: Sequence[str], *, timeout_s: float = 30.0):
+        self.urls = list(urls)
+        self.timeout_s = timeout_s
+
+    def _request(self, node: int, method: str, path: str, body: bytes | None = None,
+                 headers: dict[str, str] | None = None) -> bytes:
+        url = urlsplit(self.urls[node])
+        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
+                                          timeout=self.timeout_s)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as e:
+            raise PartnerCopyError(f"node {node}'s tier server {self.urls[node]} is out of "
+                                   f"reach ({method} {path}: {e})") from e
+        finally:
+            conn.close()
+        if resp.status != 200:
+            try:
+                why = json.loads(data).get("error", "")
+            except ValueError:
+                why = data[:200].decode("utf-8", "replace")
+            raise PartnerCopyError(f"node {node}'s tier server refused {method} {path}: "
+                                   f"{resp.status} {why}")
+        return data
+
+    # ---------------------------------------------------------------- sending
+    def send(self, to: int, owner: int, root: str | os.PathLike[str], name: str) -> None:
+        """Copy committed checkpoint ``name`` of ``owner`` (its tier at ``root``) to node
+        ``to``: every file, then the commit. A sender that dies half-way leaves only
+        staged files there, which nothing reads."""
+        parsed = parse_manifest_name(name)
+        if parsed is None:
+            raise PartnerCopyError(f"{name!r} is not a manifest name")
+        base = Path(root)
+        manifest = (base / manifest_path(name)).read_text("utf-8")
+        files = checkpoint_files(base, name)
+        for i, (rel, digest) in enumerate(files.items()):
+            data = (base / rel).read_bytes()
+            self._request(to, "PUT", f"/v1/stage/{owner}/{parsed.uid}/{quote(rel)}", data,
+                          {"X-Sha256": digest, "Content-Type": "application/octet-stream"})
+            if i == 0:
+                _faults.reached("partner-mid-send")
+        body = json.dumps({"manifest": manifest, "files": files}).encode("utf-8")
+        self._request(to, "POST", f"/v1/commit/{owner}/{name}", body,
+                      {"Content-Type": "application/json"})
+
+    # ---------------------------------------------------------------- reading
+    def index(self, node: int, owner: int) -> dict[str, list[dict[str, str]]] | None:
+        """``{tier: [{"name", "manifest"}, ...]}`` of ``owner``'s checkpoints on ``node``;
+        None when that node's server is out of reach (a lost node)."""
+        try:
+            doc: dict[str, Any] = json.loads(self._request(node, "GET", f"/v1/index/{owner}"))
+        except PartnerCopyError as e:
+            log.info("%s", e)
+            return None
+        return dict(doc["tiers"])
+
+    def fetch(self, node: int, owner: int, name: str, root: str | os.PathLike[str],
+              *, tier: str = "ram") -> None:
+        """Copy ``owner``'s checkpoint ``name`` from ``node``'s ``tier`` into the root
+        ``root``: each file checked against the sender's SHA-256, the manifest last.
+        Raises :class:`PartnerCopyError` (and commits nothing) on any difference."""
+        parsed = parse_manifest_name(name)
+        if parsed is None:
+            raise PartnerCopyError(f"{name!r} is not a manifest name")
+        dst = Path(root)
+        q = f"?tier={tier}"
+        files: dict[str, str] = json.loads(self._request(node, "GET",
+                                                         f"/v1/files/{owner}/{name}{q}"))
+        try:
+            for rel, digest in files.items():
+                out = staged_path(dst, parsed.uid, rel)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(self._request(node, "GET", f"/v1/raw/{owner}/{quote(rel)}{q}"))
+                if sha256_of(out) != digest:
+                    raise PartnerCopyError(
+                        f"node {node}'s copy of {name}: file {rel} differs from the SHA-256 "
+                        "its sender recorded (a damaged copy); not used")
+            raw = self._request(node, "GET", f"/v1/raw/{owner}/{manifest_path(name)}{q}")
+            commit_staged(dst, name, raw, files)
+        finally:
+            clear_staging(dst)

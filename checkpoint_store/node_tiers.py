@@ -1,0 +1,346 @@
+"""``NodeTierStore``: one node's checkpoints in RAM, on its partners and on local
+disk, behind the checkpoint port (a ``TrainingSession`` takes it as ``store=``).
+
+```python
+ram = RamTierStore(node_root(shm_root, node), budget_bytes=8 << 30)
+store = NodeTierStore(ram, node=node, peers=tier_server_urls, disk_root="/local/ckpt",
+                      intervals=TierIntervals(partner_every=1, disk_every=10))
+session = TrainingSession(redis_url, dataset="tok", run="run42", store=store, ...)
+```
+
+Each save goes to the RAM tier; once committed there, a background thread sends a
+byte copy to the node's partners (:func:`checkpoint_store.partner.partners_of`) every
+``partner_every``-th save, copies it to local disk every ``disk_every``-th and uploads
+it to remote storage (``remote_url/n<node>``) every ``remote_every``-th. The copies
+carry the same manifest name, so a checkpoint is one name on every tier.
+
+The catalog (:meth:`catalog`) says where each checkpoint lives; :meth:`list` is the
+restore's view of it: the checkpoints this node can get from some tier *and* that
+every other node can get too (from its own tier server or a partner's), so that all
+ranks restore the same step. :meth:`load` of a step tries the tiers in order (own
+RAM, a partner's copy fetched into own RAM, local disk, remote), each verified (SHA-256 of the
+transfer, CRC-32C of every chunk on read); a tier whose copy is damaged is skipped
+with a warning, and :attr:`restored_from` says which tier served the restore.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from checkpoint_store._copies import PartnerCopyError, copy_local
+from checkpoint_store._partner_link import PartnerLink
+from checkpoint_store._wrapped import WrappedStore
+from checkpoint_store.backends import LocalBackend, open_backend
+from checkpoint_store.dist import ONE_PROCESS
+from checkpoint_store.handle import SaveHandle
+from checkpoint_store.layout import parse_manifest_name
+from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.partner import partners_of
+from checkpoint_store.ram_tier import RamTierStore
+from checkpoint_store.retention import apply_retention, choose_deletions
+from checkpoint_store.store import CheckpointStore
+from checkpoint_store.upload import Uploader
+from trainguard.core.checkpoints import CheckpointError, CorruptCheckpointError
+from trainguard.core.multilevel import Level, level_periods, nested_multiples
+from trainguard.core.newest import newest_first, newest_save_of
+
+__all__ = ["NodeTierStore", "TierIntervals"]
+
+log = logging.getLogger("checkpoint_store.node_tiers")
+
+
+@dataclass(frozen=True)
+class TierIntervals:
+    """Which RAM-tier saves go further: every ``partner_every``-th to the partners,
+    every ``disk_every``-th to local disk, every ``remote_every``-th to remote storage
+    (0: never)."""
+
+    partner_every: int = 1
+    disk_every: int = 0
+    remote_every: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("partner_every", "disk_every", "remote_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def auto(cls, *, step_s: float, ram: Level, partner: Level, disk: Level | None = None,
+             remote: Level | None = None) -> tuple[int, TierIntervals]:
+        """``(ram_every_steps, intervals)`` from each tier's measured cost and the rate
+        of the failures it alone survives (:mod:`trainguard.core.multilevel`): the
+        session checkpoints every ``ram_every_steps`` steps, and the tiers above
+        follow at these multiples."""
+        levels = [lv for lv in (ram, partner, disk, remote) if lv is not None]
+        every = nested_multiples(level_periods(levels), step_s)
+        by_name = dict(zip(["ram", "partner", *(["disk"] if disk else []),
+                            *(["remote"] if remote else [])], every, strict=True))
+        # The intervals count RAM saves: a tier's multiple of the RAM tier's.
+        partner_every = by_name["partner"]
+        disk_every = partner_every * by_name.get("disk", 0)
+        remote_every = (disk_every or partner_every) * by_name.get("remote", 0)
+        return max(1, by_name["ram"]), cls(partner_every=partner_every, disk_every=disk_every,
+                                           remote_every=remote_every)
+
+
+class NodeTierStore(WrappedStore):
+    """The checkpoint port over one node's tiers (module doc). ``peers[r]`` is node
+    ``r``'s tier server; ``copies`` partners keep each checkpoint. ``on_copied(name)``
+    is called once a save's copies are all made; ``hold_until_copied`` keeps the RAM
+    tier from dropping a checkpoint before then (its ``may_drop``)."""
+
+    def __init__(self, ram: RamTierStore, *, node: int, peers: Sequence[str],
+                 disk_root: str | os.PathLike[str] | None = None, disk_keep_last: int = 2,
+                 remote_url: str | None = None, storage_options: dict[str, Any] | None = None,
+                 intervals: TierIntervals = TierIntervals(), copies: int = 1,
+                 domains: Sequence[str] | None = None, timeout_s: float = 30.0,
+                 hold_until_copied: bool = False):
+        self.ram = ram
+        self.store = ram.store  # what passes through: verify, pins, gc (WrappedStore)
+        self.node = node
+        self.nodes = len(peers)
+        self.partners = partners_of(node, self.nodes, copies=copies, domains=domains)
+        self.domains = domains
+        self.copies = copies
+        self.link = PartnerLink(peers, timeout_s=timeout_s)
+        self.intervals = intervals
+        self.disk: CheckpointStore | None = None
+        self.disk_root = Path(disk_root) if disk_root is not None else None
+        if disk_root is not None:
+            Path(disk_root).mkdir(parents=True, exist_ok=True)
+            self.disk = CheckpointStore(disk_root, keep_last=disk_keep_last,
+                                        process_group=ONE_PROCESS)
+        self.disk_keep_last = disk_keep_last
+        self.remote_url = remote_url.rstrip("/") if remote_url is not None else None
+        self._storage_options = storage_options
+        self._remotes: dict[int, CheckpointStore] = {}
+        self._uploader: Uploader | None = None
+        if self.remote_url is not None:
+            self._uploader = Uploader(
+                LocalBackend(str(ram.root)), open_backend(self._remote_root(node), storage_options),
+                lambda fn, *args: fn(*args), on_committed=lambda _name: None)
+            self._uploader.start()
+        self.url = ram.url
+        self.restored_from: str | None = None
+        self.copy_failures = 0
+        self.on_copied: Callable[[str], None] = lambda _name: None
+        self._copied: set[str] = set()
+        if hold_until_copied:
+            # The RAM tier drops a checkpoint only once its copies exist elsewhere.
+            ram.may_drop = self._copied.__contains__
+        self._saves = 0
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._copy_loop, daemon=True,
+                                        name=f"tier-copies-n{node}")
+        self._thread.start()
+
+    # ---------------------------------------------------------------- save
+    def save(self, state: Mapping[str, Any], *, step: int,
+             extra: Mapping[str, Any] | None = None, blocking: bool = True,
+             if_busy: str = "wait", rank_state: Mapping[str, Any] | None = None) -> SaveHandle:
+        """A RAM-tier save; its copies to partners and disk follow in the background."""
+        self._refuse_rank_state(rank_state)
+        handle = self.ram.save(state, step=step, extra=extra, blocking=blocking,
+                               if_busy=if_busy)
+        handle.add_done_callback(self._committed)
+        return handle
+
+    def _committed(self, handle: SaveHandle) -> None:
+        if handle.manifest is not None:
+            self._queue.put(handle.manifest.name)
+
+    def _copy_loop(self) -> None:
+        while (name := self._queue.get()) is not None:
+            self._saves += 1
+            try:
+                every = self.intervals.partner_every
+                if every and self._saves % every == 0:
+                    for to in self.partners:
+                        self.link.send(to, self.node, self.ram.root, name)
+                every = self.intervals.disk_every
+                if self.disk_root is not None and every and self._saves % every == 0:
+                    copy_local(self.ram.root, self.disk_root, name)
+                    self._retain_disk()
+                every = self.intervals.remote_every
+                if self._uploader is not None and every and self._saves % every == 0:
+                    self._uploader.enqueue(name)
+                self._copied.add(name)
+                self.ram.notify()
+                self.on_copied(name)
+            except (OSError, CheckpointError) as e:
+                # The RAM copy stands; the next save is copied again.
+                self.copy_failures += 1
+                log.warning("node %s: copy of %s failed: %s", self.node, name, e)
+            finally:
+                self._queue.task_done()
+
+    def _retain_disk(self) -> None:
+        assert self.disk is not None and self.disk_root is not None
+        doomed = choose_deletions(self.disk.list(), keep_last=self.disk_keep_last, keep_every=None)
+        if doomed:
+            apply_retention(LocalBackend(str(self.disk_root)), doomed)
+
+    def _remote_root(self, node: int) -> str:
+        return f"{self.remote_url}/n{node}"
+
+    def _remote(self, node: int) -> CheckpointStore | None:
+        """Node ``node``'s remote tier (one root per node under ``remote_url``)."""
+        if self.remote_url is None:
+            return None
+        if node not in self._remotes:
+            self._remotes[node] = CheckpointStore(
+                self._remote_root(node), storage_options=self._storage_options,
+                process_group=ONE_PROCESS)
+        return self._remotes[node]
+
+    def wait_copies(self, timeout_s: float | None = None) -> None:
+        """Return once every committed save has been copied (or failed to be),
+        uploads included."""
+        self._queue.join()
+        if self._uploader is not None:
+            self._uploader.wait_idle(timeout_s)
+
+    # ---------------------------------------------------------------- catalog
+    def _available(self, owner: int) -> dict[str, tuple[Manifest, list[str]]]:
+        """``owner``'s checkpoints that some tier serves: name -> (manifest, where)."""
+        found: dict[str, tuple[Manifest, list[str]]] = {}
+
+        def add(m: Manifest, where: str) -> None:
+            found.setdefault(m.name, (m, []))[1].append(where)
+
+        if owner == self.node:
+            for m in self.ram.list():
+                add(m, "ram")
+            for m in self.disk.list() if self.disk is not None else []:
+                add(m, "disk")
+            hosts = self.partners
+        else:
+            hosts = [owner, *partners_of(owner, self.nodes, copies=self.copies,
+                                         domains=self.domains)]
+        remote = self._remote(owner)
+        for m in remote.list() if remote is not None else []:
+            add(m, "remote")
+        for host in hosts:
+            tiers = self.link.index(host, owner)
+            for tier, entries in (tiers or {}).items():
+                where = tier if host == owner else f"partner:n{host}"
+                for e in entries:
+                    try:
+                        add(parse_manifest(e["name"], e["manifest"].encode("utf-8")), where)
+                    except CheckpointError:
+                        continue  # a damaged manifest there: that tier does not hold it
+        return found
+
+    def catalog(self) -> dict[str, list[str]]:
+        """Where each of this node's checkpoints lives: name -> tiers (``ram``,
+        ``partner:n<r>``, ``disk``)."""
+        return {name: where for name, (_m, where) in self._available(self.node).items()}
+
+    def list(self) -> builtins.list[Manifest]:
+        """This node's checkpoints whose step every node of the job can restore."""
+        mine = self._available(self.node)
+        steps = {m.step for m, _w in mine.values()}
+        for other in range(self.nodes):
+            if other != self.node:
+                steps &= {m.step for m, _w in self._available(other).values()}
+        kept = [m for m, _w in mine.values() if m.step in steps]
+        return sorted(kept, key=lambda m: (m.uid, m.step))
+
+    def latest(self) -> Manifest | None:
+        ordered = newest_first(self.list())
+        return ordered[0] if ordered else None
+
+    # ---------------------------------------------------------------- load
+    def load(self, state: Mapping[str, Any], *, step: int | None = None,
+             keys: Iterable[str] | None = None, strict: bool = False) -> Manifest | None:
+        """Load ``step`` (default: the newest in :meth:`list`) from the first tier with a
+        verified copy. CorruptCheckpointError when none has one (the session then tries
+        the step before); None when there is no checkpoint at all."""
+        if step is None:
+            newest = self.latest()
+            if newest is None:
+                return None
+            step = newest.step
+        for tier, attempt in self._tiers_for(step):
+            try:
+                manifest = attempt(state, keys)
+            except (CorruptCheckpointError, PartnerCopyError) as e:
+                log.warning("node %s: the %s copy of step %s is not usable (%s); trying the "
+                            "next tier", self.node, tier, step, e)
+                continue
+            if manifest is None:
+                continue
+            self.restored_from = tier
+            if tier == "remote":
+                log.warning("node %s restored step %s from REMOTE storage: no RAM, partner "
+                            "or disk copy of it was left (several nodes lost at once?)",
+                            self.node, step)
+            else:
+                log.warning("node %s restored step %s from %s", self.node, step, tier)
+            return manifest
+        raise CorruptCheckpointError(
+            f"node {self.node}: no tier holds a verified copy of step {step} (RAM, "
+            f"partners {self.partners}, disk, remote); the restore tries the checkpoint "
+            "before it")
+
+    def _tiers_for(self, step: int) -> builtins.list[tuple[str, Any]]:
+        def from_ram(state: Mapping[str, Any], keys: Iterable[str] | None) -> Manifest | None:
+            if newest_save_of(step, self.ram.list()) is None:
+                return None
+            return self.ram.load(state, step=step, keys=keys, strict=True)
+
+        def from_partner(host: int) -> Any:
+            def attempt(state: Mapping[str, Any], keys: Iterable[str] | None) -> Manifest | None:
+                tiers = self.link.index(host, self.node) or {}
+                names = [e["name"] for e in tiers.get("ram", [])]
+                cands = [n for n in names
+                         if (p := parse_manifest_name(n)) is not None and p.step == step]
+                if not cands:
+                    return None
+                name = max(cands)
+                self.link.fetch(host, self.node, name, self.ram.root)
+                try:
+                    return self.ram.load(state, step=step, keys=keys, strict=True)
+                except CorruptCheckpointError:
+                    self.ram.delete(step)  # the damaged copy goes; the next tier is tried
+                    raise
+            return attempt
+
+        def from_disk(state: Mapping[str, Any], keys: Iterable[str] | None) -> Manifest | None:
+            if self.disk is None or newest_save_of(step, self.disk.list()) is None:
+                return None
+            return self.disk.load(state, step=step, keys=keys, strict=True)
+
+        def from_remote(state: Mapping[str, Any], keys: Iterable[str] | None) -> Manifest | None:
+            remote = self._remote(self.node)
+            if remote is None or newest_save_of(step, remote.list()) is None:
+                return None
+            return remote.load(state, step=step, keys=keys, strict=True)
+
+        return [("ram", from_ram),
+                *((f"partner:n{h}", from_partner(h)) for h in self.partners),
+                ("disk", from_disk), ("remote", from_remote)]
+
+    # ---------------------------------------------------------------- the rest
+    def delete(self, step: int) -> builtins.list[str]:
+        return self.ram.delete(step)
+
+    def close(self) -> None:
+        """Waits for the save in flight and its copies; the tiers keep their files."""
+        self.ram.close()
+        self.wait_copies()
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        if self._uploader is not None:
+            self._uploader.stop(join_timeout_s=30)
+        for store in [*self._remotes.values(), *([self.disk] if self.disk is not None else [])]:
+            store.close()
+

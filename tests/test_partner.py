@@ -1,0 +1,265 @@
+"""Partner copies of the RAM tier (``checkpoint_store.partner``, ``node_tiers``): a
+node's checkpoints survive its loss on another node's tier server, torn and damaged
+copies are never used, and a job whose node was lost trains every record once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoint_store.layout import DATA_DIR
+from checkpoint_store.node_tiers import NodeTierStore, TierIntervals
+from checkpoint_store.partner import node_root, partners_of
+from checkpoint_store.ram_tier import RamTierFullError, RamTierStore, memory_backed
+from tests import _client_fill as cf
+from tests import _client_ledger as ledger
+from tests._tier_servers import TierServers, tier_servers
+from trainguard.core.checkpoints import CheckpointStoreAPI
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1 << 20
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh directory in shared memory, removed afterwards (it outlives processes)."""
+    if memory_backed("/dev/shm") is None:
+        pytest.skip("/dev/shm is not a memory-backed file system here")
+    path = Path("/dev/shm") / f"trainguard-test-{uuid.uuid4().hex}"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(MB // 4, generator=g), "b": torch.randn(17, generator=g)}
+
+
+def _node_store(servers: TierServers, node: int, disk: Path | None = None,
+                disk_every: int = 0, remote: str | None = None,
+                options: dict[str, Any] | None = None) -> NodeTierStore:
+    ram = RamTierStore(node_root(servers.node_shm(node), node), budget_bytes=64 * MB)
+    return NodeTierStore(ram, node=node, peers=servers.urls, disk_root=disk,
+                         remote_url=remote, storage_options=options,
+                         intervals=TierIntervals(partner_every=1, disk_every=disk_every,
+                                                 remote_every=1 if remote else 0))
+
+
+def _saves_of_node(servers: TierServers, node: int, steps: list[int]) -> None:
+    """The other node of the job checkpoints the same steps (its own part)."""
+    store = _node_store(servers, node)
+    for step in steps:
+        store.save(_state(100 + step), step=step).wait()
+    store.wait_copies()
+    assert store.copy_failures == 0
+    store.close()
+
+
+def test_partners_are_a_pure_function_of_the_ranks() -> None:
+    """The next node in the ring keeps a node's copy, and a partner is never in the
+    node's failure domain while another domain has a node."""
+    assert [partners_of(r, 3)[0] for r in range(3)] == [1, 2, 0]
+    assert partners_of(0, 4, copies=2) == [1, 2]
+    racks = ["a", "a", "b", "b"]
+    assert [partners_of(r, 4, domains=racks)[0] for r in range(4)] == [2, 2, 0, 0]
+    with pytest.raises(ValueError, match="copies must be"):
+        partners_of(0, 3, copies=3)
+
+
+def test_lost_node_restores_its_part_from_the_partner(shm: Path) -> None:
+    """Node 0 saves twice; node 0 is lost (server killed, memory wiped); its replacement
+    restores the newest step bit for bit from node 1's copy, and says so."""
+    with tier_servers(shm, 2) as servers:
+        store = _node_store(servers, 0)
+        for name in [n for n in dir(CheckpointStoreAPI) if not n.startswith("_")]:
+            assert hasattr(store, name), name
+        for step in (1, 2):
+            store.save(_state(step), step=step, extra={"s": step}).wait()
+        store.wait_copies()
+        assert store.copy_failures == 0
+        assert sorted(store.catalog().values()) == [["ram", "partner:n1"]] * 2
+        store.close()
+        _saves_of_node(servers, 1, [1, 2])
+        servers.lose(0)
+        servers.start(0)
+        again = _node_store(servers, 0)
+        assert [m.step for m in again.list()] == [1, 2]
+        target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        manifest = again.load(target)
+        assert manifest is not None and manifest.step == 2 and manifest.extra == {"s": 2}
+        assert again.restored_from == "partner:n1"
+        for k, v in _state(2).items():
+            assert torch.equal(target[k], v), k
+        # The copy came back into node 0's RAM tier: the next restore needs no network.
+        assert again.load(target) is not None and again.restored_from == "ram"
+        again.close()
+
+
+def test_hold_until_copied_never_drops_a_checkpoint_without_copies(shm: Path) -> None:
+    """hold_until_copied: with the partner's server gone, the RAM tier refuses a save
+    that would drop an uncopied checkpoint (RamTierFullError), and keeps both."""
+    with tier_servers(shm, 2) as servers:
+        servers.kill(1)
+        ram = RamTierStore(node_root(servers.node_shm(0), 0), budget_bytes=2 * MB + MB // 2,
+                           keep_last=10)
+        store = NodeTierStore(ram, node=0, peers=servers.urls, hold_until_copied=True,
+                              timeout_s=2.0)
+        for step in (1, 2):
+            store.save(_state(step), step=step).wait()
+        store.wait_copies()
+        assert store.copy_failures == 2
+        with pytest.raises(RamTierFullError, match="may_drop"):
+            store.save(_state(3), step=3)
+        assert [m.step for m in ram.list()] == [1, 2]
+        store.close()
+
+
+def test_damaged_partner_copy_falls_back_to_disk(shm: Path, tmp_path: Path) -> None:
+    """A byte flipped in the partner's copy: the fetch refuses it (SHA-256), the load
+    falls back to local disk and returns the saved state exactly."""
+    with tier_servers(shm, 2) as servers:
+        store = _node_store(servers, 0, disk=tmp_path / "disk", disk_every=1)
+        store.save(_state(5), step=5).wait()
+        store.wait_copies()
+        store.close()
+        _saves_of_node(servers, 1, [5])
+        copy = node_root(servers.node_shm(1), 0) / DATA_DIR
+        victim = max((p for p in copy.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        victim.write_bytes(bytes(raw))
+        shutil.rmtree(node_root(servers.node_shm(0), 0))  # node 0's RAM is gone
+        again = _node_store(servers, 0, disk=tmp_path / "disk", disk_every=1)
+        target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        manifest = again.load(target)
+        assert manifest is not None and manifest.step == 5
+        assert again.restored_from == "disk"
+        for k, v in _state(5).items():
+            assert torch.equal(target[k], v), k
+        again.close()
+
+
+def test_two_nodes_lost_at_once_fall_back_to_remote(shm: Path, moto_server, s3_bucket,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Both nodes of a 2-node job are lost (RAM, partner copies, servers): each node's
+    part is restored from remote storage (moto S3) bit for bit, and the log says that
+    the restore came from remote."""
+    remote, options = f"s3://{s3_bucket}/run", moto_server.storage_options()
+    with tier_servers(shm, 2) as servers:
+        for node in (0, 1):
+            store = _node_store(servers, node, remote=remote, options=options)
+            store.save(_state(10 * node + 3), step=3).wait()
+            store.wait_copies()
+            assert store.copy_failures == 0
+            store.close()
+        for node in (0, 1):
+            servers.lose(node)
+        for node in (0, 1):
+            servers.start(node)
+        for node in (0, 1):
+            again = _node_store(servers, node, remote=remote, options=options)
+            assert [m.step for m in again.list()] == [3]
+            target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="checkpoint_store.node_tiers"):
+                manifest = again.load(target)
+            assert manifest is not None and manifest.step == 3
+            assert again.restored_from == "remote"
+            assert "from REMOTE storage" in caplog.text
+            for k, v in _state(10 * node + 3).items():
+                assert torch.equal(target[k], v), k
+            again.close()
+
+
+_TORN_SENDER = """
+import os, sys, torch
+from checkpoint_store.node_tiers import NodeTierStore
+from checkpoint_store.partner import node_root
+from checkpoint_store.ram_tier import RamTierStore
+shm, urls = sys.argv[1], sys.argv[2].split(",")
+ram = RamTierStore(node_root(shm, 0), budget_bytes=64 << 20)
+store = NodeTierStore(ram, node=0, peers=urls)
+def state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn((1 << 20) // 4, generator=g), "b": torch.randn(17, generator=g)}
+store.save(state(1), step=1).wait()
+store.wait_copies()
+print("COPIED 1", flush=True)
+os.environ["TRAINGUARD_CKPT_CRASH_AT"] = "partner-mid-send"  # SIGKILL mid-transfer
+store.save(state(2), step=2).wait()
+store.wait_copies()
+print("NOT KILLED", flush=True)
+"""
+
+
+def test_kill_during_a_partner_transfer_leaves_no_usable_torn_copy(shm: Path) -> None:
+    """The sender is SIGKILLed after one file of step 2's copy reached the partner: the
+    partner lists step 1 only, and the lost node's replacement restores step 1 exactly,
+    never the torn step 2."""
+    with tier_servers(shm, 2) as servers:
+        out = subprocess.run(
+            [sys.executable, "-c", _TORN_SENDER, str(servers.node_shm(0)),
+             ",".join(servers.urls)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+            text=True, timeout=300)
+        assert out.returncode == -9 and "COPIED 1" in out.stdout, out.stdout + out.stderr
+        staged = node_root(servers.node_shm(1), 0) / ".incoming"
+        assert any(p.is_file() for p in staged.rglob("*")), "the kill came before any file"
+        _saves_of_node(servers, 1, [1, 2])  # node 1 holds step 2 whole: node 0 does not
+        servers.lose(0)
+        servers.start(0)
+        again = _node_store(servers, 0)
+        assert [m.step for m in again.list()] == [1]
+        target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        manifest = again.load(target)
+        assert manifest is not None and manifest.step == 1
+        assert again.restored_from == "partner:n1"
+        for k, v in _state(1).items():
+            assert torch.equal(target[k], v), k
+        again.close()
+
+
+def test_three_nodes_one_lost_every_record_trained_once(redis_server, shm: Path,
+                                                        tmp_path: Path) -> None:
+    """A 3-node job (3 processes, gloo, each node its own RAM tier and tier server) is
+    SIGKILLed after node 1's copies were made; node 1 is lost (server killed, memory and
+    disk wiped); the relaunched job restores node 1 from its partner (node 2) and
+    finishes: every record trained exactly once per the final checkpoint's ledger."""
+    n, p = 1200, 6
+    spec = cf.create(redis_server.url, "tok", partitions=p)
+    cf.fill(redis_server.url, spec, n)
+    with tier_servers(shm, 3) as servers:
+        args = ["--redis", redis_server.url, "--dataset", "tok", "--run", "exp",
+                "--store", str(shm), "--n", str(n), "--batch-size", "8",
+                "--ckpt-every", "6", "--sleep-ms", "2", "--keep-last", "3", "--tier-peers", ",".join(servers.urls),
+                "--tier-disk", str(tmp_path / "disk"), "--ram-tier-budget", str(16 * MB)]
+        with ledger.zygote(tmp_path / "job.log") as z:
+            job = z.spawn(args, 3)
+            copied = 0
+            while copied < 2:
+                got = job.next_line(120)
+                assert got is not None and not job.exits, job.seen[-20:]
+                if got[0] == 1 and got[1].startswith("COPIED"):
+                    copied += 1
+            job.kill()
+            servers.lose(1)
+            shutil.rmtree(tmp_path / "disk" / "node1", ignore_errors=True)
+            servers.start(1)
+            job = z.spawn(args, 3)
+            job.finish(300)
+        assert "1: RESTORED_FROM partner:n2" in job.seen, job.seen[:10]
+    for node in (0, 1):  # node 1's own final checkpoint too: its restore was whole
+        counts, _extra = ledger.final_counts(f"file://{node_root(shm / f'node{node}', node)}", n)
+        ledger.assert_each_once(counts)
