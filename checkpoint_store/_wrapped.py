@@ -16,9 +16,9 @@ from checkpoint_store.handle import SaveHandle
 from checkpoint_store.manifest import Manifest
 from checkpoint_store.retention import GcReport
 from checkpoint_store.store import CheckpointStore
-from trainguard.core.checkpoints import CheckpointError, ManifestView
+from trainguard.core.checkpoints import ManifestView
 
-__all__ = ["WrappedStore"]
+__all__ = ["RankStateWrappedStore", "WrappedStore"]
 
 
 class WrappedStore:
@@ -48,25 +48,13 @@ class WrappedStore:
         extra: Mapping[str, Any] | None = None,
         blocking: bool = True,
         if_busy: str = "wait",
-        rank_state: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """As :meth:`CheckpointStore.save`, between this wrapper's two hooks."""
         self._before_save(state)
         handle = self.store.save(state, step=step, extra=extra, blocking=blocking,
-                                 if_busy=if_busy, rank_state=rank_state)
+                                 if_busy=if_busy)
         self._after_save(handle)
         return handle
-
-    def _refuse_rank_state(self, rank_state: Mapping[str, Any] | None) -> None:
-        """For a wrapper without ``supports_rank_state``: a session never passes one."""
-        if rank_state is not None:
-            raise CheckpointError(
-                f"{type(self).__name__} keeps no per-rank state objects (it does not say "
-                "supports_rank_state): save the session record in extra instead")
-
-    def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
-        """A wrapper that says ``supports_rank_state`` passes this through."""
-        return self.store.read_rank_state(manifest, rank)
 
     def list(self) -> builtins.list[Manifest]:
         return self.store.list()
@@ -99,3 +87,32 @@ class WrappedStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RankStateWrappedStore(WrappedStore):
+    """A wrapper that also passes per-rank state objects through (the wider
+    ``RankStateStoreAPI``): ``save(rank_state=...)`` and :meth:`read_rank_state`."""
+
+    supports_rank_state = True
+    """Capability: ``save(rank_state=...)`` and :meth:`read_rank_state` (a session
+    then writes per-rank state objects; without it, its whole record in ``extra``)."""
+
+    def save(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        extra: Mapping[str, Any] | None = None,
+        blocking: bool = True,
+        if_busy: str = "wait",
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """As :meth:`CheckpointStore.save`, between this wrapper's two hooks."""
+        self._before_save(state)
+        handle = self.store.save(state, step=step, extra=extra, blocking=blocking,
+                                 if_busy=if_busy, rank_state=rank_state)
+        self._after_save(handle)
+        return handle
+
+    def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
+        return self.store.read_rank_state(manifest, rank)

@@ -71,9 +71,8 @@ class DcpCheckpointStore(WrappedStore):
 
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: str = "wait", rank_state: Mapping[str, Any] | None = None) -> SaveHandle:
+             if_busy: str = "wait") -> SaveHandle:
         """``dcp.save`` (or ``dcp.async_save``) of ``state`` as checkpoint ``step``."""
-        self._refuse_rank_state(rank_state)
         self._settle_current(if_busy)
         writer = StorageWriter(self.store, step=step, extra=extra)
         handle = SaveHandle(step)

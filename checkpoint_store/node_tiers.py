@@ -145,9 +145,8 @@ class NodeTierStore(WrappedStore):
     # ---------------------------------------------------------------- save
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: str = "wait", rank_state: Mapping[str, Any] | None = None) -> SaveHandle:
+             if_busy: str = "wait") -> SaveHandle:
         """A RAM-tier save; its copies to partners and disk follow in the background."""
-        self._refuse_rank_state(rank_state)
         handle = self.ram.save(state, step=step, extra=extra, blocking=blocking,
                                if_busy=if_busy)
         handle.add_done_callback(self._committed)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpoint_store._wrapped import WrappedStore
+from checkpoint_store._wrapped import RankStateWrappedStore
 from checkpoint_store.backends import LocalBackend
 from checkpoint_store.dist import ONE_PROCESS
 from checkpoint_store.flatten import flatten
@@ -128,7 +128,7 @@ def state_bytes(state: Mapping[str, Any]) -> int:
                if leaf.writes) + len(skeleton) + _OVERHEAD_BYTES
 
 
-class RamTierStore(WrappedStore):
+class RamTierStore(RankStateWrappedStore):
     """A :class:`CheckpointStore` in shared memory with a byte budget (module doc).
 
     ``root`` defaults to :func:`default_ram_root` of ``run``; it must be on a
@@ -138,10 +138,6 @@ class RamTierStore(WrappedStore):
     checkpoint yet (default: always); ``on_dropped(names)`` is called after it does.
     The tier is one process's, with torch.distributed or without: in a multi-node job
     each rank has a root of its own (and ``node_tiers`` makes the copies)."""
-
-    supports_rank_state = True
-    """Capability: ``save(rank_state=...)`` and :meth:`read_rank_state` (a session
-    then writes per-rank state objects; without it, its whole record in ``extra``)."""
 
     def __init__(
         self,

@@ -53,7 +53,7 @@ from typing import Any
 
 from checkpoint_store._remote_catalog import RemoteCatalog
 from checkpoint_store._tier_load import Tiers, load_from_tiers, newest_of
-from checkpoint_store._wrapped import WrappedStore
+from checkpoint_store._wrapped import RankStateWrappedStore
 from checkpoint_store.backends import LocalBackend, open_backend
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.layout import manifest_path, parse_manifest_name
@@ -88,7 +88,7 @@ log = logging.getLogger("checkpoint_store.tiered")
 _NO_LIMIT = sys.maxsize
 
 
-class TieredCheckpointStore(WrappedStore):
+class TieredCheckpointStore(RankStateWrappedStore):
     """A local :class:`CheckpointStore` plus a remote copy of every checkpoint.
 
     ``local_url`` must be a local directory (plain path or ``file://``);
@@ -102,10 +102,6 @@ class TieredCheckpointStore(WrappedStore):
     ``upload_backoff_s`` is (first, max) wait of the uploader after a failed attempt;
     ``io_threads`` also sets how many files an upload sends at once.
     """
-
-    supports_rank_state = True
-    """Capability: ``save(rank_state=...)`` and :meth:`read_rank_state` (a session
-    then writes per-rank state objects; without it, its whole record in ``extra``)."""
 
     def __init__(
         self,
