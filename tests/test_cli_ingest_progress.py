@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,3 +55,42 @@ def test_the_last_line_shows_the_exact_whole_at_100_percent_and_labels_the_share
     again = _last(_ingest(redis_server.url, source))
     assert (_n(again["done"]), _n(again["whole"]), again["pct"], _n(again["mine"])) == (
         3003, 3003, "100.0", 0)
+
+
+def test_a_producer_resumed_in_a_later_epoch_ends_at_the_exact_whole(
+        redis_server, tmp_path: Path) -> None:
+    """Stopped (SIGTERM) in epoch 2 of 3 and run again: the second process's last line
+    says 60,000 of 60,000 records, 100.0 %, and its own share is exactly what the first
+    one had not written (the dataset's count is read from the partitions' last IDs
+    across epochs, not from what this process appended)."""
+    from tests._ingest_util import total_len, write_jsonl
+    from trainer_client import redis_client as trainer_redis
+    from trainguard.core import streams
+
+    write_jsonl(tmp_path, 20_000)
+    args = [sys.executable, "-m", "trainguard", "ingest", "--redis-url", redis_server.url,
+            "--dataset", "later", "--source", str(tmp_path / "*.jsonl"), "--partitions", "4",
+            "--epochs", "3"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    spec = streams.DatasetSpec(name="later", partitions=4, source=str(tmp_path / "*.jsonl"),
+                               epochs=3)
+    proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    client = trainer_redis.client(redis_server.url)
+    try:
+        while proc.poll() is None and total_len(client, spec) < 22_000:
+            time.sleep(0.005)
+        assert proc.poll() is None, "finished before the signal: make the source bigger"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        before = total_len(client, spec)
+        assert 20_000 < before < 60_000
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+    again = _last(subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True,
+                                 timeout=300))
+    assert (_n(again["done"]), _n(again["whole"]), again["pct"]) == (60_000, 60_000, "100.0")
+    assert _n(again["mine"]) == 60_000 - before

@@ -170,12 +170,15 @@ async def _ingest(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, on_signal, signum)
         task = asyncio.create_task(producer.run())
         started = time.monotonic()
-        at_start = count = await _count(client, spec, producer)
+        count = await _count(client, spec, producer)
+        baseline = None if count.done is None else (started, count.done)
         while not task.done():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), 1.0)
             count = await _count(client, spec, producer, count)
-            _show(spec, producer, count, started, at_start.done, sys.stderr, final=task.done())
+            if baseline is None and count.done is not None:
+                baseline = (time.monotonic(), count.done)
+            _show(spec, producer, count, started, baseline, sys.stderr, final=task.done())
         await task
         if interrupted:
             return EXIT_INTERRUPTED
@@ -194,16 +197,16 @@ async def _count(client: Any, spec: streams.DatasetSpec, producer: Any,
     try:
         lasts = await last_ids(client, spec)
     except TRANSIENT:
-        return before or DatasetCount(done=0, whole=None, epoch_records=prog.epoch_records)
+        return before or DatasetCount(done=None, whole=None, epoch_records=prog.epoch_records)
     return count_dataset(lasts, spec, epoch_records=prog.epoch_records, finished=prog.finished)
 
 
 def _show(spec: streams.DatasetSpec, producer: Any, count: DatasetCount, started: float,
-          done_at_start: int, out: TextIO, *, final: bool) -> None:
+          baseline: tuple[float, int] | None, out: TextIO, *, final: bool) -> None:
     prog = producer.progress
     state = "done" if prog.finished else ("stopped" if producer.stopping else "producing")
     line = progress_line(spec, prog, count, state=state, started=started,
-                         done_at_start=done_at_start)
+                         baseline=baseline)
     if out.isatty():
         out.write("\r\x1b[K" + line + ("\n" if final else ""))
     else:

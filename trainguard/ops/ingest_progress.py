@@ -9,7 +9,8 @@ planner deals the epoch's good records round robin; the shuffle only reorders th
 The whole is ``records per epoch x epochs``: known once this process has planned one
 whole epoch (:attr:`ProducerProgress.epoch_records`), or from the partitions' ends
 once the dataset is finished. Until then the line says what it is waiting for rather
-than guess a percentage.
+than guess a percentage (and a producer resumed past epoch 1 shows no dataset count
+until it has read an epoch: an index alone no longer says how many records are in).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ __all__ = ["DatasetCount", "count_dataset", "format_eta", "last_ids", "progress_
 class DatasetCount:
     """Records of the dataset in Redis (all producers), and its whole when known."""
 
-    done: int
+    done: int | None
+    """None while unknown: a resumed producer past epoch 1 that has not read an epoch
+    yet (a partition's index alone no longer says how many records it holds)."""
     whole: int | None
     """Records of every epoch together; None while unknown (or an endless dataset)."""
     epoch_records: int | None
@@ -62,10 +65,12 @@ def count_dataset(lasts: Sequence[streams.StreamId | None], spec: streams.Datase
         if final and len({ms for ms, _ in final}) == 1:
             epoch_records = sum(index + 1 for _, index in final)
     if epoch_records is None:
-        # The first epoch (nothing else can be under way without one planned): the
-        # indexes count the records directly.
-        done = sum(index + 1 for ms, index in (x for x in lasts if x is not None) if ms == 1)
-        return DatasetCount(done=done, whole=None, epoch_records=None)
+        written = [last for last in lasts if last is not None]
+        if any(ms > 1 for ms, _ in written):
+            return DatasetCount(done=None, whole=None, epoch_records=None)
+        # All in the first epoch: the indexes count the records directly.
+        return DatasetCount(done=sum(index + 1 for _, index in written), whole=None,
+                            epoch_records=None)
     done = 0
     for p, last in enumerate(lasts):
         if last is not None:
@@ -82,21 +87,27 @@ def format_eta(seconds: float) -> str:
 
 
 def progress_line(spec: streams.DatasetSpec, prog: Any, count: DatasetCount, *, state: str,
-                  started: float, done_at_start: int) -> str:
+                  started: float, baseline: tuple[float, int] | None) -> str:
     """One line: the dataset's records of its whole with a percentage and an ETA (when
-    the whole is known), then this process's share, labelled as such."""
-    elapsed = max(time.monotonic() - started, 1e-9)
+    the whole is known), then this process's share, labelled as such. ``started``: when
+    this process began; ``baseline``: (when, dataset count) the first time the count was
+    known, which the ETA's rate is measured from (every producer's records count)."""
+    now = time.monotonic()
+    elapsed = max(now - started, 1e-9)
     epochs = f"{prog.epoch + 1}/{spec.epochs}" if spec.finite else f"{prog.epoch + 1}/endless"
-    if count.whole is not None:
+    if count.done is None:
+        dataset = "dataset count known once an epoch of the source is read"
+    elif count.whole is not None:
         pct = 100.0 if count.whole == 0 else 100 * count.done / count.whole
-        rate = (count.done - done_at_start) / elapsed
+        since, base = baseline or (started, count.done)
+        rate = (count.done - base) / max(now - since, 1e-9)
         left = count.whole - count.done
         eta = "0:00:00" if left <= 0 else (format_eta(left / rate) if rate > 0 else "unknown")
         dataset = f"dataset {count.done:,}/{count.whole:,} records ({pct:.1f} %)  ETA {eta}"
     elif not spec.finite and count.epoch_records is not None:
         dataset = f"dataset {count.done:,} records ({count.epoch_records:,} per epoch, endless)"
     else:
-        dataset = f"dataset {count.done:,} records (the whole is known once epoch 1 is read)"
+        dataset = f"dataset {count.done:,} records (the whole is known once an epoch is read)"
     paused = f" paused {sorted(prog.paused)}" if prog.paused else ""
     return (
         f"{spec.name}: {state} epoch {epochs}  {dataset}  |  this process: "
