@@ -156,7 +156,15 @@ async def _ingest(args: argparse.Namespace) -> int:
         if args.source:
             spec = await create_dataset(client, _spec_from_args(args))
         else:
-            spec = await describe_dataset(client, args.dataset)
+            try:
+                spec = await describe_dataset(client, args.dataset)
+            except streams.DatasetNotFoundError as exc:
+                # The registry's message names `datasets create`; here the fix is a flag.
+                raise streams.DatasetNotFoundError(
+                    f"dataset {args.dataset!r} is not registered in this Redis: pass --source "
+                    "(an fsspec URL, folder or glob) to create it, or check the Redis URL and "
+                    "the name"
+                ) from exc
         producer = Producer(client, spec, lease_ms=args.lease_ms or LEASE_MS)
         interrupted = False
 
