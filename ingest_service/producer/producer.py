@@ -60,7 +60,7 @@ from ingest_service.producer.batching import (
 from ingest_service.producer.dead_letters import append_dead_letters
 from ingest_service.producer.finishing import mark_done, wait_finished
 from ingest_service.producer.leases import LEASE_MS, PartitionLeases
-from ingest_service.sources.planner import PlannedDeadLetter, plan_spec_chunks
+from ingest_service.sources.planner import PlanChunk, PlannedDeadLetter, plan_spec_chunks
 from ingest_service.sources.records import GoodRecord
 from trainguard.core import streams
 from trainguard.core.resilience import Backoff, RetryPolicy
@@ -92,6 +92,10 @@ class ProducerProgress:
     """Entries a retried batch found already there."""
     redis_losses: int = 0
     paused: set[int] = field(default_factory=set)
+    epoch_records: int | None = None
+    """Good records in one epoch of the dataset (every producer's partitions), once this
+    producer has planned a whole epoch: the same in every epoch (the shuffle only
+    reorders), so it makes the dataset's whole known."""
     finished: bool = False
     deleted: bool = False
 
@@ -356,7 +360,7 @@ class Producer:
     async def _read_epoch(self, epoch: int, queues: list[BatchQueue], budget: ByteBudget,
                           owned: frozenset[int]) -> bool:
         """Plan the epoch and hand each partition's missing records to the writers."""
-        chunks = plan_spec_chunks(self.spec, epoch, self.storage_options)
+        chunks = self._counted(plan_spec_chunks(self.spec, epoch, self.storage_options))
         next_index = [self._next_index(p, epoch, owned) for p in range(self.spec.partitions)]
         if min(next_index) == _NEVER:
             return True  # every partition is past this epoch
@@ -365,6 +369,15 @@ class Producer:
                              halted=self._halted,
                              dead_letters=lambda dead: self._dead_letters(dead, epoch))
         return not self._halted()
+
+    def _counted(self, chunks: Iterator[PlanChunk]) -> Iterator[PlanChunk]:
+        """``chunks``, and the epoch's record count into the progress once they end (a
+        plan cut short by a halt says nothing)."""
+        planned = 0
+        for chunk in chunks:
+            planned = chunk.first + len(chunk.records)
+            yield chunk
+        self.progress.epoch_records = planned
 
     # ------------------------------------------------------------------ writing
 

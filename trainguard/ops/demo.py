@@ -6,7 +6,7 @@ What it does, all on this machine and cleaned up afterwards:
 2. writes a dataset of token records (JSON Lines) and registers it;
 3. starts the ingest service (``trainguard serve``, free port, admin API with a fresh
    token), which shards the records into Redis streams;
-4. trains a small next-token MLP (``examples/train_mlp.py``) through
+4. trains a small next-token MLP (:mod:`trainguard.ops.demo_trainer`, packaged: a wheel runs it too) through
    ``StreamingDataset`` + ``TrainingSession`` with checkpoints; the trainer's state
    includes a ledger (times each record ID went through an optimizer step);
 5. kills the trainer with SIGKILL between two checkpoints, restarts it, lets it
@@ -56,7 +56,12 @@ from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 __all__ = ["main", "register", "run_demo"]
 
 RUN = "mlp"
-TRAINER = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
+TRAINER = "trainguard.ops.demo_trainer"
+"""The trainer the demo runs (``python -m``): a module of the package, so that an
+installed wheel has it."""
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+"""Where this ``trainguard`` is imported from (a checkout, or site-packages): the
+trainer imports the same one."""
 
 
 class Trainer:
@@ -135,9 +140,6 @@ def final_ledger(store: Path, records: int) -> tuple[list[int], int]:
 def run_demo(args: argparse.Namespace, say: Any,
              hold: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """The demo; ``hold(summary)`` (with ``--keep``) runs before the children stop."""
-    if not TRAINER.is_file():
-        raise DemoError(f"the example trainer {TRAINER} is missing: run the demo from a "
-                        "source checkout (git clone, then make demo)")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="trainguard-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     children = Children(sys.stderr)
@@ -160,8 +162,8 @@ def run_demo(args: argparse.Namespace, say: Any,
             f"(mutations: Authorization: Bearer {token})")
 
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(TRAINER.parents[1]), os.environ.get("PYTHONPATH")]))}
-        argv = [sys.executable, str(TRAINER), "--redis-url", redis_url, "--dataset", DATASET,
+            filter(None, [str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
+        argv = [sys.executable, "-m", TRAINER, "--redis-url", redis_url, "--dataset", DATASET,
                 "--run-name", RUN, "--store", str(store), "--records", str(args.records),
                 "--batch-size", str(args.batch_size), "--checkpoint-every",
                 str(args.checkpoint_every), "--step-delay-ms", str(args.step_delay_ms)]

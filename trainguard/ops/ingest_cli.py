@@ -2,7 +2,8 @@
 
 ``ingest`` registers the dataset from the flags when it does not exist (or checks the
 flags against it when it does), then produces until the dataset is complete, showing
-progress per dataset on stderr. SIGTERM or Ctrl-C stop it after the batches in flight.
+progress per dataset on stderr (the dataset's whole, a percentage and an ETA, then
+this process's share: :mod:`trainguard.ops.ingest_progress`). SIGTERM or Ctrl-C stop it after the batches in flight.
 ``serve`` runs the service process (:mod:`trainguard.ops.serve`).
 """
 
@@ -18,6 +19,7 @@ from typing import Any, TextIO
 
 from trainguard.core import settings, streams
 from trainguard.ops.exits import EXIT_INTERRUPTED, EXIT_OK
+from trainguard.ops.ingest_progress import DatasetCount, count_dataset, last_ids, progress_line
 
 __all__ = ["register"]
 
@@ -154,7 +156,15 @@ async def _ingest(args: argparse.Namespace) -> int:
         if args.source:
             spec = await create_dataset(client, _spec_from_args(args))
         else:
-            spec = await describe_dataset(client, args.dataset)
+            try:
+                spec = await describe_dataset(client, args.dataset)
+            except streams.DatasetNotFoundError as exc:
+                # The registry's message names `datasets create`; here the fix is a flag.
+                raise streams.DatasetNotFoundError(
+                    f"dataset {args.dataset!r} is not registered in this Redis: pass --source "
+                    "(an fsspec URL, folder or glob) to create it, or check the Redis URL and "
+                    "the name"
+                ) from exc
         producer = Producer(client, spec, lease_ms=args.lease_ms or LEASE_MS)
         interrupted = False
 
@@ -168,10 +178,15 @@ async def _ingest(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, on_signal, signum)
         task = asyncio.create_task(producer.run())
         started = time.monotonic()
+        count = await _count(client, spec, producer)
+        baseline = None if count.done is None else (started, count.done)
         while not task.done():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), 1.0)
-            _show(spec, producer, started, sys.stderr, final=task.done())
+            count = await _count(client, spec, producer, count)
+            if baseline is None and count.done is not None:
+                baseline = (time.monotonic(), count.done)
+            _show(spec, producer, count, started, baseline, sys.stderr, final=task.done())
         await task
         if interrupted:
             return EXIT_INTERRUPTED
@@ -180,17 +195,26 @@ async def _ingest(args: argparse.Namespace) -> int:
         await client.aclose()
 
 
-def _show(spec: streams.DatasetSpec, producer: Any, started: float, out: TextIO, *, final: bool) -> None:
+async def _count(client: Any, spec: streams.DatasetSpec, producer: Any,
+                 before: DatasetCount | None = None) -> DatasetCount:
+    """The dataset's count now; the one ``before`` while Redis is away (the producer
+    syncs again on its own: the display must not end the run)."""
+    from trainguard.redisio import TRANSIENT
+
     prog = producer.progress
-    elapsed = max(time.monotonic() - started, 1e-9)
-    epochs = f"{prog.epoch + 1}/{spec.epochs}" if spec.finite else f"{prog.epoch + 1}/endless"
+    try:
+        lasts = await last_ids(client, spec)
+    except TRANSIENT:
+        return before or DatasetCount(done=None, whole=None, epoch_records=prog.epoch_records)
+    return count_dataset(lasts, spec, epoch_records=prog.epoch_records, finished=prog.finished)
+
+
+def _show(spec: streams.DatasetSpec, producer: Any, count: DatasetCount, started: float,
+          baseline: tuple[float, int] | None, out: TextIO, *, final: bool) -> None:
+    prog = producer.progress
     state = "done" if prog.finished else ("stopped" if producer.stopping else "producing")
-    paused = f" paused {sorted(prog.paused)}" if prog.paused else ""
-    line = (
-        f"{spec.name}: {state} epoch {epochs}  {prog.records:,} records  "
-        f"{prog.bytes / 1e6:,.1f} MB  {prog.records / elapsed:,.0f} rec/s  "
-        f"dead letters {prog.dead_letters}{paused}"
-    )
+    line = progress_line(spec, prog, count, state=state, started=started,
+                         baseline=baseline)
     if out.isatty():
         out.write("\r\x1b[K" + line + ("\n" if final else ""))
     else:
