@@ -215,7 +215,10 @@ def _restart_marks(incident: Mapping[str, Any], attempt: Mapping[str, Any]
     """detect → process start: one "restart" phase, or, when the attempt knows when
     its rendezvous round closed, "rendezvous" (agent stop and the round) and "spawn"."""
     closed = attempt.get("rendezvous_at")
-    if closed is None:
+    failed = incident.get("failed_at")
+    # A round closed before the failure is not this recovery's: the variable came from
+    # an earlier round's environment (a shell or a test process that ran a handler).
+    if closed is None or (failed is not None and float(closed) < float(failed)):
         return [("restart", incident.get("detected_at"), attempt.get("started_at"))]
     return [("rendezvous", incident.get("detected_at"), closed),
             ("spawn", closed, attempt.get("started_at"))]
