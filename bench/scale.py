@@ -346,9 +346,16 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
     manifest = max((work / "ckpt" / "manifests").glob("*.json"), key=lambda f: f.stat().st_mtime)
     doc = json.loads(manifest.read_text())
     record = doc["extra"]["trainguard"]
-    # Per partition: offsets and batch counts; per rank: its random states and position.
-    rank_state = len(json.dumps(record.pop("ranks", {}).get("0", {}), separators=(",", ":")))
+    # Session record version 3: the manifest indexes each rank's state object (its
+    # partitions' offsets and batch counts, its random states and position).
+    reader = open_store(store)
+    newest = reader.latest()
+    assert newest is not None and newest.name == manifest.name
+    own = reader.read_rank_state(newest, 0) or {}  # type: ignore[attr-defined]
+    reader.close()
+    rank_state = len(json.dumps(own, separators=(",", ":")))
     rec = json.dumps(record, separators=(",", ":"))
+    committed = own.get("offsets", {})
     P = args.partitions
     figures = {
         "group": group,
@@ -366,8 +373,9 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
             "manifest_bytes": manifest.stat().st_size,
             "record_bytes_per_partition": round(len(rec) / P, 1),
             "rank_state_bytes": rank_state,
-            "offsets_in_manifest": len(record["offsets"]),
-            "partitions_committed": sum(i != streams.ZERO_ID for i in record["offsets"].values()),
+            "offsets_in_manifest": len(record.get("offsets", {})),
+            "offsets_in_rank_state": len(committed),
+            "partitions_committed": sum(i != streams.ZERO_ID for i in committed.values()),
         },
     }
     return figures, (store, offsets, batches)
@@ -518,7 +526,8 @@ def print_table(figures: dict[str, dict[str, Any]], args: argparse.Namespace) ->
         ("  its CPU time", lambda f: _s(f["commit"]["fence_check_cpu_s"])),
         ("manifest bytes (record B/partition)", lambda f: f"{f['commit']['manifest_bytes']} "
          f"({f['commit']['record_bytes_per_partition']:.1f})"),
-        ("  record B per rank (random states)", lambda f: f"{f['commit']['rank_state_bytes']}"),
+        ("  rank state object B (offsets, random states)",
+         lambda f: f"{f['commit']['rank_state_bytes']}"),
         ("gather objects, W payloads", lambda f: _s(f["ranks"]["gather_objects_s"])),
         ("  its CPU time", lambda f: _s(f["ranks"]["gather_objects_cpu_s"])),
         ("gather bytes received per rank", lambda f: f"{f['ranks']['gather_bytes_per_rank']:,}"),

@@ -55,8 +55,11 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
         assert read["xreadgroup"] == read["reads"] * P
         assert read["partitions_per_read"] == P
         commit = fig["commit"]
-        assert commit["offsets_in_manifest"] == commit["partitions_committed"] == P
-        assert commit["rank_state_bytes"] > 0  # record v2: the rank's random states
+        # Record version 3: no offset in the manifest; the one rank's state object
+        # holds every partition's, each committed.
+        assert commit["offsets_in_manifest"] == 0
+        assert commit["offsets_in_rank_state"] == commit["partitions_committed"] == P
+        assert commit["rank_state_bytes"] > 0
         for key in ("checkpoint_s", "checkpoint_cpu_s", "stall_s", "publish_s", "fence_check_s",
                     "fence_check_cpu_s"):
             assert commit[key]["n"] == ROUNDS
