@@ -273,9 +273,10 @@ async def test_a_trickled_body_times_out_with_408(redis_server: RedisServer) -> 
 
 
 async def test_bodies_past_the_memory_bound_are_503_busy(redis_server: RedisServer) -> None:
-    """With room for 1,000 bytes of bodies in memory, a push whose 600 bytes arrived
-    (its body unfinished) leaves no room for a second one: that is 503 busy with
-    Retry-After and appends nothing; once the first is finished, the second goes in."""
+    """With room for 1,000 bytes of bodies in memory, a push that declared 606 bytes
+    (its share taken before its body is read; 600 of them arrived, the body
+    unfinished) leaves no room for a second one: that is 503 busy with Retry-After
+    and appends nothing; once the first is finished, the second goes in."""
     r = Redis.from_url(redis_server.url)
     await _datasets(r)
     limits = BodyLimits(max_bytes=1000, max_inflight_bytes=1000)
@@ -283,12 +284,13 @@ async def test_bodies_past_the_memory_bound_are_503_busy(redis_server: RedisServ
     rest = b'ffff"\n'  # ends the 6th line
     async with service(redis_server, push_limits=limits) as client:
         reader, writer = await _start_push(client.port, len(first + rest), first)
-        for _ in range(1000):  # until the service holds the first body's 600 bytes
+        held = f"trainguard_ingest_push_body_bytes {float(len(first + rest))}"
+        for _ in range(1000):  # until the service holds the first body's declared share
             metrics = await (await client.get("/metrics")).text()
-            if "trainguard_ingest_push_body_bytes 600.0" in metrics:
+            if held in metrics:
                 break
             await asyncio.sleep(0.01)
-        assert "trainguard_ingest_push_body_bytes 600.0" in metrics
+        assert held in metrics
         second = _lines("x" * 280, "y" * 280)
         busy = await client.post(URL.format("rl"), params={"producer_id": "actor-2", "seq": "0"},
                                  headers={**NDJSON, **AUTH}, data=second)
