@@ -9,8 +9,17 @@ failed, with a message that says why" from a bug with one ``isinstance``.
 
 from __future__ import annotations
 
-__all__ = ["TrainguardError"]
+__all__ = ["ContractError", "DatasetNotFoundError", "TrainguardError"]
 
 
 class TrainguardError(Exception):
     """Base class of every error that a trainguard package raises on purpose."""
+
+
+class ContractError(TrainguardError, ValueError):
+    """A value does not follow the stream contract (bad name, ID or entry)."""
+
+
+class DatasetNotFoundError(TrainguardError, LookupError):
+    """The dataset has no metadata in Redis (never created, deleted, or lost with its
+    Redis): :meth:`DatasetSpec.of_meta` for every side."""

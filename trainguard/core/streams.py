@@ -49,7 +49,20 @@ from typing import Any
 
 import msgpack
 
-from trainguard.core.errors import TrainguardError
+# The errors and the ID scheme live in modules of their own; every name is re-exported
+# here, where both sides import them from.
+from trainguard.core.errors import ContractError as ContractError
+from trainguard.core.errors import DatasetNotFoundError as DatasetNotFoundError
+from trainguard.core.stream_ids import ZERO_ID as ZERO_ID
+from trainguard.core.stream_ids import StreamId as StreamId
+from trainguard.core.stream_ids import format_id as format_id
+from trainguard.core.stream_ids import id_epoch_index as id_epoch_index
+from trainguard.core.stream_ids import make_id as make_id
+from trainguard.core.stream_ids import max_id as max_id
+from trainguard.core.stream_ids import min_id as min_id
+from trainguard.core.stream_ids import offsets_from_wire as offsets_from_wire
+from trainguard.core.stream_ids import offsets_to_wire as offsets_to_wire
+from trainguard.core.stream_ids import parse_id as parse_id
 
 CONTRACT_VERSION = 1
 """Bumped on any incompatible change of the keys, IDs or encoding below."""
@@ -65,15 +78,6 @@ FORMATS = ("jsonl", "text", "npy", "files", "parquet", "hf", "webdataset", "push
 """Source formats. ``hf`` is a Hugging Face ``datasets`` folder (``save_to_disk`` Arrow
 or Parquet shards), ``webdataset`` a set of WebDataset tar shards. ``push`` datasets
 have no source: records arrive over HTTP."""
-
-
-class ContractError(TrainguardError, ValueError):
-    """A value does not follow the stream contract (bad name, ID or entry)."""
-
-
-class DatasetNotFoundError(TrainguardError, LookupError):
-    """The dataset has no metadata in Redis (never created, deleted, or lost with its
-    Redis): :meth:`DatasetSpec.of_meta` for every side."""
 
 
 # --------------------------------------------------------------------------- names
@@ -149,68 +153,6 @@ def seek_key(dataset: str, partition: int, group: str) -> str:
     and ``batches`` (batches consumed so far, for deterministic mode). It lives in the
     partition's slot so that a fenced Lua script can write it."""
     return f"{partition_key(dataset, partition)}:seek:{group}"
-
-
-# --------------------------------------------------------------------------- IDs
-
-StreamId = tuple[int, int]
-"""A parsed stream ID ``(ms, seq)``; tuples compare the way Redis orders IDs."""
-
-ZERO_ID = "0-0"
-
-
-def make_id(epoch: int, index: int) -> str:
-    """The deterministic ID of record ``index`` of a partition in ``epoch`` (from 0)."""
-    if epoch < 0 or index < 0:
-        raise ContractError(f"epoch and index must be >= 0, got epoch={epoch} index={index}")
-    return f"{epoch + 1}-{index}"
-
-
-_U64_DIGITS = 20
-_U64 = 2**64
-
-
-def parse_id(stream_id: str | bytes) -> StreamId:
-    """``b"3-17"`` -> ``(3, 17)``: ASCII digits, each part below 2^64 (as Redis has
-    them). Raises ContractError on anything else."""
-    text = stream_id.decode("utf-8", "replace") if isinstance(stream_id, bytes) else stream_id
-    ms, sep, seq = text.partition("-")
-    for part in (ms, seq):
-        if not sep or not part.isascii() or not part.isdigit() or len(part) > _U64_DIGITS \
-                or int(part) >= _U64:
-            raise ContractError(
-                f"stream ID {text[:60]!r} is not of the form '<ms>-<seq>' (ASCII digits, each "
-                "below 2^64)"
-            )
-    return int(ms), int(seq)
-
-
-def format_id(parsed: StreamId) -> str:
-    return f"{parsed[0]}-{parsed[1]}"
-
-
-def id_epoch_index(stream_id: str | bytes) -> tuple[int, int]:
-    """For deterministic IDs: ``"3-17"`` -> ``(epoch=2, index=17)``."""
-    ms, seq = parse_id(stream_id)
-    if ms < 1:
-        raise ContractError(f"stream ID {stream_id!r} is not a deterministic ID (ms >= 1)")
-    return ms - 1, seq
-
-
-def max_id(a: str | None, b: str | None) -> str | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a if parse_id(a) >= parse_id(b) else b
-
-
-def min_id(a: str | None, b: str | None) -> str | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a if parse_id(a) <= parse_id(b) else b
 
 
 # --------------------------------------------------------------------------- records
@@ -451,21 +393,6 @@ def partition_owner(partition: int, *, partitions: int, world_size: int, num_wor
     if not 0 <= partition < partitions:
         raise ContractError(f"partition {partition} is outside 0..{partitions - 1}")
     return (partition % consumer_count(world_size, num_workers)) // max(1, num_workers)
-
-
-def offsets_to_wire(offsets: Mapping[int, str]) -> dict[str, str]:
-    """Offsets as they go into JSON manifests and Redis hashes: ``{"7": "1-42"}``."""
-    return {str(p): str(i) for p, i in sorted(offsets.items())}
-
-
-def offsets_from_wire(raw: Mapping[Any, Any]) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for k, v in raw.items():
-        key = k.decode() if isinstance(k, bytes) else str(k)
-        val = v.decode() if isinstance(v, bytes) else str(v)
-        parse_id(val)
-        out[int(key)] = val
-    return out
 
 
 def all_partitions(spec: DatasetSpec) -> Iterable[int]:
