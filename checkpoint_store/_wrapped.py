@@ -50,9 +50,13 @@ class WrappedStore:
         if_busy: str = "wait",
     ) -> SaveHandle:
         """As :meth:`CheckpointStore.save`, between this wrapper's two hooks."""
-        self._before_save(state)
-        handle = self.store.save(state, step=step, extra=extra, blocking=blocking,
+        return self._hooked_save(state, step=step, extra=extra, blocking=blocking,
                                  if_busy=if_busy)
+
+    def _hooked_save(self, state: Mapping[str, Any], **options: Any) -> SaveHandle:
+        """The wrapped store's save of ``options``, between this wrapper's two hooks."""
+        self._before_save(state)
+        handle = self.store.save(state, **options)
         self._after_save(handle)
         return handle
 
@@ -108,11 +112,8 @@ class RankStateWrappedStore(WrappedStore):
         rank_state: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """As :meth:`CheckpointStore.save`, between this wrapper's two hooks."""
-        self._before_save(state)
-        handle = self.store.save(state, step=step, extra=extra, blocking=blocking,
+        return self._hooked_save(state, step=step, extra=extra, blocking=blocking,
                                  if_busy=if_busy, rank_state=rank_state)
-        self._after_save(handle)
-        return handle
 
     def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
         return self.store.read_rank_state(manifest, rank)
