@@ -88,7 +88,7 @@ from trainer_client import offsets as ofs  # noqa: E402
 from trainer_client._commit import gather_offsets  # noqa: E402
 from trainer_client._reader import Reader  # noqa: E402
 from trainguard.core import streams  # noqa: E402
-from trainguard.core.checkpoints import open_store  # noqa: E402
+from trainguard.core.checkpoints import open_store, rank_state_store  # noqa: E402
 from trainguard.core.record import RankState  # noqa: E402
 
 DATASET = "scale"
@@ -348,10 +348,11 @@ def read_commit(t: Target, args: argparse.Namespace, work: Path) -> tuple[dict[s
     record = doc["extra"]["trainguard"]
     # Session record version 3: the manifest indexes each rank's state object (its
     # partitions' offsets and batch counts, its random states and position).
-    reader = open_store(store)
+    reader = rank_state_store(open_store(store))
+    assert reader is not None, "a CheckpointStore keeps per-rank state objects"
     newest = reader.latest()
     assert newest is not None and newest.name == manifest.name
-    own = reader.read_rank_state(newest, 0) or {}  # type: ignore[attr-defined]
+    own = reader.read_rank_state(newest, 0) or {}
     reader.close()
     rank_state = len(json.dumps(own, separators=(",", ":")))
     rec = json.dumps(record, separators=(",", ":"))
