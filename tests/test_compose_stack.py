@@ -85,7 +85,10 @@ def test_the_stack_trains_every_record_exactly_once_through_a_sigkill(tmp_path: 
         compose = [str(stack.COMPOSE_BIN), "-f", str(stack.ROOT / "docker-compose.yml"),
                    "-p", project, "--profile", "trainer"]
         try:
-            subprocess.run([*compose, "build"], env=eng.env, check=True, timeout=3000)
+            # trainguard, example-data and trainer are one image (trainguard:local):
+            # built once here, which `up` then finds; Redis runs on the base itself.
+            subprocess.run([*compose, "build", "trainguard"], env=eng.env, check=True,
+                           timeout=3000)
             subprocess.run([*compose, "up", "-d", "--wait", "redis", "trainguard"],
                            env=eng.env, check=True, timeout=600)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as r:
