@@ -87,6 +87,7 @@ compose: .env
 	@docker compose version >/dev/null 2>&1 || { \
 	  echo "make compose: 'docker compose version' failed: this needs Docker with the compose v2 plugin." >&2; \
 	  echo "  Install Docker Engine with docker-compose-plugin (https://docs.docker.com/compose/install/linux/);" >&2; \
+	  echo "  or \`make docker-engine\`, then: mkdir -p ~/.docker/cli-plugins && cp .compose/docker-compose ~/.docker/cli-plugins/;" >&2; \
 	  echo "  compose v1 (docker-compose 1.x) cannot read docker-compose.yml. Or run without Docker: make demo." >&2; \
 	  exit 2; }
 	docker compose up -d
