@@ -24,7 +24,7 @@ from trainguard.core.process import free_port
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]
 
-RECORDS = 2000
+RECORDS = 4000  # 125 steps of 50 ms: seconds between the first checkpoint and the end
 CHECKPOINT_EVERY = 20  # the trainer's default; the kill comes after the first one
 
 
@@ -51,6 +51,13 @@ def _wait(check: Any, timeout_s: float, what: str) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _admin(port: int, token: str, path: str) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return dict(json.load(r))
+
+
 def _ledger(mountpoint: str) -> list[int]:
     import torch
 
@@ -66,7 +73,8 @@ def test_the_stack_trains_every_record_exactly_once_through_a_sigkill(tmp_path: 
     """Stack up on images built here; the trainer container's process SIGKILLed after
     its first checkpoint comes back by itself and resumes; the ledger in the
     checkpoint volume says every record was trained exactly once (0 lost, 0
-    duplicated); after `down`, no container, no dockerd and no mount of it remain."""
+    duplicated), and the service's producer ingested every record with no dead
+    letter; after `down`, no container, no dockerd and no mount of it remain."""
     try:
         stack.require_tools()
     except stack.StackUnavailable as e:
@@ -104,6 +112,7 @@ def test_the_stack_trains_every_record_exactly_once_through_a_sigkill(tmp_path: 
                                  capture_output=True, text=True).stdout.strip()
             pid = int(eng.docker("inspect", "-f", "{{.State.Pid}}", cid,
                                  capture=True).stdout)
+            assert pid > 0, "the trainer exited before the kill"  # pid 0: our own group
             os.kill(pid, signal.SIGKILL)  # a crash, not a stop: on-failure restarts it
 
             def finished() -> dict[str, Any] | None:
@@ -114,6 +123,12 @@ def test_the_stack_trains_every_record_exactly_once_through_a_sigkill(tmp_path: 
             events = _events(eng, compose)
             restored = [e for e in events if e["event"] == "restored" and e["step"] > 0]
             assert restored, "the restarted trainer did not resume from a checkpoint"
+            # Ingested through the service's producer: all of it, no dead letter.
+            info = _admin(port, eng.env["TRAINGUARD_ADMIN_TOKEN"], "/admin/datasets/demo")
+            ingested = sum(p["producer_position"]["records"] for p in info["partitions"]
+                           if p["producer_position"])
+            assert (ingested, info["producer"]["finished"], info["dead_letters"]) == \
+                (RECORDS, True, 0)
             volume = f"{project}_checkpoints"
             mountpoint = eng.docker("volume", "inspect", "-f", "{{.Mountpoint}}", volume,
                                     capture=True).stdout.decode().strip()
