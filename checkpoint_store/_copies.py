@@ -13,17 +13,23 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal, get_args
 
 from checkpoint_store.backends import LocalBackend
 from checkpoint_store.layout import TMP_PREFIX, data_dir, manifest_path, parse_manifest_name
 from checkpoint_store.manifest import Manifest, parse_manifest
 from trainguard.core.checkpoints import CheckpointError, CorruptCheckpointError
 
-__all__ = ["STAGING_DIR", "PartnerCopyError", "checkpoint_files", "clear_staging",
+__all__ = ["SERVED_TIERS", "STAGING_DIR", "PartnerCopyError", "ServedTier", "checkpoint_files", "clear_staging",
            "commit_staged", "copy_local", "sha256_of", "staged_path"]
 
 STAGING_DIR = ".incoming"
 """Where a copy's files wait (``.incoming/<uid>/<relpath>``) until its commit."""
+
+ServedTier = Literal["ram", "disk"]
+"""The tiers a node's tier server serves (``?tier=``): its RAM root, and its disk
+root when it has one. Both sides of the copy protocol name them with this type."""
+SERVED_TIERS: tuple[ServedTier, ...] = get_args(ServedTier)
 
 
 class PartnerCopyError(CheckpointError, OSError):

@@ -15,6 +15,7 @@ from urllib.parse import quote, urlsplit
 from checkpoint_store import _faults
 from checkpoint_store._copies import (
     PartnerCopyError,
+    ServedTier,
     checkpoint_files,
     clear_staging,
     commit_staged,
@@ -91,7 +92,7 @@ class PartnerLink:
         return dict(doc["tiers"])
 
     def fetch(self, node: int, owner: int, name: str, root: str | os.PathLike[str],
-              *, tier: str = "ram") -> None:
+              *, tier: ServedTier = "ram") -> None:
         """Copy ``owner``'s checkpoint ``name`` from ``node``'s ``tier`` into the root
         ``root``: each file checked against the sender's SHA-256, the manifest last.
         Raises :class:`PartnerCopyError` (and commits nothing) on any difference."""

@@ -16,7 +16,7 @@ from checkpoint_store.handle import SaveHandle
 from checkpoint_store.manifest import Manifest
 from checkpoint_store.retention import GcReport
 from checkpoint_store.store import CheckpointStore
-from trainguard.core.checkpoints import ManifestView
+from trainguard.core.checkpoints import IfBusy, ManifestView
 
 __all__ = ["RankStateWrappedStore", "WrappedStore"]
 
@@ -47,7 +47,7 @@ class WrappedStore:
         step: int,
         extra: Mapping[str, Any] | None = None,
         blocking: bool = True,
-        if_busy: str = "wait",
+        if_busy: IfBusy = "wait",
     ) -> SaveHandle:
         """As :meth:`CheckpointStore.save`, between this wrapper's two hooks."""
         return self._hooked_save(state, step=step, extra=extra, blocking=blocking,
@@ -108,7 +108,7 @@ class RankStateWrappedStore(WrappedStore):
         step: int,
         extra: Mapping[str, Any] | None = None,
         blocking: bool = True,
-        if_busy: str = "wait",
+        if_busy: IfBusy = "wait",
         rank_state: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """As :meth:`CheckpointStore.save`, between this wrapper's two hooks."""

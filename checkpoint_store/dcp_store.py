@@ -29,8 +29,10 @@ from checkpoint_store.manifest import Manifest
 from checkpoint_store.store import CheckpointStore
 from trainguard.core.checkpoints import (
     CheckpointError,
+    IfBusy,
     NoCheckpointError,
     SaveInProgressError,
+    check_if_busy,
 )
 
 __all__ = ["DcpCheckpointStore"]
@@ -59,7 +61,7 @@ class DcpCheckpointStore(WrappedStore):
         self._lock = threading.Lock()
         self._current: tuple[SaveHandle, Any] | None = None
 
-    def _settle_current(self, if_busy: str) -> None:
+    def _settle_current(self, if_busy: IfBusy) -> None:
         with self._lock:
             current = self._current
         if current is None or current[0].done():
@@ -71,9 +73,9 @@ class DcpCheckpointStore(WrappedStore):
 
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: str = "wait") -> SaveHandle:
+             if_busy: IfBusy = "wait") -> SaveHandle:
         """``dcp.save`` (or ``dcp.async_save``) of ``state`` as checkpoint ``step``."""
-        self._settle_current(if_busy)
+        self._settle_current(check_if_busy(if_busy))
         writer = StorageWriter(self.store, step=step, extra=extra)
         handle = SaveHandle(step)
         if blocking:

@@ -48,7 +48,7 @@ from checkpoint_store.ram_tier import RamTierStore
 from checkpoint_store.retention import apply_retention, choose_deletions
 from checkpoint_store.store import CheckpointStore
 from checkpoint_store.upload import Uploader
-from trainguard.core.checkpoints import CheckpointError, CorruptCheckpointError
+from trainguard.core.checkpoints import CheckpointError, CorruptCheckpointError, IfBusy
 from trainguard.core.multilevel import Level, level_periods, nested_multiples
 from trainguard.core.newest import newest_first, newest_save_of
 
@@ -145,7 +145,7 @@ class NodeTierStore(WrappedStore):
     # ---------------------------------------------------------------- save
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: str = "wait") -> SaveHandle:
+             if_busy: IfBusy = "wait") -> SaveHandle:
         """A RAM-tier save; its copies to partners and disk follow in the background."""
         handle = self.ram.save(state, step=step, extra=extra, blocking=blocking,
                                if_busy=if_busy)

@@ -38,11 +38,13 @@ from collections.abc import Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
 from checkpoint_store._copies import (
+    SERVED_TIERS,
     PartnerCopyError,
+    ServedTier,
     checkpoint_files,
     clear_staging,
     commit_staged,
@@ -117,7 +119,7 @@ class TierServer:
         self.url = f"http://{host}:{self.port}"
         self._thread: threading.Thread | None = None
 
-    def owner_root(self, owner: int, tier: str = "ram") -> Path:
+    def owner_root(self, owner: int, tier: ServedTier = "ram") -> Path:
         if tier == "disk":
             if self.disk_root is None:
                 raise PartnerCopyError(f"node {self.node} serves no disk tier")
@@ -127,7 +129,8 @@ class TierServer:
     # -------------------------------------------------------------- operations
     def index(self, owner: int) -> dict[str, Any]:
         tiers: dict[str, list[dict[str, str]]] = {}
-        for tier in ("ram", "disk") if self.disk_root is not None else ("ram",):
+        served: tuple[ServedTier, ...] = SERVED_TIERS if self.disk_root is not None else ("ram",)
+        for tier in served:
             base = self.owner_root(owner, tier)
             entries = []
             for name in _committed(base):
@@ -176,7 +179,7 @@ class TierServer:
         shutil.rmtree(base / data_dir(parsed.uid), ignore_errors=True)
         (base / SUMS_DIR / name).unlink(missing_ok=True)
 
-    def files(self, owner: int, name: str, tier: str) -> dict[str, str]:
+    def files(self, owner: int, name: str, tier: ServedTier) -> dict[str, str]:
         base = self.owner_root(owner, tier)
         sums = base / SUMS_DIR / name
         if sums.is_file():
@@ -196,6 +199,13 @@ class TierServer:
     def close(self) -> None:
         self._http.shutdown()
         self._http.server_close()
+
+
+def _served_tier(tier: str) -> ServedTier:
+    # A query string is untyped: a tier name outside the type is a 400, not the RAM root.
+    if tier not in SERVED_TIERS:
+        raise ValueError(f"tier must be one of {SERVED_TIERS}, got {tier!r}")
+    return cast(ServedTier, tier)
 
 
 def _handler(server: TierServer) -> type[BaseHTTPRequestHandler]:
@@ -233,7 +243,7 @@ def _handler(server: TierServer) -> type[BaseHTTPRequestHandler]:
             try:
                 (op, owner_s, *rest), query = self._route()
                 owner = int(owner_s)
-                tier = query.get("tier", ["ram"])[0]
+                tier = _served_tier(query.get("tier", ["ram"])[0])
                 if method == "GET" and op == "index":
                     return self._json(200, server.index(owner))
                 if method == "GET" and op == "files" and len(rest) == 1:

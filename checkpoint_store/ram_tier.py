@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from checkpoint_store._wrapped import RankStateWrappedStore
 from checkpoint_store.backends import LocalBackend
@@ -48,13 +48,15 @@ from checkpoint_store.retention import apply_retention, choose_deletions
 from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
 from trainguard.core.checkpoints import CheckpointError
 
-__all__ = ["MEMORY_FILESYSTEMS", "RamTierFullError", "RamTierPolicy", "RamTierStore", "default_ram_root",
+__all__ = ["MEMORY_FILESYSTEMS", "ON_FULL", "OnFull", "RamTierFullError", "RamTierPolicy", "RamTierStore", "default_ram_root",
            "memory_backed"]
 
 log = logging.getLogger("checkpoint_store.ram_tier")
 
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
-ON_FULL = ("drop_oldest", "wait")
+OnFull = Literal["drop_oldest", "wait"]
+"""What a save that does not fit the budget does (module doc)."""
+ON_FULL: tuple[OnFull, ...] = get_args(OnFull)
 # A manifest, LATEST and the skeleton's chunk on top of the tensor bytes.
 _OVERHEAD_BYTES = 256 << 10
 _NO_LIMIT = 1 << 62
@@ -70,7 +72,7 @@ class RamTierPolicy:
     ``keep_last``/``keep_every`` are the tier's retention."""
 
     budget_bytes: int
-    on_full: str = "drop_oldest"
+    on_full: OnFull = "drop_oldest"
     full_timeout_s: float = 60.0
     keep_last: int = 2
     keep_every: int | None = None
@@ -145,7 +147,7 @@ class RamTierStore(RankStateWrappedStore):
         *,
         run: str | None = None,
         budget_bytes: int,
-        on_full: str = "drop_oldest",
+        on_full: OnFull = "drop_oldest",
         full_timeout_s: float = 60.0,
         keep_last: int = 2,
         keep_every: int | None = None,

@@ -35,9 +35,11 @@ from checkpoint_store.staging import BufferPool, Staged, direct_segments
 from trainguard.core.checkpoints import (
     CheckpointError,
     CorruptCheckpointError,
+    IfBusy,
     NoCheckpointError,
     SaveInProgressError,
     UnsupportedValueError,
+    check_if_busy,
 )
 
 __all__ = ["CheckpointStore"]
@@ -135,7 +137,7 @@ class CheckpointStore(Catalog):
         step: int,
         extra: Mapping[str, Any] | None = None,
         blocking: bool = True,
-        if_busy: str = "wait",
+        if_busy: IfBusy = "wait",
         rank_state: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Stage ``state`` and write it as checkpoint ``step``.
@@ -151,8 +153,7 @@ class CheckpointStore(Catalog):
         raised here, by the next save."""
         if self._closed:
             raise CheckpointError("the store is closed")
-        if if_busy not in ("wait", "raise"):
-            raise ValueError(f"if_busy must be 'wait' or 'raise', got {if_busy!r}")
+        if_busy = check_if_busy(if_busy)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         extra_doc = _json_extra(extra)
@@ -162,7 +163,7 @@ class CheckpointStore(Catalog):
             return self._save_locked(state, step, extra_doc, blocking, if_busy, rank_doc)
 
     def _save_locked(self, state: Mapping[str, Any], step: int, extra_doc: dict[str, Any],
-                     blocking: bool, if_busy: str,
+                     blocking: bool, if_busy: IfBusy,
                      rank_doc: dict[str, Any] | None = None) -> SaveHandle:
         with self._lock:
             current = self._current

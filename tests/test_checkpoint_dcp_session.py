@@ -67,3 +67,16 @@ def test_a_value_dcp_cannot_store_without_pickle_is_refused(tmp_path):
         store.save({"w": torch.ones(2), "odd": object()}, step=1)
     assert store.list() == []
     store.close()
+
+
+def test_dcp_store_refuses_an_unknown_if_busy_like_the_store(tmp_path):
+    """``if_busy`` outside IfBusy is a ValueError naming the accepted values from the
+    DCP store too (it used to behave as "wait"), and nothing is committed; the same
+    call with "raise" and no save in flight commits."""
+    store = DcpCheckpointStore(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="if_busy must be 'wait' or 'raise', got 'skip'"):
+        store.save({"w": torch.ones(2)}, step=1, if_busy="skip")  # type: ignore[arg-type]
+    assert store.list() == []
+    store.save({"w": torch.ones(2)}, step=1, if_busy="raise").wait()
+    assert [m.step for m in store.list()] == [1]
+    store.close()

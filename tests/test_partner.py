@@ -263,3 +263,29 @@ def test_three_nodes_one_lost_every_record_trained_once(redis_server, shm: Path,
     for node in (0, 1):  # node 1's own final checkpoint too: its restore was whole
         counts, _extra = ledger.final_counts(f"file://{node_root(shm / f'node{node}', node)}", n)
         ledger.assert_each_once(counts)
+
+
+def test_tier_server_refuses_an_unknown_tier_instead_of_serving_ram(tmp_path: Path) -> None:
+    """A ``?tier=`` outside ServedTier is a 400 that names the tiers served, not the
+    RAM root's file: a typo never reads the wrong tier's bytes."""
+    import http.client
+
+    from checkpoint_store.partner import TierServer
+
+    server = TierServer(tmp_path / "ram", node=0, budget_bytes=MB).start()
+    try:
+        owner = node_root(server.root, 0)
+        owner.mkdir(parents=True)
+        (owner / "probe.bin").write_bytes(b"ram bytes")
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/v1/raw/0/probe.bin?tier=ram")
+        ok = conn.getresponse()
+        assert (ok.status, ok.read()) == (200, b"ram bytes")
+        conn.request("GET", "/v1/raw/0/probe.bin?tier=rma")
+        bad = conn.getresponse()
+        body = bad.read().decode()
+        assert bad.status == 400
+        assert "tier must be one of ('ram', 'disk'), got 'rma'" in body
+        conn.close()
+    finally:
+        server.close()

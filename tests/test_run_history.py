@@ -18,7 +18,7 @@ from tests import _client_fill as cf
 from tests._client_ledger import zygote
 from trainer_client import TrainingSession
 from trainguard.core import record
-from trainguard.core.history import history
+from trainguard.core.history import CheckpointRow, RestartRow, WorldRow, history
 from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.newest import newest_first
 from trainguard.core.timing import Event, SaveTime, TimingError, TimingRecord, Totals
@@ -69,6 +69,11 @@ def test_history_of_a_run_killed_twice(redis_server, tmp_path: Path) -> None:
     assert h["totals"]["failures"] == 2
     assert [c["generation"] for c in h["checkpoints"]] == sorted(
         c["generation"] for c in h["checkpoints"])
+    # The producer's rows have exactly the keys of their types (the admin API adds
+    # CheckpointRow's optional status later).
+    assert all(set(c) == CheckpointRow.__required_keys__ for c in h["checkpoints"])
+    assert all(set(r) == set(RestartRow.__annotations__) for r in h["restarts"])
+    assert all(set(w) == set(WorldRow.__annotations__) for w in h["world"])
     assert h["world"] == [{"at": h["checkpoints"][0]["created_at"],
                            "step": h["checkpoints"][0]["step"], "world_size": 1,
                            "num_workers": 0}]

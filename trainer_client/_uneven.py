@@ -27,7 +27,7 @@ yielded, so it is not recorded as consumed.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,11 @@ from trainer_client.batch import Batch
 from trainer_client.errors import PeerGpuCriticalError
 from trainer_client.health import EXIT_PEER_CRITICAL, HealthMonitor
 
-__all__ = ["UNEVEN_MODES", "in_step"]
+__all__ = ["UNEVEN_MODES", "Uneven", "in_step"]
 
-UNEVEN_MODES = ("join", "stop")
+Uneven = Literal["join", "stop"]
+"""How ranks with different amounts of data leave the loop (module doc)."""
+UNEVEN_MODES: tuple[Uneven, ...] = get_args(Uneven)
 
 
 def _flag_device(group: Any) -> torch.device:
@@ -51,7 +53,7 @@ def _flag_device(group: Any) -> torch.device:
 def in_step(
     source: Iterator[Batch],
     *,
-    mode: str,
+    mode: Uneven,
     group: Any,
     monitor: HealthMonitor | None = None,
 ) -> Iterator[Batch]:

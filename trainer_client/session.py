@@ -45,7 +45,7 @@ from trainer_client import offsets as ofs
 from trainer_client._checkpointing import Checkpointing
 from trainer_client._loaders import in_worker_order, refuse_resuming_loader
 from trainer_client._restore import Restoring, warn_if_reshaped
-from trainer_client._uneven import UNEVEN_MODES, in_step
+from trainer_client._uneven import UNEVEN_MODES, Uneven, in_step
 from trainer_client.dataset import Batch, StreamingDataset
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport
 
@@ -135,7 +135,7 @@ class TrainingSession(Restoring, Checkpointing):
             yield batch
 
     def batches(
-        self, loader: Iterable[Batch], *, uneven: str = "join",
+        self, loader: Iterable[Batch], *, uneven: Uneven = "join",
         health: HealthMonitor | None = None,
     ) -> Iterator[Batch]:
         """Yield the loader's batches, recording each one's offsets as consumed when it

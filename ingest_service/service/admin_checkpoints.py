@@ -33,7 +33,9 @@ from ingest_service.errors import AdminError, BadRequest, NotFound, Refused
 from ingest_service.service.catalog import NEVER, Cancel, Flights, ManifestCache
 from trainguard.core import lists, record
 from trainguard.core.checkpoints import (
+    CheckpointStoreAPI,
     CorruptCheckpointError,
+    ManifestView,
     NoCheckpointError,
     PinnedCheckpointError,
 )
@@ -109,14 +111,14 @@ def _translate(exc: Exception) -> Exception:
     return exc
 
 
-def newest_valid(store: Any) -> list[Any]:
+def newest_valid(store: CheckpointStoreAPI) -> list[ManifestView]:
     """The checkpoints a delete must keep: the first whose data verifies in restore
     order (:func:`trainguard.core.newest.newest_first`: what a restart resumes from)
     and in commit order (what LATEST names, and so what an outside reader following
     FORMAT.md loads). One manifest when they agree; two when a fenced zombie
     committed late."""
     manifests = store.list()
-    found: dict[str, Any] = {}
+    found: dict[str, ManifestView] = {}
     for order in (newest_first(manifests), sorted(manifests, key=commit_order, reverse=True)):
         for m in order:
             try:

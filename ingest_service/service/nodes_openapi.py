@@ -25,7 +25,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
 _TIME = {"type": "number", "description": "Unix seconds, the Redis server's clock"}
 RECORD = {
     "type": "object",
-    "required": ["node", "reason", "source", "created_at", "expires_at", "version"],
+    "required": ["node", "reason", "source", "report", "created_at", "expires_at", "version"],
     "properties": {
         "version": {"type": "integer"},
         "node": {"type": "string"},

@@ -21,7 +21,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib.metadata import entry_points
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast, get_args
 
 from trainguard.core.errors import TrainguardError
 
@@ -30,6 +30,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointStoreAPI",
     "CheckpointWriteError",
+    "IF_BUSY",
+    "IfBusy",
     "CheckpointExistsError",
     "CommitConflictError",
     "CorruptCheckpointError",
@@ -45,6 +47,7 @@ __all__ = [
     "SaveInProgressError",
     "StateMismatchError",
     "UnsupportedValueError",
+    "check_if_busy",
     "open_store",
     "rank_state_store",
 ]
@@ -52,6 +55,20 @@ __all__ = [
 STORE_ENTRY_POINTS = "trainguard.checkpoint_stores"
 """Entry-point group of store implementations: ``name = "module:factory"``, where
 ``factory(url, **options)`` returns a :class:`CheckpointStoreAPI`."""
+
+IfBusy = Literal["wait", "raise"]
+"""What ``save`` does while an earlier save is in flight: wait for it, or raise
+:class:`SaveInProgressError`. Every store's ``save`` takes this one type."""
+
+IF_BUSY: tuple[IfBusy, ...] = get_args(IfBusy)
+
+
+def check_if_busy(if_busy: object) -> IfBusy:
+    """``if_busy`` itself when it is one of :data:`IF_BUSY`; the type does not reach
+    callers who pass a string read from a config, so the boundary checks it."""
+    if if_busy not in IF_BUSY:
+        raise ValueError(f"if_busy must be 'wait' or 'raise', got {if_busy!r}")
+    return cast(IfBusy, if_busy)
 
 
 class ManifestView(Protocol):
@@ -107,7 +124,7 @@ class CheckpointStoreAPI(Protocol):
 
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: str = "wait") -> SaveHandleView: ...
+             if_busy: IfBusy = "wait") -> SaveHandleView: ...
 
     def load(self, state: Mapping[str, Any], *, step: int | None = None,
              keys: Iterable[str] | None = None, strict: bool = False) -> ManifestView | None: ...
@@ -140,7 +157,7 @@ class RankStateStoreAPI(CheckpointStoreAPI, Protocol):
 
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: str = "wait",
+             if_busy: IfBusy = "wait",
              rank_state: Mapping[str, Any] | None = None) -> SaveHandleView: ...
 
     def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None: ...

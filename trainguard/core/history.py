@@ -17,14 +17,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from trainguard.core.checkpoints import ManifestView
 from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.record import RecordError, SessionRecord
 from trainguard.core.timing import SaveTime, TimingError, TimingRecord
 
-__all__ = ["RunKey", "histories", "history", "run_keys", "with_recorded_failures"]
+__all__ = ["CheckpointRow", "RestartRow", "RunKey", "WorldRow", "histories", "history", "run_keys", "with_recorded_failures"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,53 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+class _CheckpointFields(TypedDict):
+    step: int
+    name: str
+    created_at: float | None
+    nbytes: int | None
+    generation: int
+    commit: int
+    world_size: int
+    num_workers: int
+    pinned: bool
+    blocked_s: float | None
+    durable_s: float | None
+    skipped: int
+
+
+class CheckpointRow(_CheckpointFields, total=False):
+    """One checkpoint of a run history (``checkpoints[]`` of ``GET /admin/runs/{group}``
+    and ``trainguard runs show``). The OpenAPI schema is tested against these keys
+    (test_document_shapes). ``NotRequired`` would do, but not under ``from __future__
+    import annotations`` on Python 3.11 (it would count as required)."""
+
+    status: list[str]
+    """Added by the admin API from the store's labels (committed, pinned, remote...)."""
+
+
+class RestartRow(TypedDict):
+    """A restart seen in the history (a newer generation's first manifest)."""
+
+    at: float | None
+    generation: int
+    from_generation: int
+    resumed_step: int
+    first_step_after: int
+    last_committed_step: int
+    steps_redone: int
+    steps_redone_exact: bool
+
+
+class WorldRow(TypedDict):
+    """A change of world size or workers per rank, at the first manifest with it."""
+
+    at: float | None
+    step: int
+    world_size: int
+    num_workers: int
+
+
 def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
             policy: IntervalPolicy | None = None, failures: int | None = None
             ) -> dict[str, Any]:
@@ -94,10 +141,10 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
             mine.append((m, rec, _timing(m)))
     mine.sort(key=lambda t: t[0].uid)  # commit order
     measured = {s.name: (s.blocked_s, s.durable_s) for s in _saves(mine) if s.name}
-    checkpoints: list[dict[str, Any]] = []
-    restarts: list[dict[str, Any]] = []
+    checkpoints: list[CheckpointRow] = []
+    restarts: list[RestartRow] = []
     rollbacks: list[dict[str, Any]] = []
-    world: list[dict[str, Any]] = []
+    world: list[WorldRow] = []
     prev: tuple[ManifestView, SessionRecord] | None = None
     committed_by_gen: dict[int, int] = {}
     newest_gen: int | None = None
@@ -173,7 +220,7 @@ def _resumed_guess(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | 
 
 
 def _advice(mine: list[tuple[ManifestView, SessionRecord, TimingRecord | None]],
-            restarts: list[dict[str, Any]], policy: IntervalPolicy | None,
+            restarts: list[RestartRow], policy: IntervalPolicy | None,
             recorded: int) -> dict[str, Any]:
     timed = [t for _, _, t in mine if t is not None]
     saves = _saves(mine)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from trainguard.core.errors import TrainguardError
 from trainguard.core.streams import PREFIX
@@ -56,6 +56,7 @@ __all__ = [
     "IncidentError",
     "LoopPolicy",
     "Remedy",
+    "RemedyAction",
     "alive_key",
     "assemble",
     "attempts_key",
@@ -284,9 +285,13 @@ class LoopPolicy:
         return cls(max_tries=int(value))
 
 
+RemedyAction = Literal["restore", "older_checkpoint", "skip_batches", "stop", "refuse"]
+"""What the next attempt does about the newest incident (:class:`Remedy`)."""
+
+
 @dataclass(frozen=True)
 class Remedy:
-    action: str
+    action: RemedyAction
     """``restore`` (the newest checkpoint), ``older_checkpoint`` (the one before the
     newest the last try restored), ``skip_batches`` (restore, then skip ``batches``),
     ``stop`` (the breaker opened), ``refuse`` (it is open: a restart of a stopped run)."""
@@ -299,7 +304,7 @@ class Remedy:
         return {"action": self.action, "repeats": self.repeats, "tried": list(self.tried)}
 
 
-LADDER = ("restore", "older_checkpoint", "skip_batches")
+LADDER: tuple[RemedyAction, ...] = ("restore", "older_checkpoint", "skip_batches")
 
 
 def decide(incidents: Sequence[Mapping[str, Any]], policy: LoopPolicy, *,

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["Advice", "IntervalPolicy", "advise", "daly_interval", "estimate_mtbf", "lost_work"]
+__all__ = ["Advice", "Bound", "IntervalPolicy", "advise", "daly_interval", "estimate_mtbf", "lost_work"]
 
 
 def daly_interval(cost_s: float, mtbf_s: float) -> float:
@@ -90,6 +90,11 @@ class IntervalPolicy:
             )
 
 
+Bound = Literal["min", "max", "durable"]
+"""The bound that decided a recommendation: the policy's minimum or maximum, or the
+time to durability (``tau >= durable_s - blocked_s``)."""
+
+
 @dataclass(frozen=True)
 class Advice:
     """A recommendation and what it rests on (seconds throughout)."""
@@ -103,7 +108,7 @@ class Advice:
     current_s: float | None
     lost_recommended_s: float
     lost_current_s: float | None
-    bound: str | None
+    bound: Bound | None
     """``"min"``, ``"max"`` or ``"durable"`` when a bound decided, else None."""
     formula: str = "Daly: sqrt(2CM)(1+sqrt(C/2M)/3+C/18M)-C, C=blocked_s"
 
@@ -120,7 +125,7 @@ def advise(*, blocked_s: float, durable_s: float, observed_s: float, failures: i
     mtbf = estimate_mtbf(observed_s, failures, prior_mtbf_s=policy.prior_mtbf_s,
                          prior_weight=policy.prior_weight)
     tau = daly_interval(blocked_s, mtbf)
-    bound = None
+    bound: Bound | None = None
     floor = max(policy.min_interval_s, durable_s - blocked_s)
     if tau < floor:
         tau, bound = floor, "min" if floor == policy.min_interval_s else "durable"

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypedDict, cast, get_args
 
 from trainguard.core import settings
 from trainguard.core.errors import TrainguardError
@@ -42,8 +42,12 @@ __all__ = [
     "DELETE_IF_UNCHANGED",
     "QUARANTINE_VERSION",
     "NodeQuarantinedError",
+    "QuarantineDoc",
     "QuarantinePolicy",
     "QuarantineRecord",
+    "SOURCES",
+    "Source",
+    "WrittenSource",
     "check_admission",
     "clear",
     "failures_key",
@@ -57,9 +61,34 @@ __all__ = [
 ]
 
 QUARANTINE_VERSION = 1
-SOURCES = ("probe", "trainer", "failures")
+Source = Literal["probe", "trainer", "failures", "unreadable"]
 """Who wrote a record: the gate's probe, the trainer on a CRITICAL report, the
-failure count."""
+failure count; ``unreadable`` stands for a stored record that does not parse (made
+when listing, never written)."""
+WrittenSource = Literal["probe", "trainer", "failures"]
+"""The sources :func:`quarantine` writes."""
+SOURCES: tuple[WrittenSource, ...] = get_args(WrittenSource)
+
+
+class QuarantineDoc(TypedDict):
+    """A record as JSON data: what Redis holds, ``GET /admin/nodes`` sends (with
+    ``remaining_s`` added) and ``trainguard nodes ls --json`` prints; the OpenAPI
+    schema is tested against these keys (test_document_shapes)."""
+
+    version: int
+    node: str
+    reason: str
+    source: Source
+    report: dict[str, Any] | None
+    created_at: float
+    expires_at: float
+
+
+def _source(value: object) -> Source:
+    # A stored record is untyped JSON: a source outside the type makes it unreadable.
+    if value not in get_args(Source):
+        raise ValueError(f"source {value!r}, expected one of {get_args(Source)}")
+    return cast(Source, value)
 
 
 def quarantine_key() -> str:
@@ -103,22 +132,23 @@ class QuarantinePolicy:
 class QuarantineRecord:
     node: str
     reason: str
-    source: str
+    source: Source
     created_at: float
     expires_at: float
     report: Mapping[str, Any] | None = None
     version: int = QUARANTINE_VERSION
 
     def to_json(self) -> str:
-        return json.dumps({
+        doc: QuarantineDoc = {
             "version": self.version, "node": self.node, "reason": self.reason,
             "source": self.source, "report": None if self.report is None else dict(self.report),
             "created_at": self.created_at, "expires_at": self.expires_at,
-        }, sort_keys=True)
+        }
+        return json.dumps(doc, sort_keys=True)
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = json.loads(self.to_json())
-        return out
+    def to_dict(self) -> QuarantineDoc:
+        # The JSON round trip, so that the report holds only JSON types.
+        return cast(QuarantineDoc, json.loads(self.to_json()))
 
     @classmethod
     def parse(cls, raw: str | bytes) -> QuarantineRecord:
@@ -131,7 +161,7 @@ class QuarantineRecord:
                 raise ValueError(f"version {doc.get('version')!r}, expected {QUARANTINE_VERSION}")
             report = doc.get("report")
             return cls(node=str(doc["node"]), reason=str(doc["reason"]),
-                       source=str(doc["source"]), created_at=float(doc["created_at"]),
+                       source=_source(doc["source"]), created_at=float(doc["created_at"]),
                        expires_at=float(doc["expires_at"]),
                        report=dict(report) if isinstance(report, dict) else None)
         except (ValueError, TypeError, KeyError) as exc:
@@ -221,7 +251,7 @@ def quarantine(
     node: str,
     reason: str,
     *,
-    source: str,
+    source: WrittenSource,
     report: Mapping[str, Any] | None = None,
     policy: QuarantinePolicy | None = None,
 ) -> QuarantineRecord | None:

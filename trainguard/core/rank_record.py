@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.core import streams
+from trainguard.core.checkpoints import ManifestView, RankStateStoreAPI
 from trainguard.core.record import RankState, RecordError, SessionRecord
 
 __all__ = ["RANK_RECORD_VERSION", "Positions", "RankRecord", "checkpoint_offsets",
@@ -131,7 +132,7 @@ def positions(rec: SessionRecord, partitions: Iterable[int],
     return Positions(offsets, batches, read_now)
 
 
-def checkpoint_positions(store: Any, manifest: Any) -> Positions:
+def checkpoint_positions(store: RankStateStoreAPI, manifest: ManifestView) -> Positions:
     """Every partition's offset and batch count in checkpoint ``manifest`` of ``store``
     (a ``RankStateStoreAPI``): the record's own (version 2), or from all its rank
     objects (version 3: one read per rank, for tools, tests and the admin API; a rank's
@@ -146,7 +147,7 @@ def checkpoint_positions(store: Any, manifest: Any) -> Positions:
         store.read_rank_state(manifest, rank), rank=rank))
 
 
-def checkpoint_offsets(store: Any, manifest: Any) -> dict[int, str]:
+def checkpoint_offsets(store: RankStateStoreAPI, manifest: ManifestView) -> dict[int, str]:
     """Every partition's offset in checkpoint ``manifest`` (see
     :func:`checkpoint_positions`)."""
     return checkpoint_positions(store, manifest).offsets

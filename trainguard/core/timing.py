@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 from trainguard.core.errors import TrainguardError
 
-__all__ = ["SAVES_KEPT", "TIMING_KEY", "TIMING_VERSION", "Event", "SaveTime", "TimingError",
+__all__ = ["SAVES_KEPT", "TIMING_KEY", "TIMING_VERSION", "Event", "EventKind", "SaveTime", "TimingError",
            "TimingRecord", "Totals"]
 
 TIMING_KEY = "trainguard_timing"
@@ -51,9 +51,13 @@ class SaveTime:
     durable_s: float | None
 
 
+EventKind = Literal["restore", "rollback"]
+"""What moved a run's position back: a restore at a restart, or a rollback."""
+
+
 @dataclass(frozen=True)
 class Event:
-    kind: str
+    kind: EventKind
     to_step: int
     generation: int | None
     at: float
@@ -134,9 +138,9 @@ def _save(doc: Mapping[str, Any]) -> SaveTime:
 
 def _event(doc: Mapping[str, Any]) -> Event:
     kind = str(doc["kind"])
-    if kind not in ("restore", "rollback"):
+    if kind not in get_args(EventKind):
         raise ValueError(f"event kind {kind!r} is unknown: expected restore or rollback")
-    return Event(kind, int(doc["to_step"]), _opt_int(doc.get("generation")),
+    return Event(cast(EventKind, kind), int(doc["to_step"]), _opt_int(doc.get("generation")),
                  float(doc["at"]), _opt_int(doc.get("last_step")))
 
 
