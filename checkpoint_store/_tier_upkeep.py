@@ -74,6 +74,20 @@ class TierUpkeep:
                       if (m.name in remote and m.name != newest_remote) or m.name in damaged]
             return apply_retention(self._local_backend, doomed)
 
+    def _free_local(self) -> builtins.list[str]:
+        """The local disk is full: delete every local copy whose remote copy is
+        committed, pinned ones excepted. ``keep_last`` and "keep the newest
+        remote-committed one" give way to a full disk; a copy not yet uploaded never
+        does (it exists nowhere else)."""
+        with self._retention_lock:
+            remote = self._uploader.remote_committed()
+            doomed = [m for m in self.local.list() if m.name in remote and not m.pinned]
+            if doomed:
+                log.warning("local tier %s is full: dropping %d local copies already safe "
+                            "in %s (%s)", self.local.url, len(doomed), self.remote_url,
+                            ", ".join(m.name for m in doomed))
+            return apply_retention(self._local_backend, doomed)
+
     def _retain_remote(self) -> None:
         assert self.remote_keep_last is not None
         remote = sorted(self._remote.list(wait=True).values(),

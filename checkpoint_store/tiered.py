@@ -27,6 +27,12 @@ Rules:
   committed (unless the uploader found it damaged: it will never be uploaded), nor
   the newest remote-committed one. Remote retention (``remote_keep_last``, default:
   keep all) runs after each upload.
+- A full local disk (ENOSPC) stops no save: the store drops the local copies already
+  committed remotely (pinned ones excepted) and saves again; if the disk is still
+  full, that save goes to the remote tier only (committed there by its manifest and
+  LATEST, offsets inside, as any save; logged, counted in ``remote_only_saves``), and
+  so do the next ones until dropping copies frees room again. A failed local save
+  publishes nothing, so no checkpoint is ever half in one tier.
 - ``load`` prefers the local copy and falls back (logged) to the remote copy when the
   local one is missing or fails verification, then to older checkpoints.
 - On start the uploader lists both roots and uploads every local checkpoint the
@@ -44,6 +50,7 @@ Single process only (world size 1): the remote tier is written by one uploader.
 from __future__ import annotations
 
 import builtins
+import errno
 import logging
 import os
 import sys
@@ -64,6 +71,7 @@ from checkpoint_store.tiers import TierStatus, tier_statuses
 from checkpoint_store.upload import Uploader
 from trainguard.core.checkpoints import (
     CheckpointError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     ManifestView,
     NoCheckpointError,
@@ -161,6 +169,9 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
         self._retention_lock = threading.Lock()
         self._last_handle: SaveHandle | None = None
         self._closed = False
+        self._local_full = False  # the last local save found the disk full
+        self.remote_only_saves = 0
+        """Saves that went to the remote tier only, the local disk being full."""
         self._uploader = Uploader(
             local_backend, self._remote_backend,
             object_store_retrier(self.breaker, upload_policy or RetryPolicy(
@@ -188,7 +199,57 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
             self._last_handle = handle
         handle.add_done_callback(self._on_local_commit)
 
+    def _hooked_save(self, state: Mapping[str, Any], **options: Any) -> SaveHandle:
+        """The local save; on a full local disk, room made and a second try, then the
+        remote tier only (see the module docstring)."""
+        self._before_save(state)
+        if self._local_full and not self._free_local():
+            return self._save_remote_only(state, options)
+        try:
+            handle = self.store.save(state, **options)
+        except CheckpointWriteError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            return self._save_when_full(state, options, e)
+        self._local_full = False
+        self._after_save(handle)
+        return handle
+
+    def _save_when_full(self, state: Mapping[str, Any], options: dict[str, Any],
+                        error: CheckpointWriteError) -> SaveHandle:
+        log.warning("local tier %s is full (%s)", self.url, error)
+        if self._free_local():
+            try:
+                handle = self.store.save(state, **options)
+            except CheckpointWriteError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+            else:
+                self._after_save(handle)
+                return handle
+        self._local_full = True
+        return self._save_remote_only(state, options)
+
+    def _save_remote_only(self, state: Mapping[str, Any],
+                          options: dict[str, Any]) -> SaveHandle:
+        log.warning("local tier %s is full: the checkpoint of step %s goes to %s only",
+                    self.url, options.get("step"), self.remote_url)
+        self.remote_only_saves += 1
+        handle: SaveHandle = self._read.call(self.remote.save, state, **options)
+        with self._lock:
+            self._last_handle = handle
+        handle.add_done_callback(self._on_remote_only_commit)
+        return handle
+
+    def _on_remote_only_commit(self, handle: SaveHandle) -> None:
+        if handle.manifest is None:
+            return
+        self._remote.remember(handle.manifest, replace=False)
+        self._uploader.mark_remote({handle.manifest.name})
+
     def _on_local_commit(self, handle: SaveHandle) -> None:
+        if isinstance(handle.error, CheckpointWriteError) and handle.error.errno == errno.ENOSPC:
+            self._local_full = True  # a background save found the disk full
         if handle.error is not None or handle.manifest is None:
             return
         self._uploader.enqueue(handle.manifest.name)

@@ -1,0 +1,73 @@
+"""A full local tier heals: with the local disk of a TieredCheckpointStore full (a real
+tmpfs in a private mount namespace, filled to ENOSPC), training goes on, checkpoints
+go to the remote tier only, and a crash in between loses and repeats no record."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import _client_fill as cf
+from tests._client_ledger import final_counts
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _can_mount_tmpfs(tmp_path: Path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    result = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {probe}"],
+        capture_output=True, timeout=30)
+    return result.returncode == 0
+
+
+def test_full_local_tier_trains_every_record_once_through_a_crash(
+        redis_server: Any, tmp_path: Path) -> None:
+    """The local tier is a 1 MiB tmpfs filled to ENOSPC before the first save. The
+    first attempt checkpoints at steps 3 and 6 (both to the remote tier only, logged
+    as a full local tier) and dies hard after step 7; the second restores step 6 from
+    the remote tier and finishes. The final checkpoint's ledger says every record was
+    trained exactly once, it verifies and restores from a fresh store, and the local
+    tier holds no checkpoint (none was torn or half-committed there)."""
+    if not _can_mount_tmpfs(tmp_path):
+        pytest.skip("unprivileged mount namespaces are not available here")
+    n = 40
+    spec = cf.create(redis_server.url, "heal", partitions=1)
+    cf.fill(redis_server.url, spec, n)
+    mnt, remote = tmp_path / "local", f"file://{tmp_path}/remote"
+    mnt.mkdir()
+    job = f"{sys.executable} -m tests._tier_full_job {redis_server.url} {mnt} {remote} {n}"
+    script = (f"mount -t tmpfs -o size=1m tmpfs {mnt} || exit 90; "
+              f"{job} --crash-at 7; echo \"FIRST $?\"; exec {job}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "FIRST 9" in lines, proc.stdout[-2000:]
+    out = json.loads(lines[-1])
+    assert out["step"] == n // 4 and out["remote_only_saves"] >= 1
+    assert out["local_steps"] == []
+    assert "is full" in proc.stderr and "goes to" in proc.stderr
+
+    counts, _ = final_counts(remote, n)
+    assert torch.equal(counts, torch.ones(n))
+    from checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(remote)
+    try:
+        assert store.verify(n // 4).step == n // 4
+        assert sorted(m.step for m in store.list()) == [3, 6, 9, 10]
+    finally:
+        store.close()
