@@ -71,3 +71,26 @@ def test_full_local_tier_trains_every_record_once_through_a_crash(
         assert sorted(m.step for m in store.list()) == [3, 6, 9, 10]
     finally:
         store.close()
+
+
+def test_full_local_tier_makes_room_from_copies_already_safe_remotely(tmp_path: Path) -> None:
+    """Steps 1 and 2 are uploaded, then the 1 MiB local tmpfs is filled to ENOSPC: the
+    save of step 3 drops the local copies of 1 and 2 (their remote copies are
+    committed; keep_last=3 gives way) and succeeds locally on the second try, not on
+    the remote tier only. Step 3 loads strictly with its values, and the remote tier
+    still holds 1 and 2 and gets 3."""
+    if not _can_mount_tmpfs(tmp_path):
+        pytest.skip("unprivileged mount namespaces are not available here")
+    mnt, remote = tmp_path / "local", f"file://{tmp_path}/remote"
+    mnt.mkdir()
+    script = (f"mount -t tmpfs -o size=1m tmpfs {mnt} && "
+              f"exec {sys.executable} -m tests._tier_full_free {mnt} {remote}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["local"] == [3] and out["remote_only_saves"] == 0
+    assert out["loaded"] == 3 and out["w_ok"]
+    assert out["remote"] == [1, 2, 3]
+    assert "dropping 2 local copies" in proc.stderr
