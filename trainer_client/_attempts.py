@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 import redis
 
 from trainer_client import redis_client
-from trainer_client.errors import RestartLoopError
+from trainer_client.errors import GpuCriticalError, RestartLoopError
 from trainguard.core import incidents as inc
 from trainguard.core.exit_codes import EXIT_RESTART_LOOP
 from trainguard.core.process import pid_alive, started_at
@@ -310,6 +310,16 @@ class AttemptLog:
         self._quick.hsetnx(self._k(inc.reports_key), f"{self.attempt}:{self.rank}",
                            inc.dumps(full))
 
+    def gpu_critical(self, exc: GpuCriticalError) -> None:
+        """This rank's GPU (or, :class:`PeerGpuCriticalError`, a peer's) reported
+        CRITICAL and the process exits with ``exc.exit_code``: its own cause class."""
+        step, batch, phase = self.step_of()
+        with contextlib.suppress(redis.RedisError):
+            self.report({"cause": inc.GPU_CRITICAL, "at": time.time(), "step": step,
+                         "batch": batch, "phase": phase, "exit_code": exc.exit_code,
+                         "error": {"type": type(exc).__name__, "message": str(exc)[:2000]},
+                         "thread": threading.current_thread().name})
+
     def hang(self, report: dict[str, Any]) -> None:
         """The watchdog fired: name the ranks whose heartbeat stopped, write the report
         with its final heartbeat, kill the stopped ranks of this host."""
@@ -381,7 +391,9 @@ class AttemptLog:
         frames = traceback.extract_tb(tb)
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
         step, batch, phase = self.step_of()
-        if not isinstance(exc, RestartLoopError):
+        if isinstance(exc, GpuCriticalError):
+            self.gpu_critical(exc)
+        elif not isinstance(exc, RestartLoopError):
             with contextlib.suppress(redis.RedisError):
                 self.report({"cause": inc.CRASH, "at": time.time(), "step": step,
                              "batch": batch, "phase": phase, "where": where,
