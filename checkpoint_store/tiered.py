@@ -27,6 +27,12 @@ Rules:
   committed (unless the uploader found it damaged: it will never be uploaded), nor
   the newest remote-committed one. Remote retention (``remote_keep_last``, default:
   keep all) runs after each upload.
+- A full local disk (ENOSPC) stops no save: the store drops the local copies already
+  committed remotely (pinned ones excepted) and saves again; if the disk is still
+  full, that save goes to the remote tier only (committed there by its manifest and
+  LATEST, offsets inside, as any save; logged, counted in ``remote_only_saves``), and
+  so do the next ones until dropping copies frees room again. A failed local save
+  publishes nothing, so no checkpoint is ever half in one tier.
 - ``load`` prefers the local copy and falls back (logged) to the remote copy when the
   local one is missing or fails verification, then to older checkpoints.
 - On start the uploader lists both roots and uploads every local checkpoint the
@@ -44,6 +50,7 @@ Single process only (world size 1): the remote tier is written by one uploader.
 from __future__ import annotations
 
 import builtins
+import errno
 import logging
 import os
 import sys
@@ -53,21 +60,21 @@ from typing import Any
 
 from checkpoint_store._remote_catalog import RemoteCatalog
 from checkpoint_store._tier_load import Tiers, load_from_tiers, newest_of
+from checkpoint_store._tier_upkeep import TierUpkeep
 from checkpoint_store._wrapped import RankStateWrappedStore
 from checkpoint_store.backends import LocalBackend, open_backend
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.layout import manifest_path, parse_manifest_name
 from checkpoint_store.manifest import Manifest, parse_manifest
-from checkpoint_store.retention import GcReport, apply_retention, choose_deletions
 from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
 from checkpoint_store.tiers import TierStatus, tier_statuses
 from checkpoint_store.upload import Uploader
 from trainguard.core.checkpoints import (
     CheckpointError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     ManifestView,
     NoCheckpointError,
-    PinnedCheckpointError,
 )
 from trainguard.core.newest import newest_committed, newest_save_of
 from trainguard.core.resilience import (
@@ -88,7 +95,7 @@ log = logging.getLogger("checkpoint_store.tiered")
 _NO_LIMIT = sys.maxsize
 
 
-class TieredCheckpointStore(RankStateWrappedStore):
+class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
     """A local :class:`CheckpointStore` plus a remote copy of every checkpoint.
 
     ``local_url`` must be a local directory (plain path or ``file://``);
@@ -162,6 +169,9 @@ class TieredCheckpointStore(RankStateWrappedStore):
         self._retention_lock = threading.Lock()
         self._last_handle: SaveHandle | None = None
         self._closed = False
+        self._local_full = False  # the last local save found the disk full
+        self.remote_only_saves = 0
+        """Saves that went to the remote tier only, the local disk being full."""
         self._uploader = Uploader(
             local_backend, self._remote_backend,
             object_store_retrier(self.breaker, upload_policy or RetryPolicy(
@@ -189,7 +199,57 @@ class TieredCheckpointStore(RankStateWrappedStore):
             self._last_handle = handle
         handle.add_done_callback(self._on_local_commit)
 
+    def _hooked_save(self, state: Mapping[str, Any], **options: Any) -> SaveHandle:
+        """The local save; on a full local disk, room made and a second try, then the
+        remote tier only (see the module docstring)."""
+        self._before_save(state)
+        if self._local_full and not self._free_local():
+            return self._save_remote_only(state, options)
+        try:
+            handle = self.store.save(state, **options)
+        except CheckpointWriteError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            return self._save_when_full(state, options, e)
+        self._local_full = False
+        self._after_save(handle)
+        return handle
+
+    def _save_when_full(self, state: Mapping[str, Any], options: dict[str, Any],
+                        error: CheckpointWriteError) -> SaveHandle:
+        log.warning("local tier %s is full (%s)", self.url, error)
+        if self._free_local():
+            try:
+                handle = self.store.save(state, **options)
+            except CheckpointWriteError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+            else:
+                self._after_save(handle)
+                return handle
+        self._local_full = True
+        return self._save_remote_only(state, options)
+
+    def _save_remote_only(self, state: Mapping[str, Any],
+                          options: dict[str, Any]) -> SaveHandle:
+        log.warning("local tier %s is full: the checkpoint of step %s goes to %s only",
+                    self.url, options.get("step"), self.remote_url)
+        self.remote_only_saves += 1
+        handle: SaveHandle = self._read.call(self.remote.save, state, **options)
+        with self._lock:
+            self._last_handle = handle
+        handle.add_done_callback(self._on_remote_only_commit)
+        return handle
+
+    def _on_remote_only_commit(self, handle: SaveHandle) -> None:
+        if handle.manifest is None:
+            return
+        self._remote.remember(handle.manifest, replace=False)
+        self._uploader.mark_remote({handle.manifest.name})
+
     def _on_local_commit(self, handle: SaveHandle) -> None:
+        if isinstance(handle.error, CheckpointWriteError) and handle.error.errno == errno.ENOSPC:
+            self._local_full = True  # a background save found the disk full
         if handle.error is not None or handle.manifest is None:
             return
         self._uploader.enqueue(handle.manifest.name)
@@ -226,33 +286,6 @@ class TieredCheckpointStore(RankStateWrappedStore):
             done = threading.Event()
             handle.add_done_callback(lambda _h: done.set())
             done.wait()
-
-    # ---------------------------------------------------------------- retention
-    def _retain_local(self) -> builtins.list[str]:
-        """Delete local checkpoints beyond retention that are safe to lose: remote
-        copy committed, and not the newest remote-committed checkpoint; or found
-        damaged by the uploader (never uploaded, so nothing else would drop them)."""
-        with self._retention_lock:
-            manifests = self.local.list()
-            remote = self._uploader.remote_committed()
-            damaged = self._uploader.damaged()
-            parsed = [p for p in map(parse_manifest_name, remote) if p]
-            newest = newest_committed(parsed)
-            newest_remote = newest.name if newest else None
-            doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
-                                                  keep_every=self.keep_every)
-                      if (m.name in remote and m.name != newest_remote) or m.name in damaged]
-            return apply_retention(self._local_backend, doomed)
-
-    def _retain_remote(self) -> None:
-        assert self.remote_keep_last is not None
-        remote = sorted(self._remote.list(wait=True).values(),
-                        key=lambda m: parse_manifest_name(m.name) or m.name)
-        doomed = choose_deletions(remote, keep_last=self.remote_keep_last,
-                                  keep_every=self.keep_every)
-        if doomed:
-            self._read.call(apply_retention, self._remote_backend, doomed)
-            self._remote.forget(m.name for m in doomed)
 
     # ---------------------------------------------------------------- catalog
     def _catalog(self, *, fresh: bool = False) -> tuple[dict[str, Manifest],
@@ -375,69 +408,6 @@ class TieredCheckpointStore(RankStateWrappedStore):
                 log.warning("local copy of %s is damaged (%s); verifying the remote copy",
                             name, e)
         return self._read.call(self.remote.verify, step)
-
-    # ---------------------------------------------------------------- pins, deletion, gc
-    def pin(self, step: int) -> Manifest:
-        """Pin the newest checkpoint of ``step`` in every tier that has it (an upload
-        later copies the pin)."""
-        local, remote = self._catalog()
-        name = self._newest_anywhere(step, local, remote)
-        result: Manifest | None = None
-        if name in local:
-            result = self.local.pin(step)
-        if name in remote:
-            pinned = self._read.call(self.remote.pin, step)
-            self._remote.set_pinned([remote[name]], True)
-            result = result or pinned
-        assert result is not None
-        return result
-
-    def unpin(self, step: int) -> None:
-        local, remote = self._catalog()
-        if not any(m.step == step for m in [*local.values(), *remote.values()]):
-            raise self._no_such_step(step)
-        if any(m.step == step for m in local.values()):
-            self.local.unpin(step)
-        if any(m.step == step for m in remote.values()):
-            self._read.call(self.remote.unpin, step)
-            self._remote.set_pinned([m for m in remote.values() if m.step == step], False)
-
-    def delete(self, step: int) -> builtins.list[str]:
-        """Delete every checkpoint of ``step`` from both tiers."""
-        local, remote = self._catalog(fresh=True)
-        found = [m for m in [*local.values(), *remote.values()] if m.step == step]
-        if not found:
-            raise self._no_such_step(step)
-        pinned = sorted({m.name for m in found if m.pinned})
-        if pinned:
-            raise PinnedCheckpointError(f"checkpoints {pinned} are pinned; unpin step {step} "
-                                        "before deleting it")
-        for m in found:
-            self._uploader.forget(m.name)
-        deleted: set[str] = set()
-        if any(m.step == step for m in local.values()):
-            deleted.update(self.local.delete(step))
-        if any(m.step == step for m in remote.values()):
-            deleted.update(self._read.call(self.remote.delete, step))
-        self._remote.forget(deleted)
-        return sorted(deleted)
-
-    def gc(self) -> GcReport:
-        """Local debris and retention; then the remote root's debris (one try: a
-        remote outage skips it). Remote paths are reported with the remote URL."""
-        report = self.local.gc()
-        report.deleted_checkpoints.extend(self._retain_local())
-        try:
-            remote = self.breaker.call(self.remote.gc)
-        except self._transient as e:
-            log.warning("remote gc of %s skipped: %s", self.remote_url, e)
-            return report
-        prefix = self.remote_url.rstrip("/") + "/"
-        report.removed_data.extend(prefix + p for p in remote.removed_data)
-        report.removed_files.extend(prefix + p for p in remote.removed_files)
-        report.deleted_checkpoints.extend(prefix + p for p in remote.deleted_checkpoints)
-        report.in_flight.extend(prefix + p for p in remote.in_flight)
-        return report
 
     # ---------------------------------------------------------------- lifecycle
     def close(self, wait_upload: bool | float = False) -> bool:

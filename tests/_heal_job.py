@@ -7,7 +7,8 @@ trained. Prints ``<rank>: PID <pid>``, ``READY <step>`` after the restore, ``STE
 ``--crash-at S`` raises at step S in every attempt (a bug at step N);
 ``--poison R`` raises in the step whose batch holds record R (a poisoned record);
 ``--die-before-checkpoint`` SIGKILLs itself a second after its first step on a
-fresh run; ``--spike-file F`` (bench/chaos.py): when F holds ``<step> x50`` or
+fresh run; ``--exit-at S`` calls ``sys.exit(3)`` after step S on a fresh run, without
+``session.close()``; ``--spike-file F`` (bench/chaos.py): when F holds ``<step> x50`` or
 ``<step> nan``, that step's loss (1.0 on every other step) is multiplied by 50 or made
 NaN, once per process, and the spike guard's verdict rolls every rank back together
 (they all read F at the same step), printing ``ROLLBACK <step>``;
@@ -85,6 +86,7 @@ def main() -> int:
     ap.add_argument("--crash-at", type=int, default=0)
     ap.add_argument("--poison", type=int, default=-1)
     ap.add_argument("--die-before-checkpoint", action="store_true")
+    ap.add_argument("--exit-at", type=int, default=0)
     ap.add_argument("--spike-file", default="")
     ap.add_argument("--critical-file", default="")
     ap.add_argument("--watchdog-floor-s", type=float, default=1.5)
@@ -146,6 +148,8 @@ def main() -> int:
         if fresh and args.die_before_checkpoint and rank == 0:
             time.sleep(1.0)  # a heartbeat (every 0.2 s) says where it was
             os.kill(os.getpid(), signal.SIGKILL)
+        if fresh and step == args.exit_at:
+            sys.exit(3)  # the script gives up: no session.close(), no exception
         if step % args.ckpt_every == 0:
             session.checkpoint(state, step, blocking=True)  # a crash never outruns it
         if gpu is not None and not gpu.ecc_uncorrected and 0 < _critical_at(

@@ -27,6 +27,7 @@ from trainer_client.errors import NoRollbackTargetError, RollbackLimitError
 from trainer_client.guard import SKIPPED_EXTRA_KEY, GuardedTraining
 from trainer_client.health import EXIT_GPU_CRITICAL
 from trainer_client.spikes import RollbackConfig, SpikeConfig
+from trainguard.core import incidents as inc
 from trainguard.core import streams
 
 N, P = 400, 4
@@ -265,6 +266,33 @@ def test_gpu_critical_checkpoints_and_exits_75(redis_server, tmp_path: Path) -> 
     expected = torch.zeros(N)
     expected[trained] = 1
     assert torch.equal(model.counts.detach(), expected)
+
+
+def test_gpu_critical_is_its_own_incident_cause(redis_server, tmp_path: Path) -> None:
+    """A process whose fake NVML GPU turns CRITICAL after step 7 exits 75 through
+    ``exit_on_gpu_critical``; the next session on the run records the incident as
+    ``gpu_critical`` (detected by the GPU health probe, exit code 75, step 7), not as
+    a crash, an exit or a silent death, and restores plainly (no breaker rung)."""
+    store = _setup(redis_server.url, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests._guard_train", "--redis", redis_server.url,
+         "--store", store, "--n", str(N), "--critical-at", "7"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == EXIT_GPU_CRITICAL, proc.stderr[-3000:]
+    sess = gt.session(redis_server.url, store)  # the next attempt assembles the incident
+    try:
+        r = redis.Redis.from_url(redis_server.url)
+        raw = r.hgetall(inc.incidents_key(gt.DATASET, gt.RUN))
+        r.close()
+        (incident,) = [inc.loads(v) for k, v in raw.items() if k != b"seq"]
+        assert (incident["cause"], incident["detected_by"], incident["exit_code"],
+                incident["step"]) == ("gpu_critical", "GPU health probe", EXIT_GPU_CRITICAL, 7)
+        assert incident["reports"][0]["error"]["type"] == "GpuCriticalError"
+        assert incident["remedy"]["action"] == "restore"
+    finally:
+        sess.close()
 
 
 def test_checkpoints_back_and_a_second_spike_stay_in_the_lineage(redis_server, tmp_path: Path) -> None:

@@ -249,6 +249,38 @@ def test_an_attempt_that_dies_before_its_first_checkpoint_counts_in_runs_show(
     assert (row["restarts"], row["attempts"], row["last_incident"]) == (1, 2, "killed")
 
 
+def test_a_script_that_calls_sys_exit_before_close_is_an_exit_with_its_code(
+        redis_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first attempt calls ``sys.exit(3)`` after step 2, without ``session.close()``
+    (Python runs no excepthook for SystemExit); the second trains the dataset. The
+    incident is an ``exit`` with code 3 at step 2, reported by the exiting process
+    itself (not ``killed``, guessed by the next attempt), and every record trains
+    exactly once."""
+    n = BATCH * 6
+    args = _job(redis_server, tmp_path, n, 1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run([sys.executable, "-m", "tests._heal_job", *args, "--exit-at", "2"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 3, first.stderr[-2000:]
+    second = subprocess.run([sys.executable, "-m", "tests._heal_job", *args], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-2000:]
+    counts, _ = final_counts(f"file://{tmp_path}/ckpt", n)
+    assert torch.equal(counts, torch.ones(n))
+
+    common = ["--redis-url", redis_server.url, "--stores", f"main=file://{tmp_path}/ckpt"]
+    assert main(["runs", "show", "job", *common, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [a["outcome"] for a in shown["attempts"]] == ["failed", "ok"]
+    (exited,) = shown["incidents"]
+    assert (exited["cause"], exited["detected_by"], exited["step"],
+            exited["exit_code"]) == ("exit", "exit hook", 2, 3)
+    assert exited["signature"] == "exit step=2 code=3"
+    (report,) = exited["reports"]
+    assert (report["via"], report["rank"]) == ("sys.exit", 0)
+    assert shown["totals"]["failures"] == 1
+
+
 @pytest.mark.chaos
 def test_a_poisoned_record_is_skipped_after_the_ladder_and_every_other_record_trains_once(
         redis_server: Any, tmp_path: Path) -> None:

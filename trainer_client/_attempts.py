@@ -7,6 +7,10 @@ decide the remedy), ``restored``, ``first_step``, ``closed``, and the watchdog's
 callbacks (heartbeat, hang report). An unhandled exception in the main thread is
 reported by the excepthook installed here (an error carrying an ``exit_code`` of
 ours, e.g. :class:`~trainer_client.errors.RestartLoopError`, then exits with it).
+Python calls no excepthook for ``SystemExit``: an exit of the interpreter before
+``session.close()`` (``sys.exit(3)`` in the script) is reported by an atexit hook, with
+the code ``sys.exit`` was given (the wrapper installed here records it; a bare
+``raise SystemExit`` or the script's end reports no code).
 
 Only rank 0 writes attempts and incidents; every rank writes its own heartbeat and,
 as it fails, its report. The writes of the watchdog thread and the excepthook use a
@@ -16,6 +20,7 @@ hang.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -27,12 +32,12 @@ import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 
 from trainer_client import redis_client
-from trainer_client.errors import RestartLoopError
+from trainer_client.errors import GpuCriticalError, RestartLoopError
 from trainguard.core import incidents as inc
 from trainguard.core.exit_codes import EXIT_RESTART_LOOP
 from trainguard.core.process import pid_alive, started_at
@@ -45,6 +50,7 @@ IMPORTED_AT = time.time()
 """When ``trainer_client`` finished importing (torch with it): the end of "imports"."""
 
 _HOST = socket.gethostname()
+_SYS_EXIT = sys.exit
 
 
 class AttemptLog:
@@ -67,6 +73,9 @@ class AttemptLog:
         self._redone: int | None = None
         self._rollbacks = 0
         self._hook_prev: Any = None
+        self._exit_prev: Any = None
+        self._exit_code: tuple[int | None] | None = None  # what sys.exit was given
+        self._ended = False
         self._pid = os.getpid()
 
     # ------------------------------------------------------------------ keys
@@ -273,11 +282,15 @@ class AttemptLog:
         self._end("ok")
 
     def _end(self, outcome: str) -> None:
+        self._ended = True
         self._update(outcome=outcome, ended_at=time.time())
 
     def close(self) -> None:
         if sys.excepthook is self._excepthook and self._hook_prev is not None:
             sys.excepthook = self._hook_prev
+        if sys.exit is self._sys_exit and self._exit_prev is not None:
+            sys.exit = self._exit_prev
+        atexit.unregister(self._at_exit)
         self._r.close()
         self._quick.close()
 
@@ -296,6 +309,16 @@ class AttemptLog:
         # peer), the main thread's collective fails too, and must not overwrite it.
         self._quick.hsetnx(self._k(inc.reports_key), f"{self.attempt}:{self.rank}",
                            inc.dumps(full))
+
+    def gpu_critical(self, exc: GpuCriticalError) -> None:
+        """This rank's GPU (or, :class:`PeerGpuCriticalError`, a peer's) reported
+        CRITICAL and the process exits with ``exc.exit_code``: its own cause class."""
+        step, batch, phase = self.step_of()
+        with contextlib.suppress(redis.RedisError):
+            self.report({"cause": inc.GPU_CRITICAL, "at": time.time(), "step": step,
+                         "batch": batch, "phase": phase, "exit_code": exc.exit_code,
+                         "error": {"type": type(exc).__name__, "message": str(exc)[:2000]},
+                         "thread": threading.current_thread().name})
 
     def hang(self, report: dict[str, Any]) -> None:
         """The watchdog fired: name the ranks whose heartbeat stopped, write the report
@@ -329,6 +352,35 @@ class AttemptLog:
         if sys.excepthook is not self._excepthook:
             self._hook_prev = sys.excepthook
             sys.excepthook = self._excepthook
+        if sys.exit is not self._sys_exit:
+            self._exit_prev = sys.exit
+            sys.exit = self._sys_exit
+        atexit.register(self._at_exit)
+
+    def _sys_exit(self, status: str | int | None = None) -> NoReturn:
+        """``sys.exit``, remembering the process's exit code for :meth:`_at_exit`
+        (only the main thread's: elsewhere SystemExit ends a thread, not the process)."""
+        if threading.current_thread() is threading.main_thread() and os.getpid() == self._pid:
+            # As the interpreter maps it: None is 0, an int itself, anything else 1.
+            code = 0 if status is None else status if isinstance(status, int) else 1
+            self._exit_code = (code,)
+        (self._exit_prev or _SYS_EXIT)(status)
+        raise SystemExit(status)  # not reached: the exit above raises it
+
+    def _at_exit(self) -> None:
+        """The interpreter exits with the attempt still running (no ``session.close()``):
+        report an exit, with its code, rather than leave the next attempt to guess
+        ``killed``. After an unhandled exception the excepthook's report came first
+        and stays (:meth:`report` keeps a rank's first word)."""
+        if self._ended or os.getpid() != self._pid:
+            return
+        step, batch, phase = self.step_of()
+        code = self._exit_code[0] if self._exit_code else None
+        with contextlib.suppress(redis.RedisError):
+            self.report({"cause": inc.EXIT, "at": time.time(), "step": step, "batch": batch,
+                         "phase": phase, "exit_code": code,
+                         "via": "sys.exit" if self._exit_code else "interpreter exit",
+                         "thread": threading.main_thread().name})
 
     def _excepthook(self, kind: type[BaseException], exc: BaseException,
                     tb: TracebackType | None) -> None:
@@ -339,7 +391,9 @@ class AttemptLog:
         frames = traceback.extract_tb(tb)
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
         step, batch, phase = self.step_of()
-        if not isinstance(exc, RestartLoopError):
+        if isinstance(exc, GpuCriticalError):
+            self.gpu_critical(exc)
+        elif not isinstance(exc, RestartLoopError):
             with contextlib.suppress(redis.RedisError):
                 self.report({"cause": inc.CRASH, "at": time.time(), "step": step,
                              "batch": batch, "phase": phase, "where": where,
@@ -374,6 +428,9 @@ def _look_at(incident: dict[str, Any]) -> str:
     if incident.get("cause") == inc.HANG:
         parts.append(f"where rank(s) {first.get('suspects') or [first.get('rank')]} stalled "
                      f"in phase {first.get('phase')} (the report holds every thread's stack)")
+    if incident.get("cause") == inc.EXIT:
+        parts.append(f"where the script exited (code {incident.get('exit_code')}) before "
+                     "session.close()")
     if incident.get("batches"):
         parts.append(f"and at the batches {incident['batches']}")
     return " ".join(parts) + "."

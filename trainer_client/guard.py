@@ -262,6 +262,8 @@ class GuardedTraining:
                           if report is not None else str(exc))
                 leave_node(self.session.redis_url, reason,
                            report=report.to_dict() if report is not None else None)
+            # The run's incident says gpu_critical, not an exit or a crash.
+            self.session._heal.attempts.gpu_critical(exc)
             raise SystemExit(exc.exit_code) from exc
 
     # ------------------------------------------------------------------ the loop

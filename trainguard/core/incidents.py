@@ -23,13 +23,17 @@ Documents (all carry ``version``; readers refuse newer ones)::
     heartbeat  {"attempt", "rank", "pid", "host", "alive_at", "progress_at", "phase",
                 "step" (in flight), "records" (consumed since the restore), "batch"
                 (in flight)}
-    report     {"attempt", "rank", "cause": hang|crash, "at", "step", "phase", "batch",
+    report     {"attempt", "rank", "cause": hang|crash|exit|gpu_critical, "at", "step", "phase", "batch",
                 "error" (type and message), "where" (innermost file:line), "stacks"
-                (hang: every thread's stack), "stalled_s", "limit_s", "suspects"}
-    incident   {"version", "attempt" (the failed one), "cause": hang|crash|killed|
+                (hang: every thread's stack), "stalled_s", "limit_s", "suspects",
+                "exit_code" (exit: what ``sys.exit`` was given, null when unknown),
+                "via" (exit: ``sys.exit`` or ``interpreter exit``)}
+    incident   {"version", "attempt" (the failed one), "cause": hang|crash|exit|
+                gpu_critical|killed|
                 restart_loop|rollback (a loss spike's: no failure, the attempt goes
                 on; "to_step", "reason"), "detected_by", "detected_at", "failed_at",
                 "detection_latency_s", "step", "signature", "batches" ({rank: batch}),
+                "exit_code" (exit: the first reporting rank's code),
                 "reports" (the failed ranks' reports), "world_before", "remedy" (what
                 the next attempt does), "recovery" (filled by the next attempt: world
                 after, restored step, steps redone and the records all its ranks trained
@@ -37,7 +41,8 @@ Documents (all carry ``version``; readers refuse newer ones)::
 
 A process that dies without a word (SIGKILL, the OOM killer, a lost node) leaves its
 attempt ``running`` and no report: the next attempt calls that failure ``killed``,
-dated by the last heartbeat.
+dated by the last heartbeat. A process that exits (``sys.exit(3)``) before
+``session.close()`` reports ``exit`` with its code as it goes.
 """
 
 from __future__ import annotations
@@ -78,6 +83,12 @@ ATTEMPTS_KEPT = 1000
 
 
 HANG, CRASH, KILLED, RESTART_LOOP = "hang", "crash", "killed", "restart_loop"
+EXIT = "exit"
+GPU_CRITICAL = "gpu_critical"
+"""A GPU health probe reported CRITICAL: the node leaves (exit 75; its peers 76). A
+fault of the node, not of the code or the data: restored plainly, climbs no ladder."""
+"""The interpreter exited (``SystemExit``) before ``session.close()``: reported, with
+the exit code, so it climbs the breaker's ladder as a crash does."""
 ROLLBACK = "rollback"
 NOT_FAILURES = (RESTART_LOOP, ROLLBACK)
 """Incident causes that are no failure of an attempt (not counted, climb no ladder)."""
@@ -168,6 +179,8 @@ def signature(cause: str, step: int | None, report: Mapping[str, Any] | None) ->
         parts += [str((report.get("error") or {}).get("type")), str(report.get("where"))]
     elif report is not None and cause == HANG:
         parts.append(f"phase={report.get('phase')}")
+    elif report is not None and cause == EXIT:
+        parts.append(f"code={report.get('exit_code')}")
     return " ".join(parts)
 
 
@@ -183,12 +196,13 @@ def assemble(attempt: Mapping[str, Any], reports: Sequence[Mapping[str, Any]],
         cause = str(first.get("cause") or CRASH)
         detected_at = float(first.get("at") or now)
         step = first.get("step")
-        detected_by = "watchdog" if cause == HANG else "exception"
+        detected_by = {HANG: "watchdog", EXIT: "exit hook",
+                       GPU_CRITICAL: "GPU health probe"}.get(cause, "exception")
     else:
         cause, detected_at, detected_by = KILLED, now, "next attempt"
         step = max((int(h.get("step") or 0) for h in beats), default=None)
     failed_at = (last_progress if cause == HANG else last_alive) or detected_at
-    if first is not None and cause == CRASH:
+    if first is not None and cause in (CRASH, EXIT, GPU_CRITICAL):
         failed_at = detected_at
     # Only what the ranks said as they failed: a heartbeat's batch may be a step old.
     batches = {str(r["rank"]): r.get("batch") for r in reports if r.get("batch")}
@@ -198,6 +212,8 @@ def assemble(attempt: Mapping[str, Any], reports: Sequence[Mapping[str, Any]],
         "detection_latency_s": max(0.0, detected_at - failed_at),
         "step": step, "signature": signature(cause, step, first), "batches": batches,
         "reports": list(reports), "world_before": attempt.get("world_size"),
+        **({"exit_code": first.get("exit_code")}
+           if first is not None and cause in (EXIT, GPU_CRITICAL) else {}),
         "restored_step_before": attempt.get("restored_step"),
         "heartbeats": [{k: h.get(k) for k in ("rank", "step", "records", "progress_at",
                                                "alive_at")} for h in beats],
@@ -322,10 +338,11 @@ def decide(incidents: Sequence[Mapping[str, Any]], policy: LoopPolicy, *,
     newest = incidents[-1]
     if newest.get("cause") == RESTART_LOOP:
         return Remedy("restore", 0) if fresh_launch else Remedy("refuse", 0)
-    if not policy.enabled or newest.get("cause") == KILLED:
+    if not policy.enabled or newest.get("cause") in (KILLED, GPU_CRITICAL):
         # A silent death (SIGKILL, the OOM killer, a lost node) is counted, but climbs
         # no ladder: its step is a heartbeat's guess and its cause may lie outside
-        # the job, so skipping data or rewinding on it would be a guess too.
+        # the job, so skipping data or rewinding on it would be a guess too. A CRITICAL
+        # GPU is the node's fault: the next attempt runs without it.
         return Remedy("restore", 1)
     sig = newest.get("signature")
     run: list[Mapping[str, Any]] = []
