@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from ingest_service.backlog import BacklogLimits
 from ingest_service.datasets import create_dataset
 from ingest_service.push import body as push_body
+from ingest_service.push import entries as push_entries
 from ingest_service.push import ingest
 from ingest_service.push.ingest import PushIngest, choose_partition
 from tests.servers import RedisServer
@@ -72,7 +73,7 @@ async def _parse_beside_a_ticker(body: bytes, content_type: str) -> tuple[list[s
     each record encoded logs "record", and each garbage collector pass started inside
     a parse slice (``_parse`` running, on the stack) logs "gc"."""
     events: list[str] = []
-    real_encode = push_body._encode
+    real_encode = push_entries._encode
 
     def encode(*args: Any) -> Any:  # the real encoding, its calls recorded
         events.append("record")
@@ -98,7 +99,7 @@ async def _parse_beside_a_ticker(body: bytes, content_type: str) -> tuple[list[s
     gc.callbacks.append(on_gc)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(push_body, "_encode", encode)
+            mp.setattr(push_entries, "_encode", encode)
             batch = await push_body.parse_records_sliced(
                 bytearray(body), content_type, 16 * 2**20, push_body.BodyLimits())
     finally:
