@@ -261,10 +261,10 @@ def bombs(bench: Bench, args: argparse.Namespace, base: str) -> None:
         await create_dataset(r, streams.DatasetSpec(name=name, partitions=PARTITIONS,
                                                     format="push"))
         await r.aclose()
-        return await bomb_phase(base, name, OTHER_TOKEN, args.bomb_seconds)
+        return await bomb_phase(base, name, OTHER_TOKEN, args.bomb_seconds, args.bomb_rounds)
 
-    print(f"5. the loop beside decoding bombs ({args.bomb_seconds:.0f} s each, one bomb "
-          "client, /healthz probed one after the other)")
+    print(f"5. the loop beside decoding bombs ({args.bomb_rounds} rounds interleaved, "
+          f"{args.bomb_seconds:.0f} s each, one bomb client, /healthz probed one after the other)")
     for line in report(asyncio.run(run())):
         print(line)
 
@@ -282,6 +282,7 @@ def main() -> None:
     parser.add_argument("--arrivals", choices=("even", "poisson"), default="even")
     parser.add_argument("--max-push-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--bomb-seconds", type=float, default=3.0, help="per bomb, phase 5")
+    parser.add_argument("--bomb-rounds", type=int, default=3, help="phase 5 rounds")
     parser.add_argument("--bombs-only", action="store_true", help="run phase 5 alone")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-push-"))

@@ -405,3 +405,22 @@ def test_runs_ls_names_an_unreadable_store_and_lists_the_others(
     out = capsys.readouterr()
     assert code == 0 and [r["run"] for r in json.loads(out.out)] == ["a"]
     assert "broken" in out.err and str(tmp_path) not in out.err
+
+
+async def test_the_largest_offset_the_spec_allows_is_accepted(redis_server, tmp_path: Path) -> None:
+    """The bounds of ?offset= are the spec's, both ends included: offset=1000000000 (its
+    maximum, 10 digits) answers 200 with an empty page and the total (it was a 400
+    "expected an integer from 0 to 1000000000": the flake of the stateful schemathesis
+    test, whenever it drew the maximum), and one past it is a 400 bad_offset."""
+    root = tmp_path / "ck"
+    _save_runs(str(root), {"a": [1, 2]})
+    app = service_app(AdminConfig(redis_server.url, TOKEN, {"main": StoreRoot("main", str(root))}))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        for path, rows, total in (("/admin/runs", "runs", 1),
+                                  ("/admin/checkpoints/main", "checkpoints", 2)):
+            resp = await client.get(f"{path}?offset=1000000000")
+            assert resp.status == 200, await resp.text()
+            body = await resp.json()
+            assert body[rows] == [] and body["total"] == total
+            resp = await client.get(f"{path}?offset=1000000001")
+            assert resp.status == 400 and (await resp.json())["error"]["code"] == "bad_offset"

@@ -1,13 +1,12 @@
 """A push body parsed into stream entries (its limits, :class:`BodyLimits`, are
-:mod:`ingest_service.push.limits`'s, re-exported here).
-
-(Reading it within those limits is :mod:`ingest_service.push.read`'s.)
+:mod:`~ingest_service.push.limits`'s; reading it, :mod:`~ingest_service.push.read`'s).
 
 Parsing (:func:`parse_records_sliced`) runs on the event loop in slices: it decodes
 record by record (one JSON line, one element of a JSON array, one msgpack item per
-call) and hands the loop back after every 64 records or 32 KiB of JSON (about a
-millisecond) or 128 KiB of msgpack, so other requests are served between slices; a
-msgpack body of at most 128 KiB is decoded in one call; a bigger one is read by the
+call) and hands the loop back after every 64 records, 32 KiB of JSON (about a
+millisecond), 128 KiB of msgpack or 4,096 msgpack lists and maps, with the garbage
+collector paused in each slice; a msgpack body of at most 128 KiB within one record's
+bounds is decoded in one call; a bigger one is read by the
 unpacker 64 KiB at a time (not copied into its buffer whole) and, given as the
 bytearray :func:`~ingest_service.push.read.read_body` fills, consumed as it is read. A record's containers and
 nesting are bounded while it is decoded (:mod:`ingest_service.push.bounds`: 413), so
@@ -31,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import gc
 import json
 import re
 import time
@@ -43,11 +42,21 @@ import msgpack
 from ingest_service.errors import (
     MalformedPushError,
     PushRejectedError,
-    PushTooLargeError,
 )
 from ingest_service.push.bounds import BoundsOverflow, MsgpackBounds, needs_scan, scan_json
+from ingest_service.push.digest import BatchDigest
+from ingest_service.push.entries import (
+    ENCODE_SLICE_RECORDS,
+    SLICE_CHARS,
+    SLICE_TEXT,
+    Body,
+    Entries,
+    Pacer,
+    Steps,
+    label,
+)
 from ingest_service.push.limits import BodyLimits, too_many
-from trainguard.core import push_wire, streams
+from trainguard.core import push_wire
 
 __all__ = [
     "CONTENT_TYPES",
@@ -95,31 +104,6 @@ class ParsedBatch:
     """:class:`BatchDigest` of the records: what tells this batch from another."""
 
 
-def _label(kind: str, where: int) -> str:
-    return f"{kind} {where}"
-
-
-_RAW_ENTRY_BYTES = streams.record_size(streams.encode_record(b""))
-"""An entry's bytes besides its payload when the record is raw bytes."""
-
-
-def _encode(value: object, kind: str, where: int, max_record_bytes: int
-            ) -> tuple[dict[bytes, bytes], int]:
-    if value.__class__ is bytes:  # the common case (msgpack bin): its entry as encode_record's
-        fields = {streams.F_KIND: streams.KIND_RAW, streams.F_DATA: value}
-        size = _RAW_ENTRY_BYTES + len(value)  # type: ignore[arg-type]
-    else:
-        try:
-            fields = streams.encode_record(value)
-        except streams.ContractError as exc:
-            raise MalformedPushError(f"{_label(kind, where)}: {exc}") from exc
-        size = streams.record_size(fields)
-    if size > max_record_bytes:
-        raise PushTooLargeError(
-            f"{_label(kind, where)} is {size} bytes: the limit is {max_record_bytes} per record")
-    return fields, size
-
-
 def _json_value(decode: json.JSONDecoder, text: str, start: int, where: str) -> tuple[object, int]:
     try:
         return decode.raw_decode(text, start)
@@ -140,91 +124,12 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
-_SLICE_RECORDS = 64
-_SLICE_CHARS = 128 * 1024
-"""Bytes of msgpack per slice (decoding them takes microseconds)."""
-_SLICE_TEXT = 32 * 1024
-"""Characters of JSON per slice: about a millisecond to decode (a 15 MiB body of
-integer arrays in slices of 128 KiB held the loop 3 ms at a time)."""
-_ENCODE_SLICE_RECORDS = 256
 _SCAN_ALWAYS = 1024 * 1024
 """Characters of a JSON array body from which each record is scanned, uncounted."""
 
 
-class _Pacer:
-    """Says when a parsing slice has done enough work to hand the loop back."""
-
-    def __init__(self, chars: int) -> None:
-        self.limit = chars
-        self.records = self.chars = 0
-
-    def due(self, chars: int) -> bool:
-        self.records += 1
-        self.chars += chars
-        if self.records >= _SLICE_RECORDS or self.chars >= self.limit:
-            self.records = self.chars = 0
-            return True
-        return False
-
-
-class BatchDigest:
-    """A batch's identity: blake2b of its entries' fields, each length-prefixed, so the
-    same records give the same digest whatever the body's encoding, and two batches
-    that differ anywhere (a record, the order, the count) give different ones."""
-
-    def __init__(self) -> None:
-        self._h = hashlib.blake2b(digest_size=16)
-
-    def add(self, fields: dict[bytes, bytes]) -> None:
-        h = self._h
-        for k, v in fields.items():
-            h.update(b"%d:%b%d:" % (len(k), k, len(v)))
-            h.update(v)
-        h.update(b";")
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-    @classmethod
-    def of(cls, records: list[dict[bytes, bytes]]) -> str:
-        digest = cls()
-        for fields in records:
-            digest.add(fields)
-        return digest.hexdigest()
-
-
-class _Entries:
-    """Each decoded record encoded into its stream entry as soon as it is decoded, so a
-    big body's decoded values (lists, dicts) are garbage at once. Kept until the end
-    they were promoted by the garbage collector, whose passes over the ten thousand
-    lists of a 15 MiB body then took 10-30 ms of the loop each (and 60 MB of memory)."""
-
-    def __init__(self, kind: str, max_record_bytes: int, limits: BodyLimits) -> None:
-        self.kind, self.max_record_bytes, self.limits = kind, max_record_bytes, limits
-        self.records: list[dict[bytes, bytes]] = []
-        self.sizes: list[int] = []
-        self.data_bytes = 0
-        self.digest = BatchDigest()
-
-    def add(self, value: object, where: int) -> None:
-        if len(self.records) >= self.limits.max_records:
-            raise too_many(self.limits, f"more than {self.limits.max_records}")
-        fields, size = _encode(value, self.kind, where, self.max_record_bytes)
-        self.records.append(fields)
-        self.digest.add(fields)
-        self.sizes.append(size)
-        self.data_bytes += len(fields[streams.F_DATA])
-
-
-Body = bytes | bytearray
-"""A push body as read (:func:`ingest_service.push.read.read_body` fills a bytearray)."""
-
-Steps = Generator[None, None, None]
-"""A parser: adds the records to its ``_Entries``, yields between slices."""
-
-
-def _ndjson(body: Body, decoder: json.JSONDecoder, out: _Entries) -> Steps:
-    pacer = _Pacer(_SLICE_TEXT)
+def _ndjson(body: Body, decoder: json.JSONDecoder, out: Entries) -> Steps:
+    pacer = Pacer(SLICE_TEXT)
     shape = (out.limits.max_record_containers, out.limits.max_record_depth)
     pos, lineno = 0, 0
     view = memoryview(body)  # lines decoded from it: no copy of each line's bytes first
@@ -239,7 +144,7 @@ def _ndjson(body: Body, decoder: json.JSONDecoder, out: _Entries) -> Steps:
         # long line is scanned without counting its brackets first: the count is a pass
         # over it in one slice, the scan yields.)
         if body[first:first + 1] in (b"[", b"{") and (
-                end - first > _SLICE_TEXT or needs_scan(body, *shape, first, end)):
+                end - first > SLICE_TEXT or needs_scan(body, *shape, first, end)):
             yield from scan_json(body, first, f"line {lineno}", *shape, end=end)
         try:
             line = str(view[first:end], "utf-8")
@@ -253,7 +158,61 @@ def _ndjson(body: Body, decoder: json.JSONDecoder, out: _Entries) -> Steps:
             yield
 
 
-def _json_array(body: Body, decoder: json.JSONDecoder, out: _Entries) -> Steps:
+_SCALAR = re.compile(rb'"(?:[^"\\]|\\.)*"|[^,\]\s]+', re.S)
+"""A record that is not a container: a string, or a number or literal up to the next
+comma, bracket or space (what it holds is the decoder's to check)."""
+
+
+def _json_array_bytes(body: Body, decoder: json.JSONDecoder, out: Entries) -> Steps:
+    """A JSON array body over 1 MiB read from its bytes, record by record: each
+    record's extent found by the scan of its brackets (done for every record of such a
+    body anyway), and only that record's text decoded. Decoded whole first, the body
+    was copied into a str of its size: it cost twice its size while parsed."""
+    view, shape = memoryview(body), (out.limits.max_record_containers, out.limits.max_record_depth)
+    i = _WS.match(body).end()  # type: ignore[union-attr]
+    if body[i:i + 1] != b"[":
+        raise MalformedPushError("an application/json body must be one array of records: [r0, r1, ...]")
+    pacer = Pacer(SLICE_TEXT)
+    i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
+    if body[i:i + 1] == b"]":
+        i += 1
+    else:
+        while True:
+            start, n = i, len(out.records)
+            where = label("record", n)
+            if body[i:i + 1] in (b"[", b"{"):
+                end = yield from scan_json(body, i, where, *shape)
+            else:
+                m = _SCALAR.match(body, i)
+                end = m.end() if m else i + 1  # then one character, for the decoder to refuse
+            end = len(body) if end is None else end  # not well-formed: the decoder says how
+            try:
+                text = str(view[start:end], "utf-8")
+            except UnicodeDecodeError as exc:
+                raise MalformedPushError(f"{where} is not UTF-8 text: {exc}") from exc
+            value, stop = _json_value(decoder, text, 0, where)
+            if stop != len(text):
+                raise MalformedPushError(f"{where} is not valid JSON: it ends at character "
+                                         f"{stop} of its {len(text)}")
+            out.add(value, n)
+            i = _WS.match(body, end).end()  # type: ignore[union-attr]
+            if body[i:i + 1] == b",":
+                i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
+                if pacer.due(i - start):
+                    yield
+                continue
+            if body[i:i + 1] == b"]":
+                i += 1
+                break
+            raise MalformedPushError(f"the JSON array is not closed after record {n}")
+    if _WS.match(body, i).end() != len(body):  # type: ignore[union-attr]
+        raise MalformedPushError("the body holds more after the JSON array")
+
+
+def _json_array(body: Body, decoder: json.JSONDecoder, out: Entries) -> Steps:
+    if len(body) > _SCAN_ALWAYS:
+        yield from _json_array_bytes(body, decoder, out)
+        return
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -261,7 +220,7 @@ def _json_array(body: Body, decoder: json.JSONDecoder, out: _Entries) -> Steps:
     i = _skip_ws(text, 0)
     if i == len(text) or text[i] != "[":
         raise MalformedPushError("an application/json body must be one array of records: [r0, r1, ...]")
-    pacer = _Pacer(_SLICE_TEXT)
+    pacer = Pacer(SLICE_TEXT)
     shape = (out.limits.max_record_containers, out.limits.max_record_depth)
     yield  # decoding a big body took milliseconds already: the loop's turn
     # The body's own array is one container more, one level deeper. (A big body is
@@ -274,8 +233,8 @@ def _json_array(body: Body, decoder: json.JSONDecoder, out: _Entries) -> Steps:
         while True:
             start, n = i, len(out.records)
             if scan and text[i:i + 1] in ("[", "{"):
-                yield from scan_json(text, i, _label("record", n), *shape)
-            value, i = _json_value(decoder, text, i, _label("record", n))
+                yield from scan_json(text, i, label("record", n), *shape)
+            value, i = _json_value(decoder, text, i, label("record", n))
             out.add(value, n)
             i = _skip_ws(text, i)
             if i < len(text) and text[i] == ",":
@@ -333,7 +292,7 @@ def _unpacker(body: Body, limits: BodyLimits, bounds: MsgpackBounds, *, whole: b
     return items
 
 
-def _msgpack(body: Body, out: _Entries) -> Steps:
+def _msgpack(body: Body, out: Entries) -> Steps:
     limits = out.limits
     size = len(body)  # a big bytearray body is consumed while it is read
     count = msgpack_array_len(body[:5])
@@ -345,10 +304,12 @@ def _msgpack(body: Body, out: _Entries) -> Steps:
     n = 0
     try:
         array: object = _UNSET
-        if len(body) <= _SLICE_CHARS:
+        if len(body) <= SLICE_CHARS:
             items = _unpacker(body, limits, bounds, whole=True)
             with contextlib.suppress(BoundsOverflow):  # then record by record: which one?
                 array = items.unpack()
+            if array is _UNSET:
+                yield  # that try decoded up to a slice's containers already
         if array is not _UNSET:
             # One slice's worth: the array decoded in one call (item by item cost 20x as
             # much); encoded in slices of 256 records (a 100-record batch in one turn).
@@ -357,24 +318,24 @@ def _msgpack(body: Body, out: _Entries) -> Steps:
                     f"the msgpack body is a {type(array).__name__}, not an array of records")
             for n, value in enumerate(array):
                 out.add(value, n)
-                if (n + 1) % _ENCODE_SLICE_RECORDS == 0:
+                if (n + 1) % ENCODE_SLICE_RECORDS == 0:
                     yield
         else:
             items = _unpacker(body, limits, bounds, whole=False)
             count = items.read_array_header()
-            pacer = _Pacer(_SLICE_CHARS)
+            pacer = Pacer(SLICE_CHARS)
             for n in range(count):
                 before = items.tell()
                 bounds.reset(limits.max_record_containers, limits.max_record_depth)
                 out.add(items.unpack(), n)
-                if pacer.due(items.tell() - before):
+                if pacer.due(items.tell() - before, bounds.count):
                     yield
     except PushRejectedError:
         raise  # a record refused (400, 413): not a decoding error
     except BoundsOverflow as exc:
-        raise bounds.error(exc, _label("record", n)) from None
+        raise bounds.error(exc, label("record", n)) from None
     except msgpack.StackError:  # deeper than the decoder's own stack: past ours too
-        raise bounds.error(BoundsOverflow(True), _label("record", n)) from None
+        raise bounds.error(BoundsOverflow(True), label("record", n)) from None
     except msgpack.OutOfData as exc:
         raise MalformedPushError("the msgpack body ends inside its array") from exc
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
@@ -388,13 +349,13 @@ def _msgpack(body: Body, out: _Entries) -> Steps:
 def _parse(body: Body, content_type: str, max_record_bytes: int,
            limits: BodyLimits) -> Generator[None, None, ParsedBatch]:
     if content_type in MSGPACK_TYPES:
-        out = _Entries("record", max_record_bytes, limits)
+        out = Entries("record", max_record_bytes, limits)
         yield from _msgpack(body, out)
     elif content_type == JSON_TYPE:
-        out = _Entries("record", max_record_bytes, limits)
+        out = Entries("record", max_record_bytes, limits)
         yield from _json_array(body, json.JSONDecoder(), out)
     else:
-        out = _Entries("line", max_record_bytes, limits)
+        out = Entries("line", max_record_bytes, limits)
         yield from _ndjson(body, json.JSONDecoder(), out)
     if not out.records:
         raise MalformedPushError("the body holds no record: expected at least one")
@@ -415,7 +376,26 @@ async def parse_records_sliced(body: Body, content_type: str, max_record_bytes: 
     while True:
         started = time.perf_counter()
         try:
-            next(steps)
+            with _gc_paused():
+                next(steps)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
         await asyncio.sleep((time.perf_counter() - started) * rest)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Generator[None, None, None]:
+    """The garbage collector off for one slice. A decode allocates a container per
+    list or map, and every 700 allocations start a pass over the young objects: the
+    record under way among them, and every tenth pass the older generations, the
+    whole process's heap at times. That was 35 ms of a slice that does 6 ms of work
+    (a JSON record of 10,000 lists). Decoded values hold no cycles: what a slice
+    frees, reference counting frees."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -31,7 +31,10 @@ def _count(request: web.Request, name: str, default: int, top: int) -> int:
     text = request.query.get(name)
     if text is None:
         return default
-    if not text.isascii() or not text.isdigit() or len(text) > 9 or int(text) > top:
+    # At most top's digits before int(): a long digit string is refused uncounted (and
+    # top itself, 10 digits for offset's 10**9, is the spec's maximum: accepted).
+    if (not text.isascii() or not text.isdigit() or len(text) > len(str(top))
+            or int(text) > top):
         raise BadRequest(f"bad_{name}", f"?{name}={text[:20]!r} is not valid: expected an "
                                         f"integer from 0 to {top}")
     return int(text)
