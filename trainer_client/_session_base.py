@@ -105,6 +105,9 @@ class SessionBase:
         self._rank_store = rank_state_store(self.store)
         self._positions = PositionReader(self._rank_store)
         self._basis: tuple[ManifestView, SessionRecord] | None = None
+        # The restored checkpoint when it consumed every record of a finished dataset:
+        # the loop then gets nothing and checkpoints write nothing (_finished.py).
+        self._finished: ManifestView | None = None
         self._placed: set[int] = set()
         self._committer = OffsetCommitter(self._redis, self._call, self.store,
                                           dataset=dataset, run=run, reader=self._positions)

@@ -145,7 +145,8 @@ class TrainingSession(Restoring, Checkpointing):
         the run seed (unless it has one), so the pass leaves the global random state
         as the restore set it. In deterministic mode, batches come in the order an
         uninterrupted run would have had them (the loader's workers are merged by
-        each worker's batch index).
+        each worker's batch index). A session restored at the end of a finished dataset
+        (:attr:`finished`) yields nothing.
 
         With several ranks, every rank leaves the loop in the same iteration (see
         :mod:`trainer_client._uneven`): ``uneven="join"`` hands a rank that ran out
@@ -157,6 +158,8 @@ class TrainingSession(Restoring, Checkpointing):
         if uneven not in UNEVEN_MODES:
             raise ValueError(f"uneven must be one of {UNEVEN_MODES}, got {uneven!r}")
         refuse_resuming_loader(loader)
+        if self._finished is not None:
+            return  # restored at the end of a finished dataset: nothing left to train
         num_workers = int(getattr(loader, "num_workers", 0))
         if self.deterministic:
             warn_if_reshaped(self._restored, self.world_size, num_workers)
