@@ -219,10 +219,21 @@ class TrainingSession(Restoring, Checkpointing):
                         shutdown()
                 del it
 
+    def log(self, step: int | None = None, **values: Any) -> None:
+        """Report the loop's figures for the dashboard: ``session.log(loss=loss)``
+        (numbers or one-element tensors; ``lr=...`` and a few more as you like).
+        ``step``: default the loop's own (the restored step plus the batches handed
+        out). Rank 0's values are kept, at most one entry a second (the newest wins)
+        in a capped Redis stream (:mod:`trainguard.core.trainlog`): the run page
+        shows the loss, steps/s, the ETA, and turns red when the log stops."""
+        self._trainlog.log(self._heal.step if step is None else step, values,
+                           self._heal.attempts.attempt)
+
     def close(self) -> None:
         """Wait for in-flight checkpoints, then release connections (and the store
         when the session made it). Raises a fencing refusal met in the background."""
         try:
+            self._trainlog.flush()
             self.wait()
             self._committer.raise_background()
             self._heal.closed()
