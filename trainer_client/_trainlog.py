@@ -44,6 +44,7 @@ class TrainLog:
         if doc is None:
             return
         self._last_write = time.time()
+        doc["values"] = trainlog.as_floats(doc["values"])
         doc["steps_left"] = self._steps_left()
         self._call(self._client.xadd, self._key, trainlog.encode(doc),
                    maxlen=trainlog.KEPT, approximate=True)

@@ -26,7 +26,7 @@ from typing import Any
 from trainguard.core.errors import TrainguardError
 from trainguard.core.streams import PREFIX
 
-__all__ = ["INTERVAL_S", "KEPT", "TRAINLOG_VERSION", "TrainLogError", "check_values",
+__all__ = ["INTERVAL_S", "KEPT", "MAX_VALUES", "TRAINLOG_VERSION", "TrainLogError", "as_floats", "check_values",
            "decode", "encode", "trainlog_key"]
 
 TRAINLOG_VERSION = 1
@@ -46,19 +46,34 @@ def trainlog_key(dataset: str, run: str) -> str:
     return f"{PREFIX}:{{{dataset}}}:trainlog:{run}"
 
 
-def check_values(values: Mapping[str, Any]) -> dict[str, float]:
-    """The values as floats, or a clear error (what was expected, what was found)."""
+def check_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The values, checked but not converted (a clear error: what was expected, what
+    was found). A one-element tensor is kept as it is (detached): converting it is a
+    device sync, done only when an entry is written (:func:`as_floats`)."""
     if len(values) > MAX_VALUES:
         raise TrainLogError(f"session.log takes at most {MAX_VALUES} values, got "
                             f"{len(values)}: log the few a person watches (loss, lr, ...)")
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        numel = getattr(value, "numel", None)
+        if callable(numel) and numel() == 1:
+            detach = getattr(value, "detach", None)
+            out[name] = detach() if callable(detach) else value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+        else:
+            raise TrainLogError(f"session.log({name}=...) expects a number or a one-element "
+                                f"tensor, got {type(value).__name__}"
+                                f"{' of ' + str(numel()) + ' elements' if callable(numel) else ''}: "
+                                "pass a float (e.g. loss.item()) or the loss tensor itself")
+    return out
+
+
+def as_floats(values: Mapping[str, Any]) -> dict[str, float]:
+    """Checked values as floats (NaN and infinities as NaN: JSON has no infinity)."""
     out = {}
     for name, value in values.items():
-        try:
-            # A tensor of one element (loss) converts through float() (its .item()).
-            number = float(value)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TrainLogError(f"session.log({name}=...) expects a number (or a one-element "
-                                f"tensor), got {type(value).__name__}: pass a float") from exc
+        number = float(value)
         out[name] = number if math.isfinite(number) else float("nan")
     return out
 
