@@ -33,6 +33,10 @@ class TrainLog:
         if self._rank != 0:
             return  # rank 0's loss stands for the run (DDP's losses agree after the step)
         now = time.time()
+        pending = self._pending
+        if pending is not None and pending["step"] == int(step):
+            # Several logs of one step (a framework's loss, then its summary) make one entry.
+            checked = {**pending["values"], **checked}
         self._pending = {"attempt": attempt, "rank": self._rank, "step": int(step), "at": now,
                          "values": checked}
         if now - self._last_write >= trainlog.INTERVAL_S:
