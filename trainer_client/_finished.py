@@ -12,24 +12,29 @@ import redis
 from trainguard.core import streams
 from trainguard.core.checkpoints import ManifestView
 
-__all__ = ["FinishedHandle", "consumed_to_the_end"]
+__all__ = ["FinishedHandle", "consumed_to_the_end", "ends_if_finished"]
 
 
-def consumed_to_the_end(client: redis.Redis, dataset: str, offsets: Mapping[int, str],
-                        partitions: int) -> bool:
-    """True when the producer has finished ``dataset`` and every partition's offset is
-    at (or past) the partition's last ID (``end:<p>``; absent: it got no record)."""
+def ends_if_finished(client: redis.Redis, dataset: str,
+                     partitions: int) -> dict[int, str] | None:
+    """Each partition's last ID (``end:<p>``; left out: it got no record) once the
+    producer has finished ``dataset``; None while more may come (endless, or still
+    being produced). One HGETALL: a restore asks it before reading any position."""
     prog = client.hgetall(streams.progress_key(dataset))
     if prog.get(streams.PROGRESS_FINISHED) != b"1":
-        return False  # endless, or still being produced: more may come
+        return None
+    ends = {}
     for p in range(partitions):
         end = prog.get(streams.progress_end_field(p))
-        if end is None:
-            continue
-        last = end.decode() if isinstance(end, bytes) else str(end)
-        if streams.parse_id(offsets.get(p, streams.ZERO_ID)) < streams.parse_id(last):
-            return False
-    return True
+        if end is not None:
+            ends[p] = end.decode() if isinstance(end, bytes) else str(end)
+    return ends
+
+
+def consumed_to_the_end(ends: Mapping[int, str], offsets: Mapping[int, str]) -> bool:
+    """True when every partition's offset is at (or past) its last ID."""
+    return all(streams.parse_id(offsets.get(p, streams.ZERO_ID)) >= streams.parse_id(end)
+               for p, end in ends.items())
 
 
 class FinishedHandle:

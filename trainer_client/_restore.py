@@ -10,7 +10,7 @@ from typing import Any
 
 from trainer_client import _rng
 from trainer_client import offsets as ofs
-from trainer_client._finished import consumed_to_the_end
+from trainer_client._finished import consumed_to_the_end, ends_if_finished
 from trainer_client._loaders import refuse_own_position
 from trainer_client._session_base import SessionBase
 from trainer_client.errors import (
@@ -161,10 +161,12 @@ class Restoring(SessionBase):
         end (rank 0 reads every partition's position, so all ranks agree)."""
         done = False
         if self.rank == 0 and manifest is not None and rec is not None:
-            every = list(range(self.spec.partitions))
-            offsets = self._positions.positions(manifest, rec, every).offsets
-            done = self._call(consumed_to_the_end, self._redis, self.dataset_name, offsets,
+            ends = self._call(ends_if_finished, self._redis, self.dataset_name,
                               self.spec.partitions)
+            if ends is not None:
+                # Only a finished dataset's restore reads every rank's positions.
+                offsets = self._positions.positions(manifest, rec, sorted(ends)).offsets
+                done = consumed_to_the_end(ends, offsets)
         return manifest if self._broadcast(done) else None
 
     @property
