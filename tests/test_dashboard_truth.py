@@ -147,6 +147,11 @@ def test_the_run_page_tells_the_truth(redis_server, tmp_path: Path) -> None:
                     raw, words = cell.get_attribute("data-v"), cell.inner_text()
                     assert raw and re.fullmatch(r"\d+-\d+", raw) and words.startswith("epoch 1, record ")
                     assert int(words.rsplit(" ", 1)[-1].replace(",", "")) == int(raw.split("-")[1]) + 1
+                    done = page.page.locator(f'tr[data-partition="{p}"] [data-k="committed:exp"]')
+                    raw = done.get_attribute("data-v")
+                    assert raw and re.fullmatch(r"\d+-\d+", raw)
+                    assert done.inner_text() == (f"epoch {raw.split('-')[0]}, record "
+                                                 f"{int(raw.split('-')[1]) + 1:,}")
                 text = page.page.locator("main").inner_text()
                 assert not re.search(r"\de[-+]?\d", text), text
                 page.close()

@@ -117,7 +117,7 @@ async function datasetPage(name) {
         cell("retention_floor", p.retention_floor, fmtId(p.retention_floor)),
         groups.flatMap((g) => {
           const gp = g.partitions.find((x) => x.partition === p.partition) || {};
-          return [cell(`committed:${g.group}`, gp.committed), cell(`lag:${g.group}`, gp.lag)];
+          return [cell(`committed:${g.group}`, gp.committed, fmtId(gp.committed)), cell(`lag:${g.group}`, gp.lag)];
         }))))),
     card(`Dead letters (newest ${d.dead_letters.newest.length} of ${d.dead_letters.count})`,
       d.dead_letters.newest.length ? table(["when", "reason", "position", "bytes"],
@@ -180,7 +180,8 @@ function trainingCard(t) {
           "data-v": hb.status }, hb.status)),
         h("span", {}, hb.last_progress_at ? `last progress ${fmtAgo(hb.last_progress_at)}` : "heartbeat"))),
     h("p", { class: "muted", "data-k": "heartbeat_advice", "data-v": hb.status }, hb.advice),
-    lineChart([{ name: "loss", color: "#2563eb", points: pts }], { label: "loss over time", fmt: fmtNum, fromMin: true }));
+    h("div", { class: "chart" },
+      lineChart([{ name: "loss", color: "#2563eb", points: pts }], { label: "loss over time", fmt: fmtNum, fromMin: true })));
 }
 
 async function runPage(name, dataset) {

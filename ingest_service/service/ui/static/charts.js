@@ -45,7 +45,8 @@ function fmtNum(v) {
   if (a >= 1000) return Math.round(v).toLocaleString("en-US");
   if (a >= 1) return v.toFixed(a >= 100 ? 1 : 2);
   if (a >= 0.001) return v.toFixed(4).replace(/0+$/, "").replace(/\.$/, "");
-  return "< 0.001";
+  // Small losses keep three significant digits, written out (never "1e-5").
+  return v.toFixed(Math.min(20, 2 - Math.floor(Math.log10(a))));
 }
 function fmtClock(ts) {
   const d = new Date(ts * 1000);
