@@ -75,7 +75,7 @@ const card = (title, ...kids) => h("section", { class: "card" }, h("h2", {}, tit
 
 function lineChart(series, opts) {
   // series: [{name, color, points: [[x, y], ...]}]
-  const W = 600, H = 170, L = 44, B = 22, T = 8, R = 8;
+  const W = 600, H = 170, L = 64, B = 22, T = 8, R = 8; // L: room for "0.0000348"
   const pts = series.flatMap((s) => s.points);
   const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": opts.label });
   if (!pts.length) {
