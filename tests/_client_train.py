@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the tier servers' URLs, node by node: the store is a NodeTierStore "
                     "(node = RANK) over a RamTierStore in --store/node<rank>/n<rank>")
     ap.add_argument("--tier-disk", default="", help="with --tier-peers: the local disk tier")
+    ap.add_argument("--log-loss", action="store_true",
+                    help="session.log(step, loss=<the loss tensor>) each step; prints LOG <step> <loss>")
     args = ap.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
@@ -167,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if args.log_loss:
+                session.log(step + 1, loss=loss)
+                say(f"LOG {step + 1} {float(loss)!r}")
             if trace is not None:
                 trace.write(" ".join(str(i) for i in idx.tolist()) + "\n")
                 trace.flush()

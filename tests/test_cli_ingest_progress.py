@@ -94,3 +94,82 @@ def test_a_producer_resumed_in_a_later_epoch_ends_at_the_exact_whole(
                                  timeout=300))
     assert (_n(again["done"]), _n(again["whole"]), again["pct"]) == (60_000, 60_000, "100.0")
     assert _n(again["mine"]) == 60_000 - before
+
+
+def test_a_single_epoch_npy_ingest_shows_its_exact_whole_from_the_first_line(
+        redis_server, tmp_path: Path) -> None:
+    """A source that knows its size up front (two .npy files: 600,000 and 400,001 tokens
+    in samples of 2, so 300,000 + 200,000 records; the odd token is no record) shows the
+    dataset's exact whole, 500,000, on every line from the first one: stopped (SIGTERM)
+    part-way through its only epoch, before the producer has planned that epoch, its
+    last line still says N of 500,000 with N the records in Redis, not "the whole is
+    known once an epoch is read"."""
+    import numpy as np
+
+    from tests._ingest_util import total_len
+    from trainer_client import redis_client as trainer_redis
+    from trainguard.core import streams
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    np.save(folder / "a.npy", np.arange(600_000, dtype=np.int32))
+    np.save(folder / "b.npy", np.arange(400_001, dtype=np.int32))
+    args = [sys.executable, "-m", "trainguard", "ingest", "--redis-url", redis_server.url,
+            "--dataset", "tok", "--source", str(folder), "--format", "npy",
+            "--sample-len", "2", "--partitions", "4"]
+    spec = streams.DatasetSpec(name="tok", partitions=4, source=str(folder), format="npy",
+                               sample_len=2)
+    proc = subprocess.Popen(args, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = trainer_redis.client(redis_server.url)
+    try:
+        while proc.poll() is None and total_len(client, spec) < 1_000:
+            time.sleep(0.005)
+        assert proc.poll() is None, "finished before the signal: make the source bigger"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        in_redis = total_len(client, spec)
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert in_redis < 500_000, "the epoch completed: make the source bigger"
+    lines = err.strip().splitlines()
+    assert all(_LINE.search(line) for line in lines), err
+    assert {_n(_LINE.search(line)["whole"]) for line in lines} == {500_000}
+    last = _LINE.search(lines[-1])
+    assert last is not None
+    assert _n(last["done"]) == in_redis
+
+
+def test_files_and_parquet_sources_count_their_records_before_being_read(tmp_path: Path) -> None:
+    """The up-front count follows the readers' rules exactly: a ``files`` source is one
+    record per file except the oversized one (a dead letter); a Parquet folder holds
+    its footers' rows; a jsonl source (lines to parse) and a tokenized one say None."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainguard.core import streams
+    from trainguard.ops.source_size import epoch_records_up_front
+
+    files = tmp_path / "files"
+    files.mkdir()
+    for i in range(5):
+        (files / f"{i}.bin").write_bytes(b"x" * 10)
+    (files / "big.bin").write_bytes(b"x" * 5000)
+    spec = streams.DatasetSpec(name="f", partitions=2, source=str(files), format="files",
+                               max_record_bytes=1000)
+    assert epoch_records_up_front(spec) == 5
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    pq.write_table(pa.table({"text": [f"t{i}" for i in range(7)]}), hf / "train-0.parquet")
+    pq.write_table(pa.table({"text": [f"u{i}" for i in range(4)]}), hf / "train-1.parquet")
+    (hf / "README.md").write_text("a card\n")
+    assert epoch_records_up_front(streams.DatasetSpec(
+        name="h", partitions=2, source=str(hf), format="hf")) == 11
+
+    (tmp_path / "d.jsonl").write_text('{"a": 1}\n')
+    assert epoch_records_up_front(streams.DatasetSpec(
+        name="j", partitions=2, source=str(tmp_path / "d.jsonl"), format="jsonl")) is None

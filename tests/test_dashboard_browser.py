@@ -39,7 +39,7 @@ def _trainer_args(url: str, store: str) -> list[str]:
     # Slow enough (40 ms a step) to be still training when the browser looks.
     return ["--redis", url, "--dataset", "tok", "--run", "exp", "--store", store,
             "--n", str(N), "--batch-size", "8", "--ckpt-every", "10", "--sleep-ms", "40",
-            "--keep-last", "100"]
+            "--keep-last", "100", "--log-loss"]
 
 
 def _ready_step(job: Job) -> int:

@@ -78,3 +78,47 @@ def test_settings_that_would_lose_records_are_refused(redis_server: RedisServer,
         assert tg.session.checkpoints() == []
     finally:
         tg.close()
+
+
+def test_the_trainer_forwards_its_logs_to_the_run_page(redis_server: RedisServer,
+                                                      tmp_path: Path) -> None:
+    """The HF Trainer's own logs reach the run page without a line of user code: with
+    logging every step over 6 steps, the run's trainlog ends with step 6 holding
+    exactly the loss the Trainer logged at step 6 (and its end-of-training summary's
+    train_loss, logged at the same step), and every entry's loss is its step's."""
+    import redis
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from tests._hf_job import Ledger
+    from trainguard.core import trainlog
+    from trainguard.integrations.hf import TrainguardHF
+
+    logged: dict[int, dict[str, float]] = {}
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+            logged.setdefault(state.global_step, {}).update(logs or {})
+
+    spec = cf.create(redis_server.url, "tok", partitions=P)
+    cf.fill(redis_server.url, spec, 48)
+    tg = TrainguardHF(redis_server.url, dataset="tok", run="hf", batch_size=8,
+                      store=f"file://{tmp_path}/ckpt", block_ms=200)
+    targs = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=6,
+                              save_steps=3, ignore_data_skip=True, report_to=[], use_cpu=True,
+                              logging_steps=1, disable_tqdm=True)
+    trainer = tg.attach(Trainer(model=Ledger(48), args=targs, train_dataset=tg.train_dataset,
+                                callbacks=[tg.callback, Record()]))
+    try:
+        trainer.train()
+    finally:
+        tg.close()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        entries = [trainlog.decode(f) for _, f in client.xrange(trainlog.trainlog_key("tok", "hf"))]
+    finally:
+        client.close()
+    assert entries and entries[-1] is not None and entries[-1]["step"] == 6
+    assert entries[-1]["values"]["loss"] == logged[6]["loss"]
+    assert entries[-1]["values"]["train_loss"] == logged[6]["train_loss"]
+    for e in entries:
+        assert e is not None and e["values"]["loss"] == logged[e["step"]]["loss"], (e, logged)

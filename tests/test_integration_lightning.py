@@ -87,3 +87,44 @@ def test_a_fresh_fit_over_committed_checkpoints_is_refused(redis_server: RedisSe
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
     with pytest.raises(ValueError, match="not a trainguard checkpoint marker"):
         _fit(redis_server.url, tmp_path, str(tmp_path / "plain.ckpt"), 24)
+
+
+def test_a_fit_forwards_its_loss_to_the_run_page(redis_server: RedisServer,
+                                                 tmp_path: Path) -> None:
+    """Lightning's own loss reaches the run page without a line of user code: after a
+    fit of 10 steps, the run's trainlog (what the dashboard reads) ends with step 10
+    and exactly the loss training_step returned at that step; every entry's loss is
+    the one of its step."""
+    import redis
+
+    from tests._lightning_job import Ledger, trainer_for
+    from trainguard.core import trainlog
+    from trainguard.integrations.lightning import TrainguardDataModule
+
+    losses: dict[int, float] = {}
+
+    class Recording(Ledger):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            losses[self.global_step + 1] = float(loss)  # the step it completes
+            return loss
+
+    spec = cf.create(redis_server.url, "tok", partitions=P)
+    cf.fill(redis_server.url, spec, N)
+    dm = TrainguardDataModule(redis_server.url, dataset="tok", run="pl",
+                              store=f"file://{tmp_path}/ckpt", batch_size=8, block_ms=200)
+    trainer = trainer_for(dm, tmp_path / "lightning", 6, [], max_steps=10)
+    try:
+        trainer.fit(Recording(N), datamodule=dm)
+    finally:
+        dm.close()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        entries = [trainlog.decode(f) for _, f in client.xrange(trainlog.trainlog_key("tok", "pl"))]
+    finally:
+        client.close()
+    assert entries and all(e is not None for e in entries)
+    assert entries[-1]["step"] == 10  # type: ignore[index]
+    for e in entries:
+        assert e is not None
+        assert e["values"]["loss"] == losses[e["step"]], (e, losses)

@@ -14,6 +14,7 @@ from trainer_client import offsets as ofs
 from trainer_client._checks import check_not_bypassed, warn_divergent
 from trainer_client._commit import gather_offsets
 from trainer_client._consumed import Snapshot
+from trainer_client._finished import FinishedHandle
 from trainer_client._loaders import refuse_own_position
 from trainer_client._session_base import SessionBase
 from trainer_client.errors import FencedError
@@ -56,6 +57,8 @@ class Checkpointing(SessionBase):
         and the retention floor are published. A fenced trainer is refused here, and a
         refusal met in the background is raised by the next call. ``skipped`` lists
         the batches consumed but never trained (the session record carries them).
+        A session restored at the end of a finished dataset (:attr:`finished`) writes
+        nothing and returns the restored checkpoint's handle.
         """
         for key in (record.RECORD_KEY, record.SKIPPED_KEY, TIMING_KEY):
             if extra is not None and key in extra:
@@ -63,6 +66,10 @@ class Checkpointing(SessionBase):
         refuse_own_position(state)
         self._committer.raise_background()
         gen = self._gen()
+        if self._finished is not None:
+            # A rerun of a finished run: the restored checkpoint already holds it all,
+            # and a second one of the same step would only repeat it.
+            return FinishedHandle(self._finished)
         self._check_fence(gen)
         self._place(self._mine(self._num_workers))
         now = self._consumed.snapshot()

@@ -129,6 +129,11 @@ class Healing:
         self._step = step
         self.watchdog.step = step
 
+    @property
+    def step(self) -> int:
+        """The loop's step: the restored one plus the batches handed since."""
+        return self._step
+
     # ------------------------------------------------------------------ the loop
 
     def handing(self, batch: Batch) -> bool:

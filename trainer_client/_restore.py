@@ -10,6 +10,7 @@ from typing import Any
 
 from trainer_client import _rng
 from trainer_client import offsets as ofs
+from trainer_client._finished import consumed_to_the_end, ends_if_finished
 from trainer_client._loaders import refuse_own_position
 from trainer_client._session_base import SessionBase
 from trainer_client.errors import (
@@ -150,13 +151,41 @@ class Restoring(SessionBase):
         self._clock.count_failures(self._heal.failures)
         step = int(manifest.step) if manifest is not None else 0
         self._heal.restored(step, rec, self.generation)
+        self._finished = self._at_the_end(manifest, rec)
         self._log_restored(manifest)
         return step
+
+    def _at_the_end(self, manifest: ManifestView | None,
+                    rec: SessionRecord | None) -> ManifestView | None:
+        """``manifest`` when it consumed every partition of a finished dataset to its
+        end (rank 0 reads every partition's position, so all ranks agree)."""
+        done = False
+        if self.rank == 0 and manifest is not None and rec is not None:
+            ends = self._call(ends_if_finished, self._redis, self.dataset_name,
+                              self.spec.partitions)
+            if ends is not None:
+                # Only a finished dataset's restore reads every rank's positions.
+                offsets = self._positions.positions(manifest, rec, sorted(ends)).offsets
+                done = consumed_to_the_end(ends, offsets)
+        return manifest if self._broadcast(done) else None
+
+    @property
+    def finished(self) -> bool:
+        """True when the restored checkpoint had already trained every record of a
+        finished dataset: :meth:`batches` yields nothing and :meth:`checkpoint`
+        writes nothing (it returns the restored checkpoint's handle)."""
+        return self._finished is not None
 
     def _log_restored(self, manifest: ManifestView | None) -> None:
         """One line on every restore: which checkpoint, which step, what is trained."""
         if manifest is None:
             log.info("run %s: no checkpoint yet, training from the start", self.run)
+            return
+        if self._finished is not None:
+            log.info("run %s is finished: checkpoint %s (step %s) trained every record of "
+                     "dataset %r; nothing left to train, nothing will be written (start a "
+                     "new run name to train again)", self.run, manifest.name, manifest.step,
+                     self.dataset_name)
             return
         p = self.progress()
         log.info("run %s resumed from checkpoint %s (step %s): epoch %s, %s records of "
@@ -244,6 +273,7 @@ class Restoring(SessionBase):
                 "checkpoint before a rollback can be needed, or restart the run instead"
             )
         self._apply_offsets(manifest, self._record(manifest), new_generation=False)
+        self._finished = None  # a rollback goes back to records left to train
         self._reseek = True
         self._clock.rolled_back(int(manifest.step), self.generation)
         self._heal.rolled_back(int(manifest.step), reason)

@@ -19,6 +19,7 @@ from trainer_client._consumed import Consumed
 from trainer_client._healing import Healing
 from trainer_client._progress import EpochSizes, Progress, measure
 from trainer_client._timing import SaveClock
+from trainer_client._trainlog import TrainLog
 from trainer_client.dataset import StreamingDataset, load_spec
 from trainer_client.health import HealthMonitor, NodeHealth
 from trainer_client.redis_retry import trainer_redis_breaker, trainer_redis_retrier
@@ -105,6 +106,9 @@ class SessionBase:
         self._rank_store = rank_state_store(self.store)
         self._positions = PositionReader(self._rank_store)
         self._basis: tuple[ManifestView, SessionRecord] | None = None
+        # The restored checkpoint when it consumed every record of a finished dataset:
+        # the loop then gets nothing and checkpoints write nothing (_finished.py).
+        self._finished: ManifestView | None = None
         self._placed: set[int] = set()
         self._committer = OffsetCommitter(self._redis, self._call, self.store,
                                           dataset=dataset, run=run, reader=self._positions)
@@ -115,6 +119,8 @@ class SessionBase:
         self.health_monitor = health_monitor
         self._health = NodeHealth(health_monitor)
         self._clock = SaveClock(interval)
+        self._trainlog = TrainLog(self._redis, self._call, dataset=dataset, run=run, rank=rank,
+                                  steps_left=self._steps_left)
         try:
             self._heal = Healing(redis_url, dataset=dataset, run=run, rank=rank,
                                  world_size=world_size, call=self._call,
@@ -220,6 +226,13 @@ class SessionBase:
             world_size=self.world_size, num_workers=self._num_workers,
             dataset=self._datasets[-1] if self._datasets else None, epochs=self.spec.epochs,
         )
+
+    def _steps_left(self) -> int | None:
+        """Loop iterations to the end of the run's epochs (None: endless or unknown)."""
+        p = self.progress()
+        if p.steps_per_epoch is None or p.epochs is None:
+            return None
+        return max(0, (p.epochs - p.epoch) * p.steps_per_epoch - p.batches)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Wait until every checkpoint started here committed and acknowledged."""

@@ -145,7 +145,8 @@ class TrainingSession(Restoring, Checkpointing):
         the run seed (unless it has one), so the pass leaves the global random state
         as the restore set it. In deterministic mode, batches come in the order an
         uninterrupted run would have had them (the loader's workers are merged by
-        each worker's batch index).
+        each worker's batch index). A session restored at the end of a finished dataset
+        (:attr:`finished`) yields nothing.
 
         With several ranks, every rank leaves the loop in the same iteration (see
         :mod:`trainer_client._uneven`): ``uneven="join"`` hands a rank that ran out
@@ -157,6 +158,8 @@ class TrainingSession(Restoring, Checkpointing):
         if uneven not in UNEVEN_MODES:
             raise ValueError(f"uneven must be one of {UNEVEN_MODES}, got {uneven!r}")
         refuse_resuming_loader(loader)
+        if self._finished is not None:
+            return  # restored at the end of a finished dataset: nothing left to train
         num_workers = int(getattr(loader, "num_workers", 0))
         if self.deterministic:
             warn_if_reshaped(self._restored, self.world_size, num_workers)
@@ -216,10 +219,21 @@ class TrainingSession(Restoring, Checkpointing):
                         shutdown()
                 del it
 
+    def log(self, step: int | None = None, **values: Any) -> None:
+        """Report the loop's figures for the dashboard: ``session.log(loss=loss)``
+        (numbers or one-element tensors; ``lr=...`` and a few more as you like).
+        ``step``: default the loop's own (the restored step plus the batches handed
+        out). Rank 0's values are kept, at most one entry a second (the newest wins)
+        in a capped Redis stream (:mod:`trainguard.core.trainlog`): the run page
+        shows the loss, steps/s, the ETA, and turns red when the log stops."""
+        self._trainlog.log(self._heal.step if step is None else step, values,
+                           self._heal.attempts.attempt)
+
     def close(self) -> None:
         """Wait for in-flight checkpoints, then release connections (and the store
         when the session made it). Raises a fencing refusal met in the background."""
         try:
+            self._trainlog.flush()
             self.wait()
             self._committer.raise_background()
             self._heal.closed()

@@ -6,7 +6,9 @@ Routes (read-only, no token; documented in :mod:`ingest_service.service.runs_ope
     GET /admin/runs                         every run (consumer group) with its summary
     GET /admin/runs/{group}[?dataset=D]     one run: checkpoints, restarts, rollbacks,
                                             world changes, advice, its partitions' lag,
-                                            its attempts and incidents (from Redis)
+                                            its attempts and incidents (from Redis),
+                                            what the loop logged (training: loss,
+                                            steps/s, ETA, heartbeat)
     GET /admin/datasets/{dataset}/detail    partitions, groups' lag, dead letters,
                                             throughput over time
     GET /admin/health                       GPU health of the nodes in TRAINGUARD_PROBES
@@ -41,7 +43,9 @@ from ingest_service.service.config import METRICS_KEY, REDIS_KEY
 from ingest_service.service.gpu_health import nodes_health, parse_probes
 from ingest_service.service.lag import fill_lag
 from ingest_service.service.paging import page, until_gone
+from ingest_service.service.restarts import merged_restarts
 from ingest_service.service.throughput import ThroughputSampler
+from ingest_service.service.training import training
 from trainguard.core import incidents as inc
 from trainguard.core import settings, streams
 from trainguard.core.history import histories as run_histories
@@ -198,6 +202,9 @@ async def collect_runs(r: aioredis.Redis, stores: StoreSet, *,
         # derived from the manifests: these are copies).
         found = await attempts(r, h["dataset"], h["run"])
         h.update(with_recorded_failures(h, found["failures"], policy), **found)
+        # Retention may have pruned the manifests that showed a restart; the attempts
+        # still know it (a new list: the cached history's stays as derived).
+        h["restarts"] = merged_restarts(h["restarts"], found["attempts"], found["incidents"])
     seen = {(h["dataset"], h["run"]) for h in histories}
     lag: dict[tuple[str, str], dict[str, Any]] = {}
     for d in sorted(inspection.as_text(n) for n in await r.smembers(streams.datasets_key())):
@@ -211,9 +218,11 @@ async def collect_runs(r: aioredis.Redis, stores: StoreSet, *,
             if (d, g["group"]) not in seen:
                 seen.add((d, g["group"]))
                 seen_here = await attempts(r, d, g["group"])
-                histories.append({"store": None, **history(
-                    [], dataset=d, run=g["group"], policy=policy,
-                    failures=seen_here["failures"]), **seen_here})
+                empty = history([], dataset=d, run=g["group"], policy=policy,
+                                failures=seen_here["failures"])
+                empty["restarts"] = merged_restarts([], seen_here["attempts"],
+                                                    seen_here["incidents"])
+                histories.append({"store": None, **empty, **seen_here})
     for h in histories:
         h["group"] = lag.get((h["dataset"], h["run"]), {"lag": None, "partitions": []})
     return histories
@@ -262,6 +271,8 @@ async def run_detail(r: aioredis.Redis, stores: StoreSet, group: str, dataset: s
                       " add ?dataset=<name>")
     # One dataset; several stores could hold the run: the one with checkpoints first.
     found.sort(key=lambda h: -len(h["checkpoints"]))
+    found[0]["training"] = await training(r, found[0]["dataset"], group,
+                                          found[0].get("attempts") or [])
     if not stacks:
         found[0]["incidents"] = [_without_stacks(i) for i in found[0].get("incidents") or ()]
     return found[0]

@@ -59,7 +59,17 @@ _RUN = {
             "skipped": {"type": "integer"},
             "status": {"type": "array", "items": {"type": "string"},
                        "description": "committed, pinned, remote | local_only"}}}},
-        "restarts": {"type": "array", "items": {"type": "object"}},
+        "restarts": {"type": "array", "items": {"type": "object"}, "description": (
+            "every restart, in generation order: at, generation, resumed_step, "
+            "steps_redone; from the manifests (seen_in: manifests, with "
+            "last_committed_step and first_step_after) or, once retention pruned the "
+            "manifest that showed it, from the recorded attempts (seen_in: attempts); "
+            "cause and attempt where Redis recorded the failure")},
+        "training": {"type": "object", "description": (
+            "what the loop reported with session.log (trainguard.core.trainlog): points "
+            "(at, step, values), the newest step and values (loss, ...), steps_per_s, "
+            "steps_left, eta_s, and heartbeat: status (training, stalled, finished, "
+            "failed, unknown), last_progress_at, age_s, limit_s, advice")},
         "rollbacks": {"type": "array", "items": {"type": "object"}},
         "world": {"type": "array", "items": {"type": "object"}},
         "totals": {"type": "object"},

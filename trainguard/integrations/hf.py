@@ -68,6 +68,7 @@ from trainer_client import TrainingSession
 from trainguard.integrations import _ranks
 from trainguard.integrations._consumption import ConfirmedBatches
 from trainguard.integrations._consumption import session_options as session_options_for
+from trainguard.integrations._logged import scalars
 
 __all__ = ["ConfirmedBatches", "TrainguardCallback", "TrainguardHF", "TrainguardIterable"]
 
@@ -240,6 +241,14 @@ class TrainguardCallback(TrainerCallback):
         if batches is not None:
             for _ in range(min(args.gradient_accumulation_steps, batches.unconfirmed)):
                 batches.confirm()
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Forward what the Trainer logs (loss, learning_rate, grad_norm...) to the run
+        page (``session.log``), every ``logging_steps``."""
+        values = scalars(logs)
+        if values and self.owner.restored_step is not None:
+            self.owner.session.log(state.global_step, **values)
 
     def on_save(self, args: TrainingArguments, state: TrainerState,
                 control: TrainerControl, **kwargs: Any) -> None:

@@ -59,7 +59,7 @@ from __future__ import annotations
 import json
 import posixpath
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,7 @@ from trainer_client import TrainingSession
 from trainguard.integrations import _lineage, _ranks
 from trainguard.integrations._consumption import ConfirmedBatches
 from trainguard.integrations._consumption import session_options as session_options_for
+from trainguard.integrations._logged import scalars
 
 __all__ = ["MARKER_FORMAT", "TrainguardCallback", "TrainguardCheckpointIO", "TrainguardDataModule"]
 
@@ -308,6 +309,16 @@ class TrainguardCallback(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         self.datamodule.confirm()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Forward the step's loss and what the module logged (``self.log``) to the
+        run page (``session.log``)."""
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        values = scalars({"loss": loss} if loss is not None else None,
+                         trainer.callback_metrics)
+        if values:
+            self.datamodule.session.log(trainer.global_step, **values)
 
 
 class TrainguardCheckpointIO(CheckpointIO):

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from trainguard.core import settings, streams
 from trainguard.ops.exits import EXIT_INTERRUPTED, EXIT_OK
 from trainguard.ops.ingest_progress import DatasetCount, count_dataset, last_ids, progress_line
+from trainguard.ops.source_size import epoch_records_up_front
 
 __all__ = ["register"]
 
@@ -178,12 +179,13 @@ async def _ingest(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, on_signal, signum)
         task = asyncio.create_task(producer.run())
         started = time.monotonic()
-        count = await _count(client, spec, producer)
+        up_front = await asyncio.to_thread(epoch_records_up_front, spec)
+        count = await _count(client, spec, producer, up_front=up_front)
         baseline = None if count.done is None else (started, count.done)
         while not task.done():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), 1.0)
-            count = await _count(client, spec, producer, count)
+            count = await _count(client, spec, producer, count, up_front=up_front)
             if baseline is None and count.done is not None:
                 baseline = (time.monotonic(), count.done)
             _show(spec, producer, count, started, baseline, sys.stderr, final=task.done())
@@ -196,7 +198,7 @@ async def _ingest(args: argparse.Namespace) -> int:
 
 
 async def _count(client: Any, spec: streams.DatasetSpec, producer: Any,
-                 before: DatasetCount | None = None) -> DatasetCount:
+                 before: DatasetCount | None = None, *, up_front: int | None) -> DatasetCount:
     """The dataset's count now; the one ``before`` while Redis is away (the producer
     syncs again on its own: the display must not end the run)."""
     from trainguard.redisio import TRANSIENT
@@ -206,7 +208,9 @@ async def _count(client: Any, spec: streams.DatasetSpec, producer: Any,
         lasts = await last_ids(client, spec)
     except TRANSIENT:
         return before or DatasetCount(done=None, whole=None, epoch_records=prog.epoch_records)
-    return count_dataset(lasts, spec, epoch_records=prog.epoch_records, finished=prog.finished)
+    # The producer's own count of a planned epoch wins over what the source said.
+    return count_dataset(lasts, spec, epoch_records=prog.epoch_records, finished=prog.finished,
+                         up_front=up_front)
 
 
 def _show(spec: streams.DatasetSpec, producer: Any, count: DatasetCount, started: float,

@@ -6,9 +6,11 @@ Redis: a partition's last ID ``<epoch+1>-<index>`` says how many of its records 
 there, because every epoch puts the same number of records in a partition (the
 planner deals the epoch's good records round robin; the shuffle only reorders them).
 
-The whole is ``records per epoch x epochs``: known once this process has planned one
-whole epoch (:attr:`ProducerProgress.epoch_records`), or from the partitions' ends
-once the dataset is finished. Until then the line says what it is waiting for rather
+The whole is ``records per epoch x epochs``: known from the start when the source
+says its size up front (npy headers, files, Hugging Face row counts:
+:mod:`trainguard.ops.source_size`), else once this process has planned one whole
+epoch (:attr:`ProducerProgress.epoch_records`), or from the partitions' ends once the
+dataset is finished. Until then the line says what it is waiting for rather
 than guess a percentage (and a producer resumed past epoch 1 shows no dataset count
 until it has read an epoch: an index alone no longer says how many records are in).
 """
@@ -57,8 +59,13 @@ def _per_partition(epoch_records: int, partitions: int, p: int) -> int:
 
 
 def count_dataset(lasts: Sequence[streams.StreamId | None], spec: streams.DatasetSpec, *,
-                  epoch_records: int | None, finished: bool) -> DatasetCount:
-    """The dataset's records in Redis and its whole, from the partitions' last IDs."""
+                  epoch_records: int | None, finished: bool,
+                  up_front: int | None = None) -> DatasetCount:
+    """The dataset's records in Redis and its whole, from the partitions' last IDs.
+    ``up_front``: an epoch's records as the source said before being read
+    (:mod:`trainguard.ops.source_size`), used until the producer has its own count."""
+    if epoch_records is None:
+        epoch_records = up_front
     if epoch_records is None and finished:
         # Every partition ends in the last epoch: its index + 1 is its share of one.
         final = [last for last in lasts if last is not None]

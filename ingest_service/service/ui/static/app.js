@@ -8,52 +8,6 @@ const view = document.getElementById("view");
 let timer = null;
 let generation = 0; // a newer route cancels the older one's pending redraw
 
-function h(tag, attrs, ...kids) {
-  const ns = ["svg", "line", "circle", "rect", "path", "text", "polyline", "title", "g"]
-    .includes(tag) ? "http://www.w3.org/2000/svg" : null;
-  const el = ns ? document.createElementNS(ns, tag) : document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === null || v === undefined || v === false) continue;
-    if (k === "onclick") el.addEventListener("click", v);
-    else el.setAttribute(k, String(v));
-  }
-  for (const kid of kids.flat(Infinity)) {
-    if (kid === null || kid === undefined) continue;
-    el.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
-  }
-  return el;
-}
-
-const fmtInt = (v) => (v === null || v === undefined ? "–" : String(v));
-function fmtS(v) {
-  if (v === null || v === undefined) return "–";
-  if (v < 1) return (v * 1000).toFixed(0) + " ms";
-  if (v < 120) return v.toFixed(1) + " s";
-  if (v < 7200) return (v / 60).toFixed(1) + " min";
-  return (v / 3600).toFixed(1) + " h";
-}
-function fmtAgo(ts) {
-  if (!ts) return "–";
-  return fmtS(Math.max(0, Date.now() / 1000 - ts)) + " ago";
-}
-function fmtBytes(v) {
-  if (v === null || v === undefined) return "–";
-  const u = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0;
-  while (v >= 1024 && i < u.length - 1) { v /= 1024; i++; }
-  return (i ? v.toFixed(1) : String(v)) + " " + u[i];
-}
-const cell = (k, v, text) => h("td", { "data-k": k, "data-v": v === null || v === undefined ? "" : v },
-  text === undefined ? fmtInt(v) : text);
-const stat = (k, v, text, label) => h("div", { class: "stat" },
-  h("b", { "data-k": k, "data-v": v === null || v === undefined ? "" : v }, text === undefined ? fmtInt(v) : text),
-  h("span", {}, label));
-const table = (head, rows) => h("div", { class: "scroll" },
-  h("table", {}, h("thead", {}, h("tr", {}, head.map((t) => h("th", {}, t)))), h("tbody", {}, rows)));
-// A legend's colour square: SVG, since the page's CSP allows no inline style.
-const swatch = (color) => h("svg", { class: "swatch", viewBox: "0 0 10 10", width: 10, height: 10 },
-  h("rect", { width: 10, height: 10, fill: color }));
-const card = (title, ...kids) => h("section", { class: "card" }, h("h2", {}, title), ...kids);
-
 // The token set in the footer goes with every read too: a service with
 // TRAINGUARD_READ_TOKEN answers its read routes only to that token or the admin token.
 async function getJSON(path) {
@@ -68,73 +22,6 @@ async function getJSON(path) {
   }
   if (!r.ok) throw new Error((body.error && body.error.message) || r.statusText);
   return body;
-}
-
-// ------------------------------------------------------------------ charts (SVG)
-
-function lineChart(series, opts) {
-  // series: [{name, color, points: [[x, y], ...]}]
-  const W = 600, H = 160, L = 44, B = 20, T = 8, R = 8;
-  const pts = series.flatMap((s) => s.points);
-  const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": opts.label });
-  if (!pts.length) {
-    svg.append(h("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "no samples yet"));
-    return svg;
-  }
-  const x0 = Math.min(...pts.map((p) => p[0])), x1 = Math.max(...pts.map((p) => p[0]));
-  const y1 = Math.max(1e-9, ...pts.map((p) => p[1]), ...(opts.hlines || []).map((l) => l.y));
-  const sx = (x) => L + (x1 === x0 ? 0.5 : (x - x0) / (x1 - x0)) * (W - L - R);
-  const sy = (y) => H - B - (y / y1) * (H - B - T);
-  svg.append(h("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#e3e6eb" }));
-  svg.append(h("text", { x: L - 4, y: T + 8, "text-anchor": "end" }, opts.fmt(y1)));
-  svg.append(h("text", { x: L - 4, y: H - B, "text-anchor": "end" }, "0"));
-  for (const m of opts.marks || []) {
-    svg.append(h("line", { x1: sx(m.x), y1: T, x2: sx(m.x), y2: H - B, stroke: m.color,
-      "stroke-dasharray": "4 3", "data-mark": m.kind }, h("title", {}, m.title)));
-    const right = sx(m.x) > W - 120; // keep the label inside the chart
-    svg.append(h("text", { x: sx(m.x) + (right ? -3 : 3), y: T + 10,
-      "text-anchor": right ? "end" : "start" }, m.label));
-  }
-  for (const l of opts.hlines || []) {
-    svg.append(h("line", { x1: L, y1: sy(l.y), x2: W - R, y2: sy(l.y), stroke: l.color,
-      "stroke-dasharray": "2 2" }));
-  }
-  for (const s of series) {
-    if (s.points.length > 1 && !opts.dots) {
-      svg.append(h("polyline", { fill: "none", stroke: s.color, "stroke-width": 1.5,
-        points: s.points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ") }));
-    }
-    if (opts.dots) for (const p of s.points) {
-      svg.append(h("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3, fill: s.color },
-        h("title", {}, p[2] || "")));
-    }
-  }
-  return svg;
-}
-
-function bars(items, opts) {
-  // items: [{label, value, color, title}]
-  const W = 600, H = 140, L = 44, B = 18, T = 8;
-  const svg = h("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": opts.label });
-  // One outlier (a save that waited on a stalled disk) must not flatten the rest: the
-  // scale stops at twice the 90th percentile, and taller bars are cut with a mark.
-  const sorted = items.map((i) => i.value || 0).sort((a, b) => a - b);
-  const p90 = sorted[Math.floor(0.9 * (sorted.length - 1))] || 0;
-  const top = sorted.length ? sorted[sorted.length - 1] : 0;
-  const max = Math.max(1e-9, top > 4 * p90 && p90 > 0 ? 2 * p90 : top);
-  const bw = (W - L) / Math.max(1, items.length);
-  svg.append(h("text", { x: L - 4, y: T + 8, "text-anchor": "end" }, opts.fmt(max)));
-  items.forEach((it, i) => {
-    const cut = (it.value || 0) > max;
-    const hgt = (Math.min(it.value || 0, max) / max) * (H - B - T);
-    svg.append(h("rect", { x: L + i * bw + 1, y: H - B - hgt, width: Math.max(1, bw - 2),
-      height: hgt, fill: it.color, "data-bar": it.label }, h("title", {}, it.title)));
-    if (cut) svg.append(h("text", { x: L + i * bw + bw / 2, y: T - 1, "text-anchor": "middle" },
-      "↑ " + opts.fmt(it.value)));
-    if (items.length <= 32) svg.append(h("text", { x: L + i * bw + bw / 2, y: H - 4,
-      "text-anchor": "middle" }, it.label));
-  });
-  return svg;
 }
 
 // ------------------------------------------------------------------ pages
@@ -216,25 +103,25 @@ async function datasetPage(name) {
       stat("dead_letters", d.dead_letters.count, undefined, "dead letters"),
       stat("finished", d.producer.finished ? 1 : 0, d.producer.finished ? "yes" : "no", "producer finished")),
     h("div", { class: "grid" }, lagBars,
-      card("Throughput (records/s)", lineChart(series, { label: "throughput", fmt: (v) => v.toFixed(1) }),
+      card("Throughput (records/s)", lineChart(series, { label: "throughput", fmt: fmtNum }),
         h("div", { class: "legend" }, series.map((s) => [swatch(s.color), s.name])))),
     card("Partitions", table(
-      ["partition", "length", "produced", "last ID", "paused", "retention floor"].concat(
+      ["partition", "length", "produced", "newest record", "paused", "kept from"].concat(
         groups.flatMap((g) => [`committed (${g.group})`, `lag (${g.group})`])),
       d.partitions.map((p) => h("tr", { "data-partition": p.partition },
         cell("partition", p.partition), cell("length", p.length),
         cell("produced", p.producer_position ? p.producer_position.records : null,
           p.producer_position ? `epoch ${p.producer_position.epoch}: ${p.producer_position.records}` : "–"),
-        cell("last_id", p.last_id),
+        cell("last_id", p.last_id, fmtId(p.last_id)),
         cell("paused", p.paused ? 1 : 0, p.paused ? "paused" : ""),
-        cell("retention_floor", p.retention_floor),
+        cell("retention_floor", p.retention_floor, fmtId(p.retention_floor)),
         groups.flatMap((g) => {
           const gp = g.partitions.find((x) => x.partition === p.partition) || {};
-          return [cell(`committed:${g.group}`, gp.committed), cell(`lag:${g.group}`, gp.lag)];
+          return [cell(`committed:${g.group}`, gp.committed, fmtId(gp.committed)), cell(`lag:${g.group}`, gp.lag)];
         }))))),
     card(`Dead letters (newest ${d.dead_letters.newest.length} of ${d.dead_letters.count})`,
-      d.dead_letters.newest.length ? table(["ID", "reason", "position", "bytes"],
-        d.dead_letters.newest.map((x) => h("tr", {}, h("td", {}, x.id), h("td", {}, x.reason),
+      d.dead_letters.newest.length ? table(["when", "reason", "position", "bytes"],
+        d.dead_letters.newest.map((x) => h("tr", {}, cell("dl_id", x.id, fmtAgo(Number(String(x.id).split("-")[0]) / 1000)), h("td", {}, x.reason),
           h("td", {}, x.position), cell("size", x.size))))
         : h("p", { class: "muted" }, "none")),
   ];
@@ -258,6 +145,43 @@ async function clearNode(node) {
     { method: "POST", headers: { Authorization: `Bearer ${t}` } });
   if (!r.ok) { const b = await r.json(); alert(b.error ? b.error.message : r.statusText); }
   refresh();
+}
+
+// The interval advice in words (the formula stays in the API and the docs).
+function adviceText(a) {
+  const rec = fmtS(a.recommended_s), cur = fmtS(a.current_s);
+  const basis = ` This assumes a failure about every ${fmtS(a.mtbf_s)} (${a.failures} restart${a.failures === 1 ? "" : "s"} in ${fmtS(a.observed_s)} of training)`
+    + (a.bound ? `, and the interval is held at its ${a.bound} limit.` : ".");
+  if (a.current_s === null || a.current_s === undefined)
+    return `Checkpoint about every ${rec}: a failure then costs about ${fmtS(a.lost_recommended_s)} of training.` + basis;
+  if (a.current_s > 1.5 * a.recommended_s)
+    return `Checkpoint more often: every ${rec} instead of every ${cur}. A failure would then cost about ${fmtS(a.lost_recommended_s)} of training instead of ${fmtS(a.lost_current_s)}.` + basis;
+  if (a.current_s < a.recommended_s / 1.5)
+    return `You can checkpoint less often: every ${rec} instead of every ${cur} spends less time saving; a failure would cost about ${fmtS(a.lost_recommended_s)} instead of ${fmtS(a.lost_current_s)}.` + basis;
+  return `The interval is right: you checkpoint every ${cur}, close to the recommended ${rec}; a failure costs about ${fmtS(a.lost_current_s)} of training.` + basis;
+}
+
+// What the loop reported (session.log): loss, steps/s, ETA, and its heartbeat.
+function trainingCard(t) {
+  t = t || { values: {}, points: [], heartbeat: { status: "unknown", advice: "" } };
+  const hb = t.heartbeat;
+  const cls = { training: "ok", finished: "", unknown: "warn" }[hb.status];
+  const loss = t.values.loss === undefined ? null : t.values.loss;
+  const pts = t.points.filter((p) => p.values.loss !== undefined && p.values.loss !== null)
+    .map((p) => [p.at, p.values.loss]);
+  return card("Training",
+    h("div", { class: "stats" },
+      stat("loss", loss, fmtNum(loss), "loss"),
+      stat("train_step", t.step, undefined, "step"),
+      stat("steps_per_s", t.steps_per_s, fmtNum(t.steps_per_s), "steps/s"),
+      stat("eta_s", t.eta_s, fmtS(t.eta_s), "time left (ETA)"),
+      h("div", { class: "stat" },
+        h("b", {}, h("span", { class: `pill ${cls === undefined ? "bad" : cls}`, "data-k": "heartbeat",
+          "data-v": hb.status }, hb.status)),
+        h("span", {}, hb.last_progress_at ? `last progress ${fmtAgo(hb.last_progress_at)}` : "heartbeat"))),
+    h("p", { class: "muted", "data-k": "heartbeat_advice", "data-v": hb.status }, hb.advice),
+    h("div", { class: "chart" },
+      lineChart([{ name: "loss", color: "#2563eb", points: pts }], { label: "loss over time", fmt: fmtNum, fromMin: true })));
 }
 
 async function runPage(name, dataset) {
@@ -288,6 +212,7 @@ async function runPage(name, dataset) {
       stat("restarts", r.totals.failures, undefined, "restarts"),
       stat("rollbacks", r.rollbacks.length, undefined, "rollbacks"),
       stat("lag", r.group.lag, undefined, "lag (entries)")),
+    trainingCard(r.training),
     h("div", { class: "grid" },
       card("Checkpoint timeline (step over time; restarts red, rollbacks amber, incidents violet)", timeline),
       card("Save time per checkpoint (blocked / durable)",
@@ -305,14 +230,15 @@ async function runPage(name, dataset) {
         stat("mtbf_s", a.mtbf_s, fmtS(a.mtbf_s), "MTBF estimate"),
         stat("blocked_s", a.blocked_s, fmtS(a.blocked_s), "save blocks"),
         stat("durable_s", a.durable_s, fmtS(a.durable_s), "save durable after")),
-      h("p", { class: "muted" }, `${a.formula}; M from ${a.failures} restarts in ${fmtS(a.observed_s)}`
-        + (a.bound ? `; held at the ${a.bound} bound` : "")))
+      h("p", { "data-k": "advice_text", "data-v": a.recommended_s }, adviceText(a)))
       : h("p", { class: "muted" }, "no measured save yet")),
-    card("Restarts", r.restarts.length ? table(["at", "generation", "resumed at step", "last committed", "steps redone"],
+    card("Restarts", r.restarts.length ? table(["at", "generation", "cause", "resumed at step", "last committed", "steps redone"],
       r.restarts.map((x) => h("tr", { "data-restart": x.generation },
-        h("td", {}, fmtAgo(x.at)), cell("generation", x.generation), cell("resumed_step", x.resumed_step),
+        h("td", {}, fmtAgo(x.at)), cell("generation", x.generation), cell("cause", x.cause || "", x.cause || "–"),
+        cell("resumed_step", x.resumed_step),
         cell("last_committed_step", x.last_committed_step),
-        cell("steps_redone", x.steps_redone, (x.steps_redone_exact ? "" : "≥ ") + x.steps_redone))))
+        cell("steps_redone", x.steps_redone, x.steps_redone === null || x.steps_redone === undefined ? "–"
+          : (x.steps_redone_exact ? "" : "≥ ") + x.steps_redone))))
       : h("p", { class: "muted" }, "none")),
     incs.length ? card("Incidents", table(["detected", "cause", "step", "detected by", "latency",
       "remedy", "redone steps / records", "to the next step"],
