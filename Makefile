@@ -19,6 +19,8 @@ BENCH_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainguard-$(shell cat pyproject.toml | sha256sum | cut -c1-16)-$(shell echo '$(TORCH_SPEC)' | sha256sum | cut -c1-8)
 
+TORCHTITAN_SPEC ?= 'torchtitan==0.3.0' 'tyro>=1,<2' 'docstring-parser>=0.16' 'typeguard>=4' 'einops>=0.8' 'spmd_types==0.2.3' 'torch_checkpointing>=0.1'
+
 .PHONY: test demo setup redis chromium lint chaos chaos-campaign bench bench-agreement bench-readme gpu-check clean compose docker-engine compose-test
 
 setup: $(STAMP) redis chromium
@@ -29,6 +31,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet $(PIP_EXTRA) '$(TORCH_SPEC)'
 	@# torch named again: an extra's requirement must never swap it for another build
 	$(PY) -m pip install --quiet -e '.[dev]' '$(TORCH_SPEC)'
+	@# torchtitan (tests/test_torchtitan.py) without its pins: they would replace datasets
+	@# (<4.8) and pull wandb/tensorboard; these are the modules it imports for checkpointing.
+	$(PY) -m pip install --quiet --no-deps $(TORCHTITAN_SPEC)
 	@rm -f $(VENV)/.trainguard-*
 	@touch $@
 
