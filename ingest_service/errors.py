@@ -60,7 +60,8 @@ class SourceError(IngestError, OSError):
 
 
 class PushRejectedError(IngestError, ValueError):
-    """A push request was refused; ``status`` is the HTTP status to answer with."""
+    """A push request was rejected; ``status`` is the HTTP status to answer with (the
+    client raises :class:`trainguard.push.PushRejectedError` for the same 4xx)."""
 
     status = 400
 

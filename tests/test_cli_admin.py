@@ -96,6 +96,18 @@ def test_offsets_show_and_seek(any_redis, capsys):
     assert r.xinfo_groups(streams.partition_key("toy", 0))[0]["last-delivered-id"] == b"1-3"
 
 
+def test_offsets_show_of_an_unknown_group_names_the_groups(any_redis, capsys):
+    """offsets show --group of a group the dataset lacks is exit 3 (not found), and its
+    message names what was asked, the groups there are, and what to do."""
+    url = any_redis.url
+    _seed(url)
+    code = main(["offsets", "show", "toy", "--group", "nope", "--redis-url", url])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "'nope' has no state on 'toy'" in err
+    assert "['run1']" in err and "leave --group out" in err
+
+
 def test_offsets_seek_to_checkpoint(redis_target, capsys, tmp_path):
     """seek --checkpoint URL --step N moves the group to that manifest's offsets."""
     url = redis_target.url

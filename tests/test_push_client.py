@@ -18,7 +18,7 @@ from ingest_service.service.config import IngestConfig
 from tests.admin_helpers import ThreadedServer
 from tests.servers import RedisServer
 from trainguard.core import streams
-from trainguard.push import Producer, PushRefusedError
+from trainguard.push import Producer, PushRejectedError
 
 TOKEN = "client-test-token-0123456"
 
@@ -81,7 +81,7 @@ def test_producer_refused_for_good_raises(served: str, durable_redis: RedisServe
     """A producer_id outside the token's scope is refused with 403, raised at once
     (not retried), and nothing is stored."""
     with Producer(served, "rl", "intruder", token=TOKEN) as p, \
-            pytest.raises(PushRefusedError) as caught:
+            pytest.raises(PushRejectedError) as caught:
         p.send([{"w": "intruder", "n": 0}])
     assert caught.value.status == 403
     assert _values(durable_redis.url, "intruder") == []

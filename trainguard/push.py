@@ -42,7 +42,8 @@ import msgpack
 from trainguard.core import push_wire
 from trainguard.core.errors import TrainguardError
 
-__all__ = ["Producer", "PushDataLostError", "PushError", "PushRefusedError", "PushReply"]
+__all__ = ["Producer", "PushDataLostError", "PushError", "PushRefusedError", "PushRejectedError",
+           "PushReply"]
 
 _RETRIED = frozenset({408, 429, 502, 503, 504})
 
@@ -61,13 +62,20 @@ class PushDataLostError(PushError):
         self.lost_seqs, self.mark = lost_seqs, mark
 
 
-class PushRefusedError(PushError, ValueError):
-    """The service refused a batch for good (4xx other than 408/409/429): resending the
-    same request cannot succeed. ``status`` and ``code`` are the service's."""
+class PushRejectedError(PushError, ValueError):
+    """The service rejected a batch for good (4xx other than 408/409/429): resending
+    the same request cannot succeed. ``status`` and ``code`` are the service's: the
+    client side of the service's :class:`ingest_service.errors.PushRejectedError`
+    (one name for the one 4xx on both sides)."""
 
     def __init__(self, status: int, code: str, message: str):
-        super().__init__(f"push refused ({status} {code}): {message}")
+        super().__init__(f"push rejected ({status} {code}): {message}")
         self.status, self.code = status, code
+
+
+PushRefusedError = PushRejectedError
+"""The former name of :class:`PushRejectedError`, kept so that existing callers'
+``except PushRefusedError`` still catches it."""
 
 
 @dataclass(frozen=True)
@@ -209,7 +217,7 @@ class Producer:
                             else self._acked)
                 self._lost(mark, acked, str(error.get("message", "")))
             if code == push_wire.BATCH_MISMATCH:
-                raise PushRefusedError(409, code, str(error.get("message", error)))
+                raise PushRejectedError(409, code, str(error.get("message", error)))
             if self._acked is not None and (mark is None or int(mark) < self._acked):
                 # The service acknowledged up to _acked, and now its mark is lower: Redis
                 # lost them (a service that restarted too cannot tell; we can).
@@ -260,7 +268,7 @@ class Producer:
                 self._wait(attempt, retry_after)
                 continue
             error = payload.get("error", {})
-            raise PushRefusedError(status, str(error.get("code", "error")),
+            raise PushRejectedError(status, str(error.get("code", "error")),
                                    str(error.get("message", payload)))
         raise PushError(f"batch seq {seq} of producer {self.producer_id!r} was not acknowledged "
                         f"after {self.max_attempts} attempts; last: {last}") from last

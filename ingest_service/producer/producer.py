@@ -34,7 +34,6 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import fsspec.utils
@@ -42,9 +41,9 @@ import redis as redis_package
 from redis.asyncio import Redis
 from redis.driver_info import DriverInfo
 
-from ingest_service import _lua, redis_client
+from ingest_service import redis_client
 from ingest_service._resp import Link, bulk
-from ingest_service.backlog import BacklogLimits, min_committed
+from ingest_service.backlog import BacklogLimits
 from ingest_service.datasets import create_dataset
 from ingest_service.errors import StreamLostError
 from ingest_service.metrics import IngestMetrics
@@ -60,6 +59,8 @@ from ingest_service.producer.batching import (
 from ingest_service.producer.dead_letters import append_dead_letters
 from ingest_service.producer.finishing import mark_done, wait_finished
 from ingest_service.producer.leases import LEASE_MS, PartitionLeases
+from ingest_service.producer.positions import NEVER, Positions
+from ingest_service.producer.progress import ProducerProgress
 from ingest_service.sources.planner import PlanChunk, PlannedDeadLetter, plan_spec_chunks
 from ingest_service.sources.records import GoodRecord
 from trainguard.core import streams
@@ -69,35 +70,12 @@ __all__ = ["Producer", "ProducerProgress"]
 
 log = logging.getLogger(__name__)
 
-_NEVER = 1 << 62
-
-
 _RETRYABLE: tuple[type[Exception], ...] = (StreamLostError, *redis_client.TRANSIENT)
 
 SYNC_POLICY = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=0.1, wait_max_s=2.0,
                           wait_jitter_s=0.05)
 """Waits between syncs after Redis failed: 0.1 s doubling to 2 s, until stopped. A
 restart takes seconds; the producer resumes within about 2 s of Redis answering."""
-
-
-@dataclass
-class ProducerProgress:
-    """What a running producer has done (this process only), for progress displays."""
-
-    epoch: int = 0
-    records: int = 0
-    bytes: int = 0
-    dead_letters: int = 0
-    skipped: int = 0
-    """Entries a retried batch found already there."""
-    redis_losses: int = 0
-    paused: set[int] = field(default_factory=set)
-    epoch_records: int | None = None
-    """Good records in one epoch of the dataset (every producer's partitions), once this
-    producer has planned a whole epoch: the same in every epoch (the shuffle only
-    reorders), so it makes the dataset's whole known."""
-    finished: bool = False
-    deleted: bool = False
 
 
 class Producer:
@@ -139,11 +117,7 @@ class Producer:
         p = spec.partitions
         self._keys = [streams.partition_key(spec.name, i) for i in range(p)]
         self._key_bulk = [bulk(k.encode()) for k in self._keys]
-        self._position: list[streams.StreamId | None] = [None] * p
-        """Last ID known to be in each partition (None: nothing)."""
-        self._may_create: list[bool] = [True] * p
-        self._floors: dict[int, streams.StreamId] = {}
-        """Last retention floors seen: where to refill from when Redis lost a stream."""
+        self._at = Positions(p)
         self._pressure = Backpressure(redis, spec, self.limits, self.metrics,
                                       self.progress.paused)
         self.leases = PartitionLeases(redis, spec.name, spec.partitions, owner=owner,
@@ -167,7 +141,7 @@ class Producer:
     @property
     def floors(self) -> dict[int, streams.StreamId]:
         """The retention floors last seen per partition (where a refill would start)."""
-        return dict(self._floors)
+        return dict(self._at.floors)
 
     @property
     def stopping(self) -> bool:
@@ -242,45 +216,13 @@ class Producer:
         self._run_id = run_id
 
         losses = self.progress.redis_losses
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in self._keys:
-                # EVAL, not the registered script: a cluster pipeline refuses EVALSHA
-                # through a Script, and a sync is rare enough to send the source.
-                pipe.execute_command("EVAL", _lua.LAST_ID, 1, key)
-            lasts = await pipe.execute()
-        committed = await self._pressure.committed(force=True)
-        for p, raw in enumerate(lasts):
-            known = self._position[p]
-            # An empty stream a trainer's consumer group created (MKSTREAM) before the
-            # first record reports "0-0": nothing was written, as for no stream.
-            if raw is not None and streams.parse_id(raw) == (0, 0):
-                raw = None
-            if raw is None:
-                # A floor is where to refill from only for a stream this producer saw
-                # (Redis lost what it wrote). A stream it never saw starts at the
-                # source's beginning, whatever floors maintenance read meanwhile (the
-                # floor hash and the stream have separate histories: on a cluster they
-                # live on different masters); retention trims below the floor after.
-                floor = self._floors.get(p) if known is not None else None
-                if known is not None and (floor is None or known > floor):
-                    self._lost(p, f"stream gone; refilling after {floor or 'the start'}")
-                self._position[p] = floor
-                self._may_create[p] = True
-                self._pressure.backlogs[p].clear()
-                continue
-            last = streams.parse_id(raw)
-            if known is not None and last < known:
-                self._lost(p, f"stream ends at {streams.format_id(last)}, "
-                              f"{streams.format_id(known)} was written; refilling")
-            self._position[p] = last
-            self._may_create[p] = False
-            await self._pressure.backlogs[p].load(self.redis, self._keys[p], min_committed(committed, p))
+        await self._at.sync(self.redis, self._keys, self._pressure, self._lost)
 
         progress = await self.redis.hgetall(streams.progress_key(self.spec.name))
         if progress.get(streams.PROGRESS_FINISHED) == b"1" and self.spec.finite:
             return None
         hint = progress.get(streams.PROGRESS_EPOCHS_DONE)
-        mine = [self._position[p] for p in self.leases.owned] or [None]
+        mine = [self._at.last[p] for p in self.leases.owned] or [None]
         earliest = min((pos[0] - 1 if pos else 0) for pos in mine)
         if hint is None:
             return earliest
@@ -321,20 +263,10 @@ class Producer:
                 await self.redis.hset(progress_key, streams.PROGRESS_EPOCHS_DONE, str(epoch + 1))
         if not self.spec.finite or self._stop.is_set():
             return "done"
-        if not await mark_done(self.redis, self.spec, owned, self._position):
+        if not await mark_done(self.redis, self.spec, owned, self._at.last):
             return "wait"
         self.progress.finished = True
         return "done"
-
-    def _next_index(self, partition: int, epoch: int, owned: frozenset[int]) -> int:
-        if partition not in owned:
-            return _NEVER  # another producer's
-        pos = self._position[partition]
-        if pos is None or epoch > pos[0] - 1:
-            return 0
-        if epoch == pos[0] - 1:
-            return pos[1] + 1
-        return _NEVER
 
     async def _produce_epoch(self, epoch: int, owned: frozenset[int]) -> bool:
         """Append what is missing of ``epoch`` in the ``owned`` partitions; False when
@@ -361,8 +293,8 @@ class Producer:
                           owned: frozenset[int]) -> bool:
         """Plan the epoch and hand each partition's missing records to the writers."""
         chunks = self._counted(plan_spec_chunks(self.spec, epoch, self.storage_options))
-        next_index = [self._next_index(p, epoch, owned) for p in range(self.spec.partitions)]
-        if min(next_index) == _NEVER:
+        next_index = [self._at.next_index(p, epoch, owned) for p in range(self.spec.partitions)]
+        if min(next_index) == NEVER:
             return True  # every partition is past this epoch
         cut = BatchLimits(self.batch_records, self.batch_bytes, self.max_inflight_bytes)
         await hand_out_epoch(chunks, next_index, queues, budget, cut, inline=self._inline_reads,
@@ -416,9 +348,9 @@ class Producer:
     async def _verify(self, p: int, link: Link) -> None:
         """On the writer's own connection: the partition still ends where the producer
         thinks it does (no restart of Redis since the sync)."""
-        if await check_end(link, self._keys[p], self._position[p],
-                           may_create=self._may_create[p]):
-            self._may_create[p] = False
+        if await check_end(link, self._keys[p], self._at.last[p],
+                           may_create=self._at.may_create[p]):
+            self._at.may_create[p] = False
 
     async def _write(
         self, p: int, first: int, batch: list[GoodRecord], epoch: int, size: int, link: Link
@@ -427,11 +359,11 @@ class Producer:
         the partition, its backlog, progress and metrics moved past it."""
         ms = epoch + 1
         skipped = await append_batch(link, self._keys[p], self._key_bulk[p], ms, first, batch,
-                                     nomkstream=not self._may_create[p])
+                                     nomkstream=not self._at.may_create[p])
         added = len(batch) - skipped
         last = (ms, first + len(batch) - 1)
-        self._position[p] = last
-        self._may_create[p] = False
+        self._at.last[p] = last
+        self._at.may_create[p] = False
         self._pressure.backlogs[p].add((ms, first), last, len(batch), size)
         self.progress.records += added
         self.progress.skipped += skipped
@@ -453,7 +385,7 @@ class Producer:
         while True:
             final = done.is_set()  # a pass that starts after the last append
             try:
-                self._floors.update(await self._pressure.maintain())
+                self._at.floors.update(await self._pressure.maintain())
             except _RETRYABLE as exc:
                 log.debug("dataset %s maintenance skipped: %s", self.spec.name, exc)
             if final:

@@ -23,7 +23,7 @@ import re
 from collections.abc import Generator
 from typing import Any
 
-from ingest_service.errors import PushTooLargeError
+from ingest_service.errors import IngestError, PushTooLargeError
 
 __all__ = ["BoundsOverflow", "MsgpackBounds", "RecordShapeError", "needs_scan", "scan_json"]
 
@@ -48,9 +48,10 @@ def _too_deep(where: str, limit: int) -> RecordShapeError:
 _CONTAINERS = frozenset({list, dict})
 
 
-class BoundsOverflow(Exception):
+class BoundsOverflow(IngestError):
     """Raised through the msgpack decoder by a hook; :meth:`MsgpackBounds.error` turns
-    it into the 413."""
+    it into the 413. Not a ``PushRejectedError`` nor a ``ValueError``: the decode's
+    handlers for malformed bodies must not catch it first."""
 
     def __init__(self, deep: bool) -> None:
         self.deep = deep

@@ -358,12 +358,17 @@ class StoreSet:
         def run(root: StoreRoot) -> dict[str, Any]:
             self._manifest(root, step)
             store = self._open(root.url, root)
-            if any(m.step == step for m in newest_valid(store)):
+            kept = newest_valid(store)
+            if any(m.step == step for m in kept):
+                # kept[0] is the restore order's: say which order keeps this one.
+                why = ("the newest in the order a TrainingSession restores in: a restart "
+                       "resumes from it" if kept[0].step == step else
+                       "the newest in commit order (what LATEST names; a fenced zombie's "
+                       f"late commit), though a restart resumes from step {kept[0].step}")
                 raise Refused(
                     "newest_checkpoint",
                     f"step {step} is the newest valid checkpoint of store {root.name!r} "
-                    "(in commit order, or in the order a TrainingSession restores in): "
-                    "a restart resumes from it. Expected an older step",
+                    f"({why}). Expected an older step",
                 )
             if self._manifest(root, step).pinned:
                 raise Refused(

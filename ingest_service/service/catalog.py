@@ -25,6 +25,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from ingest_service.errors import IngestError
 from trainguard.core.checkpoints import CorruptCheckpointError, NoCheckpointError
 from trainguard.core.newest import saves_of
 from trainguard.core.urls import redact_text
@@ -38,8 +39,9 @@ MAX_CACHED_MANIFESTS = 20_000
 more is read partly again on each listing, never held whole."""
 
 
-class Abandoned(Exception):
-    """Every request waiting for this catalog work went away: it stopped early."""
+class Abandoned(IngestError):
+    """Every request waiting for this catalog work went away: it stopped early (a
+    signal between the worker thread and its waiters, never shown to a caller)."""
 
 
 class Never:

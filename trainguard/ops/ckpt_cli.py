@@ -19,21 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.errors import TrainguardError
 from trainguard.core.newest import newest_first, newest_save_of
 from trainguard.core.urls import has_password, redact_url
+from trainguard.ops.errors import StoreNotFoundError, StorePathError
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 from trainguard.ops.output import Progress, emit, table
 
 __all__ = ["StoreNotFoundError", "StorePathError", "register"]
-
-
-class StoreNotFoundError(TrainguardError, FileNotFoundError):
-    """The local store path does not exist (exit 3, never "no checkpoints")."""
-
-
-class StorePathError(TrainguardError, ValueError):
-    """The local store path is not a directory (exit 2)."""
 
 
 def _check_local(url: str) -> None:

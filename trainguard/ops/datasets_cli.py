@@ -126,12 +126,17 @@ def _datasets_delete(args: argparse.Namespace) -> int:
 
 def _offsets_show(args: argparse.Namespace) -> int:
     from ingest_service import inspection
+    from ingest_service.errors import NotFound
 
     groups = with_redis(args, lambda r: inspection.dataset_groups(r, args.dataset))
     if args.group:
+        names = sorted(g["group"] for g in groups)
         groups = [g for g in groups if g["group"] == args.group]
         if not groups:
-            raise LookupError(f"group {args.group!r} has no state on {args.dataset!r}")
+            raise NotFound("group_not_found",
+                           f"group {args.group!r} has no state on {args.dataset!r}: its groups "
+                           f"are {names or 'none'}; name one of them, or leave --group out "
+                           "to show every group")
 
     def human(groups: list[dict[str, Any]]) -> str:
         rows = [

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from trainguard.core.errors import TrainguardError
 from trainguard.core.process import free_port, http_ready, wait_until
+from trainguard.ops.errors import DemoError
 
 __all__ = ["DATASET", "LENGTH", "STORE_NAME", "VOCAB", "Children", "DemoError",
            "records_ingested", "register_dataset", "start_redis", "start_service",
@@ -28,10 +28,6 @@ __all__ = ["DATASET", "LENGTH", "STORE_NAME", "VOCAB", "Children", "DemoError",
 
 DATASET, STORE_NAME = "demo", "demo"
 VOCAB, LENGTH = 64, 16
-
-
-class DemoError(TrainguardError, RuntimeError):
-    """A step of the demo failed; the message says which and where its logs are."""
 
 
 def _die_with_parent() -> None:

@@ -1,7 +1,8 @@
 """Resilience for remote dependencies: one circuit breaker (sync and async callers)
 and one retry mechanism (:class:`RetryPolicy`, applied per call by :class:`Retrier`
-and per loop by :class:`Backoff`), with their own error base. Imports no client
-library: the parts name what is transient for theirs."""
+and per loop by :class:`Backoff`), with their own error base.
+
+Imports no client library: the parts name what is transient for theirs."""
 
 from trainguard.core.resilience.breaker import REGISTRY, BreakerState, CircuitBreaker
 from trainguard.core.resilience.errors import CircuitOpenError, ResilienceError
