@@ -37,10 +37,32 @@ def client(url: str, *, queue_timeout_s: float | None = None, **kwargs: Any) -> 
         return Redis.from_url(url, **kwargs)
     # A cluster client keeps one pool per node: the single-server pool size is per node.
     kwargs.pop("max_connections", None)
-    return cast(Redis, RedisCluster(
+    return cast(Redis, _Cluster(
         startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
         username=target.username, password=target.password, ssl=target.ssl, **kwargs,
     ))
+
+
+class _Cluster(RedisCluster):
+    """redis-py's asyncio cluster client, its slot map read before a command is routed.
+
+    redis-py 8.1 picks a command's target before it reads the slots: a command started
+    while the client has no slot map yet (a fresh client, or one reset by ``aclose``)
+    is routed as keyless, to a node that does not hold its key, and answered MOVED.
+    Ten concurrent first commands so draw five MOVED, and redis-py's fifth
+    (``reinitialize_steps``) calls ``aclose()``, which disconnects every connection,
+    those other tasks are sending on included: they fail with ``AttributeError:
+    'NoneType' object has no attribute 'writelines'`` (not a ConnectionError, so no
+    retry catches it). Compare redis/redis-py#2437 (a first command on an
+    uninitialized async cluster fails; a PING first avoids it), #4322 (the MOVED
+    path's ``aclose``) and #4287 (a closed writer leaks AttributeError). Awaiting
+    ``initialize`` first (it serializes callers on its lock, and does nothing once the
+    slots are known) makes every command routed by its key's slot."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self._initialize:
+            await self.initialize()
+        return await super().execute_command(*args, **kwargs)
 
 
 def is_cluster(c: object) -> bool:
