@@ -83,6 +83,22 @@ def test_ledger_world_size_2_then_1(redis_server, tmp_path: Path) -> None:
     _check(redis_server.url, store)
 
 
+def test_ledger_two_ranks_with_two_workers_each_then_one(redis_server, tmp_path: Path) -> None:
+    """DDP with DataLoader workers: two ranks (gloo) of 2 workers each killed three
+    times, then one rank of 2 workers: the batches every worker of every rank read
+    ahead but did not train are not committed, and every record is counted once: 0
+    lost, 0 duplicated."""
+    spec = cf.create(redis_server.url, "tok", partitions=P)
+    cf.fill(redis_server.url, spec, N)
+    store = f"file://{tmp_path}/ckpt"
+    kills = ledger.run_until_done(
+        _args(redis_server.url, store, "--workers", "2"), kills=4, seed=6,
+        log=tmp_path / "job.log", world_for=lambda attempt: 2 if attempt < 3 else 1,
+    )
+    assert kills == 4
+    _check(redis_server.url, store)
+
+
 def test_ledger_world_size_4_then_3_then_5(redis_server, tmp_path: Path) -> None:
     """Four ranks killed twice, then three ranks killed twice, then five: each restart
     reads, per rank, the state objects of the ranks that owned its new partitions
