@@ -16,6 +16,7 @@ from ingest_service.service.nodes_openapi import nodes_paths
 from ingest_service.service.push_openapi import PUSH_409_FIELDS, push_paths
 from ingest_service.service.runs_openapi import PAGE_FIELDS, PAGE_PARAMETERS, runs_paths
 from trainguard import __version__
+from trainguard.core import groups
 
 __all__ = ["openapi_document"]
 
@@ -149,7 +150,7 @@ _SCHEMAS: dict[str, Any] = {
                        "even while a consumer of the group read in the last 30 s).",
         "oneOf": [
             {"type": "object", "required": ["to"], "additionalProperties": False,
-             "properties": {"to": {"type": "string", "enum": ["earliest", "latest"]},
+             "properties": {"to": {"type": "string", "enum": list(groups.SEEK_TARGETS)},
                             "force": _FORCE}},
             {"type": "object", "required": ["ids"], "additionalProperties": False,
              "properties": {"ids": {"type": "object", "minProperties": 1,

@@ -17,7 +17,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from trainguard.core.newest import newest_first, newest_save_of
 from trainguard.core.urls import has_password, redact_url
@@ -25,7 +25,12 @@ from trainguard.ops.errors import StoreNotFoundError, StorePathError
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 from trainguard.ops.output import Progress, emit, table
 
-__all__ = ["StoreNotFoundError", "StorePathError", "register"]
+__all__ = ["EXPORT_FORMATS", "ExportFormat", "StoreNotFoundError", "StorePathError", "register"]
+
+ExportFormat = Literal["safetensors"]
+"""What ``ckpt export`` writes; the CLI's choices and its check read this one type."""
+
+EXPORT_FORMATS: tuple[ExportFormat, ...] = get_args(ExportFormat)
 
 
 def _check_local(url: str) -> None:
@@ -155,8 +160,8 @@ def _gc(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from checkpoint_store import export_safetensors
 
-    if args.format != "safetensors":
-        raise ValueError(f"format {args.format!r} is not supported: use safetensors")
+    if args.format not in EXPORT_FORMATS:
+        raise ValueError(f"format {args.format!r} is not supported: use one of {EXPORT_FORMATS}")
     store = _store(args)
     result = export_safetensors(store, _find(store, args.step), Path(args.output),
                                 key=args.key, strip_prefix=args.strip_prefix, force=args.force)
@@ -199,7 +204,7 @@ def register(sub: Any) -> None:
                    help="keep the last N and delete older unpinned ones (default: keep all)")
     p.add_argument("--keep-every", type=int, help="also keep every N-th step")
     p = add("export", "write a checkpoint's tensors to one file", _export, step="optional")
-    p.add_argument("--format", default="safetensors", choices=["safetensors"],
+    p.add_argument("--format", default="safetensors", choices=EXPORT_FORMATS,
                    help="output format (default: safetensors)")
     p.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
     p.add_argument("--key", help="export only the tensors under this top-level key of the "
