@@ -17,6 +17,7 @@ from ingest_service.service.push_openapi import PUSH_409_FIELDS, push_paths
 from ingest_service.service.runs_openapi import PAGE_FIELDS, PAGE_PARAMETERS, runs_paths
 from trainguard import __version__
 from trainguard.core import groups
+from trainguard.core.checkpoints import CHECKPOINT_STATUSES
 
 __all__ = ["openapi_document"]
 
@@ -195,9 +196,14 @@ _SCHEMAS: dict[str, Any] = {
             "name": {"type": "string"},
             "created_at": {"type": "number", "nullable": True},
             "nbytes": {"type": "integer", "nullable": True},
+            "parent": {"type": "string", "nullable": True},
+            "world_size": {"type": "integer", "nullable": True},
+            "pinned": {"type": "boolean"},
             "status": {"type": "array", "items": {
-                "type": "string", "enum": ["committed", "pinned", "local_only", "remote"]}},
+                "type": "string", "enum": list(CHECKPOINT_STATUSES)}},
         },
+        "required": ["step", "uid", "name", "created_at", "nbytes", "parent", "world_size",
+                     "pinned", "status"],
     },
 }
 

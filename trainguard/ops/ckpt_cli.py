@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from trainguard.core.checkpoints import checkpoint_summary
 from trainguard.core.newest import newest_first, newest_save_of
 from trainguard.core.urls import has_password, redact_url
 from trainguard.ops.errors import StoreNotFoundError, StorePathError
@@ -83,18 +84,12 @@ def _find(store: Any, step: int | None) -> Any:
     raise LookupError(f"no checkpoint at step {step}; it has steps {[m.step for m in manifests]}")
 
 
-def _row(m: Any) -> dict[str, Any]:
-    return {"step": m.step, "uid": m.uid, "name": m.name, "created_at": m.created_at,
-            "nbytes": m.nbytes, "pinned": m.pinned, "world_size": m.world_size,
-            "parent": m.parent}
-
-
 def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 def _ls(args: argparse.Namespace) -> int:
-    rows = [_row(m) for m in _store(args).list()]
+    rows = [checkpoint_summary(m) for m in _store(args).list()]
     emit(args, rows, lambda rows: table(
         [(r["step"], _when(r["created_at"]), r["nbytes"], "pinned" if r["pinned"] else "",
           r["uid"]) for r in rows],
