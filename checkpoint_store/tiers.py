@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from checkpoint_store.layout import parse_manifest_name
 from checkpoint_store.manifest import Manifest
+from trainguard.core.checkpoints import CheckpointStatus
 
 __all__ = ["TierState", "TierStatus", "tier_statuses"]
 
@@ -31,9 +32,9 @@ class TierStatus:
     remote: bool
     pinned: bool
 
-    def labels(self) -> list[str]:
+    def labels(self) -> list[CheckpointStatus]:
         """The admin API's status words: committed, pinned, remote | local_only."""
-        out = ["committed"]
+        out: list[CheckpointStatus] = ["committed"]
         if self.pinned:
             out.append("pinned")
         out.append("remote" if self.remote else "local_only")

@@ -20,7 +20,7 @@ import itertools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import Literal, cast
 
 from redis.asyncio import Redis
 
@@ -29,6 +29,7 @@ from trainguard.core import streams
 __all__ = [
     "BacklogLimits",
     "Backlog",
+    "OffsetKind",
     "group_names",
     "read_offsets",
     "min_committed",
@@ -149,7 +150,12 @@ async def group_names(redis: Redis, dataset: str) -> list[str]:
     return sorted(g.decode() if isinstance(g, bytes) else str(g) for g in raw)
 
 
-async def read_offsets(redis: Redis, dataset: str, kind: str) -> dict[str, dict[int, str]]:
+OffsetKind = Literal["committed", "floor"]
+"""Which per-group offsets :func:`read_offsets` reads: the committed ones or the
+retention floors the trainers publish."""
+
+
+async def read_offsets(redis: Redis, dataset: str, kind: OffsetKind) -> dict[str, dict[int, str]]:
     """``{group: {partition: id}}`` of every registered group; kind is committed or floor."""
     key_of = {"committed": streams.committed_key, "floor": streams.floor_key}[kind]
     groups = await group_names(redis, dataset)

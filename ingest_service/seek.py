@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError, WatchError
@@ -46,9 +46,9 @@ from trainguard.core import groups, streams
 from trainguard.core.resilience import Backoff, RetryPolicy
 from trainguard.core.streams import ContractError
 
-__all__ = ["ACTIVE_IDLE_MS", "EARLIEST", "LATEST", "parse_seek_ids", "seek_group"]
+__all__ = ["ACTIVE_IDLE_MS", "EARLIEST", "LATEST", "check_seek_target", "parse_seek_ids", "seek_group"]
 
-EARLIEST, LATEST = "earliest", "latest"
+EARLIEST, LATEST = groups.SEEK_TARGETS
 
 
 def parse_seek_ids(raw: Any, partitions: int) -> dict[int, str]:
@@ -104,12 +104,20 @@ async def _refuse_if_active(r: aioredis.Redis, dataset: str, group: str, parts: 
         )
 
 
+def check_seek_target(to: object) -> groups.SeekTarget:
+    """``to`` itself when it is one of :data:`~trainguard.core.groups.SEEK_TARGETS`; a
+    request's or a config's value is a plain string (or worse), so the boundary checks."""
+    if to not in groups.SEEK_TARGETS:
+        raise BadRequest("bad_target", f"'to' is {to!r}: expected 'earliest' or 'latest'")
+    return cast(groups.SeekTarget, to)
+
+
 async def seek_group(
     r: aioredis.Redis,
     dataset: str,
     group: str,
     *,
-    to: str | None = None,
+    to: groups.SeekTarget | None = None,
     ids: Mapping[int, str] | None = None,
     force: bool = False,
 ) -> dict[str, Any]:
@@ -130,8 +138,8 @@ async def seek_group(
         raise BadRequest("bad_name", str(exc)) from exc
     if (to is None) == (ids is None):
         raise BadRequest("bad_target", "give exactly one of 'to' (earliest|latest) or 'ids'")
-    if to is not None and to not in (EARLIEST, LATEST):
-        raise BadRequest("bad_target", f"'to' is {to!r}: expected 'earliest' or 'latest'")
+    if to is not None:
+        check_seek_target(to)
     for p in ids or {}:
         if not 0 <= p < spec.partitions:
             raise NotFound(

@@ -1,21 +1,28 @@
 """The documents that cross the admin API, the CLI and OpenAPI have one shape, defined
-once in trainguard/core: the hand-written OpenAPI schema of a run
-(``ingest_service.service.runs_openapi``) names exactly the fields of those types, so
-a field added to one and not the other fails here."""
+once in trainguard/core: the hand-written OpenAPI schemas of a run
+(``ingest_service.service.runs_openapi``) and of a checkpoint name exactly the fields of
+those types, and the admin API and the CLI send the same document, so a field added to
+one and not the other fails here."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, get_args
 
 import pytest
 
+from checkpoint_store import CheckpointStore
 from ingest_service.service.nodes_openapi import RECORD
+from ingest_service.service.openapi import openapi_document
 from ingest_service.service.runs_openapi import runs_paths
+from tests.admin_helpers import admin_client, save_checkpoints
+from trainguard.core.checkpoints import CheckpointStatus, CheckpointSummary
 from trainguard.core.history import CheckpointRow
 from trainguard.core.interval import Advice
 from trainguard.core.quarantine import QuarantineDoc, QuarantineRecord, Source
 from trainguard.core.streams import ContractError
+from trainguard.ops.cli import main
 
 
 def _run_schema() -> dict[str, Any]:
@@ -60,3 +67,35 @@ def test_a_stored_record_with_an_unknown_source_is_refused_by_name() -> None:
     forged = rec.to_json().replace('"probe"', '"prob"')
     with pytest.raises(ContractError, match="source 'prob', expected one of"):
         QuarantineRecord.parse(forged)
+
+
+def test_openapi_checkpoint_is_exactly_checkpoint_summary() -> None:
+    """The OpenAPI ``Checkpoint`` schema (rows of listCheckpoints, the answer of pin and
+    unpin) names exactly CheckpointSummary's keys, requires every one, and its status
+    enum is CheckpointStatus."""
+    schema = openapi_document()["components"]["schemas"]["Checkpoint"]
+    keys = set(CheckpointSummary.__annotations__)
+    assert set(schema["properties"]) == keys
+    assert set(schema["required"]) == set(CheckpointSummary.__required_keys__) == keys
+    assert schema["properties"]["status"]["items"]["enum"] == list(get_args(CheckpointStatus))
+
+
+async def test_admin_api_and_ckpt_ls_send_one_checkpoint_summary(
+        redis_server: Any, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """For the same store, ``GET /admin/checkpoints/{store}`` and ``trainguard ckpt ls
+    --json`` send equal rows with exactly CheckpointSummary's keys: status and pinned
+    on both sides, a pinned checkpoint labelled pinned on both."""
+    root = tmp_path / "ck"
+    save_checkpoints(str(root), [1, 2], {0: "1-1"})
+    CheckpointStore(str(root)).pin(2)
+    async with admin_client(redis_server.url, stores={"main": root}) as client:
+        resp = await client.get("/admin/checkpoints/main")
+        assert resp.status == 200
+        api = (await resp.json())["checkpoints"]
+    assert main(["ckpt", "ls", str(root), "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert [set(row) for row in api] == [set(CheckpointSummary.__annotations__)] * 2
+    assert cli == api
+    assert [(r["step"], r["pinned"], r["status"]) for r in api] == [
+        (1, False, ["committed"]), (2, True, ["committed", "pinned"])]
+    assert all(r["world_size"] == 1 for r in api)

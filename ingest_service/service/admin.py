@@ -263,9 +263,8 @@ async def _seek(request: web.Request) -> web.Response:
             f"optionally 'force'; got keys {sorted(body)}",
         )
     if "to" in body:
-        if not isinstance(body["to"], str):
-            raise BadRequest("bad_target", "'to' must be \"earliest\" or \"latest\"")
-        result = await seek.seek_group(r, dataset, group, to=body["to"], force=force)
+        to = seek.check_seek_target(body["to"])
+        result = await seek.seek_group(r, dataset, group, to=to, force=force)
     else:
         spec_partitions = (await inspection.dataset_spec(r, dataset)).partitions
         raw = (

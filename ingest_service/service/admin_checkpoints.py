@@ -33,11 +33,15 @@ from ingest_service.errors import AdminError, BadRequest, NotFound, Refused
 from ingest_service.service.catalog import NEVER, Cancel, Flights, ManifestCache
 from trainguard.core import lists, record
 from trainguard.core.checkpoints import (
+    CheckpointStatus,
     CheckpointStoreAPI,
+    CheckpointSummary,
     CorruptCheckpointError,
     ManifestView,
     NoCheckpointError,
     PinnedCheckpointError,
+    checkpoint_summary,
+    one_tier_status,
 )
 from trainguard.core.newest import commit_order, newest_first
 from trainguard.core.rank_record import checkpoint_offsets
@@ -137,7 +141,7 @@ class Catalog:
 
     key: Any
     manifests: list[Any]
-    labels: dict[str, list[str]]
+    labels: dict[str, list[CheckpointStatus]]
 
 
 class Busy(AdminError, BlockingIOError):
@@ -234,8 +238,7 @@ class StoreSet:
         if seen is not None and seen[0] == key:
             return cast(Catalog, seen[1])
         manifests = local.manifests(names, pins, cancel)
-        labels = {m.name: ["committed", "pinned"] if m.pinned else ["committed"]
-                  for m in manifests}
+        labels = {m.name: one_tier_status(m.pinned) for m in manifests}
         if remote_key is not None:
             remote_manifests = remote.manifests(remote_key[0], remote_key[1], cancel)
             labels = {s.name: s.labels()
@@ -254,16 +257,9 @@ class StoreSet:
         self._derived[f"{what}:{root.name}"] = (catalog.key, value)
         return value
 
-    def _rows(self, root: StoreRoot, cancel: Cancel = NEVER) -> list[dict[str, Any]]:
+    def _rows(self, root: StoreRoot, cancel: Cancel = NEVER) -> list[CheckpointSummary]:
         catalog = self.read_catalog(root, cancel)
-        return [
-            {
-                "step": m.step, "uid": m.uid, "name": m.name, "created_at": m.created_at,
-                "nbytes": m.nbytes, "parent": m.parent, "world_size": m.world_size,
-                "status": catalog.labels[m.name],
-            }
-            for m in catalog.manifests
-        ]
+        return [checkpoint_summary(m, catalog.labels[m.name]) for m in catalog.manifests]
 
     def _manifest(self, root: StoreRoot, step: int) -> Any:
         """The newest manifest of ``step``, read whole (a step saved twice, e.g. after
@@ -274,7 +270,7 @@ class StoreSet:
             "`trainguard ckpt ls` lists the steps it has",
         ))
 
-    def _row(self, root: StoreRoot, step: int) -> dict[str, Any]:
+    def _row(self, root: StoreRoot, step: int) -> CheckpointSummary:
         for row in reversed(self._rows(root)):
             if row["step"] == step:
                 return row
@@ -297,7 +293,7 @@ class StoreSet:
         """Every manifest of store ``name`` (slim) with its status labels."""
         return await self.shared(name, "catalog", self.read_catalog)
 
-    async def list(self, name: str) -> list[dict[str, Any]]:
+    async def list(self, name: str) -> list[CheckpointSummary]:
         return await self.shared(name, "rows", lambda root, cancel: self._rows(root, cancel))
 
     async def show(self, name: str, step: int, *, full: bool = True) -> dict[str, Any]:
@@ -306,7 +302,7 @@ class StoreSet:
         rank's random states: for readers holding a token only)."""
         def run(root: StoreRoot) -> dict[str, Any]:
             row = self._row(root, step)
-            return {**manifest_json(self._manifest(root, step)), **row} if full else row
+            return {**manifest_json(self._manifest(root, step)), **row} if full else dict(row)
         return await self._run(name, run)
 
     async def verify(self, name: str, step: int) -> dict[str, Any]:
@@ -339,8 +335,8 @@ class StoreSet:
         finally:
             self._verifying -= 1
 
-    async def pin(self, name: str, step: int, pinned: bool) -> dict[str, Any]:
-        def run(root: StoreRoot) -> dict[str, Any]:
+    async def pin(self, name: str, step: int, pinned: bool) -> CheckpointSummary:
+        def run(root: StoreRoot) -> CheckpointSummary:
             self._manifest(root, step)
             urls = [root.url]
             remote = self._cache(root.remote_url, root) if root.remote_url else None

@@ -16,6 +16,8 @@ from ingest_service.service.nodes_openapi import nodes_paths
 from ingest_service.service.push_openapi import PUSH_409_FIELDS, push_paths
 from ingest_service.service.runs_openapi import PAGE_FIELDS, PAGE_PARAMETERS, runs_paths
 from trainguard import __version__
+from trainguard.core import groups
+from trainguard.core.checkpoints import CHECKPOINT_STATUSES
 
 __all__ = ["openapi_document"]
 
@@ -149,7 +151,7 @@ _SCHEMAS: dict[str, Any] = {
                        "even while a consumer of the group read in the last 30 s).",
         "oneOf": [
             {"type": "object", "required": ["to"], "additionalProperties": False,
-             "properties": {"to": {"type": "string", "enum": ["earliest", "latest"]},
+             "properties": {"to": {"type": "string", "enum": list(groups.SEEK_TARGETS)},
                             "force": _FORCE}},
             {"type": "object", "required": ["ids"], "additionalProperties": False,
              "properties": {"ids": {"type": "object", "minProperties": 1,
@@ -194,9 +196,14 @@ _SCHEMAS: dict[str, Any] = {
             "name": {"type": "string"},
             "created_at": {"type": "number", "nullable": True},
             "nbytes": {"type": "integer", "nullable": True},
+            "parent": {"type": "string", "nullable": True},
+            "world_size": {"type": "integer", "nullable": True},
+            "pinned": {"type": "boolean"},
             "status": {"type": "array", "items": {
-                "type": "string", "enum": ["committed", "pinned", "local_only", "remote"]}},
+                "type": "string", "enum": list(CHECKPOINT_STATUSES)}},
         },
+        "required": ["step", "uid", "name", "created_at", "nbytes", "parent", "world_size",
+                     "pinned", "status"],
     },
 }
 

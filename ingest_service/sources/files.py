@@ -188,7 +188,7 @@ def _read_parquet(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path
                 yield structured(spec, pos, value, json.dumps(value, default=str).encode())
 
 
-_READERS: dict[str, Callable[[streams.DatasetSpec, fsspec.AbstractFileSystem, str], Iterator[SourceItem]]] = {
+_READERS: dict[streams.SourceFormat, Callable[[streams.DatasetSpec, fsspec.AbstractFileSystem, str], Iterator[SourceItem]]] = {
     "jsonl": _read_jsonl,
     "text": _read_text,
     "npy": _read_npy,

@@ -21,13 +21,16 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib.metadata import entry_points
-from typing import Any, Literal, Protocol, cast, get_args
+from typing import Any, Literal, Protocol, TypedDict, cast, get_args
 
 from trainguard.core.errors import TrainguardError
 
 __all__ = [
     "STORE_ENTRY_POINTS",
+    "CHECKPOINT_STATUSES",
     "CheckpointError",
+    "CheckpointStatus",
+    "CheckpointSummary",
     "CheckpointStoreAPI",
     "CheckpointWriteError",
     "IF_BUSY",
@@ -48,6 +51,8 @@ __all__ = [
     "StateMismatchError",
     "UnsupportedValueError",
     "check_if_busy",
+    "checkpoint_summary",
+    "one_tier_status",
     "open_store",
     "rank_state_store",
 ]
@@ -92,6 +97,46 @@ class ManifestView(Protocol):
 
     @property
     def pinned(self) -> bool: ...
+
+
+CheckpointStatus = Literal["committed", "pinned", "local_only", "remote"]
+"""A checkpoint's status words: always committed; pinned; with a remote tier, remote
+(a copy is there) or local_only (not yet uploaded)."""
+
+CHECKPOINT_STATUSES: tuple[CheckpointStatus, ...] = get_args(CheckpointStatus)
+
+
+class CheckpointSummary(TypedDict):
+    """One checkpoint of a store listing: a row of ``GET /admin/checkpoints/{store}``
+    (and the head of a checkpoint's document) and of ``trainguard ckpt ls --json``. Both
+    build it with :func:`checkpoint_summary`; the OpenAPI ``Checkpoint`` schema is
+    tested against these keys (test_document_shapes)."""
+
+    step: int
+    uid: str
+    name: str
+    created_at: float | None
+    nbytes: int | None
+    parent: str | None
+    world_size: int | None
+    pinned: bool
+    status: list[CheckpointStatus]
+
+
+def one_tier_status(pinned: bool) -> list[CheckpointStatus]:
+    """The status words of a checkpoint in a store without a remote tier."""
+    return ["committed", "pinned"] if pinned else ["committed"]
+
+
+def checkpoint_summary(m: Any, status: Sequence[CheckpointStatus] | None = None) -> CheckpointSummary:
+    """``m`` (a ``checkpoint_store.Manifest``, slim or whole) as a listing row.
+    ``status`` comes from the caller that knows the tiers; without it, a store of one
+    tier: committed, and pinned when it is."""
+    if status is None:
+        status = one_tier_status(m.pinned)
+    return {"step": m.step, "uid": m.uid, "name": m.name, "created_at": m.created_at,
+            "nbytes": m.nbytes, "parent": m.parent, "world_size": m.world_size,
+            "pinned": bool(m.pinned), "status": list(status)}
 
 
 class SaveHandleView(Protocol):

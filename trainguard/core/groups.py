@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 from trainguard.core import streams
 
@@ -29,7 +29,9 @@ __all__ = [
     "SEEK_LUA",
     "START_LUA",
     "WRITE_SEEK_LUA",
+    "SEEK_TARGETS",
     "ScriptCall",
+    "SeekTarget",
     "fenced_generation",
     "partition_keys",
     "script_sha",
@@ -38,6 +40,12 @@ __all__ = [
 
 ScriptCall = tuple[list[str], list[Any]]
 """One script invocation: ``(KEYS, ARGV)``."""
+
+SeekTarget = Literal["earliest", "latest"]
+"""Where a group seek without IDs moves every partition: the lowest safe position, or
+the stream's end. The admin API, its OpenAPI document and the CLI read this one type."""
+
+SEEK_TARGETS: tuple[SeekTarget, ...] = get_args(SeekTarget)
 
 _FENCE_CHECK = """
 local cur = tonumber(redis.call('GET', KEYS[2]) or '0')

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 import msgpack
 
@@ -74,10 +74,24 @@ MAX_PARTITIONS = 65536
 the number with at least four digits (``p0007``, ``p65535``), so keys below 10,000 are
 those of every earlier version."""
 
-FORMATS = ("jsonl", "text", "npy", "files", "parquet", "hf", "webdataset", "push")
-"""Source formats. ``hf`` is a Hugging Face ``datasets`` folder (``save_to_disk`` Arrow
-or Parquet shards), ``webdataset`` a set of WebDataset tar shards. ``push`` datasets
-have no source: records arrive over HTTP."""
+SourceFormat = Literal["jsonl", "text", "npy", "files", "parquet", "hf", "webdataset", "push"]
+"""A dataset's source format. ``hf`` is a Hugging Face ``datasets`` folder
+(``save_to_disk`` Arrow or Parquet shards), ``webdataset`` a set of WebDataset tar
+shards. ``push`` datasets have no source: records arrive over HTTP."""
+
+FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
+"""Every :data:`SourceFormat`, in order: the one list the CLI and the service read."""
+
+SOURCED_FORMATS: tuple[SourceFormat, ...] = tuple(f for f in FORMATS if f != "push")
+"""The formats read from a source (all but ``push``): what an ingest job can read."""
+
+
+def check_format(value: object) -> SourceFormat:
+    """``value`` itself when it is one of :data:`FORMATS`; a format read from a config,
+    a request or Redis is a plain string, so the boundary checks it."""
+    if value not in FORMATS:
+        raise ContractError(f"format {value!r} is unknown: expected one of {FORMATS}")
+    return cast(SourceFormat, value)
 
 
 # --------------------------------------------------------------------------- names
@@ -281,7 +295,7 @@ class DatasetSpec:
     name: str
     partitions: int = DEFAULT_PARTITIONS
     source: str = ""
-    format: str = "jsonl"
+    format: SourceFormat = "jsonl"
     seed: int = 0
     epochs: int | None = 1
     """Passes over the source; ``None`` means endless (push datasets are endless)."""
@@ -298,8 +312,7 @@ class DatasetSpec:
             raise ContractError(
                 f"partitions must be between 1 and {MAX_PARTITIONS}, got {self.partitions}"
             )
-        if self.format not in FORMATS:
-            raise ContractError(f"format {self.format!r} is unknown: expected one of {FORMATS}")
+        check_format(self.format)
         if self.format == "push" and self.epochs is not None:
             object.__setattr__(self, "epochs", None)
         if self.format != "push" and not self.source:

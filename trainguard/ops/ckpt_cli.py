@@ -17,15 +17,21 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
+from trainguard.core.checkpoints import checkpoint_summary
 from trainguard.core.newest import newest_first, newest_save_of
 from trainguard.core.urls import has_password, redact_url
 from trainguard.ops.errors import StoreNotFoundError, StorePathError
 from trainguard.ops.exits import EXIT_FAILED, EXIT_OK
 from trainguard.ops.output import Progress, emit, table
 
-__all__ = ["StoreNotFoundError", "StorePathError", "register"]
+__all__ = ["EXPORT_FORMATS", "ExportFormat", "StoreNotFoundError", "StorePathError", "register"]
+
+ExportFormat = Literal["safetensors"]
+"""What ``ckpt export`` writes; the CLI's choices and its check read this one type."""
+
+EXPORT_FORMATS: tuple[ExportFormat, ...] = get_args(ExportFormat)
 
 
 def _check_local(url: str) -> None:
@@ -78,18 +84,12 @@ def _find(store: Any, step: int | None) -> Any:
     raise LookupError(f"no checkpoint at step {step}; it has steps {[m.step for m in manifests]}")
 
 
-def _row(m: Any) -> dict[str, Any]:
-    return {"step": m.step, "uid": m.uid, "name": m.name, "created_at": m.created_at,
-            "nbytes": m.nbytes, "pinned": m.pinned, "world_size": m.world_size,
-            "parent": m.parent}
-
-
 def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 def _ls(args: argparse.Namespace) -> int:
-    rows = [_row(m) for m in _store(args).list()]
+    rows = [checkpoint_summary(m) for m in _store(args).list()]
     emit(args, rows, lambda rows: table(
         [(r["step"], _when(r["created_at"]), r["nbytes"], "pinned" if r["pinned"] else "",
           r["uid"]) for r in rows],
@@ -155,8 +155,8 @@ def _gc(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from checkpoint_store import export_safetensors
 
-    if args.format != "safetensors":
-        raise ValueError(f"format {args.format!r} is not supported: use safetensors")
+    if args.format not in EXPORT_FORMATS:
+        raise ValueError(f"format {args.format!r} is not supported: use one of {EXPORT_FORMATS}")
     store = _store(args)
     result = export_safetensors(store, _find(store, args.step), Path(args.output),
                                 key=args.key, strip_prefix=args.strip_prefix, force=args.force)
@@ -199,7 +199,7 @@ def register(sub: Any) -> None:
                    help="keep the last N and delete older unpinned ones (default: keep all)")
     p.add_argument("--keep-every", type=int, help="also keep every N-th step")
     p = add("export", "write a checkpoint's tensors to one file", _export, step="optional")
-    p.add_argument("--format", default="safetensors", choices=["safetensors"],
+    p.add_argument("--format", default="safetensors", choices=EXPORT_FORMATS,
                    help="output format (default: safetensors)")
     p.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
     p.add_argument("--key", help="export only the tensors under this top-level key of the "

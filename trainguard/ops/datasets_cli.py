@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from trainguard.core import lists, settings, streams
+from trainguard.core import groups, lists, settings, streams
 from trainguard.core.urls import redact_url, redact_values
 from trainguard.ops.exits import EXIT_OK
 from trainguard.ops.output import emit, table
@@ -234,7 +234,7 @@ def _register_offsets(sub: Any) -> None:
     p.add_argument("dataset", help="dataset name")
     p.add_argument("group", help="consumer group (a run's name)")
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--to", choices=["earliest", "latest"], help="the stream's start or end")
+    target.add_argument("--to", choices=groups.SEEK_TARGETS, help="the stream's start or end")
     target.add_argument("--ids", help="PARTITION=ID,... e.g. 0=1-41,1=1-40")
     target.add_argument("--checkpoint", metavar="STORE_URL",
                         help="the offsets committed in this store's checkpoint --step")

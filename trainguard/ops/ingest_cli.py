@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
     ingest.add_argument("--dataset", required=True, help="dataset name")
     ingest.add_argument("--source", help="fsspec URL, folder or glob (omit to produce an "
                                          "already registered dataset)")
-    ingest.add_argument("--format", default="jsonl", choices=[f for f in streams.FORMATS if f != "push"],
+    ingest.add_argument("--format", default="jsonl", choices=streams.SOURCED_FORMATS,
                         help="how to read the source (default: jsonl)")
     ingest.add_argument("--partitions", type=int, default=streams.DEFAULT_PARTITIONS,
                         help="Redis streams to shard into (default %(default)s)")
