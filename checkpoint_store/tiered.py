@@ -68,7 +68,7 @@ from checkpoint_store.layout import manifest_path, parse_manifest_name
 from checkpoint_store.manifest import Manifest, parse_manifest
 from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
 from checkpoint_store.tiers import TierStatus, tier_statuses
-from checkpoint_store.upload import Uploader
+from checkpoint_store.upload import Uploader, remote_backoff
 from trainguard.core.checkpoints import (
     CheckpointError,
     CheckpointWriteError,
@@ -106,7 +106,10 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
     bounds how long ``close`` may wait for the thread to notice a stop) and
     ``remote_read_policy`` each remote read made by ``load``/``list``/``pin``/...
     (default: ``OBJECT_STORE_POLICY``, waiting out an outage of up to 15 minutes).
-    ``upload_backoff_s`` is (first, max) wait of the uploader after a failed attempt;
+    ``upload_backoff`` spaces the uploader's attempts after a failed one (its waits
+    only: the uploader never gives up; default ``upload.UPLOAD_BACKOFF``, 0.2 s
+    doubling to 10 s; ``upload_backoff_s``, the former ``(first, max)`` tuple, is
+    deprecated);
     ``io_threads`` also sets how many files an upload sends at once.
     """
 
@@ -122,7 +125,8 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
         remote_breaker: CircuitBreaker | None = None,
         upload_policy: RetryPolicy | None = None,
         remote_read_policy: RetryPolicy | None = None,
-        upload_backoff_s: tuple[float, float] = (0.2, 10.0),
+        upload_backoff: RetryPolicy | None = None,
+        upload_backoff_s: tuple[float, float] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         io_threads: int = 4,
         stale_after_s: float = 24 * 3600.0,
@@ -134,6 +138,9 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
                 f"remote_keep_last ({remote_keep_last}) must be >= keep_last ({keep_last}) "
                 "or None: the remote tier keeps at least what local disk keeps"
             )
+        # Checked before anything is opened: a bad argument leaves nothing behind.
+        backoff = remote_backoff(upload_backoff, upload_backoff_s, name="upload_backoff",
+                                 legacy_name="upload_backoff_s")
         local_backend = open_backend(os.fspath(local_url))
         if not isinstance(local_backend, LocalBackend):
             raise ValueError(f"local_url must be a local directory, got {local_url!r}")
@@ -177,7 +184,7 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
             object_store_retrier(self.breaker, upload_policy or RetryPolicy(
                 attempts=None, timeout_s=60.0, wait_max_s=10.0)).call,
             on_committed=self._on_remote_commit, on_scanned=self._on_scanned,
-            backoff_s=upload_backoff_s, threads=io_threads,
+            backoff=backoff, threads=io_threads,
             outage=self._transient, answers=OBJECT_STORE_NOT_TRANSIENT,
         )
         self._remote = RemoteCatalog(

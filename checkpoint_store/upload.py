@@ -30,6 +30,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -51,10 +52,11 @@ from checkpoint_store.layout import (
 from checkpoint_store.manifest import Manifest, parse_manifest
 from checkpoint_store.reader import verify_data
 from checkpoint_store.saving import latest_pointer
+from trainguard.core.backoff import Backoff, RetryPolicy
 from trainguard.core.checkpoints import CorruptCheckpointError
-from trainguard.core.resilience import Backoff, RetryPolicy
 
-__all__ = ["UPLOAD_PHASES", "Uploader", "local_files", "remote_sizes"]
+__all__ = ["UPLOAD_BACKOFF", "UPLOAD_PHASES", "Uploader", "local_files", "remote_backoff",
+           "remote_sizes"]
 
 log = logging.getLogger("checkpoint_store.tiered")
 
@@ -96,13 +98,46 @@ def remote_sizes(backend: Backend, directory: str) -> dict[str, int]:
             if path.startswith(prefix)}
 
 
+UPLOAD_BACKOFF = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=0.2,
+                             wait_max_s=10.0, wait_jitter_s=0.0)
+"""The uploader's wait after a failed attempt: 0.2 s doubling to 10 s, without jitter
+(one uploader per store, nobody to spread out); it never gives up."""
+
+
+def remote_backoff(policy: RetryPolicy | None, legacy_s: tuple[float, float] | None, *,
+                   name: str, legacy_name: str) -> RetryPolicy:
+    """The uploader's backoff policy of the arguments ``name`` (a :class:`RetryPolicy`)
+    and ``legacy_name`` (the former ``(first, max)`` tuple, doubling without jitter,
+    accepted for one release with a DeprecationWarning). Neither: ``UPLOAD_BACKOFF``."""
+    if legacy_s is None:
+        return UPLOAD_BACKOFF if policy is None else policy
+    if policy is not None:
+        raise ValueError(f"{name} and {legacy_name} were both given: pass {name} only "
+                         f"({legacy_name} is its deprecated former shape)")
+    if (not isinstance(legacy_s, tuple | list) or len(legacy_s) != 2
+            or not all(isinstance(v, int | float) and v > 0 for v in legacy_s)):
+        raise ValueError(f"{legacy_name} must be (first, max) wait in seconds, both > 0, got "
+                         f"{legacy_s!r}: pass {name}=RetryPolicy(...) instead")
+    first, most = float(legacy_s[0]), float(legacy_s[1])
+    # stacklevel 3: the warning names the caller of the constructor that took the tuple.
+    warnings.warn(f"{legacy_name}=(first, max) is deprecated and goes in the next release: "
+                  f"pass {name}=RetryPolicy(attempts=None, timeout_s=None, "
+                  f"wait_initial_s={first}, wait_max_s={most}, wait_jitter_s=0.0)",
+                  DeprecationWarning, stacklevel=3)
+    return RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=first, wait_max_s=most,
+                       wait_jitter_s=0.0)
+
+
 class Uploader:
     """One background thread that uploads queued checkpoints oldest first.
 
     ``call(fn, *args)`` runs one remote operation (retries, breaker); ``on_committed``
     is called with each remote-committed manifest name and ``on_scanned`` after the
     start-up scan (both from this thread; their errors are logged, not retried).
-    ``backoff_s`` is (first, max) wait after a failed upload, doubling in between;
+    ``backoff`` spaces the attempts after a failed upload (its waits, through
+    :class:`~trainguard.core.backoff.Backoff`; its attempts and timeout do not apply:
+    the uploader never gives up; default ``UPLOAD_BACKOFF``; ``backoff_s``, the former
+    ``(first, max)`` tuple, is deprecated);
     ``threads`` data files are uploaded in parallel. A failure of type ``outage`` but
     not ``answers`` means the remote is unreachable: the queue keeps its order. Any
     other failure is the checkpoint's own (e.g. the remote refuses it) and sends it to
@@ -117,7 +152,8 @@ class Uploader:
         *,
         on_committed: Callable[[str], None],
         on_scanned: Callable[[], None] = lambda: None,
-        backoff_s: tuple[float, float] = (0.2, 10.0),
+        backoff: RetryPolicy | None = None,
+        backoff_s: tuple[float, float] | None = None,
         threads: int = 4,
         outage: tuple[type[BaseException], ...] = (OSError,),
         answers: tuple[type[BaseException], ...] = (),
@@ -127,9 +163,8 @@ class Uploader:
         self._call = call
         self._on_committed = on_committed
         self._on_scanned = on_scanned
-        # (first, max) without jitter: one uploader per store, nobody to spread out.
-        self._backoff = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=backoff_s[0],
-                                    wait_max_s=backoff_s[1], wait_jitter_s=0.0)
+        self.backoff = remote_backoff(backoff, backoff_s, name="backoff",
+                                      legacy_name="backoff_s")
         self._threads = max(1, threads)
         self._outage = outage
         self._answers = answers
@@ -215,7 +250,7 @@ class Uploader:
                 self._cond.wait(seconds)
 
     def _loop(self) -> None:
-        backoff = Backoff(self._backoff)
+        backoff = Backoff(self.backoff)
         while True:
             with self._cond:
                 while self._scanned and not self._pending and not self._stop:

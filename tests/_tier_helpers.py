@@ -15,6 +15,10 @@ FAST_POLICY = RetryPolicy(attempts=2, timeout_s=5.0, wait_initial_s=0.05, wait_m
                           wait_jitter_s=0.05)
 """Per remote call: two quick tries (the uploader's own backoff retries after that)."""
 
+UPLOAD_BACKOFF = RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=0.1, wait_max_s=0.5,
+                             wait_jitter_s=0.0)
+"""The uploader's waits between its own attempts: 0.1 s doubling to 0.5 s."""
+
 READ_POLICY = RetryPolicy(attempts=20, timeout_s=30.0, wait_initial_s=0.05, wait_max_s=0.5,
                           wait_jitter_s=0.05)
 
@@ -37,7 +41,7 @@ def open_tiered(local: str, remote: str, storage_options: dict[str, Any],
         f"test-tier-{os.getpid()}-{next(_ids)}", failure_threshold=2, reset_timeout_s=0.3))
     kwargs.setdefault("upload_policy", FAST_POLICY)
     kwargs.setdefault("remote_read_policy", READ_POLICY)
-    kwargs.setdefault("upload_backoff_s", (0.1, 0.5))
+    kwargs.setdefault("upload_backoff", UPLOAD_BACKOFF)
     kwargs.setdefault("keep_last", 2)
     return TieredCheckpointStore(local, remote, storage_options=fast_options(storage_options),
                                  **kwargs)

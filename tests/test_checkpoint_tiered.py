@@ -398,11 +398,12 @@ def _tiered_on_dir(local: Path, remote: Path, **kwargs):
     """A tiered store whose remote tier is a local directory (no S3 needed), with a
     short uploader backoff."""
     from checkpoint_store import TieredCheckpointStore
-    from trainguard.core.resilience import object_store_breaker
+    from trainguard.core.resilience import RetryPolicy, object_store_breaker
 
     return TieredCheckpointStore(
         local, str(remote), remote_breaker=object_store_breaker(f"test-tier-dir-{local}"),
-        upload_backoff_s=(0.05, 0.2), **kwargs)
+        upload_backoff=RetryPolicy(attempts=None, timeout_s=None, wait_initial_s=0.05,
+                                   wait_max_s=0.2, wait_jitter_s=0.0), **kwargs)
 
 
 def test_refused_upload_does_not_hold_back_newer_ones(tmp_path, monkeypatch):

@@ -16,7 +16,9 @@ or a service or Redis restart never loses or duplicates it. On a 409 the service
 its mark: when the producer starts (or restarts) it asks the mark with an empty probe
 and continues from ``mark + 1`` (:meth:`Producer.resume`), so a restarted worker does
 not resend what is in. Retries wait with jittered exponential backoff, honouring
-``Retry-After`` (429 backlog full, 503 Redis down). A batch that was never
+``Retry-After`` (429 backlog full, 503 Redis down); the waits are those of
+:attr:`Producer.retry_policy`, the one description of backoff
+(:mod:`trainguard.core.backoff`). A batch that was never
 acknowledged (``send`` raised :class:`PushError`) is kept and resent whole, under its
 seq, before the next records are taken: a seq never carries two batches (the service
 refuses that with 409 ``batch_mismatch``). When Redis lost batches the service had
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import random
 import time
 import urllib.parse
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from typing import Any
 import msgpack
 
 from trainguard.core import push_wire
+from trainguard.core.backoff import Backoff, RetryPolicy
 from trainguard.core.errors import TrainguardError
 
 __all__ = ["Producer", "PushDataLostError", "PushError", "PushRefusedError", "PushRejectedError",
@@ -93,7 +95,11 @@ class Producer:
 
     ``next_seq`` is the seq the next :meth:`send` uses; ``resume()`` (called by the
     first send) sets it from the service's mark. Not thread-safe: one Producer per
-    thread, each with its own producer_id."""
+    thread, each with its own producer_id.
+
+    ``max_attempts`` tries per batch; the first retry waits ``backoff_s`` plus up to
+    ``backoff_s`` of jitter, each next one twice as long, at most ``max_backoff_s``
+    (a longer ``Retry-After`` wins): :attr:`retry_policy` holds these."""
 
     def __init__(self, base_url: str, dataset: str, producer_id: str, *, token: str | None,
                  timeout_s: float = 30.0, max_attempts: int = 20, backoff_s: float = 0.05,
@@ -107,8 +113,16 @@ class Producer:
         self._headers = {"Content-Type": push_wire.MSGPACK_TYPE}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}: a batch is "
+                             "sent at least once")
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        # Jitter as large as the first wait spreads producers that failed together
+        # (the former shape was the doubled wait times uniform(0.5, 1.5)).
+        self.retry_policy = RetryPolicy(attempts=max_attempts, timeout_s=None,
+                                        wait_initial_s=backoff_s, wait_max_s=max_backoff_s,
+                                        wait_jitter_s=backoff_s)
         self.next_seq: int | None = None
         self._acked: int | None = None
         """The last seq the service acknowledged to this Producer (or its mark at resume)."""
@@ -154,8 +168,9 @@ class Producer:
             payload = {}
         return resp.status, payload if isinstance(payload, dict) else {}, resp.getheader("Retry-After")
 
-    def _wait(self, attempt: int, retry_after: str | None) -> None:
-        delay = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random())
+    @staticmethod
+    def _wait(backoff: Backoff, retry_after: str | None) -> None:
+        delay = backoff.next_wait_s()
         if retry_after and retry_after.isascii() and retry_after.isdigit():
             delay = max(delay, float(retry_after))
         time.sleep(delay)
@@ -254,18 +269,19 @@ class Producer:
 
     def _send_with_retries(self, seq: int, body: bytes) -> tuple[int, dict[str, Any], str | None]:
         last: BaseException | None = None
-        for attempt in range(self.max_attempts):
+        backoff = Backoff(self.retry_policy)
+        for _ in range(self.max_attempts):
             try:
                 status, payload, retry_after = self._post(seq, body)
             except (OSError, http.client.HTTPException) as exc:
                 last = exc
-                self._wait(attempt, None)
+                self._wait(backoff, None)
                 continue
             if status == 200 or status == 409:
                 return status, payload, retry_after
             if status in _RETRIED:
                 last = PushError(f"answer {status}: {payload.get('error', payload)}")
-                self._wait(attempt, retry_after)
+                self._wait(backoff, retry_after)
                 continue
             error = payload.get("error", {})
             raise PushRejectedError(status, str(error.get("code", "error")),

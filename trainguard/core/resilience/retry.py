@@ -8,7 +8,8 @@ One mechanism, two shapes:
   ``retry_after_s`` plus a little jitter) instead of failing or spinning; the attempt
   after the wait is either the half-open probe or fails fast again while another
   caller's probe is in flight.
-- :class:`Backoff` hands out the waits of the same :class:`RetryPolicy` to a loop that
+- :class:`Backoff` (in :mod:`trainguard.core.backoff`, standard library only, with
+  :class:`RetryPolicy`) hands out the waits of the same policy to a loop that
   retries by itself (a producer syncing again, an uploader with a queue): the loop
   decides what an attempt is and how it waits (a stop event, a condition), the policy
   decides how long.
@@ -32,11 +33,13 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import stamina
 
+# The policy and the loop's waits live in the stdlib-only module (the push client
+# imports them without stamina); re-exported here so every existing import works.
+from trainguard.core.backoff import DEFAULT_POLICY, Backoff, RetryPolicy
 from trainguard.core.resilience.breaker import CircuitBreaker
 from trainguard.core.resilience.errors import CircuitOpenError
 
@@ -56,66 +59,6 @@ __all__ = [
 P = ParamSpec("P")
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Backoff parameters (stamina's): wait ``min(wait_max_s, wait_initial_s *
-    wait_exp_base ** (n - 1) + uniform(0, wait_jitter_s))`` before attempt ``n + 1``;
-    stop after ``attempts`` tries or ``timeout_s`` in total (``None``: no limit)."""
-
-    attempts: int | None = 10
-    timeout_s: float | None = 45.0
-    wait_initial_s: float = 0.1
-    wait_max_s: float = 5.0
-    wait_jitter_s: float = 1.0
-    wait_exp_base: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.attempts is not None and self.attempts < 1:
-            raise ValueError(f"attempts must be >= 1 or None, got {self.attempts}")
-        if self.timeout_s is not None and self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
-
-    def wait_s(self, failures: int) -> float:
-        """The wait after the ``failures``-th failure in a row (1 for the first)."""
-        n = max(1, failures)
-        return min(
-            self.wait_max_s,
-            self.wait_initial_s * self.wait_exp_base ** (n - 1)
-            + random.uniform(0.0, self.wait_jitter_s),
-        )
-
-
-class Backoff:
-    """The waits of ``policy`` for a loop that retries by itself::
-
-        backoff = Backoff(policy)
-        while not stopped:
-            try:
-                work()
-                backoff.reset()
-            except TransientError:
-                stop_event.wait(backoff.next_wait_s())
-
-    Unlike :class:`Retrier` it never gives up: the loop owns its stop condition
-    (``policy.attempts`` and ``timeout_s`` are not applied here).
-    """
-
-    def __init__(self, policy: RetryPolicy) -> None:
-        self.policy = policy
-        self.failures = 0
-
-    def next_wait_s(self) -> float:
-        """Count one more failure and return how long to wait before the next try."""
-        self.failures += 1
-        return self.policy.wait_s(self.failures)
-
-    def reset(self) -> None:
-        """A success: the next failure waits ``wait_initial_s`` again."""
-        self.failures = 0
-
-
-DEFAULT_POLICY = RetryPolicy()
 
 def retry_testing(attempts: int = 1) -> AbstractContextManager[None]:
     """Context manager: no backoff waits and exactly ``attempts`` tries per call
