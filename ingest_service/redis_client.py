@@ -1,5 +1,6 @@
-"""The service's asyncio Redis clients, one server or a Redis Cluster as the URL says
-(:mod:`trainguard.core.redis_url`)."""
+"""The service's asyncio Redis clients, one server or a Redis Cluster as the URL says:
+the client of a URL is the Redis floor's (:func:`trainguard.redisio.async_client`);
+here what only the service does with one, the pool of the server holding a key."""
 
 from __future__ import annotations
 
@@ -7,66 +8,19 @@ import contextlib
 from typing import Any, cast
 
 from redis import exceptions as redis_errors
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from trainguard import redisio
-from trainguard.core import redis_url
 
 __all__ = ["FAILOVER_ERRORS", "TRANSIENT", "client", "is_cluster", "node_name", "pool_for", "refresh"]
 
 
-# The transient errors are the Redis floor's, one list for every part.
+# The transient errors, the client of a URL and the cluster test are the Redis
+# floor's, one home for every part; these names stay for the service's modules.
 FAILOVER_ERRORS, TRANSIENT = redisio.FAILOVER_ERRORS, redisio.TRANSIENT
-
-
-def client(url: str, *, queue_timeout_s: float | None = None, **kwargs: Any) -> Redis:
-    """An asyncio client of ``url``; ``kwargs`` go to redis-py. A cluster client is
-    typed as :class:`Redis` (it answers the same commands, routed by slot); the paths
-    that need one node's connection ask :func:`is_cluster` first.
-
-    ``queue_timeout_s``: a request finding all ``max_connections`` in use waits up to
-    this long for one (a blocking pool) instead of failing at once, as redis-py's
-    default pool does: a burst of reads queues rather than answering 503."""
-    target = redis_url.parse(url)
-    if not target.cluster:
-        if queue_timeout_s is not None:
-            pool = BlockingConnectionPool.from_url(url, timeout=queue_timeout_s, **kwargs)
-            return Redis(connection_pool=pool)
-        return Redis.from_url(url, **kwargs)
-    # A cluster client keeps one pool per node: the single-server pool size is per node.
-    kwargs.pop("max_connections", None)
-    return cast(Redis, _Cluster(
-        startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
-        username=target.username, password=target.password, ssl=target.ssl, **kwargs,
-    ))
-
-
-class _Cluster(RedisCluster):
-    """redis-py's asyncio cluster client, its slot map read before a command is routed.
-
-    redis-py 8.1 picks a command's target before it reads the slots: a command started
-    while the client has no slot map yet (a fresh client, or one reset by ``aclose``)
-    is routed as keyless, to a node that does not hold its key, and answered MOVED.
-    Ten concurrent first commands so draw five MOVED, and redis-py's fifth
-    (``reinitialize_steps``) calls ``aclose()``, which disconnects every connection,
-    those other tasks are sending on included: they fail with ``AttributeError:
-    'NoneType' object has no attribute 'writelines'`` (not a ConnectionError, so no
-    retry catches it). Compare redis/redis-py#2437 (a first command on an
-    uninitialized async cluster fails; a PING first avoids it), #4322 (the MOVED
-    path's ``aclose``) and #4287 (a closed writer leaks AttributeError). Awaiting
-    ``initialize`` first (it serializes callers on its lock, and does nothing once the
-    slots are known) makes every command routed by its key's slot."""
-
-    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        if self._initialize:
-            await self.initialize()
-        return await super().execute_command(*args, **kwargs)
-
-
-def is_cluster(c: object) -> bool:
-    return isinstance(c, RedisCluster)
+client = redisio.async_client
+is_cluster = redisio.is_cluster
 
 
 class _NodePool:

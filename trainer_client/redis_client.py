@@ -1,38 +1,26 @@
-"""The trainer's Redis clients, one server or a Redis Cluster as the URL says
-(:mod:`trainguard.core.redis_url`)."""
+"""The trainer's Redis clients, one server or a Redis Cluster as the URL says: the
+client of a URL is the Redis floor's (:func:`trainguard.redisio.sync_client`); here
+what only the trainer does with one: every server, per-master pipelines, a blocking
+wait over partitions, one client per process."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from typing import Any, cast
+from typing import Any
 
 import redis
-from redis.cluster import ClusterNode, RedisCluster
 
-from trainguard.core import redis_url
+from trainguard import redisio
 
 __all__ = ["wait_any", "REPLICA_WAIT_MS", "ProcessClient", "client", "eval_per_node", "is_cluster", "servers"]
 
 
-def client(url: str, **kwargs: Any) -> redis.Redis:
-    """A sync client of ``url``. ``kwargs`` go to redis-py (timeouts, driver info).
-
-    A cluster client is typed as :class:`redis.Redis`: ``RedisCluster`` answers the same
-    commands (routing each by its key's slot, following MOVED and ASK), and the few
-    paths that need a node's connection ask :func:`is_cluster` first."""
-    target = redis_url.parse(url)
-    if not target.cluster:
-        return redis.Redis.from_url(url, **kwargs)
-    return cast(redis.Redis, RedisCluster(
-        startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
-        username=target.username, password=target.password, ssl=target.ssl, **kwargs,
-    ))
-
-
-def is_cluster(c: object) -> bool:
-    return isinstance(c, RedisCluster)
+# The client of a URL and the cluster test are the Redis floor's, one home for every
+# part; these names stay for the trainer's modules.
+client = redisio.sync_client
+is_cluster = redisio.is_cluster
 
 
 def servers(c: redis.Redis) -> list[redis.Redis]:

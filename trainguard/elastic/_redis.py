@@ -14,8 +14,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import redis
 
-from trainer_client import redis_client
 from trainer_client.redis_retry import REDIS_RETRY_ON
+from trainguard import redisio
 from trainguard.core.redis_url import RedisUrlError
 from trainguard.core.redis_url import parse as parse_url
 from trainguard.core.resilience import Retrier, RetryPolicy
@@ -45,7 +45,7 @@ class Connection:
                 f"--rdzv-endpoint {redact_text(url)!r} is not a Redis URL: {e}"
             ) from e
         self.url = url
-        self.client: redis.Redis = redis_client.client(
+        self.client: redis.Redis = redisio.sync_client(
             url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S)
         self._retrier = Retrier(on=REDIS_RETRY_ON, policy=RetryPolicy(
             attempts=None, timeout_s=retry_timeout_s, wait_initial_s=0.05, wait_max_s=0.5,
