@@ -36,6 +36,8 @@ the service's RSS; the load average is printed at the start and the end. Not a t
 service and Redis share the cores, and other work on the machine shows in the tail.
 Runs in about a minute and a half with the defaults.
 Usage: python bench/push.py [--rounds 4] [--latency-rounds 3] [--seconds 8]
+       python bench/push.py --bombs-only [--steps steps.log]  (each loop step over 2 ms
+       of CPU in the service, with where it began and ended: bench/_serve_steps.py)
 """
 
 from __future__ import annotations
@@ -284,6 +286,9 @@ def main() -> None:
     parser.add_argument("--bomb-seconds", type=float, default=3.0, help="per bomb, phase 5")
     parser.add_argument("--bomb-rounds", type=int, default=3, help="phase 5 rounds")
     parser.add_argument("--bombs-only", action="store_true", help="run phase 5 alone")
+    parser.add_argument("--steps", type=Path, default=None,
+                        help="serve through bench/_serve_steps.py: each loop step over 2 ms "
+                             "of CPU is written to this file (where it started and ended)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-push-"))
     server = RedisServer(tmp / "redis").start()
@@ -291,9 +296,11 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": server.url,
            "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}-*:*;{OTHER_TOKEN}:{DATASET}-*:*"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard", "serve", "--port", str(port),
-                             "--no-produce"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    command = [str(ROOT / "bench" / "_serve_steps.py")] if args.steps else ["-m", "trainguard",
+                                                                          "serve"]
+    stderr = args.steps.open("wb") if args.steps else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, *command, "--port", str(port), "--no-produce"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         wait_ready(base, proc)
         bench = Bench(args, server.url, base)

@@ -28,6 +28,7 @@ import asyncio
 import json
 import multiprocessing
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -113,6 +114,8 @@ async def _round(session: aiohttp.ClientSession, base: str, dataset: str, token:
         stop, stopped, ready, results = asyncio.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
         bomber = ctx.Process(target=_bomber, args=(base, dataset, token, name, stopped,
                                                    ready, results))
+        # On stderr: where each bomb starts, to match with a --steps log.
+        print(f"bomb {name} from {time.time():.2f}", file=sys.stderr, flush=True)
         bomber.start()
         # From its first answer on: the bomber's start (imports) is not the service's.
         await loop.run_in_executor(None, ready.wait, 60)

@@ -20,6 +20,11 @@ class BodyLimits:
     big_body_bytes: int = 1024 * 1024
     """Bodies above this parse one at a time, at ``big_body_share`` of the loop."""
     big_body_share: float = 0.25
+    heavy_slice_cpu_ms: float = 1.0
+    """A parsing slice that took more CPU than this (a record of thousands of lists:
+    one record is decoded in one call, 3-6 ms) rests after it at ``big_body_share``,
+    whatever the body's size: a request needing several loop steps then waits behind
+    one such slice, not one per step."""
     max_inflight_bytes: int = 64 * 1024 * 1024
     """All push bodies in memory at once, from reading until appended; past it a request
     is answered 503 (busy)."""
