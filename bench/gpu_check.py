@@ -5,7 +5,12 @@ of under 5 minutes, ending with one summary.
    FSDP2 and DTensor on CUDA, DCP async_save of CUDA state);
 2. ``bench/checkpoint.py`` (trainguard against raw writes, torch.save and DCP);
 3. ``bench/checkpoint.py --dist N --device cuda``: an FSDP2 model + AdamW on the GPUs
-   (one rank each, up to 4), trainguard against DCP's FileSystemWriter/Reader.
+   (one rank each, up to 4), trainguard against DCP's FileSystemWriter/Reader;
+4. ``bench/titan_step.py --device cuda``: one real torchtitan training step (its llama3
+   debugmodel, optimizer and LR containers, the TrainguardDataLoader, saves through
+   ``checkpoint_manager``), a kill -9, a resume with bitwise-equal weights and every
+   record trained once. Skipped, and said so in the summary, where torchtitan is not
+   installed; a failure where it is fails gpu-check.
 
 Exits 1 when a step fails, 2 when no CUDA device is usable (a CPU build of torch:
 ``make gpu-check TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url
@@ -14,6 +19,7 @@ https://download.pytorch.org/whl/cu126'`` installs a CUDA one).
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -22,7 +28,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BUDGET_S = {"tests": 150, "bench": 60, "dist bench": 80}
+BUDGET_S = {"tests": 150, "bench": 60, "dist bench": 80, "titan step": 120}
 
 
 def step(name: str, cmd: list[str], keep: str) -> tuple[str, bool, float, list[str]]:
@@ -56,12 +62,20 @@ def main() -> int:
         step("dist bench", [py, "bench/checkpoint.py", "--dist", str(gpus), "--device", "cuda",
                             "--size-mib", "256", "--rounds", "3"], "median"),
     ]
+    skipped = []
+    if importlib.util.find_spec("torchtitan") is None:
+        skipped.append("titan step: torchtitan is not installed (`make setup` installs it)")
+    else:
+        results.append(step("titan step", [py, "bench/titan_step.py", "--device", "cuda"],
+                            "titan step"))
     print(f"\n=== gpu-check summary ({torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, "
           f"torch {torch.__version__})")
     for name, ok, seconds, lines in results:
         print(f"{'PASS' if ok else 'FAIL'} {name:11s} {seconds:6.1f} s")
         for line in lines:
             print(f"     {line.strip()}")
+    for line in skipped:
+        print(f"SKIP {line}")
     return 0 if all(ok for _, ok, _, _ in results) else 1
 
 
