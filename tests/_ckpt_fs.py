@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import errno
 import io
+import shutil
+import subprocess
 import threading
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -73,3 +76,17 @@ fsspec.register_implementation(PROTOCOL, LimitedMemoryFS, clobber=True)
 
 def limited_store_options(**kwargs: Any) -> dict[str, Any]:
     return {"skip_instance_cache": True, **kwargs}
+
+
+def can_mount_tmpfs(tmp_path: Path) -> bool:
+    """Whether this machine lets an unprivileged user namespace mount a tmpfs (the real
+    full disk of the ENOSPC tests): a probe mount under ``tmp_path``."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    result = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {probe}"],
+        capture_output=True, timeout=30,
+    )
+    return result.returncode == 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
@@ -17,28 +16,17 @@ import pytest
 import torch
 
 from checkpoint_store import CheckpointStore, CheckpointWriteError
-from tests._ckpt_fs import PROTOCOL, limited_store_options
+from tests._ckpt_fs import PROTOCOL, can_mount_tmpfs, limited_store_options
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _can_mount_tmpfs(tmp_path: Path) -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    result = subprocess.run(
-        ["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {probe}"],
-        capture_output=True, timeout=30,
-    )
-    return result.returncode == 0
 
 
 def test_full_tmpfs_fails_cleanly_and_keeps_previous(tmp_path):
     """Saving 1.6 MB onto a 1 MiB tmpfs raises CheckpointWriteError(ENOSPC) saying
     the previous checkpoint is intact; step 1 then loads strictly and verifies, the
     failed save left no data behind, and a later small save succeeds."""
-    if not _can_mount_tmpfs(tmp_path):
+    if not can_mount_tmpfs(tmp_path):
         pytest.skip("unprivileged mount namespaces are not available here; the fsspec "
                     "ENOSPC test below covers the same path")
     mnt = tmp_path / "mnt"

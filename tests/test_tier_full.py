@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,20 +15,11 @@ import pytest
 import torch
 
 from tests import _client_fill as cf
+from tests._ckpt_fs import can_mount_tmpfs
 from tests._client_ledger import final_counts
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _can_mount_tmpfs(tmp_path: Path) -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    result = subprocess.run(
-        ["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {probe}"],
-        capture_output=True, timeout=30)
-    return result.returncode == 0
 
 
 def test_full_local_tier_trains_every_record_once_through_a_crash(
@@ -40,7 +30,7 @@ def test_full_local_tier_trains_every_record_once_through_a_crash(
     the remote tier and finishes. The final checkpoint's ledger says every record was
     trained exactly once, it verifies and restores from a fresh store, and the local
     tier holds no checkpoint (none was torn or half-committed there)."""
-    if not _can_mount_tmpfs(tmp_path):
+    if not can_mount_tmpfs(tmp_path):
         pytest.skip("unprivileged mount namespaces are not available here")
     n = 40
     spec = cf.create(redis_server.url, "heal", partitions=1)
@@ -79,7 +69,7 @@ def test_full_local_tier_makes_room_from_copies_already_safe_remotely(tmp_path: 
     committed; keep_last=3 gives way) and succeeds locally on the second try, not on
     the remote tier only. Step 3 loads strictly with its values, and the remote tier
     still holds 1 and 2 and gets 3."""
-    if not _can_mount_tmpfs(tmp_path):
+    if not can_mount_tmpfs(tmp_path):
         pytest.skip("unprivileged mount namespaces are not available here")
     mnt, remote = tmp_path / "local", f"file://{tmp_path}/remote"
     mnt.mkdir()

@@ -100,17 +100,23 @@ def _read_text(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: s
     return _read_lines(spec, fs, path, as_json=False)
 
 
+def read_npy_header(f: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
+    """``(shape, fortran_order, dtype)`` of the ``.npy`` file ``f`` is at the start of,
+    leaving ``f`` at its data; ``ValueError`` when it is not one. Shared by the reader
+    and by the ingest CLI's up-front record count, so both read a file alike."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)  # type: ignore[no-any-return]
+    return np.lib.format.read_array_header_2_0(f)  # type: ignore[no-any-return]
+
+
 def _read_npy(spec: streams.DatasetSpec, fs: fsspec.AbstractFileSystem, path: str) -> Iterator[SourceItem]:
     """Token arrays cut into records of ``sample_len`` tokens (C order, flattened); the
     tail shorter than one sample is not a record."""
     sample_len = int(spec.sample_len or 0)
     with _open(fs, path) as f:
         try:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            else:
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            shape, fortran, dtype = read_npy_header(f)
         except ValueError as exc:
             yield BadRecord(path, "undecodable", f"not a .npy file: {exc}", b"")
             return

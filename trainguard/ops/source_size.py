@@ -54,16 +54,13 @@ def _npy(spec: streams.DatasetSpec, fs: Any, path: str, files: list[str]) -> int
     import numpy as np
     from fsspec.utils import infer_compression
 
+    from ingest_service.sources.files import read_npy_header
     from ingest_service.sources.records import fixed_size
 
     sample_len = int(spec.sample_len or 0)
     with fs.open(path, "rb", compression=infer_compression(path)) as f:
         try:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            else:
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            shape, fortran, dtype = read_npy_header(f)
         except ValueError:
             return 0  # not an .npy file: one dead letter, no record
         if dtype.hasobject or (fortran and len(shape) > 1):
