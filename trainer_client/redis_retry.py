@@ -38,9 +38,9 @@ REDIS_POLICY = RetryPolicy(attempts=None, timeout_s=900.0, wait_max_s=10.0)
 """Redis outages (restart, failover, AOF reload) take seconds to minutes: keep trying
 for up to 15 minutes, then let the error surface so the orchestrator restarts us."""
 
-REDIS_RETRY_ON: tuple[type[Exception], ...] = (*redisio.TRANSIENT, ConnectionError, TimeoutError)
-"""Transient Redis errors, on one server or a cluster (the Redis floor's), and the
-built-in ones a socket raises under redis-py."""
+REDIS_RETRY_ON = redisio.RETRY_ON
+"""The Redis floor's :data:`trainguard.redisio.RETRY_ON`, under the name this module's
+callers use."""
 
 
 def redis_breaker(name: str = "redis", **kwargs: Any) -> CircuitBreaker:

@@ -20,7 +20,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from trainguard.core import redis_url
 
-__all__ = ["FAILOVER_ERRORS", "TRANSIENT", "async_client", "is_cluster", "sync_client"]
+__all__ = ["FAILOVER_ERRORS", "RETRY_ON", "TRANSIENT", "async_client", "is_cluster", "sync_client"]
 
 FAILOVER_ERRORS: tuple[type[Exception], ...] = (
     redis_errors.ClusterDownError, redis_errors.TryAgainError, redis_errors.ReadOnlyError,
@@ -36,6 +36,12 @@ TRANSIENT: tuple[type[Exception], ...] = (
     redis_errors.TimeoutError, *FAILOVER_ERRORS,
 )
 """Errors after which the same call may succeed: a lost connection, a failover."""
+
+RETRY_ON: tuple[type[Exception], ...] = (*TRANSIENT, ConnectionError, TimeoutError)
+"""What a retrier of sync redis-py calls retries: :data:`TRANSIENT` and the built-in
+errors a socket raises under redis-py. Not :data:`TRANSIENT` itself, because in asyncio
+code the built-in ``TimeoutError`` is also a request's own deadline, which is no Redis
+outage."""
 
 
 def sync_client(url: str, **kwargs: Any) -> redis.Redis:

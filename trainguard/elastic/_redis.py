@@ -14,7 +14,6 @@ from typing import Any, ParamSpec, TypeVar
 
 import redis
 
-from trainer_client.redis_retry import REDIS_RETRY_ON
 from trainguard import redisio
 from trainguard.core.redis_url import RedisUrlError
 from trainguard.core.redis_url import parse as parse_url
@@ -47,7 +46,7 @@ class Connection:
         self.url = url
         self.client: redis.Redis = redisio.sync_client(
             url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S)
-        self._retrier = Retrier(on=REDIS_RETRY_ON, policy=RetryPolicy(
+        self._retrier = Retrier(on=redisio.RETRY_ON, policy=RetryPolicy(
             attempts=None, timeout_s=retry_timeout_s, wait_initial_s=0.05, wait_max_s=0.5,
             wait_jitter_s=0.05))
         self._retry_timeout_s = retry_timeout_s
@@ -55,7 +54,7 @@ class Connection:
     def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return self._retrier.call(fn, *args, **kwargs)
-        except REDIS_RETRY_ON as e:
+        except redisio.RETRY_ON as e:
             raise RedisUnreachableError(
                 f"the rendezvous Redis {redact_text(self.url)} stayed out of reach for "
                 f"{self._retry_timeout_s:.0f} s ({type(e).__name__}: {e}); check that it "
