@@ -34,6 +34,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: Any = None) -> dict[str, torch.Tensor]:
         if not len(input_ids):  # a rank out of data, in step with the others (DDP)
+            self.model.count(input_ids)  # the ledger's all-reduce: every rank, every step
             return {"loss": sum(p.sum() for p in self.parameters()) * 0.0}
         return {"loss": self.model.loss(input_ids)}
 
@@ -61,8 +62,8 @@ def main() -> int:
         logging_steps=10, disable_tqdm=True,
     )
     model = GPT()
-    trainer = Trainer(model=model, args=targs, train_dataset=tg.train_dataset,
-                      callbacks=[tg.callback, DieAt(args.die_at_step)])
+    trainer = tg.attach(Trainer(model=model, args=targs, train_dataset=tg.train_dataset,
+                                callbacks=[tg.callback, DieAt(args.die_at_step)]))
     trainer.train(resume_from_checkpoint=tg.last_checkpoint(targs.output_dir))
     print(f"resumed from step {tg.restored_step}, ended at step {trainer.state.global_step}",
           flush=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import redis
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainguard.core import settings, streams
@@ -46,11 +47,23 @@ class TinyGPT(nn.Module):
 
     def loss(self, seqs: torch.Tensor) -> torch.Tensor:
         """Next-token loss of a ``[batch, 65]`` batch; counts it in the ledger."""
-        with torch.no_grad():
-            self.seen += len(seqs)
-            self.checksum += sequence_hashes(seqs).sum()
+        self.count(seqs)
         logits = self(seqs[:, :-1])
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seqs[:, 1:].reshape(-1))
+
+    @torch.no_grad()
+    def count(self, seqs: torch.Tensor) -> None:
+        """Add a batch (maybe empty: a rank out of data) to the ledger. Under several
+        processes every rank must call it each step: it adds every rank's batch on
+        every rank, since DDP overwrites every rank's buffers with rank 0's at each
+        forward: only a ledger that is the same on every rank survives that."""
+        local = torch.zeros(2, dtype=torch.float64)
+        if len(seqs):
+            local[0], local[1] = len(seqs), sequence_hashes(seqs).sum()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)  # integer-valued float64 sums far below 2**53: exact
+        self.seen += int(local[0])
+        self.checksum += local[1]
 
 
 def sequence_hashes(seqs: torch.Tensor) -> torch.Tensor:
