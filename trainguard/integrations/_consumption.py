@@ -87,7 +87,10 @@ class ConfirmedBatches:
         gate = _Gate(self.loader)
         # A generator (the session's), so that close() ends its pass.
         recorder = cast(Generator[Batch, None, None], self.session.batches(gate))
-        next(recorder)  # writes the pass's seek, starts the loader; records nothing
+        try:
+            next(recorder)  # writes the pass's seek, starts the loader; records nothing
+        except StopIteration:
+            return  # a finished run (session.finished): nothing to train, nothing written
         self._gate, self._recorder = gate, recorder
         assert gate.raw is not None
         for batch in gate.raw:
