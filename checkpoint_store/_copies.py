@@ -20,8 +20,9 @@ from checkpoint_store.layout import TMP_PREFIX, data_dir, manifest_path, parse_m
 from checkpoint_store.manifest import Manifest, parse_manifest
 from trainguard.core.checkpoints import CheckpointError, CorruptCheckpointError
 
-__all__ = ["SERVED_TIERS", "STAGING_DIR", "PartnerCopyError", "ServedTier", "checkpoint_files", "clear_staging",
-           "commit_staged", "copy_local", "sha256_of", "staged_path"]
+__all__ = ["SERVED_TIERS", "STAGING_DIR", "PartnerCopyError", "ServedTier", "checkpoint_file_names",
+           "checkpoint_files", "clear_staging", "commit_staged", "copy_local",
+           "sha256_bytes", "sha256_of", "staged_path"]
 
 STAGING_DIR = ".incoming"
 """Where a copy's files wait (``.incoming/<uid>/<relpath>``) until its commit."""
@@ -34,6 +35,12 @@ SERVED_TIERS: tuple[ServedTier, ...] = get_args(ServedTier)
 
 class PartnerCopyError(CheckpointError, OSError):
     """A copy could not be sent, fetched or committed (network, checksum, budget)."""
+
+
+def sha256_bytes(data: bytes) -> str:
+    """The SHA-256 of bytes already in memory: a copy hashes what it sends or receives
+    as it passes, so no file of it is read again only to be hashed."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def sha256_of(path: str | os.PathLike[str]) -> str:
@@ -51,21 +58,25 @@ def _uid_of(name: str) -> str:
     return parsed.uid
 
 
-def checkpoint_files(root: str | os.PathLike[str], name: str) -> dict[str, str]:
-    """The data files of checkpoint ``name`` under ``root`` (relative paths) with their
-    SHA-256; the manifest is not among them (it goes last, by itself)."""
+def checkpoint_file_names(root: str | os.PathLike[str], name: str) -> list[str]:
+    """The data files of checkpoint ``name`` under ``root`` (paths relative to it); the
+    manifest is not among them (it goes last, by itself)."""
     base = Path(root)
-    files: dict[str, str] = {}
+    files: list[str] = []
     top = base / data_dir(_uid_of(name))
     for dirpath, _dirs, names in os.walk(top):
         for n in names:
-            if n.startswith(TMP_PREFIX):
-                continue
-            full = Path(dirpath) / n
-            files[full.relative_to(base).as_posix()] = sha256_of(full)
+            if not n.startswith(TMP_PREFIX):
+                files.append((Path(dirpath) / n).relative_to(base).as_posix())
     if not files:
         raise PartnerCopyError(f"checkpoint {name} has no data files under {base}")
-    return files
+    return sorted(files)
+
+
+def checkpoint_files(root: str | os.PathLike[str], name: str) -> dict[str, str]:
+    """:func:`checkpoint_file_names` with each file's SHA-256."""
+    base = Path(root)
+    return {rel: sha256_of(base / rel) for rel in checkpoint_file_names(base, name)}
 
 
 def staged_path(root: Path, uid: str, rel: str) -> Path:
@@ -76,11 +87,15 @@ def staged_path(root: Path, uid: str, rel: str) -> Path:
 
 
 def commit_staged(root: Path, name: str, manifest_raw: bytes,
-                  files: Mapping[str, str]) -> Manifest:
+                  files: Mapping[str, str], verified: Mapping[str, str] | None = None) -> Manifest:
     """Commit the copy of ``name`` staged under ``root``: every listed file present with
     its SHA-256, the manifest valid, then the data moved in place and the manifest
     created last (exclusively). Raises :class:`PartnerCopyError` and commits nothing
-    when a file is missing or differs."""
+    when a file is missing or differs.
+
+    ``verified`` is what the caller hashed as each staged file passed through it
+    (``rel -> SHA-256``): a file named there is compared by that digest instead of being
+    read back; any other file is hashed here."""
     uid = _uid_of(name)
     try:
         manifest = parse_manifest(name, manifest_raw)
@@ -90,7 +105,8 @@ def commit_staged(root: Path, name: str, manifest_raw: bytes,
         path = staged_path(root, uid, rel)
         if not path.is_file():
             raise PartnerCopyError(f"copy {name}: file {rel} never arrived; send it again")
-        if sha256_of(path) != digest:
+        seen = verified.get(rel) if verified is not None else None
+        if (seen if seen is not None else sha256_of(path)) != digest:
             raise PartnerCopyError(f"copy {name}: file {rel} differs from its SHA-256; "
                                    "send it again")
     backend = LocalBackend(str(root))

@@ -16,10 +16,10 @@ from checkpoint_store import _faults
 from checkpoint_store._copies import (
     PartnerCopyError,
     ServedTier,
-    checkpoint_files,
+    checkpoint_file_names,
     clear_staging,
     commit_staged,
-    sha256_of,
+    sha256_bytes,
     staged_path,
 )
 from checkpoint_store.layout import manifest_path, parse_manifest_name
@@ -69,9 +69,10 @@ class PartnerLink:
             raise PartnerCopyError(f"{name!r} is not a manifest name")
         base = Path(root)
         manifest = (base / manifest_path(name)).read_text("utf-8")
-        files = checkpoint_files(base, name)
-        for i, (rel, digest) in enumerate(files.items()):
-            data = (base / rel).read_bytes()
+        files: dict[str, str] = {}
+        for i, rel in enumerate(checkpoint_file_names(base, name)):
+            data = (base / rel).read_bytes()  # read once: hashed here, sent, checked there
+            files[rel] = digest = sha256_bytes(data)
             self._request(to, "PUT", f"/v1/stage/{owner}/{parsed.uid}/{quote(rel)}", data,
                           {"X-Sha256": digest, "Content-Type": "application/octet-stream"})
             if i == 0:
@@ -107,12 +108,13 @@ class PartnerLink:
             for rel, digest in files.items():
                 out = staged_path(dst, parsed.uid, rel)
                 out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_bytes(self._request(node, "GET", f"/v1/raw/{owner}/{quote(rel)}{q}"))
-                if sha256_of(out) != digest:
+                data = self._request(node, "GET", f"/v1/raw/{owner}/{quote(rel)}{q}")
+                if sha256_bytes(data) != digest:  # checked as it arrives, never re-read
                     raise PartnerCopyError(
                         f"node {node}'s copy of {name}: file {rel} differs from the SHA-256 "
                         "its sender recorded (a damaged copy); not used")
+                out.write_bytes(data)
             raw = self._request(node, "GET", f"/v1/raw/{owner}/{manifest_path(name)}{q}")
-            commit_staged(dst, name, raw, files)
+            commit_staged(dst, name, raw, files, verified=files)
         finally:
             clear_staging(dst)

@@ -48,7 +48,7 @@ from checkpoint_store._copies import (
     checkpoint_files,
     clear_staging,
     commit_staged,
-    sha256_of,
+    sha256_bytes,
     staged_path,
 )
 from checkpoint_store.layout import MANIFEST_DIR, data_dir, parse_manifest_name
@@ -60,6 +60,7 @@ log = logging.getLogger("checkpoint_store.partner")
 SUMS_DIR = "sums"
 """``<owner root>/sums/<manifest name>``: the sender's SHA-256 of each file of a copy,
 written before the copy's manifest."""
+_STAGED_PER_OWNER = 4  # copies of one owner that may be half-sent at once
 
 
 def partners_of(node: int, nodes: int, *, copies: int = 1,
@@ -111,6 +112,10 @@ class TierServer:
         self.budget_bytes = budget_bytes
         self.keep_copies = keep_copies
         self._lock = threading.Lock()  # commits and drops, one at a time
+        # What each staged file was checked to be as it arrived, (owner, uid) -> rel ->
+        # SHA-256, so a commit never reads a copy back to hash it again. Memory only:
+        # a restarted server clears its staging, and with it what this would vouch for.
+        self._staged: dict[tuple[int, str], dict[str, str]] = {}
         for entry in self.root.iterdir():
             clear_staging(entry)  # a sender that died before we restarted
         self._http = ThreadingHTTPServer((host, port), _handler(self))
@@ -166,7 +171,9 @@ class TierServer:
             sums = base / SUMS_DIR
             sums.mkdir(parents=True, exist_ok=True)
             (sums / name).write_text(json.dumps(files), "utf-8")
-            commit_staged(base, name, manifest.encode("utf-8"), files)
+            parsed = parse_manifest_name(name)  # None: commit_staged refuses the name
+            verified = self._staged.pop((owner, parsed.uid), {}) if parsed else {}
+            commit_staged(base, name, manifest.encode("utf-8"), files, verified=verified)
             for old in _committed(base)[:-self.keep_copies]:
                 self._drop(owner, old)
         log.info("node %s committed node %s's copy %s", self.node, owner, name)
@@ -178,6 +185,26 @@ class TierServer:
         (base / MANIFEST_DIR / name).unlink(missing_ok=True)  # the commit record goes first
         shutil.rmtree(base / data_dir(parsed.uid), ignore_errors=True)
         (base / SUMS_DIR / name).unlink(missing_ok=True)
+
+    def staged(self, owner: int, uid: str, rel: str, data: bytes, digest: str | None) -> None:
+        """Stage file ``rel`` of ``owner``'s copy ``uid``: checked against the sender's
+        SHA-256 before a byte is written, then written whole (a torn write leaves only a
+        ``.part`` file, which no commit takes)."""
+        if sha256_bytes(data) != digest:
+            raise PartnerCopyError(f"file {rel} arrived damaged (SHA-256 differs)")
+        out = staged_path(self.owner_root(owner), uid, rel)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".part")
+        tmp.write_bytes(data)
+        tmp.replace(out)
+        with self._lock:
+            if (owner, uid) not in self._staged:
+                # A sender that died before its commit leaves its entry behind: keep the
+                # newest few per owner. A commit whose entry went is hashed from disk.
+                mine = [k for k in self._staged if k[0] == owner]
+                for k in mine[:max(0, len(mine) - _STAGED_PER_OWNER + 1)]:
+                    del self._staged[k]
+            self._staged.setdefault((owner, uid), {})[rel] = digest
 
     def files(self, owner: int, name: str, tier: ServedTier) -> dict[str, str]:
         base = self.owner_root(owner, tier)
@@ -255,17 +282,10 @@ def _handler(server: TierServer) -> type[BaseHTTPRequestHandler]:
                     return self._reply(200, path.read_bytes(), "application/octet-stream")
                 if method == "PUT" and op == "stage" and len(rest) >= 2:
                     uid, rel = rest[0], "/".join(rest[1:])
-                    out = staged_path(server.owner_root(owner), uid, rel)
+                    staged_path(server.owner_root(owner), uid, rel)  # refuse a bad path first
                     length = int(self.headers.get("Content-Length", "0"))
                     server.make_room(owner, length)
-                    data = self._body()
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = out.with_name(out.name + ".part")
-                    tmp.write_bytes(data)
-                    tmp.replace(out)
-                    if sha256_of(out) != self.headers.get("X-Sha256"):
-                        out.unlink()
-                        raise PartnerCopyError(f"file {rel} arrived damaged (SHA-256 differs)")
+                    server.staged(owner, uid, rel, self._body(), self.headers.get("X-Sha256"))
                     return self._json(200, {"staged": rel})
                 if method == "POST" and op == "commit" and len(rest) == 1:
                     doc = json.loads(self._body())

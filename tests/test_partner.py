@@ -289,3 +289,50 @@ def test_tier_server_refuses_an_unknown_tier_instead_of_serving_ram(tmp_path: Pa
         conn.close()
     finally:
         server.close()
+
+
+def _file_reads(pid: int | str = "self") -> int:
+    """Bytes the process has read with read(2) so far (``rchar``: files, and pipes; the
+    HTTP of the copy protocol arrives by recv(2), which it does not count)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/{pid}/io has no rchar line")
+
+
+def test_a_copy_reads_each_file_once_on_its_way(shm: Path, tmp_path: Path) -> None:
+    """Sending a checkpoint to a partner reads each of its files from disk once, in
+    all (sender and receiver together: hashed as it passes, never read back to be
+    hashed again); fetching it back reads each file once (the partner serving it), and
+    the fetched copy is still the checkpoint, byte for byte."""
+    from checkpoint_store._copies import checkpoint_files
+    from checkpoint_store._partner_link import PartnerLink
+
+    with tier_servers(shm, 2) as servers:
+        ram = RamTierStore(node_root(servers.node_shm(0), 0), budget_bytes=64 * MB)
+        for step in (1, 2):
+            ram.save(_state(step), step=step).wait()
+        first, second = (m.name for m in sorted(ram.list(), key=lambda m: m.step))
+        link = PartnerLink(servers.urls)
+        server = servers.procs[1]
+        assert server is not None
+        link.send(1, 0, ram.root, first)  # imports, connections: warmed outside the count
+        link.fetch(1, 0, first, tmp_path / "warm")
+        files = checkpoint_files(ram.root, second)
+        size = sum((ram.root / rel).stat().st_size for rel in files)
+        assert size >= MB
+
+        before = _file_reads() + _file_reads(server.pid)
+        link.send(1, 0, ram.root, second)
+        sent = _file_reads() + _file_reads(server.pid) - before
+
+        back = tmp_path / "back"
+        before = _file_reads() + _file_reads(server.pid)
+        link.fetch(1, 0, second, back)
+        fetched = _file_reads() + _file_reads(server.pid) - before
+        ram.close()
+
+    # Once is ``size``; the slack is the small reads of manifests and digests.
+    assert sent < 1.25 * size, f"a send read {sent / size:.2f}x the checkpoint's bytes"
+    assert fetched < 1.25 * size, f"a fetch read {fetched / size:.2f}x the checkpoint's bytes"
+    assert checkpoint_files(back, second) == files
