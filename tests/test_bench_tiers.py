@@ -33,6 +33,7 @@ RESTORES = ("RAM restore", "partner restore", "local disk restore (warm cache)",
             "remote restore (moto S3)")
 
 
+@pytest.mark.slow
 def test_tiers_bench_reports_every_figure_against_its_baseline(tmp_path: Path) -> None:
     """One run: the async RAM save's stall against a host copy; the restores from RAM,
     a partner, disk and remote (each checked bit for bit inside the run); partner
