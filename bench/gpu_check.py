@@ -6,7 +6,11 @@ of under 5 minutes, ending with one summary.
 2. ``bench/checkpoint.py`` (trainguard against raw writes, torch.save and DCP);
 3. ``bench/checkpoint.py --dist N --device cuda``: an FSDP2 model + AdamW on the GPUs
    (one rank each, up to 4), trainguard against DCP's FileSystemWriter/Reader;
-4. ``bench/titan_step.py --device cuda``: one real torchtitan training step (its llama3
+4. ``bench/tiers_gpu.py --device cuda``: the RAM tier's GPU path: CUDA state saved
+   through the pinned staging buffer (one buffer, reused across saves) into the RAM
+   tier, the snapshot held while the loop changes the tensors, a bitwise restore into
+   CUDA tensors, and the loop's stall against a plain ``.cpu()`` copy (target <= 1.2x);
+5. ``bench/titan_step.py --device cuda``: one real torchtitan training step (its llama3
    debugmodel, optimizer and LR containers, the TrainguardDataLoader, saves through
    ``checkpoint_manager``), a kill -9, a resume with bitwise-equal weights and every
    record trained once. Skipped, and said so in the summary, where torchtitan is not
@@ -28,7 +32,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BUDGET_S = {"tests": 150, "bench": 60, "dist bench": 80, "titan step": 120}
+BUDGET_S = {"tests": 150, "bench": 60, "dist bench": 80, "tiers gpu": 60, "titan step": 120}
 
 
 def step(name: str, cmd: list[str], keep: str) -> tuple[str, bool, float, list[str]]:
@@ -61,6 +65,8 @@ def main() -> int:
                        "--many", "200"], "ratios"),
         step("dist bench", [py, "bench/checkpoint.py", "--dist", str(gpus), "--device", "cuda",
                             "--size-mib", "256", "--rounds", "3"], "median"),
+        step("tiers gpu", [py, "bench/tiers_gpu.py", "--device", "cuda", "--size-mib", "256",
+                           "--rounds", "4"], "tiers gpu:"),
     ]
     skipped = []
     if importlib.util.find_spec("torchtitan") is None:

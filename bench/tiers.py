@@ -1,124 +1,384 @@
-"""Checkpoint tiers against local disk: save to the RAM tier vs save to disk, and
-restore from RAM, from a partner's RAM (over its tier server) and from disk, for the
-same state, in interleaved rounds.
+"""Checkpoint tiers, each against its baseline, in one run (issue #28):
 
-    python bench/tiers.py [--size-mib 256] [--rounds 6] [--dir /path/on/disk]
+    python bench/tiers.py [--size-mib 64] [--rounds 4] [--dir /path/on/disk] [--json F]
 
-Each group runs in rounds (a balanced order, the first round discarded as warm-up;
-see ``rounds.py``); a ratio is taken within each round, then the median over rounds
-is printed with its range. The disk store fsyncs every file, as in production; the
-page cache is left warm for the disk restore (the disk tier's best case). The
-partner runs as a tier server in this process (one machine: the transfer is
-loopback TCP, so this measures the protocol and the copies, not a network).
-Not measured yet (issue #28): remote (moto S3) restores, the loop's stall of an
-async RAM-tier save, peak host memory, lost work at the advisor's intervals.
+1. stall: the time an async RAM-tier save (``save(blocking=False)``, the session's
+   save) stops the loop, against a plain host copy of the same state into buffers
+   allocated once (the copy any async save must make; ``clone()`` of the state, which
+   allocates each time, is in the table too). Target: <= 1.2x.
+2. tier costs: a RAM-tier save (committed), its copy to one partner (over the
+   partner's tier server), an fsync'd local-disk save and a remote save (moto S3).
+3. restore of the same checkpoint from RAM, from a partner (node 0's RAM lost, the
+   copy fetched back from node 1), from local disk (warm page cache: the disk's best
+   case) and from remote. Target: partner restore >= 5x the speed of remote. When it
+   misses, one more restore of each is timed by phase (raw transfer vs the rest).
+4. peak host memory of a RAM save plus its partner copy, in a fresh process per
+   measurement (``_tiers_peak.py``): the process's peak RSS above the state (VmHWM,
+   reset after the state is built) plus the tmpfs bytes of its own RAM tier and of
+   the partner's copy (tmpfs pages are not in any RSS), against the state's bytes.
+   Target: <= 2x (the RAM copy and the partner copy, nothing else).
+5. lost work per failure at the multi-level advisor's intervals against today's
+   single interval: arithmetic on the costs of 1-3 and stated failure rates
+   (``_tiers_lost.py``), printed as such.
+
+Groups 1-3 run in rounds (a balanced order, the first round discarded as warm-up; see
+``rounds.py``); a ratio is taken within each round, then the median over rounds is
+printed with its range. The partner and moto run on this machine: transfers are
+loopback TCP, so they measure protocols and copies, not a network, and moto is a
+Python S3 emulator, not S3 (its speed says nothing about a real bucket's). Merges a
+``tiers`` section into the JSON results file (``rounds.results_path()``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _tiers_lost as lost
 import rounds as rd
+from _tiers_peak import state_of
 
 from checkpoint_store import CheckpointStore
+from checkpoint_store.layout import data_dir, manifest_path
+from checkpoint_store.manifest import Manifest
 from checkpoint_store.node_tiers import NodeTierStore
 from checkpoint_store.partner import TierServer, node_root
-from checkpoint_store.ram_tier import RamTierStore
+from checkpoint_store.ram_tier import RamTierStore, tree_bytes
+from tests.servers import MotoServer
+
+HERE = Path(__file__).resolve().parent
 
 
-def state_of(size_mib: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    per = size_mib * 2**20 // 4 // 8
-    return {f"layer{i}": torch.randn(per, generator=g) for i in range(8)}
+def _files_of(root: Path, uid: str) -> list[str]:
+    """The data files of the checkpoint ``uid`` under a local root (relative paths)."""
+    return sorted(str(p.relative_to(root)) for p in (root / data_dir(uid)).rglob("*")
+                  if p.is_file())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-mib", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=6)
+class Tiers:
+    """One node (0) with its RAM tier and a partner (node 1), local disk and remote,
+    all holding the same state."""
+
+    def __init__(self, size_mib: int, disk_base: Path, moto: MotoServer):
+        self.state = state_of(size_mib)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.state.values())
+        self.shm = Path("/dev/shm") / f"trainguard-bench-{uuid.uuid4().hex}"
+        self.disk_dir = Path(tempfile.mkdtemp(prefix="tg-tiers-", dir=disk_base))
+        budget = 4 * self.nbytes
+        self.servers = [TierServer(self.shm / f"node{n}", node=n, budget_bytes=budget).start()
+                        for n in range(2)]
+        self.ram = RamTierStore(node_root(self.shm / "node0", 0), budget_bytes=budget,
+                                keep_last=1)
+        self.tiers = NodeTierStore(self.ram, node=0, peers=[s.url for s in self.servers])
+        self.disk = CheckpointStore(self.disk_dir, keep_last=1)
+        self.bucket = moto.create_bucket(f"tg-tiers-{uuid.uuid4().hex[:12]}")
+        self.s3_options = moto.storage_options()
+        self.remote_url = f"s3://{self.bucket}/n0"
+        self.remote = CheckpointStore(self.remote_url, keep_last=1,
+                                      storage_options=self.s3_options)
+        self.steps = iter(range(1, 10**6))
+
+    def close(self) -> None:
+        try:
+            self.tiers.close()
+            self.disk.close()
+            self.remote.close()
+        finally:
+            for s in self.servers:
+                s.close()
+            shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.disk_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ 1. the loop's stall
+def stall_group(t: Tiers, rounds: int) -> rd.Rounds:
+    dst = {k: torch.empty_like(v) for k, v in t.state.items()}
+    pending: list[Any] = []
+
+    def async_save() -> int:
+        pending.append(t.ram.save(t.state, step=next(t.steps), blocking=False))
+        return t.nbytes
+
+    def host_copy() -> int:
+        for k, v in t.state.items():
+            dst[k].copy_(v)
+        return t.nbytes
+
+    def host_clone() -> int:
+        copies = {k: v.clone() for k, v in t.state.items()}
+        del copies
+        return t.nbytes
+
+    def settle(_name: str) -> None:
+        # The background write is not the loop's: it finishes outside the measurement.
+        while pending:
+            pending.pop().wait()
+
+    return rd.run_rounds({"RAM tier async save (loop stall)": async_save,
+                          "host copy into buffers allocated once": host_copy,
+                          "host clone()": host_clone}, rounds=rounds, after=settle)
+
+
+# ------------------------------------------------------------------ 2. what each tier costs
+def cost_group(t: Tiers, rounds: int) -> rd.Rounds:
+    to_send: list[str] = []
+
+    def before(name: str) -> None:
+        if name == "partner copy (one partner)":
+            handle = t.ram.save(t.state, step=next(t.steps))
+            assert handle.manifest is not None
+            to_send.append(handle.manifest.name)
+
+    def ram_save() -> int:
+        t.ram.save(t.state, step=next(t.steps)).wait()
+        return t.nbytes
+
+    def partner_copy() -> int:
+        t.tiers.link.send(1, 0, t.ram.root, to_send.pop())
+        return t.nbytes
+
+    def disk_save() -> int:
+        t.disk.save(t.state, step=next(t.steps)).wait()
+        return t.nbytes
+
+    def remote_save() -> int:
+        t.remote.save(t.state, step=next(t.steps)).wait()
+        return t.nbytes
+
+    return rd.run_rounds({"RAM tier save (committed)": ram_save,
+                          "partner copy (one partner)": partner_copy,
+                          "local disk save (fsync'd)": disk_save,
+                          "remote save (moto S3)": remote_save}, rounds=rounds, before=before)
+
+
+# ------------------------------------------------------------------ 3. restores
+def restore_group(t: Tiers, rounds: int) -> tuple[rd.Rounds, Manifest, dict[str, torch.Tensor]]:
+    # One checkpoint of the same state in every tier, copied to the partner.
+    step = next(t.steps)
+    manifest = t.tiers.save(t.state, step=step).wait()
+    t.tiers.wait_copies()
+    t.disk.save(t.state, step=step).wait()
+    t.remote.save(t.state, step=step).wait()
+    target = {k: torch.empty_like(v) for k, v in t.state.items()}
+
+    def before(name: str) -> None:
+        for v in target.values():
+            v.zero_()  # each restore proves itself: the check after the rounds
+        if name == "partner restore":
+            t.ram.delete(step)  # node 0's RAM is gone: the fetch brings the copy back
+
+    def from_ram() -> int:
+        t.ram.load(target, step=step, strict=True)
+        return t.nbytes
+
+    def from_partner() -> int:
+        t.tiers.load(target, step=step)
+        assert t.tiers.restored_from == "partner:n1", t.tiers.restored_from
+        return t.nbytes
+
+    def from_disk() -> int:
+        t.disk.load(target, step=step, strict=True)
+        return t.nbytes
+
+    def from_remote() -> int:
+        t.remote.load(target, step=step, strict=True)
+        return t.nbytes
+
+    def check(name: str) -> None:
+        if not all(torch.equal(target[k], v) for k, v in t.state.items()):
+            raise AssertionError(f"{name} did not restore the state bit for bit")
+
+    r = rd.run_rounds({"RAM restore": from_ram, "partner restore": from_partner,
+                       "local disk restore (warm cache)": from_disk,
+                       "remote restore (moto S3)": from_remote}, rounds=rounds,
+                      before=before, after=check)
+    return r, manifest, target
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def restore_phases(t: Tiers, manifest: Manifest,
+                   target: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Where a partner and a remote restore spend their time, once each: the raw
+    transfer of the checkpoint's files (remote: as many threads as the store reads
+    with; partner: one after the other, as its fetch does) against the whole restore
+    (transfer, checksums, copies into the state)."""
+    import fsspec
+
+    step = manifest.step
+    files = _files_of(t.ram.root, manifest.uid)
+    fs = fsspec.filesystem("s3", **t.s3_options)
+    # The remote tier's save of the same step is a checkpoint of its own (another uid).
+    remote_uid = next(m.uid for m in t.remote.list() if m.step == step)
+    remote_files = fs.find(f"{t.bucket}/n0/{data_dir(remote_uid)}")
+    with ThreadPoolExecutor(t.remote.io_threads) as pool:
+        remote_raw = _timed(lambda: list(pool.map(fs.cat_file, remote_files)))
+    url = t.servers[1].url
+    partner_raw = _timed(lambda: [urllib.request.urlopen(f"{url}/v1/raw/0/{quote(rel)}").read()
+                                  for rel in files])
+    link = t.tiers.link
+    remote_all = _timed(lambda: t.remote.load(target, step=step, strict=True))
+    t.ram.delete(step)
+    partner_fetch = _timed(lambda: link.fetch(1, 0, manifest.name, t.ram.root))
+    partner_load = _timed(lambda: t.ram.load(target, step=step, strict=True))
+    return {"remote_raw_get_s": remote_raw, "remote_restore_s": remote_all,
+            "partner_raw_get_s": partner_raw, "partner_fetch_s": partner_fetch,
+            "partner_load_from_ram_s": partner_load, "files": len(files),
+            "manifest_bytes": len((t.ram.root / manifest_path(manifest.name)).read_bytes())}
+
+
+# ------------------------------------------------------------------ 4. peak memory
+def peak_memory(size_mib: int, modes: Sequence[str] = ("blocking", "async")) -> list[dict[str, Any]]:
+    """One fresh process per mode (``_tiers_peak.py``), each with fresh tier servers."""
+    out = []
+    for mode in modes:
+        shm = Path("/dev/shm") / f"trainguard-peak-{uuid.uuid4().hex}"
+        servers = [TierServer(shm / f"node{n}", node=n, budget_bytes=4 * size_mib << 20).start()
+                   for n in range(2)]
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(HERE / "_tiers_peak.py"), "--size-mib", str(size_mib),
+                 "--mode", mode, "--root", str(shm / "node0"),
+                 "--peers", ",".join(s.url for s in servers)],
+                capture_output=True, text=True, timeout=300,
+                env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+            if proc.returncode != 0:
+                raise RuntimeError(f"_tiers_peak.py --mode {mode} failed: {proc.stderr[-2000:]}")
+            doc = json.loads(proc.stdout.strip().splitlines()[-1])
+            doc["partner_copy_bytes"] = tree_bytes(servers[1].owner_root(0))
+        finally:
+            for s in servers:
+                s.close()
+            shutil.rmtree(shm, ignore_errors=True)
+        extra = max(0, doc["peak_rss_kib"] - doc["rss_state_kib"]) * 1024
+        doc["process_extra_bytes"] = extra
+        doc["added_bytes"] = extra + doc["own_tier_bytes"] + doc["partner_copy_bytes"]
+        doc["added_over_state"] = doc["added_bytes"] / doc["state_bytes"]
+        out.append(doc)
+    return out
+
+
+def peak_lines(docs: list[dict[str, Any]]) -> list[str]:
+    mib = 2**20
+    lines = [f"{'save mode':10s} {'state MiB':>9s} {'process peak over state':>24s} "
+             f"{'own RAM tier':>13s} {'partner copy':>13s} {'added / state':>14s}"]
+    for d in docs:
+        lines.append(f"{d['mode']:10s} {d['state_bytes'] / mib:9.0f} "
+                     f"{d['process_extra_bytes'] / mib:20.1f} MiB {d['own_tier_bytes'] / mib:9.1f} MiB "
+                     f"{d['partner_copy_bytes'] / mib:9.1f} MiB {d['added_over_state']:13.2f}x")
+    return lines
+
+
+# ------------------------------------------------------------------ the run
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--size-mib", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--dir", default=None, help="where the disk tier goes (default: tmp)")
-    args = ap.parse_args()
-    state = state_of(args.size_mib)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    shm = Path("/dev/shm") / f"trainguard-bench-{uuid.uuid4().hex}"
-    disk_dir = Path(tempfile.mkdtemp(prefix="tg-tiers-", dir=rd.ensure_dir(args.dir)))
-    budget = 4 * nbytes
-    servers = [TierServer(shm / f"node{n}", node=n, budget_bytes=budget).start()
-               for n in range(2)]
+    ap.add_argument("--step-s", type=float, default=1.0,
+                    help="a training step's seconds, for the lost-work arithmetic")
+    ap.add_argument("--json", default=None,
+                    help="results file (default: bench/results/<host>-<stamp>.json)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    load_start = os.getloadavg()
+    moto = MotoServer().start()
+    t = Tiers(args.size_mib, rd.ensure_dir(args.dir), moto)
     try:
-        ram = RamTierStore(node_root(shm / "node0", 0), budget_bytes=budget, keep_last=1)
-        tiers = NodeTierStore(ram, node=0, peers=[s.url for s in servers])
-        disk = CheckpointStore(disk_dir, keep_last=1)
-        steps = iter(range(1, 10**6))
-
-        def ram_save() -> int:
-            ram.save(state, step=next(steps)).wait()
-            return nbytes
-
-        def disk_save() -> int:
-            disk.save(state, step=next(steps)).wait()
-            return nbytes
-
-        saves = rd.run_rounds({"RAM tier save": ram_save, "disk save": disk_save},
-                              rounds=args.rounds)
-        # One checkpoint of the same state in every tier, copied to the partner.
-        step = next(steps)
-        tiers.save(state, step=step).wait()
-        tiers.wait_copies()
-        disk.save(state, step=step).wait()
-        target = {k: torch.empty_like(v) for k, v in state.items()}
-
-        def drop_own(name: str) -> None:
-            if name == "partner restore":
-                ram.delete(step)  # node 0's RAM is gone: the fetch brings the copy back
-
-        def from_ram() -> int:
-            ram.load(target, step=step)
-            return nbytes
-
-        def from_partner() -> int:
-            tiers.load(target, step=step)
-            assert tiers.restored_from == "partner:n1", tiers.restored_from
-            return nbytes
-
-        def from_disk() -> int:
-            disk.load(target, step=step)
-            return nbytes
-
-        loads = rd.run_rounds({"RAM restore": from_ram, "partner restore": from_partner,
-                               "disk restore": from_disk}, rounds=args.rounds,
-                              before=drop_own)
-        assert all(torch.equal(target[k], v) for k, v in state.items())
-        print(f"state {nbytes / 2**20:.0f} MiB, {args.rounds} rounds + 1 warm-up per group")
-        for title, r in (("save", saves), ("restore", loads)):
-            print(f"\n[{title}]")
-            print(rd.table(r))
-        print()
-        rd.print_headlines([
-            rd.speed_ratio(saves, "RAM tier save", "disk save",
+        stall = stall_group(t, args.rounds)
+        costs = cost_group(t, args.rounds)
+        loads, manifest, target = restore_group(t, args.rounds)
+        ratios = [
+            rd.time_ratio(stall, "RAM tier async save (loop stall)",
+                          "host copy into buffers allocated once",
+                          name="async RAM save stall / host copy (time)", target="<= 1.2x"),
+            rd.time_ratio(stall, "RAM tier async save (loop stall)", "host clone()",
+                          name="async RAM save stall / host clone() (time)"),
+            rd.speed_ratio(loads, "partner restore", "remote restore (moto S3)",
+                           name="partner restore speed / remote (moto S3)", target=">= 5x"),
+            rd.speed_ratio(loads, "RAM restore", "remote restore (moto S3)",
+                           name="RAM restore speed / remote (moto S3)"),
+            rd.speed_ratio(loads, "local disk restore (warm cache)", "remote restore (moto S3)",
+                           name="disk restore speed / remote (moto S3)"),
+            rd.speed_ratio(loads, "partner restore", "local disk restore (warm cache)",
+                           name="partner restore speed / disk (warm cache)"),
+            rd.speed_ratio(loads, "RAM restore", "local disk restore (warm cache)",
+                           name="RAM restore speed / disk (warm cache)"),
+            rd.speed_ratio(costs, "RAM tier save (committed)", "local disk save (fsync'd)",
                            name="RAM tier save speed / disk save (fsync'd)"),
-            rd.speed_ratio(loads, "RAM restore", "disk restore",
-                           name="RAM restore speed / disk restore (warm cache)"),
-            rd.speed_ratio(loads, "partner restore", "disk restore",
-                           name="partner restore speed / disk restore (warm cache)"),
-        ])
-        tiers.close()
-        disk.close()
+        ]
+        phases = (restore_phases(t, manifest, target) if ratios[2].median < 5.0 else None)
+        cost = lost.TierCosts(
+            stall_s=stall.median_wall("RAM tier async save (loop stall)"),
+            ram_s=costs.median_wall("RAM tier save (committed)"),
+            partner_s=costs.median_wall("partner copy (one partner)"),
+            disk_s=costs.median_wall("local disk save (fsync'd)"),
+            remote_s=costs.median_wall("remote save (moto S3)"))
     finally:
-        for s in servers:
-            s.close()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(disk_dir, ignore_errors=True)
+        t.close()
+        moto.stop()
+    peaks = peak_memory(args.size_mib)
+    work = lost.compare(cost, step_s=args.step_s)
+    load_end = os.getloadavg()
+
+    print(f"state {t.nbytes / 2**20:.0f} MiB (8 float32 tensors), {args.rounds} rounds + 1 "
+          f"warm-up per group; load average {load_start[0]:.2f} at start, {load_end[0]:.2f} "
+          f"at end, {os.cpu_count()} CPUs")
+    for title, r in (("loop stall", stall), ("tier costs", costs), ("restore", loads)):
+        print(f"\n[{title}]")
+        print(rd.table(r))
+    if phases is not None:
+        print("\n[where the time goes, one restore each (partner missed its target)]")
+        print(f"remote: {phases['remote_restore_s']:.3f} s, of which the raw GETs of its "
+              f"{phases['files']} files take {phases['remote_raw_get_s']:.3f} s "
+              f"({phases['remote_raw_get_s'] / phases['remote_restore_s']:.0%}); partner: fetch "
+              f"{phases['partner_fetch_s']:.3f} s (raw GETs {phases['partner_raw_get_s']:.3f} s) "
+              f"+ verified load from RAM {phases['partner_load_from_ram_s']:.3f} s")
+    print("\n[peak host memory: a RAM save + its partner copy, a fresh process each]")
+    print("(process: VmHWM reset after the state is built; tiers: tmpfs bytes; target: added <= 2x)")
+    print("\n".join(peak_lines(peaks)))
+    print("\n[lost work per failure: multi-level advisor vs today's single interval]")
+    print(lost.table(work))
+    print()
+    rd.print_headlines(ratios)
+    elapsed = time.perf_counter() - t0
+    print(f"\n(run took {elapsed:.0f} s; moto S3 on loopback is an emulator, not S3)")
+    section = {
+        "size_mib": args.size_mib, "rounds": args.rounds, "state_bytes": t.nbytes,
+        "loadavg": {"start": list(load_start), "end": list(load_end)},
+        "rows": {**rd.rows_doc(stall), **rd.rows_doc(costs), **rd.rows_doc(loads)},
+        "ratios": {r.name: r.doc() for r in ratios},
+        "restore_phases": phases, "peak_memory": peaks, "lost_work": work,
+        "elapsed_s": round(elapsed, 1),
+        "note": "partner and moto S3 on loopback: protocols and copies, not a network; "
+                "moto is an emulator, not S3",
+    }
+    out = rd.results_path() if args.json is None else Path(args.json)
+    rd.write_section(out, "tiers", section, rd.machine())
+    print(f"results: {out}")
+    return section
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """CUDA state (skipped without a GPU; run with `make gpu-check`): CUDA tensors
 round-trip bit for bit, an async save stages through pinned host memory and is a
-snapshot of the moment save() returned, FSDP2 and DTensor state on CUDA saves and
+snapshot of the moment save() returned (through the RAM tier too, one pinned buffer
+reused across saves), FSDP2 and DTensor state on CUDA saves and
 resumes bit for bit, through the store and through DCP's async_save."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_store import CheckpointStore
+from checkpoint_store import CheckpointStore, RamTierStore
 from checkpoint_store.dtypes import raw_view
 from tests._ckpt_helpers import SUPPORTED_DTYPES, bits, random_tensor, run_ranks
 
@@ -63,6 +64,36 @@ def test_async_save_of_cuda_state_is_a_pinned_snapshot(tmp_path):
     assert store.load({"w": target}, strict=True).name == manifest.name
     assert torch.equal(target, expect)
     store.close()
+
+
+def test_ram_tier_save_of_cuda_state_is_a_pinned_snapshot_in_one_reused_buffer():
+    """The RAM tier's GPU path: save(blocking=False) of CUDA state stages into pinned
+    host memory, the checkpoint holds the values of the moment save() returned
+    although the loop changes the tensors right after, a restore into CUDA tensors
+    is bitwise equal, and three saves use one staging buffer (same address)."""
+    import shutil
+    import uuid
+
+    root = Path("/dev/shm") / f"trainguard-test-{uuid.uuid4().hex}"
+    w = torch.randn(1 << 22, device="cuda")
+    store = RamTierStore(root, budget_bytes=64 << 20, keep_last=1)
+    try:
+        addresses = set()
+        for step in (1, 2, 3):
+            expect = w.clone()
+            handle = store.save({"w": w}, step=step, blocking=False)
+            w.mul_(3).add_(1)  # queued behind the staging copies on the current stream
+            handle.wait()
+            buf = store.store._pool._buffer
+            assert buf is not None and buf.is_pinned()
+            addresses.add(buf.data_ptr())
+            target = torch.zeros_like(w)
+            store.load({"w": target}, step=step, strict=True)
+            assert torch.equal(target, expect), step
+        assert len(addresses) == 1, addresses
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
