@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         say(f"SAVE {step}")
         session.checkpoint(state, step, blocking=True)
     session.close()
+    if args.tier_peers:
+        import json
+
+        say(f"OBJECTS_FROM {json.dumps(store.rank_objects_from, sort_keys=True)}")
     say(f"DONE {step}")
     if world > 1:
         dist.destroy_process_group()
