@@ -136,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
             state["loader"] = loader
     step = session.restore(state)
     if args.tier_peers:
+        import json
+
         say(f"RESTORED_FROM {store.restored_from}")
+        # Where the restore found the ranks' state objects (a store without them: none).
+        objects = getattr(store, "rank_objects_from", {})
+        say(f"OBJECTS_FROM {json.dumps(objects, sort_keys=True)}")
     say(f"READY {step}")
     if loader is None:
         loader = DataLoader(
@@ -192,10 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         say(f"SAVE {step}")
         session.checkpoint(state, step, blocking=True)
     session.close()
-    if args.tier_peers:
-        import json
-
-        say(f"OBJECTS_FROM {json.dumps(store.rank_objects_from, sort_keys=True)}")
     say(f"DONE {step}")
     if world > 1:
         dist.destroy_process_group()

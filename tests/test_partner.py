@@ -102,6 +102,11 @@ def _objects_from(seen: list[str]) -> dict[str, set[str]]:
     return found
 
 
+def _ready(seen: list[str]) -> int:
+    """The step a job's rank 0 restored (its ``READY`` line)."""
+    return next(int(line.split()[-1]) for line in seen if line.startswith("0: READY"))
+
+
 def test_partners_are_a_pure_function_of_the_ranks() -> None:
     """The next node in the ring keeps a node's copy, and a partner is never in the
     node's failure domain while another domain has a node."""
@@ -304,8 +309,9 @@ def test_world_shrinks_after_a_node_loss_reading_its_state_from_a_partner(
     """A 3-node job is SIGKILLed once node 2's copies were made; node 2 is lost (server
     killed, memory and disk wiped; an empty server takes its place) and the job goes on
     with 2 ranks: the lost rank's state object (its partitions' offsets) is read from
-    its partner's copy (node 0), and every record is trained exactly once per the final
-    checkpoint's ledger."""
+    its partner's copy (node 0). That 2-rank job is SIGKILLed in turn once its own
+    copies were made, and its restart resumes from them (not the 3-rank checkpoint
+    again): every record is trained exactly once per the final checkpoint's ledger."""
     n, p = 1200, 6
     spec = cf.create(redis_server.url, "tok", partitions=p)
     cf.fill(redis_server.url, spec, n)
@@ -328,9 +334,19 @@ def test_world_shrinks_after_a_node_loss_reading_its_state_from_a_partner(
             shutil.rmtree(tmp_path / "disk" / "node2", ignore_errors=True)
             servers.start(2)
             job = z.spawn(args, 2)
+            copied = 0
+            while copied < 2:
+                got = job.next_line(120)
+                assert got is not None and not job.exits, job.seen[-20:]
+                if got[0] == 1 and got[1].startswith("COPIED"):
+                    copied += 1
+            job.kill()
+            shrunk = job.seen
+            job = z.spawn(args, 2)
             job.finish(300)
-        assert {"0: RESTORED_FROM ram", "1: RESTORED_FROM ram"} <= set(job.seen), job.seen[:10]
-        assert _objects_from(job.seen).get("2") == {"partner:n0"}, _objects_from(job.seen)
+        assert {"0: RESTORED_FROM ram", "1: RESTORED_FROM ram"} <= set(shrunk), shrunk[:10]
+        assert _objects_from(shrunk).get("2") == {"partner:n0"}, _objects_from(shrunk)
+        assert _ready(job.seen) > _ready(shrunk), (shrunk[:6], job.seen[:6])
         for node in (0, 1):
             ledger.assert_each_once(_final_ledger(servers, node, n, p))
 
