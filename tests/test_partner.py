@@ -191,19 +191,30 @@ def test_damaged_partner_copy_falls_back_to_disk(shm: Path, tmp_path: Path) -> N
         again.close()
 
 
-def test_two_nodes_lost_at_once_fall_back_to_remote(shm: Path, moto_server, s3_bucket,
+def test_two_nodes_lost_at_once_fall_back_to_remote(shm: Path, tmp_path: Path, moto_server,
+                                                    s3_bucket,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """Both nodes of a 2-node job are lost (RAM, partner copies, servers): each node's
     part is restored from remote storage (moto S3) bit for bit, and the log says that
-    the restore came from remote."""
+    the restore came from remote. Each node's state object went to every tier with its
+    checkpoint (the same bytes in RAM, on disk, in the partner copy), and after the loss
+    both nodes' objects are read back from remote."""
     remote, options = f"s3://{s3_bucket}/run", moto_server.storage_options()
+    docs = [{"offsets": {str(node): f"1-{node + 4}"}, "rank": node} for node in (0, 1)]
     with tier_servers(shm, 2) as servers:
         for node in (0, 1):
-            store = _node_store(servers, node, remote=remote, options=options)
-            store.save(_state(10 * node + 3), step=3).wait()
+            disk = tmp_path / f"disk{node}"
+            store = _node_store(servers, node, disk=disk, disk_every=1, remote=remote,
+                                options=options)
+            m = store.save(_state(10 * node + 3), step=3, rank_state=docs[node]).wait()
             store.wait_copies()
             assert store.copy_failures == 0
+            rel = Path(DATA_DIR) / m.uid / "ranks" / "0.json"
+            copies = [store.ram.root / rel, disk / rel,
+                      node_root(servers.node_shm(1 - node), node) / rel]
+            assert len({p.read_bytes() for p in copies}) == 1, copies
             store.close()
+            shutil.rmtree(disk)
         for node in (0, 1):
             servers.lose(node)
         for node in (0, 1):
@@ -218,6 +229,8 @@ def test_two_nodes_lost_at_once_fall_back_to_remote(shm: Path, moto_server, s3_b
             assert manifest is not None and manifest.step == 3
             assert again.restored_from == "remote"
             assert "from REMOTE storage" in caplog.text
+            assert [again.read_rank_state(manifest, r) for r in (0, 1)] == docs
+            assert again.rank_objects_from == {0: ["remote"], 1: ["remote"]}
             for k, v in _state(10 * node + 3).items():
                 assert torch.equal(target[k], v), k
             again.close()
