@@ -65,6 +65,7 @@ class NodeRankReader:
                  link: PartnerLink, hosts: Callable[[int], builtins.list[int]],
                  remote: Callable[[int], CheckpointStore | None]):
         self.node = node
+        self.nodes = len(link.urls)
         self._ram, self._disk, self._link = ram, disk, link
         self._hosts, self._remote = hosts, remote
         self.read_from: dict[int, builtins.list[str]] = {}
@@ -120,8 +121,10 @@ class NodeRankReader:
                 f"checkpoint {manifest.name} was written by {manifest.world_size} processes "
                 "into one node's tier; a NodeTierStore's node is one rank (node r = rank r, "
                 "each with a RamTierStore of its own)")
-        if rank < 0:
-            raise IndexError(f"rank {rank} is not a rank of checkpoint {manifest.name}")
+        if not 0 <= rank < self.nodes:
+            raise IndexError(f"rank {rank} of checkpoint {manifest.name} has no node among "
+                             f"the {self.nodes} tier servers of peers: name every node whose "
+                             "tiers hold checkpoints, those that left the job too")
         if rank == self.node:
             def wanted(m: Manifest) -> bool:
                 return m.name == manifest.name

@@ -391,6 +391,8 @@ def test_damaged_state_object_in_a_partner_copy_falls_back_to_disk(shm: Path,
         assert again.restored_from == "disk"
         assert again.read_rank_state(manifest, 0) == doc
         assert again.rank_objects_from == {0: ["disk"]}
+        with pytest.raises(IndexError, match="no node among the 2 tier servers of peers"):
+            again.read_rank_state(manifest, 2)
         for k, v in _state(5).items():
             assert torch.equal(target[k], v), k
         again.close()
