@@ -92,6 +92,12 @@ class PartnerLink:
             return None
         return dict(doc["tiers"])
 
+    def read(self, node: int, owner: int, rel: str, *, tier: ServedTier = "ram") -> bytes:
+        """One file ``rel`` (relative to ``owner``'s root) from ``node``'s ``tier``: a
+        per-rank state object, which the reader checks against its manifest's digest.
+        Raises :class:`PartnerCopyError` when the node is out of reach or lacks it."""
+        return self._request(node, "GET", f"/v1/raw/{owner}/{quote(rel)}?tier={tier}")
+
     def fetch(self, node: int, owner: int, name: str, root: str | os.PathLike[str],
               *, tier: ServedTier = "ram") -> None:
         """Copy ``owner``'s checkpoint ``name`` from ``node``'s ``tier`` into the root

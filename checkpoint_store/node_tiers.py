@@ -21,6 +21,14 @@ ranks restore the same step. :meth:`load` of a step tries the tiers in order (ow
 RAM, a partner's copy fetched into own RAM, local disk, remote), each verified (SHA-256 of the
 transfer, CRC-32C of every chunk on read); a tier whose copy is damaged is skipped
 with a warning, and :attr:`restored_from` says which tier served the restore.
+
+Node ``r`` is the session's rank ``r``. The store has per-rank state objects
+(``supports_rank_state``): rank ``r``'s object is a file of node ``r``'s checkpoint
+and goes wherever it goes; :meth:`read_rank_state` reads a rank's own from this
+node's tiers, or another rank's (a world-size change) from that node's tiers and its
+partners' copies (:mod:`checkpoint_store._node_ranks`). ``peers`` names the tier
+servers of every node whose tiers may hold checkpoints: after a node is lost the job
+may go on with fewer ranks, and the lost rank's objects are read from its partners.
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_store._copies import PartnerCopyError, copy_local
+from checkpoint_store._node_ranks import NodeRankReader
 from checkpoint_store._partner_link import PartnerLink
-from checkpoint_store._wrapped import WrappedStore
+from checkpoint_store._wrapped import RankStateWrappedStore
 from checkpoint_store.backends import LocalBackend, open_backend
 from checkpoint_store.dist import ONE_PROCESS
 from checkpoint_store.handle import SaveHandle
@@ -48,9 +57,15 @@ from checkpoint_store.ram_tier import RamTierStore
 from checkpoint_store.retention import apply_retention, choose_deletions
 from checkpoint_store.store import CheckpointStore
 from checkpoint_store.upload import Uploader
-from trainguard.core.checkpoints import CheckpointError, CorruptCheckpointError, IfBusy
+from trainguard.core.checkpoints import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IfBusy,
+    ManifestView,
+)
 from trainguard.core.multilevel import Level, level_periods, nested_multiples
 from trainguard.core.newest import newest_first, newest_save_of
+from trainguard.core.record import RecordError, SessionRecord
 
 __all__ = ["NodeTierStore", "TierIntervals"]
 
@@ -91,7 +106,7 @@ class TierIntervals:
                                            remote_every=remote_every)
 
 
-class NodeTierStore(WrappedStore):
+class NodeTierStore(RankStateWrappedStore):
     """The checkpoint port over one node's tiers (module doc). ``peers[r]`` is node
     ``r``'s tier server; ``copies`` partners keep each checkpoint. ``on_copied(name)``
     is called once a save's copies are all made; ``hold_until_copied`` keeps the RAM
@@ -136,6 +151,9 @@ class NodeTierStore(WrappedStore):
         if hold_until_copied:
             # The RAM tier drops a checkpoint only once its copies exist elsewhere.
             ram.may_drop = self._copied.__contains__
+        self._objects = NodeRankReader(
+            node=node, ram=ram.store, disk=self.disk, link=self.link, remote=self._remote,
+            hosts=lambda owner: partners_of(owner, self.nodes, copies=copies, domains=domains))
         self._saves = 0
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread = threading.Thread(target=self._copy_loop, daemon=True,
@@ -145,10 +163,12 @@ class NodeTierStore(WrappedStore):
     # ---------------------------------------------------------------- save
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: IfBusy = "wait") -> SaveHandle:
-        """A RAM-tier save; its copies to partners and disk follow in the background."""
+             if_busy: IfBusy = "wait", rank_state: Mapping[str, Any] | None = None) -> SaveHandle:
+        """A RAM-tier save (``rank_state``: this rank's state object, a file of the
+        checkpoint like its shards); its copies to partners and disk follow in the
+        background."""
         handle = self.ram.save(state, step=step, extra=extra, blocking=blocking,
-                               if_busy=if_busy)
+                               if_busy=if_busy, rank_state=rank_state)
         handle.add_done_callback(self._committed)
         return handle
 
@@ -244,14 +264,32 @@ class NodeTierStore(WrappedStore):
         return {name: where for name, (_m, where) in self._available(self.node).items()}
 
     def list(self) -> builtins.list[Manifest]:
-        """This node's checkpoints whose step every node of the job can restore."""
+        """This node's checkpoints whose step every node that wrote it can restore:
+        nodes ``0..W-1`` for a checkpoint of a session on ``W`` ranks (its record's
+        ``world_size``), all of ``peers`` for one without a session record."""
         mine = self._available(self.node)
-        steps = {m.step for m, _w in mine.values()}
-        for other in range(self.nodes):
-            if other != self.node:
-                steps &= {m.step for m, _w in self._available(other).values()}
-        kept = [m for m, _w in mine.values() if m.step in steps]
+        steps: dict[int, set[int]] = {}
+
+        def restorable(node: int, step: int) -> bool:
+            if node == self.node:
+                return True
+            if node >= self.nodes:
+                return False  # a rank whose node this store cannot reach
+            if node not in steps:
+                steps[node] = {m.step for m, _w in self._available(node).values()}
+            return step in steps[node]
+
+        kept = [m for m, _w in mine.values()
+                if all(restorable(node, m.step) for node in range(self._writers(m)))]
         return sorted(kept, key=lambda m: (m.uid, m.step))
+
+    def _writers(self, m: Manifest) -> int:
+        """How many nodes wrote checkpoint ``m`` (its session's ranks)."""
+        try:
+            rec = SessionRecord.of(m)
+        except RecordError:
+            rec = None
+        return rec.world_size if rec is not None else self.nodes
 
     def latest(self) -> Manifest | None:
         ordered = newest_first(self.list())
@@ -327,6 +365,17 @@ class NodeTierStore(WrappedStore):
         return [("ram", from_ram),
                 *((f"partner:n{h}", from_partner(h)) for h in self.partners),
                 ("disk", from_disk), ("remote", from_remote)]
+
+    def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s state object of this node's checkpoint ``manifest``: its own
+        (``rank == node``) or node ``rank``'s of the same checkpoint call, from the
+        first tier whose copy is verified (:class:`NodeRankReader`)."""
+        return self._objects.read(manifest, rank)
+
+    @property
+    def rank_objects_from(self) -> dict[int, builtins.list[str]]:
+        """The tiers that served each rank's state objects so far."""
+        return self._objects.read_from
 
     # ---------------------------------------------------------------- the rest
     def delete(self, step: int) -> builtins.list[str]:

@@ -136,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
             state["loader"] = loader
     step = session.restore(state)
     if args.tier_peers:
+        import json
+
         say(f"RESTORED_FROM {store.restored_from}")
+        # Where the restore found the ranks' state objects (a store without them: none).
+        objects = getattr(store, "rank_objects_from", {})
+        say(f"OBJECTS_FROM {json.dumps(objects, sort_keys=True)}")
     say(f"READY {step}")
     if loader is None:
         loader = DataLoader(

@@ -457,13 +457,15 @@ def test_damaged_local_checkpoint_is_dropped_by_retention(tmp_path, monkeypatch)
 
 
 def test_both_stores_implement_the_shared_api(tmp_path):
-    """CheckpointStore, TieredCheckpointStore and DcpCheckpointStore have every member of
-    CheckpointStoreAPI, each method with exactly the protocol's parameters (names,
-    kinds, defaults; close may add optional ones), so either serves as a ``store``."""
+    """CheckpointStore, TieredCheckpointStore, RamTierStore, NodeTierStore and
+    DcpCheckpointStore have every member of CheckpointStoreAPI, each method with exactly
+    the protocol's parameters (names, kinds, defaults; close may add optional ones), so
+    each serves as a ``store``; all but DCP's the per-rank state objects' wider one."""
     import inspect
 
-    from checkpoint_store import CheckpointStoreAPI, TieredCheckpointStore
+    from checkpoint_store import CheckpointStoreAPI, RamTierStore, TieredCheckpointStore
     from checkpoint_store.dcp_store import DcpCheckpointStore
+    from checkpoint_store.node_tiers import NodeTierStore
 
     members = sorted(n for n in vars(CheckpointStoreAPI) if not n.startswith("_"))
     assert members == ["close", "delete", "gc", "latest", "list", "load", "pin", "rank",
@@ -475,7 +477,7 @@ def test_both_stores_implement_the_shared_api(tmp_path):
 
     from trainguard.core.checkpoints import RankStateStoreAPI
 
-    ranked = (CheckpointStore, TieredCheckpointStore)
+    ranked = (CheckpointStore, TieredCheckpointStore, RamTierStore, NodeTierStore)
     for cls in (*ranked, DcpCheckpointStore):
         # Stores with per-rank state objects match the wider protocol (save takes
         # rank_state; read_rank_state); the others the base one, without the flag.

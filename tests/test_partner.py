@@ -25,6 +25,7 @@ from tests import _client_fill as cf
 from tests import _client_ledger as ledger
 from tests._tier_servers import TierServers, tier_servers
 from trainguard.core.checkpoints import CheckpointStoreAPI
+from trainguard.core.rank_record import checkpoint_offsets
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20
@@ -65,6 +66,45 @@ def _saves_of_node(servers: TierServers, node: int, steps: list[int]) -> None:
     store.wait_copies()
     assert store.copy_failures == 0
     store.close()
+
+
+def _final_ledger(servers: TierServers, node: int, n: int, partitions: int) -> torch.Tensor:
+    """Node ``node``'s final checkpoint, as a restart would load it through its
+    NodeTierStore: the ledger, after checking that it is of the per-rank layout (session
+    record 3, this node's state object in its RAM tier) and that the objects of all its
+    ranks, read from their nodes' tiers, place every partition."""
+    from tests._client_train import make_state
+
+    state, model, _ = make_state(n)
+    store = _node_store(servers, node)
+    try:
+        manifest = store.load(state)
+        assert manifest is not None, "no checkpoint was committed"
+        assert manifest.extra["trainguard"]["version"] == 3
+        assert (store.ram.root / DATA_DIR / manifest.uid / "ranks" / "0.json").is_file()
+        assert sorted(checkpoint_offsets(store, manifest)) == list(range(partitions))
+    finally:
+        store.close()
+    return model.counts.clone()
+
+
+def _objects_from(seen: list[str]) -> dict[str, set[str]]:
+    """The tiers each rank's state objects came from, over a job's ``OBJECTS_FROM``
+    lines (rank -> tiers)."""
+    import json
+
+    found: dict[str, set[str]] = {}
+    for line in seen:
+        _rank, _, rest = line.partition(": OBJECTS_FROM ")
+        if rest:
+            for rank, tiers in json.loads(rest).items():
+                found.setdefault(rank, set()).update(tiers)
+    return found
+
+
+def _ready(seen: list[str]) -> int:
+    """The step a job's rank 0 restored (its ``READY`` line)."""
+    return next(int(line.split()[-1]) for line in seen if line.startswith("0: READY"))
 
 
 def test_partners_are_a_pure_function_of_the_ranks() -> None:
@@ -151,19 +191,30 @@ def test_damaged_partner_copy_falls_back_to_disk(shm: Path, tmp_path: Path) -> N
         again.close()
 
 
-def test_two_nodes_lost_at_once_fall_back_to_remote(shm: Path, moto_server, s3_bucket,
+def test_two_nodes_lost_at_once_fall_back_to_remote(shm: Path, tmp_path: Path, moto_server,
+                                                    s3_bucket,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """Both nodes of a 2-node job are lost (RAM, partner copies, servers): each node's
     part is restored from remote storage (moto S3) bit for bit, and the log says that
-    the restore came from remote."""
+    the restore came from remote. Each node's state object went to every tier with its
+    checkpoint (the same bytes in RAM, on disk, in the partner copy), and after the loss
+    both nodes' objects are read back from remote."""
     remote, options = f"s3://{s3_bucket}/run", moto_server.storage_options()
+    docs = [{"offsets": {str(node): f"1-{node + 4}"}, "rank": node} for node in (0, 1)]
     with tier_servers(shm, 2) as servers:
         for node in (0, 1):
-            store = _node_store(servers, node, remote=remote, options=options)
-            store.save(_state(10 * node + 3), step=3).wait()
+            disk = tmp_path / f"disk{node}"
+            store = _node_store(servers, node, disk=disk, disk_every=1, remote=remote,
+                                options=options)
+            m = store.save(_state(10 * node + 3), step=3, rank_state=docs[node]).wait()
             store.wait_copies()
             assert store.copy_failures == 0
+            rel = Path(DATA_DIR) / m.uid / "ranks" / "0.json"
+            copies = [store.ram.root / rel, disk / rel,
+                      node_root(servers.node_shm(1 - node), node) / rel]
+            assert len({p.read_bytes() for p in copies}) == 1, copies
             store.close()
+            shutil.rmtree(disk)
         for node in (0, 1):
             servers.lose(node)
         for node in (0, 1):
@@ -178,6 +229,8 @@ def test_two_nodes_lost_at_once_fall_back_to_remote(shm: Path, moto_server, s3_b
             assert manifest is not None and manifest.step == 3
             assert again.restored_from == "remote"
             assert "from REMOTE storage" in caplog.text
+            assert [again.read_rank_state(manifest, r) for r in (0, 1)] == docs
+            assert again.rank_objects_from == {0: ["remote"], 1: ["remote"]}
             for k, v in _state(10 * node + 3).items():
                 assert torch.equal(target[k], v), k
             again.close()
@@ -260,9 +313,130 @@ def test_three_nodes_one_lost_every_record_trained_once(redis_server, shm: Path,
             job = z.spawn(args, 3)
             job.finish(300)
         assert "1: RESTORED_FROM partner:n2" in job.seen, job.seen[:10]
-    for node in (0, 1):  # node 1's own final checkpoint too: its restore was whole
-        counts, _extra = ledger.final_counts(f"file://{node_root(shm / f'node{node}', node)}", n)
-        ledger.assert_each_once(counts)
+        for node in (0, 1):  # node 1's own final checkpoint too: its restore was whole
+            ledger.assert_each_once(_final_ledger(servers, node, n, p))
+
+
+def test_world_shrinks_after_a_node_loss_reading_its_state_from_a_partner(
+        redis_server, shm: Path, tmp_path: Path) -> None:
+    """A 3-node job is SIGKILLed once node 2's copies were made; node 2 is lost (server
+    killed, memory and disk wiped; an empty server takes its place) and the job goes on
+    with 2 ranks: the lost rank's state object (its partitions' offsets) is read from
+    its partner's copy (node 0). That 2-rank job is SIGKILLed in turn once its own
+    copies were made, and its restart resumes from them (not the 3-rank checkpoint
+    again): every record is trained exactly once per the final checkpoint's ledger."""
+    n, p = 1200, 6
+    spec = cf.create(redis_server.url, "tok", partitions=p)
+    cf.fill(redis_server.url, spec, n)
+    with tier_servers(shm, 3) as servers:
+        args = ["--redis", redis_server.url, "--dataset", "tok", "--run", "exp",
+                "--store", str(shm), "--n", str(n), "--batch-size", "8",
+                "--ckpt-every", "6", "--sleep-ms", "2", "--keep-last", "3",
+                "--tier-peers", ",".join(servers.urls), "--tier-disk", str(tmp_path / "disk"),
+                "--ram-tier-budget", str(16 * MB)]
+        with ledger.zygote(tmp_path / "job.log") as z:
+            job = z.spawn(args, 3)
+            copied = 0
+            while copied < 2:
+                got = job.next_line(120)
+                assert got is not None and not job.exits, job.seen[-20:]
+                if got[0] == 2 and got[1].startswith("COPIED"):
+                    copied += 1
+            job.kill()
+            servers.lose(2)
+            shutil.rmtree(tmp_path / "disk" / "node2", ignore_errors=True)
+            servers.start(2)
+            job = z.spawn(args, 2)
+            copied = 0
+            while copied < 2:
+                got = job.next_line(120)
+                assert got is not None and not job.exits, job.seen[-20:]
+                if got[0] == 1 and got[1].startswith("COPIED"):
+                    copied += 1
+            job.kill()
+            shrunk = job.seen
+            job = z.spawn(args, 2)
+            job.finish(300)
+        assert {"0: RESTORED_FROM ram", "1: RESTORED_FROM ram"} <= set(shrunk), shrunk[:10]
+        assert _objects_from(shrunk).get("2") == {"partner:n0"}, _objects_from(shrunk)
+        assert _ready(job.seen) > _ready(shrunk), (shrunk[:6], job.seen[:6])
+        for node in (0, 1):
+            ledger.assert_each_once(_final_ledger(servers, node, n, p))
+
+
+def test_damaged_state_object_in_a_partner_copy_falls_back_to_disk(shm: Path,
+                                                                   tmp_path: Path) -> None:
+    """One byte flipped in the rank state object of node 1's copy of node 0's
+    checkpoint (node 0's RAM lost): the fetch refuses the copy and the load falls back to
+    local disk; reading the object falls back from the damaged copy to disk too, and
+    returns the document saved."""
+    doc = {"offsets": {"0": "1-7"}, "rank": 0}
+    with tier_servers(shm, 2) as servers:
+        store = _node_store(servers, 0, disk=tmp_path / "disk", disk_every=1)
+        assert store.supports_rank_state
+        store.save(_state(5), step=5, rank_state=doc).wait()
+        store.wait_copies()
+        assert store.copy_failures == 0
+        store.close()
+        _saves_of_node(servers, 1, [5])
+        (obj,) = (node_root(servers.node_shm(1), 0) / DATA_DIR).glob("*/ranks/0.json")
+        raw = bytearray(obj.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        obj.write_bytes(bytes(raw))
+        shutil.rmtree(node_root(servers.node_shm(0), 0))  # node 0's RAM is gone
+        again = _node_store(servers, 0, disk=tmp_path / "disk", disk_every=1)
+        target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        manifest = again.load(target)
+        assert manifest is not None and manifest.step == 5
+        assert again.restored_from == "disk"
+        assert again.read_rank_state(manifest, 0) == doc
+        assert again.rank_objects_from == {0: ["disk"]}
+        with pytest.raises(IndexError, match="no node among the 2 tier servers of peers"):
+            again.read_rank_state(manifest, 2)
+        for k, v in _state(5).items():
+            assert torch.equal(target[k], v), k
+        again.close()
+
+
+def test_v2_checkpoint_restores_from_a_partner_copy(redis_server, shm: Path) -> None:
+    """A checkpoint of session record version 2 (offsets in the manifest: the committed
+    fixture of tests/test_format_v2_fixture.py) held only as node 1's partner copy of
+    node 0 restores through node 0's NodeTierStore: step 5, its weights, and the 20
+    records after its offsets, so each of the 40 records exactly once."""
+    import json
+
+    from torch.utils.data import DataLoader
+
+    from trainer_client import TrainingSession
+
+    fixture = ROOT / "tests" / "fixtures" / "ckpt_v2"
+    (name,) = (m.name for m in (fixture / "manifests").glob("*.json"))
+    doc = json.loads((fixture / "manifests" / name).read_bytes())
+    assert doc["extra"]["trainguard"]["version"] == 2
+    spec = cf.create(redis_server.url, "tok", partitions=4)
+    cf.fill(redis_server.url, spec, 40)
+    torch.manual_seed(7)
+    saved = torch.nn.Linear(4, 2).state_dict()
+    with tier_servers(shm, 2) as servers:
+        shutil.copytree(fixture, node_root(servers.node_shm(1), 0))  # only the partner has it
+        store = _node_store(servers, 0)
+        state = {"model": torch.nn.Linear(4, 2)}
+        s = TrainingSession(redis_server.url, dataset="tok", run="exp", block_ms=100,
+                            store=store)
+        try:
+            assert s.restore(state) == 5
+            assert store.restored_from == "partner:n1"
+            for k, v in saved.items():
+                assert torch.equal(state["model"].state_dict()[k], v)
+            after = [int(i) for b in s.batches(DataLoader(s.dataset(batch_size=4),
+                                                          batch_size=None))
+                     for i in b.data[:, 0].tolist()]
+        finally:
+            s.close()
+            store.close()
+    offsets = {int(q): int(i.split("-")[1]) for q, i in doc["extra"]["trainguard"]["offsets"].items()}
+    before = [i for i in range(40) if i // 4 <= offsets[i % 4]]
+    assert len(before) == 20 and sorted(before + after) == list(range(40))
 
 
 def test_tier_server_refuses_an_unknown_tier_instead_of_serving_ram(tmp_path: Path) -> None:

@@ -163,7 +163,8 @@ def test_ram_tier_has_the_disk_format_and_the_shared_api(shm: Path) -> None:
 def test_ledger_with_the_ram_tier_as_store_survives_kills(redis_server, shm: Path,
                                                          tmp_path: Path) -> None:
     """8 SIGKILLs of a job whose store= is a RamTierStore (budget for 3 checkpoints):
-    every record trained exactly once, per the final checkpoint's ledger."""
+    every record trained exactly once, per the final checkpoint's ledger, on the
+    per-rank layout (session record 3: offsets in the rank's state object)."""
     n, p = 1500, 4
     spec = cf.create(redis_server.url, "tok", partitions=p)
     cf.fill(redis_server.url, spec, n)
@@ -172,6 +173,7 @@ def test_ledger_with_the_ram_tier_as_store_survives_kills(redis_server, shm: Pat
             "--sleep-ms", "2", "--ram-tier-budget", str(3 * 256 << 10)]
     kills = ledger.run_until_done(args, kills=8, seed=3, log=tmp_path / "job.log")
     assert kills == 8
-    counts, _extra = ledger.final_counts(f"file://{shm}", n)
+    counts, extra = ledger.final_counts(f"file://{shm}", n)
     ledger.assert_each_once(counts)
+    assert extra["trainguard"]["version"] == 3 and len(extra["trainguard"]["offsets"]) == p
     assert tree_bytes(shm) <= 3 * 256 << 10
