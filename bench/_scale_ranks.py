@@ -117,6 +117,10 @@ def _direct(fn: Callable[..., Any], *a: Any, **k: Any) -> Any:
     return fn(*a, **k)
 
 
+def mean_w(server_cpu: list[float], world: int, masters: int) -> float:
+    return statistics.mean(server_cpu) * world / masters
+
+
 def across(walls: list[float], server_cpu: list[float], world: int, masters: int) -> float:
     """The parallel ranks' time: the slowest sampled rank, or the servers' CPU of all W
     ranks spread over the masters when that is longer (they queue on the servers)."""
@@ -279,10 +283,14 @@ def _new_round(d: Data, ck: Checkpoint, ranks: list[int], step: int) -> dict[str
         store.close()
     ck.drop(uid, step)
     m = len(d.servers.clients)
-    st = across(stall, stall_cpu, W, m)
+    st, wr, pb = across(stall, stall_cpu, W, m), across(write, write_cpu, W, m), \
+        across(pub, pub_cpu, W, m)
     return {
-        "stall_s": st,
-        "commit_s": st + across(write, write_cpu, W, m) + manifest_s + across(pub, pub_cpu, W, m),
+        "stall_s": st, "parts": {"fence_and_rng_s": max(stall), "object_write_s": max(write),
+                                 "publish_s": max(pub), "stall_queue_s": mean_w(stall_cpu, W, m),
+                                 "write_queue_s": mean_w(write_cpu, W, m),
+                                 "publish_queue_s": mean_w(pub_cpu, W, m)},
+        "commit_s": st + wr + manifest_s + pb,
         "rank_work_s": max(a + b + e for a, b, e in zip(stall, write, pub)),
         "manifest_write_s": manifest_s, "idle_ranks_refused": idle,
         "redis_cpu_s": statistics.mean([a + b + e for a, b, e in zip(stall_cpu, write_cpu, pub_cpu)]) * W,
@@ -301,6 +309,8 @@ def _old_round(d: Data, ck: Checkpoint, W: int, args: argparse.Namespace,
         gather_offsets(d.offsets, batches, mine, 1, None)
     merge = (time.perf_counter() - t0) * W / args.merged
     stall = max(s.wall_s, s.server_cpu_s * W / d.masters) + merge
+    parts = {"fence_and_rng_s": s.wall_s, "stall_queue_s": s.server_cpu_s * W / d.masters,
+             "merge_s": merge, "merge_one_payload_s": merge / W}
     store = open_store(ck.url)
     committer = OffsetCommitter(c, _direct, store, dataset=d.name, run=RUN)
     with Clock(d) as p:
@@ -316,8 +326,9 @@ def _old_round(d: Data, ck: Checkpoint, W: int, args: argparse.Namespace,
         os.fsync(f.fileno())
     write_s = (time.perf_counter() - t0) * scale
     del raw
+    parts["publish_s"] = p.wall_s
     return {
-        "stall_s": stall, "commit_s": stall + write_s + p.wall_s,
+        "stall_s": stall, "commit_s": stall + write_s + p.wall_s, "parts": parts,
         "rank_work_s": s.wall_s + merge, "manifest_write_s": write_s,
         "redis_cpu_s": s.server_cpu_s * W + p.server_cpu_s,
     }
@@ -370,6 +381,7 @@ def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
             read.append(ck.manifest_bytes + sum(ck.object_bytes[o] for o in got)
                         if v2 is None else v2["bytes"])
         out[change] = {"restore_s": bump + across(walls, cpus, W, d.masters),
+                       "rank_s": max(walls), "queue_s": mean_w(cpus, W, d.masters),
                        "bytes_read_per_rank": max(read), "objects_read_max": max(objs),
                        "world_size": W2}
     out["bump_s"] = bump
@@ -418,6 +430,9 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
     for side in ("new", "old"):
         for key in ("stall_s", "commit_s", "rank_work_s", "manifest_write_s", "redis_cpu_s"):
             fig.setdefault(key, {})[side] = spread([x[key] for x in rows[side]])
+        fig.setdefault("parts", {})[side] = {
+            k: spread([x["parts"][k] for x in rows[side]]) for k in rows[side][0]["parts"]}
+        fig.setdefault("bump_s", {})[side] = spread([x["bump_s"] for x in restores[side]])
         for ch in restores[side][0]:
             if ch == "bump_s":
                 continue
@@ -425,6 +440,8 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
                 "restore_s": spread([x[ch]["restore_s"] for x in restores[side]]),
                 "bytes_read_per_rank": restores[side][0][ch]["bytes_read_per_rank"],
                 "objects_read_max": restores[side][0][ch]["objects_read_max"],
+                "rank_s": spread([x[ch]["rank_s"] for x in restores[side]]),
+                "queue_s": spread([x[ch]["queue_s"] for x in restores[side]]),
                 "world_size": restores[side][0][ch]["world_size"]}
     for key in ("stall_s", "commit_s", "rank_work_s", "redis_cpu_s"):
         fig[key]["ratio"] = spread([o[key] / n[key] for o, n in zip(rows["old"], rows["new"])])

@@ -64,7 +64,9 @@ def test_scale_bench_restores_read_only_the_owners_objects(tmp_path: Path):
         grew_old = big["manifest_bytes"]["old"] - small["manifest_bytes"]["old"]
         grew_new = big["manifest_bytes"]["new"] - small["manifest_bytes"]["new"]
         assert grew_old > (RANKS[1] - RANKS[0]) * 1000
-        assert grew_new == (RANKS[1] - RANKS[0]) * 35
+        # 35 B an index entry; the rest of the manifest differs only by the digits of
+        # its timestamp and of the generation (a restore bumps it every round).
+        assert abs(grew_new - (RANKS[1] - RANKS[0]) * 35) <= 8
     assert set(fig["exponents"]["in_W"]) == set(scale.COSTS)
     assert len(fig["targets"]) == 3 * len(PARTS) + len(PARTS)
     doc = json.loads(out.read_text())
