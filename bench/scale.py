@@ -12,7 +12,9 @@ range), their paired ratio baseline/new, and the fitted exponent of each cost in
 and in P (log-log least squares over the sizes run).
 
     .venv/bin/python bench/scale.py                                  # small: 1 min
-    .venv/bin/python bench/scale.py --ranks 1024,4096,16384 --partitions 16384,65536
+    .venv/bin/python bench/scale.py --ranks 1024,4096,16384 --partitions 16384,65536 \
+        --workers 1 --rounds 2      # the big one (docs/SCALING.md): ~40 min on 2 cores;
+                                    # one worker so that 16,384 partitions feed 16,384 ranks
     .venv/bin/python bench/scale.py --per-op ...     # the per-operation costs (ingest,
                                                      # reads, memory): bench/_scale_ops.py
 """
@@ -165,13 +167,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--v2-max-ranks", type=int, default=4096,
                     help="baseline: largest version 2 manifest built whole (bigger: by bytes)")
     ap.add_argument("--no-cluster", action="store_true", help="single Redis only")
+    ap.add_argument("--no-single", action="store_true",
+                    help="the cluster only (e.g. beside a --no-cluster run: two processes)")
     ap.add_argument("--out", help="results file (default: bench/results/<host>-<stamp>.json)")
     args = ap.parse_args(argv)
     sr.init_gloo()
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tg-bench-scale-") as tmp:
-        made: list[tuple[str, Callable[[], RedisServer | RedisCluster]]] = [
-            ("single", lambda: RedisServer(Path(tmp) / "redis").start())]
+        made: list[tuple[str, Callable[[], RedisServer | RedisCluster]]] = []
+        if not args.no_single:
+            made.append(("single", lambda: RedisServer(Path(tmp) / "redis").start()))
         if not args.no_cluster:
             made.append(("cluster", lambda: RedisCluster(Path(tmp) / "cluster").start()))
         for name, start in made:
