@@ -1,4 +1,4 @@
-"""``bench/scale.py`` at a toy size (16 partitions, 2 ranks), on the single Redis and
+"""``bench/scale.py --per-op`` at a toy size (16 partitions, 2 ranks), on the single Redis and
 the Redis Cluster it starts itself, so that the figures behind docs/SCALING.md can be
 taken again. Checks what the run did (counts, which partitions a commit covered, how
 many partitions one transaction reads), never how long it took.
@@ -26,7 +26,7 @@ def test_scale_bench_measures_every_cost_on_single_redis_and_on_the_cluster(tmp_
     results file as returned."""
     out = tmp_path / "results.json"
     section = scale.main([
-        "--partitions", str(P), "--entries", str(E), "--record-bytes", str(SIZE),
+        "--per-op", "--partitions", str(P), "--entries", str(E), "--record-bytes", str(SIZE),
         "--ranks", str(RANKS), "--workers", str(WORKERS), "--batch", str(BATCH),
         "--rounds", str(ROUNDS), "--restores", "1", "--deep-partitions", "4",
         "--deep-entries", "32", "--out", str(out),
