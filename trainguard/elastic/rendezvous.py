@@ -177,6 +177,8 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
     _refused = False
     _worker: WorkerRendezvous | None = None
     """What the workers are told (its prefix replaced each round)."""
+    worker: WorkerRendezvous | None = None
+    """What this node's workers were told after its last round."""
     _joined: tuple[int, str] = (0, "")
     """The round this node joined last and a digest of its members."""
 
@@ -203,8 +205,8 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
         os.environ[RDZV_CLOSED_ENV] = f"{time.time():.3f}"
         if self._worker is not None:
             round_, members = self._joined
-            os.environ[settings.RDZV_WORKER_ENV] = replace(
-                self._worker, prefix=keys.worker_prefix(round_, members)).to_env()
+            self.worker = replace(self._worker, prefix=keys.worker_prefix(round_, members))
+            os.environ[settings.RDZV_WORKER_ENV] = self.worker.to_env()
         return info
 
     def _get_world(self) -> tuple[int, int]:
