@@ -308,7 +308,7 @@ def fault_free_rate(work: Path, steps: int = 120) -> float:
 
 def crash_loop(work: Path, reps: int) -> dict[str, Any]:
     """A bug at one step in every attempt: handled when the breaker stops the job with
-    exit 87 and a restart_loop incident, no record twice and none lost up to the newest
+    exit 87, every agent leaving on the job stop, and a restart_loop incident, no record twice and none lost up to the newest
     checkpoint (every step of a full world consumed NODES x BATCH records)."""
     crash_at = 3 * FIRST_CKPT + 2
     job = Job(work, "crash_loop", reps=reps, gap_s=0, records=NODES * BATCH * 40,
@@ -317,7 +317,11 @@ def crash_loop(work: Path, reps: int) -> dict[str, Any]:
         for a in job.live:
             with contextlib.suppress(AssertionError):
                 a.wait(RESUME_TIMEOUT_S * 2)
-        stopped = all(any("exitcode  : 87" in x for _, x in a.lines) for a in job.live)
+        # Every agent saw its worker exit 87 and left on the job stop the workers wrote
+        # (JobStoppedError) instead of restarting them: one decision stops the job.
+        stopped = all(a.proc.returncode not in (None, 0)
+                      and any("(exitcode: 87)" in x for _, x in a.lines)
+                      and any("JobStoppedError" in x for _, x in a.lines) for a in job.live)
         found = read_incidents(job.url, "heal", "job")
         counts, step = _ledger(job.store_url, job.n)
     finally:

@@ -39,8 +39,8 @@ A fault is injected ``gap_s x U(0.5, 1.5)`` after the job trained again. Classes
   itself and its agent leaves, the others re-form without it; the bad node started
   again is refused by the rendezvous; a healthy replacement node then joins.
 - ``crash_loop``: a job whose code raises at one step in every attempt: the breaker
-  tries its remedies and stops it with exit 87 (handled = stopped that way, with a
-  restart_loop incident; its ledger must hold no record twice and none lost up to the
+  tries its remedies and stops it with exit 87 (handled = stopped that way, every
+  agent exiting on the job stop instead of restarting, with a restart_loop incident; its ledger must hold no record twice and none lost up to the
   newest checkpoint).
 - ``full_local_tier``: one process (the tiered store is single-process, so not the
   3-node job) trains with a ``TieredCheckpointStore`` whose local tier is a 1 MiB

@@ -8,7 +8,8 @@ every record exactly once ends with all counts equal to 1.
 Prints ``<rank>: READY <step>`` after restoring, ``SAVE <step>`` before each checkpoint call,
 ``STEP <step>`` after each step, ``COMMITTED <step>`` once its manifest is committed and ``DONE <step>`` at the end (the
 parent kills at those moments). Multi-rank: RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT in the environment (gloo).
+MASTER_PORT in the environment (gloo), or, under the trainguard rendezvous, its
+``$TRAINGUARD_RDZV_WORKER`` (the group's store in Redis).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer_client import TrainingSession
+from trainer_client import TrainingSession, init_process_group
 from trainguard.core.interval import IntervalPolicy
 
 
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     RANK[0] = rank
     if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # trainguard's: under --rdzv-backend=trainguard the group's store is in Redis.
+        init_process_group("gloo", rank=rank, world_size=world)
     state, model, opt = make_state(args.n)
     store: Any = args.store
     if args.tier_peers:

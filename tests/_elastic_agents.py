@@ -167,3 +167,24 @@ def rank0_agent(agents: list[Agent]) -> Agent:
     firsts = [(a.seen("0: READY")[0][0], a) for a in agents if a.seen("0: READY")]
     assert firsts, "no worker printed READY as rank 0"
     return min(firsts, key=lambda x: x[0])[1]
+
+
+def worker_store_rounds(url: str, run_id: str) -> dict[tuple[int, str], int]:
+    """The workers' process-group stores of rendezvous ``run_id`` found in the Redis at
+    ``url``: how many keys each (round, members) prefix holds."""
+    from trainer_client import redis_client
+    from trainguard.elastic import keys
+
+    pattern = f"{keys.PREFIX}:\\{{{run_id}\\}}:k:{keys.WORKER_STORE_PREFIX}/*"
+    r = redis_client.client(url)
+    try:
+        names = [k.decode() if isinstance(k, bytes) else k
+                 for k in r.scan_iter(match=pattern, count=1000)]
+    finally:
+        r.close()
+    out: dict[tuple[int, str], int] = {}
+    for name in names:
+        _, _, rest = name.partition(f":k:{keys.WORKER_STORE_PREFIX}/")
+        round_, members, _ = rest.split("/", 2)
+        out[(int(round_), members)] = out.get((int(round_), members), 0) + 1
+    return out

@@ -3,7 +3,7 @@ under concurrent writers and across a Redis Cluster failover that loses a write,
 Redis ``dist.Store`` as torch uses it, and rendezvous rounds of in-process handlers
 (torch's own ``DynamicRendezvousHandler`` on the trainguard backend): a round that
 survives a master failover, a re-rendezvous that closes when every live node joined,
-and the admission check."""
+the admission check, the workers' store of each round and the job stop."""
 
 from __future__ import annotations
 
@@ -20,12 +20,19 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from tests.servers import RedisCluster, RedisServer
 from trainer_client import redis_client
 from trainguard.core import quarantine
+from trainguard.core.settings import RDZV_WORKER_ENV
 from trainguard.elastic import keys
 from trainguard.elastic._redis import Connection
 from trainguard.elastic.backend import RedisRendezvousBackend
-from trainguard.elastic.errors import NodeRefusedError, StoreTimeoutError
+from trainguard.elastic.errors import (
+    ElasticConfigError,
+    JobStoppedError,
+    NodeRefusedError,
+    StoreTimeoutError,
+)
 from trainguard.elastic.rendezvous import JoinRequest, create_handler
 from trainguard.elastic.store import RedisStore
+from trainguard.elastic.worker import WorkerRendezvous, process_group_store, record_stop
 
 
 def test_compare_and_set_loses_no_update_under_concurrent_writers(
@@ -328,3 +335,41 @@ def test_a_quarantined_node_is_refused_by_default_and_quarantine_false_admits_it
     finally:
         _shutdown(handlers)
         r.close()
+
+
+def test_each_round_gives_its_workers_a_store_of_its_own_and_a_job_stop_closes_it(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each round both nodes tell their workers the same store (the run's
+    Redis, under a prefix of the round), a new one each round: a key a worker of
+    round 1 sets is in the fixture's Redis under round 1's prefix and invisible to
+    round 2's store. A worker's job stop keeps its first writer's word; every node's
+    next join then raises JobStoppedError with its reason, the rendezvous closed.
+    A malformed ``$TRAINGUARD_RDZV_WORKER`` is refused saying what was expected."""
+    monkeypatch.delenv(RDZV_WORKER_ENV, raising=False)  # restored after the test
+    conf = {"last_call_timeout": "600", "join_timeout": "600"}
+    a, b = (create_handler(_params(redis_server.url, "pg", 1, 2, **conf)) for _ in range(2))
+    client = redis_client.client(redis_server.url)
+    try:
+        _join_all([a, b])
+        first = WorkerRendezvous.from_env()
+        assert first is not None and a.worker == b.worker == first
+        assert (first.url, first.run_id) == (redis_server.url, "pg")
+        old = process_group_store(first, timeout=timedelta(seconds=1))
+        old.set("rank_0", b"addr-of-round-1")
+        assert client.get(f"tg:rdzv:{{pg}}:k:{first.prefix}/rank_0") == b"addr-of-round-1"
+        _join_all([a, b])
+        second = WorkerRendezvous.from_env()
+        assert second is not None and a.worker == b.worker == second
+        assert second.prefix != first.prefix
+        assert not process_group_store(second, timeout=timedelta(seconds=1)).check(["rank_0"])
+        assert record_stop(second, reason="breaker: same crash 4 times", exit_code=87, rank=1)
+        assert not record_stop(second, reason="a later word", exit_code=87, rank=0)
+        for h in (a, b):
+            with pytest.raises(JobStoppedError, match="breaker: same crash 4 times"):
+                h.next_rendezvous()
+        assert a.is_closed() and b.is_closed()
+        with pytest.raises(ElasticConfigError, match="expected the JSON"):
+            WorkerRendezvous.from_env('{"url": "redis://x"}')
+    finally:
+        client.close()
+        _shutdown([a, b])

@@ -39,6 +39,7 @@ import redis
 from trainer_client import redis_client
 from trainer_client.errors import GpuCriticalError, RestartLoopError
 from trainguard.core import incidents as inc
+from trainguard.core import settings
 from trainguard.core.exit_codes import EXIT_RESTART_LOOP
 from trainguard.core.process import pid_alive, started_at
 
@@ -200,7 +201,8 @@ class AttemptLog:
                    "step": last.get("step"), "signature": last.get("signature"),
                    "repeats": self.remedy.repeats, "tried": list(self.remedy.tried),
                    "look_at": _look_at(last), "world_before": self.world_size,
-                   "remedy": self.remedy.to_json(), "recovery": None}
+                   "remedy": self.remedy.to_json(), "recovery": None,
+                   "job_stop": bool(settings.rdzv_worker())}  # every agent told to exit
             self._call(self._r.hset, self._k(inc.incidents_key), str(self.attempt),
                        inc.dumps(doc))
             self._end("stopped")
@@ -217,6 +219,12 @@ class AttemptLog:
                    f"a restart by the agent: refusing to train (exit "
                    f"{EXIT_RESTART_LOOP}). Read `trainguard runs show {self.run}`, fix "
                    "the cause, then launch the job again.")
+        if settings.rdzv_worker():
+            # Under the trainguard rendezvous every rank tells the agents not to restart
+            # it (torchrun would, until --max-restarts ran out, each attempt refused).
+            from trainguard.elastic.worker import stop_job
+
+            stop_job(reason=msg, exit_code=EXIT_RESTART_LOOP, rank=self.rank)
         raise RestartLoopError(msg, exit_code=EXIT_RESTART_LOOP)
 
     def skipped_batch(self) -> str | None:

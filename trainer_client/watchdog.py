@@ -137,11 +137,30 @@ def init_process_group(backend: str | None = None, *, config: WatchdogConfig | N
     chose (its start-up budget, capped by its ceiling) instead of torch's 30 minutes;
     :class:`~trainer_client.TrainingSession` tightens it to the measured step budget
     once it has one. ``timeout=`` in ``kwargs`` wins. Call it instead of
-    ``dist.init_process_group`` in the training script."""
+    ``dist.init_process_group`` in the training script.
+
+    Under ``torchrun --rdzv-backend=trainguard`` (``$TRAINGUARD_RDZV_WORKER`` set) and
+    with neither ``store=`` nor ``init_method=`` given, the group's store is the
+    rendezvous' Redis, under this round's prefix (:mod:`trainguard.elastic.worker`);
+    elsewhere torch's default (``env://``)."""
     import torch.distributed as dist
 
     cfg = config or WatchdogConfig.from_env()
     kwargs.setdefault("timeout", timedelta(seconds=min(cfg.startup_s, cfg.ceiling_s)))
+    if kwargs.get("store") is None and kwargs.get("init_method") is None \
+            and settings.rdzv_worker():
+        # A worker of the trainguard rendezvous: the group's store is the round's in
+        # Redis, not a TCPStore served by this round's rank-0 worker (a node that
+        # can die). Imported only here: no other worker needs the rendezvous.
+        from trainguard.elastic.worker import WorkerRendezvous, process_group_store
+
+        info = WorkerRendezvous.from_env()
+        assert info is not None
+        kwargs["store"] = process_group_store(info, timeout=kwargs["timeout"])
+        kwargs.setdefault("rank", int(os.environ["RANK"]))
+        kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
+        log.info("process group store: the trainguard rendezvous' Redis, prefix %s",
+                 info.prefix)
     dist.init_process_group(backend, **kwargs)
 
 

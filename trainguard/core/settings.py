@@ -42,6 +42,12 @@ variable                       what                          default
                                (``trainer_client.watchdog``)
 ``TRAINGUARD_LOOP_BREAKER``    the restart-loop breaker:     on, ``max_tries=3``
                                ``off`` or ``max_tries=N``
+``TRAINGUARD_RDZV_WORKER``     set by the trainguard         unset: torch's default
+                               rendezvous for the workers    store, no job stop
+                               it starts (JSON: its Redis,
+                               run id, this round's store
+                               prefix; see
+                               ``trainguard.elastic.worker``)
 ============================== ============================= =======================
 """
 
@@ -61,6 +67,7 @@ __all__ = [
     "READ_TOKEN_ENV",
     "REDIS_URL_ENV",
     "LOOP_BREAKER_ENV",
+    "RDZV_WORKER_ENV",
     "TOKENIZE_PROCESSES_ENV",
     "WATCHDOG_ENV",
     "admin_token",
@@ -72,6 +79,7 @@ __all__ = [
     "read_token",
     "redis_url",
     "loop_breaker",
+    "rdzv_worker",
     "tokenize_processes",
     "watchdog",
 ]
@@ -86,6 +94,7 @@ READ_TOKEN_ENV = "TRAINGUARD_READ_TOKEN"
 TOKENIZE_PROCESSES_ENV = "TRAINGUARD_TOKENIZE_PROCESSES"
 WATCHDOG_ENV = "TRAINGUARD_WATCHDOG"
 LOOP_BREAKER_ENV = "TRAINGUARD_LOOP_BREAKER"
+RDZV_WORKER_ENV = "TRAINGUARD_RDZV_WORKER"
 NODE_ID_ENV = "TRAINGUARD_NODE_ID"
 QUARANTINE_ENVS = ("TRAINGUARD_QUARANTINE_S", "TRAINGUARD_QUARANTINE_FAILURES",
                    "TRAINGUARD_QUARANTINE_WINDOW_S")
@@ -163,3 +172,9 @@ def quarantine() -> tuple[float, int, float]:
             kind = "a whole number" if isinstance(default, int) else "a number of seconds"
             raise ValueError(f"{name}={raw!r}: expected {kind} (default {default})") from None
     return out[0], int(out[1]), out[2]
+
+
+def rdzv_worker() -> str:
+    """``$TRAINGUARD_RDZV_WORKER`` as written (empty outside a worker of the trainguard
+    rendezvous; parsed by ``trainguard.elastic.worker``)."""
+    return os.environ.get(RDZV_WORKER_ENV, "")

@@ -22,7 +22,16 @@ __all__ = ["torchrun_handler"]
 
 def torchrun_handler() -> Callable[[Any], Any]:
     """The ``torchrun.handlers`` entry point: torch calls it once and registers what
-    it returns (``RendezvousParameters -> RendezvousHandler``) as ``trainguard``."""
-    from trainguard.elastic.rendezvous import create_handler
+    it returns (``RendezvousParameters -> RendezvousHandler``) as ``trainguard``.
 
-    return create_handler
+    torch registers the entry points whenever ``torch.distributed.elastic.rendezvous``
+    is first imported, in any process: a worker too, from inside an import of one of
+    this package's modules. So nothing is imported here, only when a handler is made
+    (an import now would re-enter that module half-initialized)."""
+
+    def create(params: Any) -> Any:
+        from trainguard.elastic.rendezvous import create_handler
+
+        return create_handler(params)
+
+    return create

@@ -8,9 +8,12 @@ never half).
 
 from __future__ import annotations
 
-__all__ = ["PREFIX", "run_tag", "state_key", "store_key", "store_pattern"]
+__all__ = ["PREFIX", "WORKER_STORE_PREFIX", "run_tag", "state_key", "stop_key", "store_key",
+           "store_pattern", "worker_prefix"]
 
 PREFIX = "tg:rdzv"
+WORKER_STORE_PREFIX = "worker"
+"""The workers' process-group stores sit in the run's store under this, per round."""
 
 
 def run_tag(run_id: str) -> str:
@@ -37,3 +40,16 @@ def store_pattern(run_id: str) -> str:
     """A SCAN pattern matching every store key of the run (braces escaped: in a
     pattern they are literal only so)."""
     return f"{PREFIX}:\\{{{run_id}\\}}:k:*"
+
+
+def stop_key(run_id: str) -> str:
+    """The job stop: a worker's "do not restart" (the restart-loop breaker's exit 87),
+    read by every agent before it joins a round."""
+    return f"{run_tag(run_id)}:stop"
+
+
+def worker_prefix(round_: int, members: str) -> str:
+    """The prefix, inside the run's store, of round ``round_``'s worker process-group
+    store; ``members`` tells apart two launches that reused a run id (their round
+    numbers start over, their members' pids differ)."""
+    return f"{WORKER_STORE_PREFIX}/{round_}/{members}"

@@ -21,9 +21,20 @@ What this handler changes in torch's:
   (so the death of that node kills the job, pytorch/pytorch#135712). Here the
   handler runs torch's own opt-out (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, set in
   the agent's environment when the handler is made): each round's rank-0 agent
-  publishes a fresh ``MASTER_ADDR``/``MASTER_PORT`` in the Redis store, and the
-  round's rank-0 worker serves the worker group's store. A re-formed group never
-  looks for a store on a node of an earlier round.
+  publishes a fresh ``MASTER_ADDR``/``MASTER_PORT`` in the Redis store (used only by
+  a worker that builds its process group with torch's default ``env://``: it is then
+  served by the round's rank-0 worker). A re-formed group never looks for a store on
+  a node of an earlier round.
+- **The workers' store in Redis too.** After each round the handler puts
+  ``$TRAINGUARD_RDZV_WORKER`` (:mod:`trainguard.elastic.worker`) into the environment
+  of the workers it starts: this Redis, the run id and the round's prefix.
+  ``trainer_client.init_process_group`` then builds the process group on a
+  ``PrefixStore`` of the round over the run's Redis store, so not even the workers'
+  store lives on a node (without it, the round's rank-0 worker serves a TCPStore).
+- **Job stop.** Before each join the handler reads the run's job stop (a worker's
+  "do not restart": the restart-loop breaker's exit 87 writes it); if there is one it
+  closes the rendezvous and raises :class:`~trainguard.elastic.errors.JobStoppedError`
+  (a ``RendezvousClosedError``): every agent exits instead of restarting its workers.
 - **Admission.** Before each join the handler asks ``admit`` whether this node may
   join (by default :class:`~trainguard.elastic.admission.QuarantineAdmission`: no
   quarantine record of this node in the rendezvous' Redis); a refusal makes the node leave the rendezvous (its participation in
@@ -44,12 +55,13 @@ default admission; false admits every node when no ``admit`` is given).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -62,12 +74,15 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousStateHolder,
 )
 
+from trainguard.core import settings
 from trainguard.core.incidents import RDZV_CLOSED_ENV
+from trainguard.elastic import keys
 from trainguard.elastic._redis import Connection
 from trainguard.elastic.admission import QuarantineAdmission
 from trainguard.elastic.backend import DEFAULT_STATE_TTL_S, RedisRendezvousBackend
-from trainguard.elastic.errors import ElasticConfigError, NodeRefusedError
+from trainguard.elastic.errors import ElasticConfigError, JobStoppedError, NodeRefusedError
 from trainguard.elastic.store import DEFAULT_KEY_TTL_S, RedisStore
+from trainguard.elastic.worker import WorkerRendezvous, read_stop
 
 __all__ = [
     "DEFAULT_CLOSE_S",
@@ -160,12 +175,19 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
     admit: Admission | None = None
     _conn: Connection | None = None
     _refused = False
+    _worker: WorkerRendezvous | None = None
+    """What the workers are told (its prefix replaced each round)."""
+    worker: WorkerRendezvous | None = None
+    """What this node's workers were told after its last round."""
+    _joined: tuple[int, str] = (0, "")
+    """The round this node joined last and a digest of its members."""
 
     @property
     def use_agent_store(self) -> bool:
         return False
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._stop_if_stopped()
         if self.admit is not None:
             request = JoinRequest(self._settings.run_id, self._this_node.addr,
                                   self._state_holder.state.round)
@@ -181,7 +203,40 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
         # The workers the agent spawns next inherit os.environ: their incidents split
         # the time to the next step at this moment (rendezvous | spawn).
         os.environ[RDZV_CLOSED_ENV] = f"{time.time():.3f}"
+        if self._worker is not None:
+            round_, members = self._joined
+            self.worker = replace(self._worker, prefix=keys.worker_prefix(round_, members))
+            os.environ[settings.RDZV_WORKER_ENV] = self.worker.to_env()
         return info
+
+    def _get_world(self) -> tuple[int, int]:
+        # torch calls this right after the join op, reading the rank from the state
+        # the round completed with: take the round and its members from that same
+        # state (the keep-alive thread may sync a newer one later).
+        state = self._state_holder.state
+        members = sorted(f"{n.addr}:{n.pid}:{n.local_id}" for n in state.participants)
+        digest = hashlib.sha256("\n".join(members).encode()).hexdigest()[:12]
+        self._joined = (state.round, digest)
+        return super()._get_world()
+
+    def _stop_if_stopped(self) -> None:
+        """Close the rendezvous and raise JobStoppedError when a worker stopped the job."""
+        if self._conn is None:
+            return
+        stop = read_stop(self._conn, self._settings.run_id)
+        if stop is None:
+            return
+        try:
+            self.set_closed()
+        except Exception:  # closed or not, this agent must not restart its workers
+            log.warning("could not close rendezvous %s after its job stop",
+                        self._settings.run_id, exc_info=True)
+        raise JobStoppedError(
+            f"rendezvous {self._settings.run_id!r}: the job was stopped by its worker "
+            f"(rank {stop.get('rank')}, exit {stop.get('exit_code')}): "
+            f"{stop.get('reason')} -- this agent exits instead of restarting its workers, "
+            "and the rendezvous is closed; launch again with a new --rdzv-id once fixed"
+        )
 
     def _withdraw(self) -> None:
         """Leave the last round (if this node was in it) so that the others need not
@@ -281,10 +336,10 @@ def create_handler(params: RendezvousParameters, *, admit: Admission | None = No
     # torch's handler in this process, inherited by the workers it starts.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     conn = Connection(endpoint, retry_timeout_s=_seconds(params, "redis_retry_timeout", 60.0))
-    backend = RedisRendezvousBackend(
-        conn, params.run_id, state_ttl_s=_seconds(params, "state_ttl", DEFAULT_STATE_TTL_S))
-    store = RedisStore(conn, params.run_id,
-                       key_ttl_s=_seconds(params, "store_ttl", DEFAULT_KEY_TTL_S))
+    state_ttl_s = _seconds(params, "state_ttl", DEFAULT_STATE_TTL_S)
+    backend = RedisRendezvousBackend(conn, params.run_id, state_ttl_s=state_ttl_s)
+    store_ttl_s = _seconds(params, "store_ttl", DEFAULT_KEY_TTL_S)
+    store = RedisStore(conn, params.run_id, key_ttl_s=store_ttl_s)
     handler: Any = TrainguardRendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes,
         params.local_addr, timeout,
@@ -303,4 +358,8 @@ def create_handler(params: RendezvousParameters, *, admit: Admission | None = No
         admit = QuarantineAdmission(conn)
     handler.admit = admit
     handler._conn = conn
+    # The stop lives as long as the state: a relaunch under the same id while the
+    # closed state holds is refused anyway.
+    handler._worker = WorkerRendezvous(url=endpoint, run_id=params.run_id, prefix="",
+                                       store_ttl_s=store_ttl_s, stop_ttl_s=state_ttl_s)
     return handler  # type: ignore[no-any-return]
