@@ -118,7 +118,9 @@ class TierUpkeep:
                                                   keep_every=self.keep_every)
                       if (m.name in remote and m.name != newest_remote) or m.name in damaged
                       or m.name in self._skipped]
-            return apply_retention(self._local_backend, doomed)
+            deleted = apply_retention(self._local_backend, doomed)
+            self._skipped.difference_update(m.name for m in doomed)  # bounded: kept ones only
+            return deleted
 
     def _free_local(self) -> builtins.list[str]:
         """The local disk is full: delete every local copy whose remote copy is
