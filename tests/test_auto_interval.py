@@ -221,3 +221,36 @@ def test_auto_plan_is_within_20_percent_of_the_swept_optimum() -> None:
         periods = sorted(t * k for t, k in zip(chosen, factors, strict=True))
         best = min(best, simulate(nested_multiples(periods, STEP_S), levels, work_s, seed))
     assert mine <= 1.2 * best, (mine, best, every, plan.to_json())
+
+
+def test_auto_counts_each_restore_by_the_tier_that_served_it(redis_server,
+                                                               tmp_path: Path) -> None:
+    """With "auto" over a TieredCheckpointStore, a restore from local disk counts a
+    crash and one from remote storage (local disk wiped) a node loss (the mildest
+    failure local disk does not survive): the counts ride in the next manifest's
+    extra["trainguard_tiers"] and add up over restarts."""
+    spec = cf.create(redis_server.url, "tok", partitions=2)
+    cf.fill(redis_server.url, spec, 64)
+    remote = f"file://{tmp_path}/remote"
+
+    def attempt() -> dict[str, int]:
+        store = TieredCheckpointStore(tmp_path / "local", remote, keep_last=2)
+        session = TrainingSession(redis_server.url, dataset="tok", run="r", store=store,
+                                  checkpoint_every="auto", tier_policy=POLICY)
+        state = {"w": torch.zeros(8)}
+        step = session.restore(state)
+        it = iter(session.batches(DataLoader(session.dataset(batch_size=4), batch_size=None)))
+        next(it)
+        session.checkpoint(state, step + 1, blocking=True)
+        session.wait()
+        store.wait_uploads(60)
+        got = CheckpointStore(f"file://{tmp_path}/remote").list()[-1].extra["trainguard_tiers"]
+        session.close()
+        store.close(wait_upload=60)
+        return dict(got["failures"])
+
+    zero = {"crash": 0, "node": 0, "nodes": 0, "job": 0}
+    assert attempt() == zero
+    assert attempt() == {**zero, "crash": 1}
+    shutil.rmtree(tmp_path / "local")
+    assert attempt() == {**zero, "crash": 1, "node": 1}

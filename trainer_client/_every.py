@@ -11,8 +11,9 @@ with ``"auto"`` over a store of several tiers, which tiers each save goes on to.
   multiple, from each tier's measured cost and the run's failures by kind. Rank 0's
   plan is broadcast with its answer, so every rank's store follows the same one.
 
-The run's failures by kind ride in each manifest (``extra["trainguard_tiers"]``): a
-restore adds the kind of the failure before it (the tier that served it says which).
+With ``"auto"`` over tiers, the run's failures by kind ride in each manifest
+(``extra["trainguard_tiers"]``): a restore adds the kind of the failure before it (the
+tier that served it says which).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ class CheckpointEvery:
         self.failures[kind] += 1
 
     def extra(self) -> dict[str, Any]:
-        """The manifest ``extra`` entry that carries the failures by kind."""
-        return failures_extra(self.failures)
+        """The manifest ``extra`` entry that carries the failures by kind; only with
+        ``"auto"`` over tiers, the one user of them (other manifests stay as they were)."""
+        return failures_extra(self.failures) if self.tiered is not None else {}
 
     def _failures(self, restarts: int) -> dict[str, int]:
         """The failures by kind, with the restarts Redis counted beyond those a restore
