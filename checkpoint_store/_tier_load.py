@@ -7,7 +7,7 @@ import builtins
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from checkpoint_store.layout import parse_manifest_name
@@ -39,6 +39,8 @@ class Tiers:
     retention_lock: threading.Lock
     url: str
     remote_url: str
+    served: builtins.list[str] = field(default_factory=list)
+    """The tier each load served from (``disk``, ``remote``), appended by the load."""
 
     def no_such_step(self, step: int) -> NoCheckpointError:
         return NoCheckpointError(f"no checkpoint of step {step} in {self.url} or "
@@ -74,7 +76,9 @@ def load_from_tiers(
         if name in local_names and newest_of(s, local_names) == name:
             try:
                 with tiers.retention_lock:
-                    return tiers.local.load(state, step=s, keys=keys, strict=True)
+                    loaded = tiers.local.load(state, step=s, keys=keys, strict=True)
+                tiers.served.append("disk")
+                return loaded
             except (CorruptCheckpointError, NoCheckpointError) as e:
                 problems.append(f"local {name}: {e}")
                 log.warning("local copy of %s cannot be loaded (%s); falling back to the "
@@ -92,6 +96,7 @@ def load_from_tiers(
             else:
                 log.warning("loaded checkpoint %s from the remote tier %s", name,
                             tiers.remote_url)
+                tiers.served.append("remote")
                 return manifest
         if strict:
             break

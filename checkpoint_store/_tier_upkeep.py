@@ -1,4 +1,5 @@
-"""The upkeep of a tiered store: local and remote retention, pins, deletion and gc.
+"""The upkeep of a tiered store: local and remote retention, pins, deletion and gc,
+and the remote tier's interval (``checkpoint_every="auto"``: ``follow_tiers``).
 
 A mixin of :class:`~checkpoint_store.tiered.TieredCheckpointStore` (which owns the
 state declared below); kept apart so that the store itself is saving, listing and
@@ -8,9 +9,12 @@ loading.
 from __future__ import annotations
 
 import builtins
+import collections
 import logging
+import statistics
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Mapping
 
 from checkpoint_store._remote_catalog import RemoteCatalog
 from checkpoint_store.backends import Backend
@@ -22,6 +26,7 @@ from checkpoint_store.upload import Uploader
 from trainguard.core.checkpoints import NoCheckpointError, PinnedCheckpointError
 from trainguard.core.newest import newest_committed
 from trainguard.core.resilience import CircuitBreaker, Retrier
+from trainguard.core.tier_plan import TierInfo
 
 __all__ = ["TierUpkeep"]
 
@@ -57,6 +62,46 @@ class TierUpkeep:
     def _newest_anywhere(self, step: int, local: Iterable[str], remote: Iterable[str]) -> str:
         raise NotImplementedError
 
+    # ---------------------------------------------------------- auto intervals
+    def _auto_init(self) -> None:
+        self.upload_every = 1
+        """Every ``upload_every``-th local save is uploaded (0: none); set by
+        ``follow_tiers``. A skipped one lives on local disk only, under retention."""
+        self.restored_from: str | None = None
+        """The tier the last load served from: ``disk`` or ``remote``."""
+        self._commits_seen = 0
+        self._skipped: set[str] = set()
+        self._upload_started: dict[str, float] = {}
+        self._upload_s: collections.deque[float] = collections.deque(maxlen=8)
+
+    def checkpoint_tiers(self) -> builtins.list[TierInfo]:
+        """Local disk (survives a crash; a reboot keeps it) and remote (the job lost),
+        with the measured seconds from a local commit to its remote commit (median of
+        the last 8): what ``checkpoint_every="auto"`` plans from."""
+        seen = list(self._upload_s)
+        return [TierInfo("disk", "crash"),
+                TierInfo("remote", "job", statistics.median(seen) if seen else None)]
+
+    def follow_tiers(self, every: Mapping[str, int]) -> None:
+        """From the next save on, every ``every["remote"]``-th one is uploaded."""
+        n = every.get("remote", self.upload_every)
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"every['remote'] must be an int >= 0, got {n!r}")
+        self.upload_every = n
+
+    def _queue_upload(self, name: str, every: int) -> None:
+        self._commits_seen += 1
+        if not every or self._commits_seen % every:
+            self._skipped.add(name)  # not due: retention may drop it like any local copy
+            return
+        self._upload_started[name] = time.monotonic()
+        self._uploader.enqueue(name)
+
+    def _upload_done(self, name: str) -> None:
+        started = self._upload_started.pop(name, None)
+        if started is not None:
+            self._upload_s.append(time.monotonic() - started)
+
     # ---------------------------------------------------------------- retention
     def _retain_local(self) -> builtins.list[str]:
         """Delete local checkpoints beyond retention that are safe to lose: remote
@@ -71,8 +116,11 @@ class TierUpkeep:
             newest_remote = newest.name if newest else None
             doomed = [m for m in choose_deletions(manifests, keep_last=self.keep_last,
                                                   keep_every=self.keep_every)
-                      if (m.name in remote and m.name != newest_remote) or m.name in damaged]
-            return apply_retention(self._local_backend, doomed)
+                      if (m.name in remote and m.name != newest_remote) or m.name in damaged
+                      or m.name in self._skipped]
+            deleted = apply_retention(self._local_backend, doomed)
+            self._skipped.difference_update(m.name for m in doomed)  # bounded: kept ones only
+            return deleted
 
     def _free_local(self) -> builtins.list[str]:
         """The local disk is full: delete every local copy whose remote copy is

@@ -34,10 +34,13 @@ may go on with fewer ranks, and the lost rank's objects are read from its partne
 from __future__ import annotations
 
 import builtins
+import collections
 import logging
 import os
 import queue
+import statistics
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +69,7 @@ from trainguard.core.checkpoints import (
 from trainguard.core.multilevel import Level, level_periods, nested_multiples
 from trainguard.core.newest import newest_first, newest_save_of
 from trainguard.core.record import RecordError, SessionRecord
+from trainguard.core.tier_plan import TierInfo
 
 __all__ = ["NodeTierStore", "TierIntervals"]
 
@@ -141,11 +145,13 @@ class NodeTierStore(RankStateWrappedStore):
         if self.remote_url is not None:
             self._uploader = Uploader(
                 LocalBackend(str(ram.root)), open_backend(self._remote_root(node), storage_options),
-                lambda fn, *args: fn(*args), on_committed=lambda _name: None)
+                lambda fn, *args: fn(*args), on_committed=self._uploaded)
             self._uploader.start()
         self.url = ram.url
         self.restored_from: str | None = None
         self.copy_failures = 0
+        self.copies_made: collections.Counter[str] = collections.Counter()
+        """Copies sent per tier (``partner``: to all partners; ``remote``: queued)."""
         self.on_copied: Callable[[str], None] = lambda _name: None
         self._copied: set[str] = set()
         if hold_until_copied:
@@ -155,7 +161,10 @@ class NodeTierStore(RankStateWrappedStore):
             node=node, ram=ram.store, disk=self.disk, link=self.link, remote=self._remote,
             hosts=lambda owner: partners_of(owner, self.nodes, copies=copies, domains=domains))
         self._saves = 0
-        self._queue: queue.Queue[str | None] = queue.Queue()
+        # Seconds of each tier's recent copies (checkpoint_tiers: the auto plan's costs).
+        self._copy_s: dict[str, collections.deque[float]] = {}
+        self._upload_started: dict[str, float] = {}
+        self._queue: queue.Queue[tuple[str, TierIntervals] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._copy_loop, daemon=True,
                                         name=f"tier-copies-n{node}")
         self._thread.start()
@@ -167,30 +176,51 @@ class NodeTierStore(RankStateWrappedStore):
         """A RAM-tier save (``rank_state``: this rank's state object, a file of the
         checkpoint like its shards); its copies to partners and disk follow in the
         background."""
+        # The intervals of the save's own moment: a plan changed meanwhile
+        # (follow_tiers) applies from the next save on.
+        intervals = self.intervals
         handle = self.ram.save(state, step=step, extra=extra, blocking=blocking,
                                if_busy=if_busy, rank_state=rank_state)
-        handle.add_done_callback(self._committed)
+        handle.add_done_callback(lambda h: self._committed(h, intervals))
         return handle
 
-    def _committed(self, handle: SaveHandle) -> None:
+    def _committed(self, handle: SaveHandle, intervals: TierIntervals) -> None:
         if handle.manifest is not None:
-            self._queue.put(handle.manifest.name)
+            self._queue.put((handle.manifest.name, intervals))
+
+    def _timed(self, tier: str, started: float) -> None:
+        self._copy_s.setdefault(tier, collections.deque(maxlen=8)).append(
+            time.monotonic() - started)
+
+    def _uploaded(self, name: str) -> None:
+        started = self._upload_started.pop(name, None)
+        if started is not None:
+            self._timed("remote", started)
 
     def _copy_loop(self) -> None:
-        while (name := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            name, iv = item
             self._saves += 1
             try:
-                every = self.intervals.partner_every
+                every = iv.partner_every
                 if every and self._saves % every == 0:
+                    started = time.monotonic()
                     for to in self.partners:
                         self.link.send(to, self.node, self.ram.root, name)
-                every = self.intervals.disk_every
+                    self._timed("partner", started)
+                    self.copies_made["partner"] += 1
+                every = iv.disk_every
                 if self.disk_root is not None and every and self._saves % every == 0:
+                    started = time.monotonic()
                     copy_local(self.ram.root, self.disk_root, name)
                     self._retain_disk()
-                every = self.intervals.remote_every
+                    self._timed("disk", started)
+                    self.copies_made["disk"] += 1
+                every = iv.remote_every
                 if self._uploader is not None and every and self._saves % every == 0:
+                    self._upload_started[name] = time.monotonic()
                     self._uploader.enqueue(name)
+                    self.copies_made["remote"] += 1
                 self._copied.add(name)
                 self.ram.notify()
                 self.on_copied(name)
@@ -200,6 +230,31 @@ class NodeTierStore(RankStateWrappedStore):
                 log.warning("node %s: copy of %s failed: %s", self.node, name, e)
             finally:
                 self._queue.task_done()
+
+    # ---------------------------------------------------------- auto intervals
+    def checkpoint_tiers(self) -> builtins.list[TierInfo]:
+        """RAM (survives a crash), partners (a node lost), local disk (a node and its
+        partners restarted, disks kept), remote (the job lost), with each copy's
+        measured seconds (median of the last 8): what ``checkpoint_every="auto"``
+        plans from (:mod:`trainguard.core.tier_plan`)."""
+        def cost(tier: str) -> float | None:
+            seen = list(self._copy_s.get(tier, ()))
+            return statistics.median(seen) if seen else None
+
+        tiers = [TierInfo("ram", "crash"), TierInfo("partner", "node", cost("partner"))]
+        if self.disk_root is not None:
+            tiers.append(TierInfo("disk", "nodes", cost("disk")))
+        if self._uploader is not None:
+            tiers.append(TierInfo("remote", "job", cost("remote")))
+        return tiers
+
+    def follow_tiers(self, every: Mapping[str, int]) -> None:
+        """From the next save on, every ``every[t]``-th RAM save is copied to tier
+        ``t`` (``partner``, ``disk``, ``remote``; 0: never)."""
+        iv = self.intervals
+        self.intervals = TierIntervals(partner_every=every.get("partner", iv.partner_every),
+                                       disk_every=every.get("disk", iv.disk_every),
+                                       remote_every=every.get("remote", iv.remote_every))
 
     def _retain_disk(self) -> None:
         assert self.disk is not None and self.disk_root is not None

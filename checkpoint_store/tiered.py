@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import functools
 import logging
 import os
 import sys
@@ -178,6 +179,7 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
         self._closed = False
         self._local_full = False  # the last local save found the disk full
         self.remote_only_saves = 0
+        self._auto_init()
         """Saves that went to the remote tier only, the local disk being full."""
         self._uploader = Uploader(
             local_backend, self._remote_backend,
@@ -204,7 +206,7 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
     def _after_save(self, handle: SaveHandle) -> None:
         with self._lock:
             self._last_handle = handle
-        handle.add_done_callback(self._on_local_commit)
+        handle.add_done_callback(functools.partial(self._on_local_commit, every=self.upload_every))
 
     def _hooked_save(self, state: Mapping[str, Any], **options: Any) -> SaveHandle:
         """The local save; on a full local disk, room made and a second try, then the
@@ -254,15 +256,16 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
         self._remote.remember(handle.manifest, replace=False)
         self._uploader.mark_remote({handle.manifest.name})
 
-    def _on_local_commit(self, handle: SaveHandle) -> None:
+    def _on_local_commit(self, handle: SaveHandle, every: int = 1) -> None:
         if isinstance(handle.error, CheckpointWriteError) and handle.error.errno == errno.ENOSPC:
             self._local_full = True  # a background save found the disk full
         if handle.error is not None or handle.manifest is None:
             return
-        self._uploader.enqueue(handle.manifest.name)
+        self._queue_upload(handle.manifest.name, every)
         self._retain_local()
 
     def _on_remote_commit(self, name: str) -> None:
+        self._upload_done(name)
         if self._closed:
             return
         try:
@@ -381,8 +384,10 @@ class TieredCheckpointStore(TierUpkeep, RankStateWrappedStore):
         checkpoint (``strict=True`` raises CorruptCheckpointError instead)."""
         self._wait_local()
         local, remote = self._catalog()
-        return load_from_tiers(self._tiers(), local, remote, state, step=step,
-                               keys=None if keys is None else list(keys), strict=strict)
+        loaded = load_from_tiers(tiers := self._tiers(), local, remote, state, step=step,
+                                 keys=None if keys is None else list(keys), strict=strict)
+        self.restored_from = tiers.served[-1] if tiers.served else None
+        return loaded
 
     def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
         """As :meth:`CheckpointStore.read_rank_state`: from the local copy if it holds

@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", required=True)
     ap.add_argument("--n", type=int, required=True)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--ckpt-every", default="10",
+                    help="every n-th step, or auto: TrainingSession(checkpoint_every='auto') "
+                    "and session.should_checkpoint")
+    ap.add_argument("--tier-mtbf-s", default="",
+                    help="with --ckpt-every auto: the TierPolicy priors, crash,node,nodes,job")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--sleep-ms", type=float, default=0.0)
     ap.add_argument("--deterministic", action="store_true")
@@ -120,11 +124,20 @@ def main(argv: list[str] | None = None) -> int:
 
         store = RamTierStore(args.store, budget_bytes=args.ram_tier_budget,
                              keep_last=args.keep_last)
+    auto = args.ckpt_every == "auto"
+    every = "auto" if auto else int(args.ckpt_every)
+    tier_policy = None
+    if args.tier_mtbf_s:
+        from trainguard.core.tier_plan import FAILURE_KINDS, TierPolicy
+
+        tier_policy = TierPolicy(prior_mtbf_s=dict(zip(
+            FAILURE_KINDS, map(float, args.tier_mtbf_s.split(",")), strict=True)))
     session = TrainingSession(
         args.redis, dataset=args.dataset, run=args.run, store=store,
         rank=rank, world_size=world, keep_last=args.keep_last, deterministic=args.deterministic,
         block_ms=200,
         interval=IntervalPolicy(prior_mtbf_s=args.auto_mtbf_s or 86400.0, min_interval_s=0.05),
+        checkpoint_every=every, tier_policy=tier_policy,
     )
     loader: DataLoader[object] | None = None
     if args.loader != "torch":
@@ -187,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"STEP {step}")
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
-        due = (session.should_checkpoint(step) if args.auto_mtbf_s
-               else step % args.ckpt_every == 0)
+        due = session.should_checkpoint(step) if args.auto_mtbf_s or auto else step % every == 0
         if due:
             say(f"SAVE {step}")
             handle = session.checkpoint(state, step)

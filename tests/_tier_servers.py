@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 class TierServers:
     """``nodes`` tier servers; node ``r`` keeps its memory under ``shm/node<r>``."""
 
-    def __init__(self, shm: Path, nodes: int, *, budget_bytes: int = 256 << 20) -> None:
+    def __init__(self, shm: Path, nodes: int, *, budget_bytes: int = 256 << 20,
+                 keep_copies: int = 2) -> None:
         self.shm = shm
         self.budget_bytes = budget_bytes
+        self.keep_copies = keep_copies
         self.ports = [free_port() for _ in range(nodes)]
         self.procs: list[subprocess.Popen[str] | None] = [None] * nodes
         for node in range(nodes):
@@ -41,7 +43,7 @@ class TierServers:
         proc = subprocess.Popen(
             [sys.executable, "-m", "checkpoint_store.partner", "--root",
              str(self.node_shm(node)), "--node", str(node), "--port", str(self.ports[node]),
-             "--budget-bytes", str(self.budget_bytes)],
+             "--budget-bytes", str(self.budget_bytes), "--keep-copies", str(self.keep_copies)],
             cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )
         assert proc.stdout is not None
@@ -71,8 +73,8 @@ class TierServers:
 
 
 @contextlib.contextmanager
-def tier_servers(shm: Path, nodes: int) -> Iterator[TierServers]:
-    servers = TierServers(shm, nodes)
+def tier_servers(shm: Path, nodes: int, *, keep_copies: int = 2) -> Iterator[TierServers]:
+    servers = TierServers(shm, nodes, keep_copies=keep_copies)
     try:
         yield servers
     finally:

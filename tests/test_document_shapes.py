@@ -36,7 +36,7 @@ def test_openapi_checkpoint_rows_name_exactly_the_fields_of_checkpoint_row() -> 
     (required and NotRequired), no more, no fewer."""
     items = _run_schema()["properties"]["checkpoints"]["items"]["properties"]
     assert set(items) == set(CheckpointRow.__annotations__)
-    assert set(CheckpointRow.__required_keys__) == set(items) - {"status"}
+    assert set(CheckpointRow.__required_keys__) == set(items) - {"status", "tiers"}
 
 
 def test_openapi_advice_names_exactly_the_fields_of_advice() -> None:

@@ -284,19 +284,24 @@ def test_kill_during_a_partner_transfer_leaves_no_usable_torn_copy(shm: Path) ->
         again.close()
 
 
+@pytest.mark.parametrize("every", [["--ckpt-every", "6"],
+                                   ["--ckpt-every", "auto", "--tier-mtbf-s", "2,40,400,4000"]],
+                         ids=["every-6", "auto"])
 def test_three_nodes_one_lost_every_record_trained_once(redis_server, shm: Path,
-                                                        tmp_path: Path) -> None:
+                                                        tmp_path: Path, every: list[str]) -> None:
     """A 3-node job (3 processes, gloo, each node its own RAM tier and tier server) is
     SIGKILLed after node 1's copies were made; node 1 is lost (server killed, memory and
     disk wiped); the relaunched job restores node 1 from its partner (node 2) and
-    finishes: every record trained exactly once per the final checkpoint's ledger."""
+    finishes: every record trained exactly once per the final checkpoint's ledger.
+    With checkpoint_every="auto" too: the multi-level plan copies only some saves to
+    the partners and disk, and the ledger still holds."""
     n, p = 1200, 6
     spec = cf.create(redis_server.url, "tok", partitions=p)
     cf.fill(redis_server.url, spec, n)
     with tier_servers(shm, 3) as servers:
         args = ["--redis", redis_server.url, "--dataset", "tok", "--run", "exp",
                 "--store", str(shm), "--n", str(n), "--batch-size", "8",
-                "--ckpt-every", "6", "--sleep-ms", "2", "--keep-last", "3", "--tier-peers", ",".join(servers.urls),
+                *every, "--sleep-ms", "2", "--keep-last", "3", "--tier-peers", ",".join(servers.urls),
                 "--tier-disk", str(tmp_path / "disk"), "--ram-tier-budget", str(16 * MB)]
         with ledger.zygote(tmp_path / "job.log") as z:
             job = z.spawn(args, 3)

@@ -163,7 +163,7 @@ def test_rollback_and_restart_carry_into_the_advice(redis_server, tmp_path: Path
     shown = json.loads(capsys.readouterr().out)
     after = history(CheckpointStore(url, keep_last=100).list(), dataset="tok", run="exp")
     assert {k: shown[k] for k in after} == {**after, "checkpoints": [
-        {**c, "status": ["committed"]} for c in after["checkpoints"]]}
+        {**c, "status": ["committed"], "tiers": ["disk"]} for c in after["checkpoints"]]}
     assert shown["store"] == "main" and shown["group"]["lag"] is not None
     assert main(["runs", "ls", *common]) == 0
     text = capsys.readouterr().out

@@ -25,6 +25,7 @@ from trainguard.core.checkpoints import (
 from trainguard.core.interval import Advice
 from trainguard.core.rank_record import RankRecord
 from trainguard.core.record import PER_RANK_VERSION, RankState, SessionRecord
+from trainguard.core.tier_plan import TIERS_KEY, TierPlan
 from trainguard.core.timing import TIMING_KEY
 
 __all__ = ["Checkpointing"]
@@ -60,7 +61,7 @@ class Checkpointing(SessionBase):
         A session restored at the end of a finished dataset (:attr:`finished`) writes
         nothing and returns the restored checkpoint's handle.
         """
-        for key in (record.RECORD_KEY, record.SKIPPED_KEY, TIMING_KEY):
+        for key in (record.RECORD_KEY, record.SKIPPED_KEY, TIMING_KEY, TIERS_KEY):
             if extra is not None and key in extra:
                 raise ValueError(f"extra must not use the key {key!r}: the session writes it")
         refuse_own_position(state)
@@ -112,7 +113,7 @@ class Checkpointing(SessionBase):
             ranks={} if per_rank else ranks,
             version=PER_RANK_VERSION if per_rank else 2,
         )
-        doc = {**(extra or {}), **rec.to_extra(), **self._clock.extra(step)}
+        doc = {**(extra or {}), **rec.to_extra(), **self._clock.extra(step), **self._every.extra()}
         started = time.monotonic()
         if self._rank_store is not None:
             parts = self._mine(self._num_workers)
@@ -148,12 +149,27 @@ class Checkpointing(SessionBase):
             raise FencedError(group=self.run, mine=gen, current=current, what="checkpoint")
 
     def should_checkpoint(self, step: int) -> bool:
-        """Whether to checkpoint now: the loop has trained the interval the advisor
-        recommends (:meth:`checkpoint_advice`) since the last save or restore. Call it
-        every step with the step reached; it reads a clock, nothing remote. With
-        ``world_size > 1`` every rank calls it (rank 0's answer is broadcast, so all
-        ranks checkpoint together)."""
-        return bool(self._broadcast(self._clock.should_checkpoint(step)))
+        """Whether to checkpoint now, as ``checkpoint_every`` says
+        (:mod:`trainer_client._every`): every n-th step; by default (None) once the
+        loop has trained the interval the advisor recommends
+        (:meth:`checkpoint_advice`) since the last save or restore; with ``"auto"``
+        over a store of several tiers, at the first tier's period of the multi-level
+        plan (:meth:`checkpoint_plan`), whose copy intervals the store then follows.
+        Call it every step with the step reached; it reads a clock, nothing remote.
+        With ``world_size > 1`` every rank calls it (rank 0's answer and plan are
+        broadcast, so all ranks checkpoint together and copy alike)."""
+        due, every = self._every.decide(step)
+        if self.world_size > 1 and not isinstance(self._every.mode, int):
+            due, every = self._broadcast((due, every))
+        if due:
+            self._every.follow(every)
+        return bool(due)
+
+    def checkpoint_plan(self) -> TierPlan | None:
+        """With ``checkpoint_every="auto"`` over a store of several tiers, the plan of
+        the last :meth:`should_checkpoint` (each tier's period, copy interval, cost and
+        failure rate: :mod:`trainguard.core.tier_plan`); None before one or otherwise."""
+        return self._every.plan
 
     def checkpoint_advice(self) -> Advice | None:
         """The recommended interval (Young/Daly, :mod:`trainguard.core.interval`)

@@ -148,6 +148,7 @@ class Restoring(SessionBase):
             rec = self._record(manifest)
             self._apply_offsets(manifest, rec, new_generation=True)
         self._clock.restored(manifest, self.generation)
+        self._every.restored(manifest)
         self._clock.count_failures(self._heal.failures)
         step = int(manifest.step) if manifest is not None else 0
         self._heal.restored(step, rec, self.generation)

@@ -16,6 +16,7 @@ from trainer_client import _rng, redis_client
 from trainer_client import offsets as ofs
 from trainer_client._commit import OffsetCommitter, PositionReader
 from trainer_client._consumed import Consumed
+from trainer_client._every import CheckpointEvery, EveryMode, check_every
 from trainer_client._healing import Healing
 from trainer_client._progress import EpochSizes, Progress, measure
 from trainer_client._timing import SaveClock
@@ -36,6 +37,7 @@ from trainguard.core.interval import IntervalPolicy
 from trainguard.core.newest import newest_first
 from trainguard.core.rank_record import Positions
 from trainguard.core.record import SessionRecord
+from trainguard.core.tier_plan import TierPolicy
 
 __all__ = ["SessionBase"]
 
@@ -64,7 +66,10 @@ class SessionBase:
         interval: IntervalPolicy | None = None,
         watchdog: WatchdogConfig | bool | None = None,
         loop_breaker: LoopPolicy | bool | None = None,
+        checkpoint_every: EveryMode = None,
+        tier_policy: TierPolicy | None = None,
     ) -> None:
+        check_every(checkpoint_every)  # before anything is opened: a bad value leaves nothing
         streams.check_name("dataset", dataset)
         streams.check_name("run", run)
         if not 0 <= rank < world_size:
@@ -119,6 +124,7 @@ class SessionBase:
         self.health_monitor = health_monitor
         self._health = NodeHealth(health_monitor)
         self._clock = SaveClock(interval)
+        self._every = CheckpointEvery(checkpoint_every, self.store, self._clock, tier_policy)
         self._trainlog = TrainLog(self._redis, self._call, dataset=dataset, run=run, rank=rank,
                                   steps_left=self._steps_left)
         try:

@@ -131,13 +131,18 @@ class SaveClock:
         return advise(blocked_s=blocked, durable_s=durable, observed_s=observed,
                       failures=c.restarts, current_s=current, policy=self.policy)
 
+    def elapsed_s(self, step: int) -> float:
+        """Seconds the loop has trained since the last save (or restore), now that it
+        reached ``step``."""
+        with self._lock:
+            self._last_step = step
+            return time.monotonic() - self._since
+
     def should_checkpoint(self, step: int) -> bool:
         """True when the loop has run at least the recommended interval since the last
         save (or restore). Before any save is measured: after ``min_interval_s``, so
         the first save measures the cost."""
-        with self._lock:
-            self._last_step = step
-            elapsed = time.monotonic() - self._since
+        elapsed = self.elapsed_s(step)
         advice = self.advice()
         due = self.policy.min_interval_s if advice is None else advice.recommended_s
         return elapsed >= due

@@ -53,11 +53,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from trainer_client._batch_ids import batch_id, overlaps
+from trainer_client._every import check_every
 from trainer_client.batch import Batch
 from trainer_client.errors import GpuCriticalError, NoRollbackTargetError, PeerGpuCriticalError
 from trainer_client.health import HealthMonitor, HealthProbe, HealthReport
@@ -366,16 +367,20 @@ class GuardedTraining:
         loader: Iterable[Batch],
         train_step: Callable[[Batch], Any],
         *,
-        checkpoint_every: int,
+        checkpoint_every: int | Literal["auto"],
     ) -> int:
         """The loop of the module docstring until the data ends; a final blocking
         checkpoint; returns the last step. ``train_step(batch)`` does forward and
         backward and returns the loss or ``(loss, grad_norm)``; the optimizer (required
-        here) steps on accepted steps. CRITICAL GPU health: checkpoint and exit 75."""
+        here) steps on accepted steps. CRITICAL GPU health: checkpoint and exit 75.
+        ``checkpoint_every``: every n-th step, or ``"auto"``: when
+        ``session.should_checkpoint`` says (the session's own ``checkpoint_every``
+        decides how: ``"auto"`` there gives each tier of its store its interval)."""
         if self.optimizer is None:
             raise ValueError("run() needs the optimizer: pass optimizer= to GuardedTraining")
-        if checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if check_every(checkpoint_every) is None:
+            raise ValueError("checkpoint_every must be a whole number of steps >= 1 or "
+                             "'auto', got None")
         opt = self.optimizer
         saved = self.step
         with self.exit_on_gpu_critical():
@@ -388,7 +393,8 @@ class GuardedTraining:
                 opt.zero_grad(set_to_none=True)
                 if not applied:
                     saved = self.step
-                elif self.step % checkpoint_every == 0:
+                elif (self.session.should_checkpoint(self.step) if checkpoint_every == "auto"
+                      else self.step % checkpoint_every == 0):
                     self.checkpoint()
                     saved = self.step
             if saved != self.step:

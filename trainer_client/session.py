@@ -63,7 +63,13 @@ class TrainingSession(Restoring, Checkpointing):
     DataLoader passes derive their generators from (default: from the run name; a
     restored checkpoint's seed wins). ``health_monitor`` (optional) answers
     :meth:`health`. ``interval`` tunes the checkpoint interval advisor behind
-    :meth:`should_checkpoint`. With ``world_size > 1``, call
+    :meth:`should_checkpoint`; ``checkpoint_every`` says what it answers: None
+    (default) that advisor's interval, ``n`` every n-th step, ``"auto"`` the
+    multi-level plan over a store of several tiers (``NodeTierStore``,
+    ``TieredCheckpointStore``: each tier its interval from its measured cost and the
+    failures it survives, ``tier_policy`` the priors; with a plain store, the
+    single-tier advisor; :mod:`trainguard.core.tier_plan` states the formula and
+    :meth:`checkpoint_plan` shows the plan). With ``world_size > 1``, call
     ``dist.init_process_group`` first (gloo works on CPU; or
     :func:`trainer_client.init_process_group`, with the watchdog's collective
     timeout); every rank then calls

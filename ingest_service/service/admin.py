@@ -79,7 +79,9 @@ class AdminConfig:
     @classmethod
     def from_env(cls, redis_url: str | None = None) -> AdminConfig:
         """``TRAINGUARD_ADMIN_TOKEN``, ``TRAINGUARD_CHECKPOINT_STORES``
-        (``name=url[|remote_url],...``) and, unless given, ``TRAINGUARD_REDIS_URL``.
+        (``name=url[|remote_url],...``), ``TRAINGUARD_TIER_SERVERS``
+        (:mod:`~ingest_service.service.tier_places`) and, unless given,
+        ``TRAINGUARD_REDIS_URL``.
         Raises TokenConfigError for a token that is set but blank or short."""
         token = settings.admin_token()
         if token is not None:
@@ -88,7 +90,8 @@ class AdminConfig:
         if read is not None:
             check_secret(settings.READ_TOKEN_ENV, read)
         return cls(settings.redis_url(redis_url), token,
-                   parse_store_roots(settings.checkpoint_stores()), read)
+                   parse_store_roots(settings.checkpoint_stores(), settings.tier_servers()),
+                   read)
 
 
 ADMIN_CONFIG = web.AppKey("trainguard_admin_config", AdminConfig)

@@ -31,6 +31,7 @@ from typing import Any, TypeVar, cast
 
 from ingest_service.errors import AdminError, BadRequest, NotFound, Refused
 from ingest_service.service.catalog import NEVER, Cancel, Flights, ManifestCache
+from ingest_service.service.tier_places import TierServers, server_places, with_places, with_servers
 from trainguard.core import lists, record
 from trainguard.core.checkpoints import (
     CheckpointStatus,
@@ -60,6 +61,7 @@ class StoreRoot:
     url: str
     remote_url: str | None = None
     storage_options: Mapping[str, Any] | None = None
+    tier_servers: TierServers | None = None  # where its RAM and partner copies are
 
     def describe(self, *, full: bool = True) -> dict[str, Any]:
         """Name and tiers; the URLs (credentials redacted) only when ``full``."""
@@ -70,8 +72,9 @@ class StoreRoot:
                 "remote_url": redact_url(self.remote_url), "tiered": self.remote_url is not None}
 
 
-def parse_store_roots(text: str) -> dict[str, StoreRoot]:
-    """``"a=file:///x,b=file:///y|s3://bkt/y"`` -> store roots by name."""
+def parse_store_roots(text: str, tier_servers: str = "") -> dict[str, StoreRoot]:
+    """``"a=file:///x,b=file:///y|s3://bkt/y"`` -> store roots by name; ``tier_servers``
+    (:func:`~ingest_service.service.tier_places.parse_tier_servers`) by store name."""
     roots: dict[str, StoreRoot] = {}
     expected = "name=url or name=local_url|remote_url"
     for name, urls in lists.pairs(text, what="checkpoint store", expected=expected,
@@ -91,7 +94,7 @@ def parse_store_roots(text: str) -> dict[str, StoreRoot]:
                     "AWS_SECRET_ACCESS_KEY or a profile for s3://) and drop them from the URL"
                 )
         roots[name] = StoreRoot(name, local.strip(), remote.strip() or None)
-    return roots
+    return with_servers(roots, tier_servers)
 
 
 def manifest_json(manifest: Any) -> dict[str, Any]:
@@ -142,6 +145,7 @@ class Catalog:
     key: Any
     manifests: list[Any]
     labels: dict[str, list[CheckpointStatus]]
+    tiers: dict[str, list[str]]  # name -> where it lives (tier_places)
 
 
 class Busy(AdminError, BlockingIOError):
@@ -233,7 +237,8 @@ class StoreSet:
         if root.remote_url:
             remote = self._cache(root.remote_url, root)
             remote_key = remote.listing(cancel)
-        key = (names, pins, remote_key)
+        held = server_places(root.tier_servers) if root.tier_servers else None
+        key = (names, pins, remote_key, held and json.dumps(held.places, sort_keys=True))
         seen = self._derived.get(f"catalog:{root.name}")
         if seen is not None and seen[0] == key:
             return cast(Catalog, seen[1])
@@ -243,7 +248,7 @@ class StoreSet:
             remote_manifests = remote.manifests(remote_key[0], remote_key[1], cancel)
             labels = {s.name: s.labels()
                       for s in tier_statuses(manifests, remote_manifests) if s.local}
-        catalog = Catalog(key, manifests, labels)
+        catalog = Catalog(key, *with_places(root.url, manifests, labels, held))
         self._derived[f"catalog:{root.name}"] = (key, catalog)
         return catalog
 
@@ -259,7 +264,8 @@ class StoreSet:
 
     def _rows(self, root: StoreRoot, cancel: Cancel = NEVER) -> list[CheckpointSummary]:
         catalog = self.read_catalog(root, cancel)
-        return [checkpoint_summary(m, catalog.labels[m.name]) for m in catalog.manifests]
+        return [checkpoint_summary(m, catalog.labels[m.name], catalog.tiers[m.name])
+                for m in catalog.manifests]
 
     def _manifest(self, root: StoreRoot, step: int) -> Any:
         """The newest manifest of ``step``, read whole (a step saved twice, e.g. after

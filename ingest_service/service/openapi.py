@@ -15,6 +15,7 @@ from ingest_service.push.ingest import PROBE_SEQ
 from ingest_service.service.nodes_openapi import nodes_paths
 from ingest_service.service.push_openapi import PUSH_409_FIELDS, push_paths
 from ingest_service.service.runs_openapi import PAGE_FIELDS, PAGE_PARAMETERS, runs_paths
+from ingest_service.service.tier_places import TIERS_SCHEMA
 from trainguard import __version__
 from trainguard.core import groups
 from trainguard.core.checkpoints import CHECKPOINT_STATUSES
@@ -41,9 +42,7 @@ def _json(schema: dict[str, Any], description: str,
           links: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"description": description,
                            "content": {"application/json": {"schema": schema}}}
-    if links:
-        out["links"] = links
-    return out
+    return {**out, "links": links} if links else out
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
@@ -198,12 +197,12 @@ _SCHEMAS: dict[str, Any] = {
             "nbytes": {"type": "integer", "nullable": True},
             "parent": {"type": "string", "nullable": True},
             "world_size": {"type": "integer", "nullable": True},
-            "pinned": {"type": "boolean"},
+            "pinned": {"type": "boolean"}, "tiers": TIERS_SCHEMA,
             "status": {"type": "array", "items": {
                 "type": "string", "enum": list(CHECKPOINT_STATUSES)}},
         },
         "required": ["step", "uid", "name", "created_at", "nbytes", "parent", "world_size",
-                     "pinned", "status"],
+                     "pinned", "status", "tiers"],
     },
 }
 

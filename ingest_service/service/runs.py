@@ -166,6 +166,7 @@ def _root_histories(stores: StoreSet, policy: IntervalPolicy | None, root: Store
         for h in run_histories(c.manifests, policy=policy):
             for ckpt in h["checkpoints"]:
                 ckpt["status"] = c.labels.get(ckpt["name"], ["committed"])
+                ckpt["tiers"] = c.tiers.get(ckpt["name"], [])
             out.append({"store": root.name, **h})
         return out
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ingest_service.service.tier_places import TIERS_SCHEMA
+
 PAGE_PARAMETERS = [
     {"name": "offset", "in": "query", "required": False,
      "schema": {"type": "integer", "minimum": 0, "maximum": 10**9},
@@ -58,7 +60,8 @@ _RUN = {
             "pinned": {"type": "boolean"}, "blocked_s": _SECONDS, "durable_s": _SECONDS,
             "skipped": {"type": "integer"},
             "status": {"type": "array", "items": {"type": "string"},
-                       "description": "committed, pinned, remote | local_only"}}}},
+                       "description": "committed, pinned, remote | local_only"},
+            "tiers": TIERS_SCHEMA}}},
         "restarts": {"type": "array", "items": {"type": "object"}, "description": (
             "every restart, in generation order: at, generation, resumed_step, "
             "steps_redone; from the manifests (seen_in: manifests, with "

@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointStatus",
     "CheckpointSummary",
+    "store_tier",
     "CheckpointStoreAPI",
     "CheckpointWriteError",
     "IF_BUSY",
@@ -121,6 +122,16 @@ class CheckpointSummary(TypedDict):
     world_size: int | None
     pinned: bool
     status: list[CheckpointStatus]
+    tiers: list[str]
+    """Where the checkpoint lives, cheapest first: ``ram`` (its node's RAM tier),
+    ``partner:n<r>`` (a copy on node r's tier server), ``disk`` (local disk),
+    ``remote`` (remote storage)."""
+
+
+def store_tier(url: str) -> str:
+    """The tier a store at ``url`` is: ``disk`` for a local directory (a path or
+    ``file://``), else ``remote``."""
+    return "disk" if "://" not in url or url.startswith("file://") else "remote"
 
 
 def one_tier_status(pinned: bool) -> list[CheckpointStatus]:
@@ -128,15 +139,19 @@ def one_tier_status(pinned: bool) -> list[CheckpointStatus]:
     return ["committed", "pinned"] if pinned else ["committed"]
 
 
-def checkpoint_summary(m: Any, status: Sequence[CheckpointStatus] | None = None) -> CheckpointSummary:
+def checkpoint_summary(m: Any, status: Sequence[CheckpointStatus] | None = None,
+                       tiers: Sequence[str] | None = None) -> CheckpointSummary:
     """``m`` (a ``checkpoint_store.Manifest``, slim or whole) as a listing row.
-    ``status`` comes from the caller that knows the tiers; without it, a store of one
-    tier: committed, and pinned when it is."""
+    ``status`` and ``tiers`` come from the caller that knows the tiers; without them,
+    a store of one tier: committed, and pinned when it is; on local disk, and remote
+    too when the status says so."""
     if status is None:
         status = one_tier_status(m.pinned)
+    if tiers is None:
+        tiers = ["disk", *(["remote"] if "remote" in status else [])]
     return {"step": m.step, "uid": m.uid, "name": m.name, "created_at": m.created_at,
             "nbytes": m.nbytes, "parent": m.parent, "world_size": m.world_size,
-            "pinned": bool(m.pinned), "status": list(status)}
+            "pinned": bool(m.pinned), "status": list(status), "tiers": list(tiers)}
 
 
 class SaveHandleView(Protocol):

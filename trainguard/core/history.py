@@ -103,6 +103,8 @@ class CheckpointRow(_CheckpointFields, total=False):
 
     status: list[str]
     """Added by the admin API from the store's labels (committed, pinned, remote...)."""
+    tiers: list[str]
+    """Added by the admin API: where it lives (ram, partner:n<r>, disk, remote)."""
 
 
 class RestartRow(TypedDict):

@@ -62,6 +62,7 @@ __all__ = [
     "DEFAULT_REDIS_URL",
     "NODE_ID_ENV",
     "PROBES_ENV",
+    "TIER_SERVERS_ENV",
     "PUSH_TOKENS_ENV",
     "QUARANTINE_ENVS",
     "READ_TOKEN_ENV",
@@ -74,6 +75,7 @@ __all__ = [
     "checkpoint_stores",
     "node_id",
     "probes",
+    "tier_servers",
     "push_tokens",
     "quarantine",
     "read_token",
@@ -89,6 +91,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ADMIN_TOKEN_ENV = "TRAINGUARD_ADMIN_TOKEN"
 CHECKPOINT_STORES_ENV = "TRAINGUARD_CHECKPOINT_STORES"
 PROBES_ENV = "TRAINGUARD_PROBES"
+TIER_SERVERS_ENV = "TRAINGUARD_TIER_SERVERS"
 PUSH_TOKENS_ENV = "TRAINGUARD_PUSH_TOKENS"
 READ_TOKEN_ENV = "TRAINGUARD_READ_TOKEN"
 TOKENIZE_PROCESSES_ENV = "TRAINGUARD_TOKENIZE_PROCESSES"
@@ -119,6 +122,12 @@ def read_token() -> str | None:
 def checkpoint_stores() -> str:
     """``$TRAINGUARD_CHECKPOINT_STORES`` as written (parsed by the admin API)."""
     return os.environ.get(CHECKPOINT_STORES_ENV, "")
+
+
+def tier_servers() -> str:
+    """``$TRAINGUARD_TIER_SERVERS`` as written: ``store=<node>:<url> <url> ...,...``, the
+    tier servers that say where a store root's checkpoints live (RAM, partners)."""
+    return os.environ.get(TIER_SERVERS_ENV, "")
 
 
 def probes() -> str:

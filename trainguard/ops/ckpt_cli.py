@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from trainguard.core.checkpoints import checkpoint_summary
+from trainguard.core.checkpoints import checkpoint_summary, store_tier
 from trainguard.core.newest import newest_first, newest_save_of
 from trainguard.core.urls import has_password, redact_url
 from trainguard.ops.errors import StoreNotFoundError, StorePathError
@@ -89,7 +89,7 @@ def _when(ts: float) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    rows = [checkpoint_summary(m) for m in _store(args).list()]
+    rows = [checkpoint_summary(m, tiers=[store_tier(args.url)]) for m in _store(args).list()]
     emit(args, rows, lambda rows: table(
         [(r["step"], _when(r["created_at"]), r["nbytes"], "pinned" if r["pinned"] else "",
           r["uid"]) for r in rows],

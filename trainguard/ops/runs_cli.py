@@ -41,7 +41,7 @@ def _run(args: argparse.Namespace, op: Any) -> Any:
     from trainguard.core.interval import IntervalPolicy
 
     roots = parse_store_roots(args.stores if args.stores is not None
-                              else settings.checkpoint_stores())
+                              else settings.checkpoint_stores(), settings.tier_servers())
     policy = IntervalPolicy(prior_mtbf_s=args.prior_mtbf_h * 3600,
                             prior_weight=args.prior_weight)
 
