@@ -68,6 +68,7 @@ __all__ = [
     "BatchDigest",
     "BodyLimits",
     "ParsedBatch",
+    "parse_records",
     "parse_records_sliced",
     "too_many",
     "msgpack_array_len",
@@ -391,6 +392,20 @@ async def parse_records_sliced(body: Body, content_type: str, max_record_bytes: 
             await asyncio.sleep(cpu * heavy)
         else:
             await asyncio.sleep((time.perf_counter() - started) * rest)
+
+
+def parse_records(body: Body, content_type: str, max_record_bytes: int, limits: BodyLimits
+                  ) -> ParsedBatch:
+    """:func:`parse_records_sliced`'s parse in one go, with the garbage collector
+    paused throughout: what a decode worker process runs
+    (:mod:`~ingest_service.push.decode_worker`), where no loop waits for it."""
+    steps = _parse(body, content_type, max_record_bytes, limits)
+    with _gc_paused():
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager

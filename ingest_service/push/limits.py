@@ -40,6 +40,17 @@ class BodyLimits:
     """Lists and maps in one record (413 past it, before the rest is decoded)."""
     max_record_depth: int = 64
     """How deep one record's lists and maps may nest (413 past it)."""
+    decode_workers: int = 2
+    """Decode worker processes (:mod:`~ingest_service.push.decode_pool`); 0: every body
+    is parsed on the event loop, in slices."""
+    decode_queue: int = 16
+    """Bodies that may wait for a busy pool's next free worker (503 busy past it)."""
+    decode_timeout_s: float = 30.0
+    """A worker decoding one body longer than this is killed: 413."""
+    inline_bytes: int = 64 * 1024
+    """Bodies up to this size, with at most ``inline_containers`` possible lists and
+    maps, are parsed on the loop: the trip to a worker costs the loop more."""
+    inline_containers: int = 1000
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 or self.max_records < 1:
@@ -49,6 +60,9 @@ class BodyLimits:
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must hold at least one body of "
                 f"max_bytes ({self.max_bytes})"
             )
+        if self.decode_workers < 0 or self.decode_queue < 0 or self.decode_timeout_s <= 0:
+            raise ValueError(f"decode_workers and decode_queue must be >= 0 and "
+                             f"decode_timeout_s > 0, got {self}")
         if not 0 < self.token_share <= 1 or self.min_rate_bytes_s < 0:
             raise ValueError(f"token_share must be in (0, 1] and min_rate_bytes_s >= 0, got {self}")
 
