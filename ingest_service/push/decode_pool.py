@@ -2,8 +2,9 @@
 processes (:mod:`~ingest_service.push.decode_worker`), and which bodies go to it.
 
 A body goes to the pool (:func:`needs_worker`) when it is over ``inline_bytes`` or
-may hold more than ``inline_containers`` lists and maps (its container bytes, or
-brackets, counted in C: an estimate, which at worst sends a small body to a worker);
+holds more than ``inline_values`` values (msgpack: its headers walked, payloads
+skipped in C; JSON: its brackets counted, an estimate that at worst sends a small body
+to a worker);
 the others are parsed on the loop in slices, as before
 (:func:`~ingest_service.push.body.parse_records_sliced`): for those, the trip to a
 worker costs more of the loop than their parse.
@@ -30,6 +31,8 @@ import pickle
 import sys
 from pathlib import Path
 
+import msgpack
+
 from ingest_service.errors import (
     MalformedPushError,
     PushBusyError,
@@ -45,8 +48,8 @@ __all__ = ["DecodePool", "needs_worker"]
 
 log = logging.getLogger(__name__)
 
-_CONTAINER_HEADS = bytes([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
-_OTHER_BYTES = bytes(b for b in range(256) if b not in _CONTAINER_HEADS)
+_ARRAY_HEADS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+_MAP_HEADS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 _WRITE_SLICE = 256 * 1024
 """Bytes of a body written to a worker's pipe per loop turn."""
 _REFUSALS: dict[int, type[PushRejectedError]] = {400: MalformedPushError, 413: PushTooLargeError}
@@ -55,17 +58,40 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 
 def needs_worker(body: Body, content_type: str, limits: BodyLimits) -> bool:
     """Whether ``body`` is parsed by a worker rather than on the loop: over
-    ``inline_bytes``, or holding more than ``inline_containers`` bytes that may start a
-    msgpack list or map (or JSON brackets): each of those may be a container to build."""
+    ``inline_bytes``, or holding more than ``inline_values`` values (msgpack: walked
+    header by header, payloads skipped in C, up to that many) or JSON brackets."""
     if len(body) > limits.inline_bytes:
         return True
     if content_type in MSGPACK_TYPES:
-        heads = len(body) - len(bytes(body).translate(None, _OTHER_BYTES))
-    elif content_type in (JSON_TYPE, NDJSON_TYPE):
-        heads = body.count(b"[") + body.count(b"{")
-    else:
-        return False
-    return heads > limits.inline_containers
+        return _msgpack_values(body, limits.inline_values) > limits.inline_values
+    if content_type in (JSON_TYPE, NDJSON_TYPE):
+        return body.count(b"[") + body.count(b"{") > limits.inline_values
+    return False
+
+
+def _msgpack_values(body: Body, budget: int) -> int:
+    """How many values (containers and scalars, at every depth) a msgpack body holds,
+    counted up to ``budget + 1``: each container's header is read and each scalar or
+    payload skipped (``Unpacker.skip``, in C), nothing built. Counting the bytes that
+    may head a container instead sent most bodies of random ``bin`` payloads to a
+    worker: one byte in seven of them looks like one. A malformed body counts as far
+    as it goes; the parse on the loop then says what is wrong (400)."""
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(body), 1))
+    unpacker.feed(body)
+    pending, seen = 1, 0
+    try:
+        while pending and seen <= budget:
+            head = body[unpacker.tell()]
+            seen, pending = seen + 1, pending - 1
+            if head in _ARRAY_HEADS:
+                pending += unpacker.read_array_header()
+            elif head in _MAP_HEADS:
+                pending += 2 * unpacker.read_map_header()
+            else:
+                unpacker.skip()
+    except (IndexError, ValueError, msgpack.OutOfData, msgpack.FormatError, msgpack.StackError):
+        pass
+    return seen
 
 
 class _Worker:
@@ -159,20 +185,23 @@ class DecodePool:
         task.add_done_callback(self._reaping.discard)
 
     async def _take(self) -> _Worker:
-        if self._idle.empty():
-            if self._waiting >= self.limits.decode_queue:
+        full = len(self._live) + self._starting >= self.limits.decode_workers
+        if self._idle.empty() and full:
+            # Every worker busy (or starting for a body that waits already).
+            if self._waiting - self._starting >= self.limits.decode_queue:
                 raise PushBusyError(
                     f"all {self.limits.decode_workers} push decode workers are busy and "
                     f"{self._waiting} bodies wait for one (the bound, decode_queue): retry "
                     f"after {self.retry_after_s} s")
-            self._grow()
+        elif self._idle.empty():
+            self._grow()  # a worker more for this body, which waits for it
         self._waiting += 1
         try:
-            async with asyncio.timeout(self.limits.decode_timeout_s):
+            async with asyncio.timeout(self.limits.decode_wait_s):
                 return await self._idle.get()
         except TimeoutError:
             raise PushBusyError(
-                f"no push decode worker was free within {self.limits.decode_timeout_s:g} s: "
+                f"no push decode worker was free within {self.limits.decode_wait_s:g} s: "
                 "retry later") from None
         finally:
             self._waiting -= 1

@@ -47,10 +47,12 @@ class BodyLimits:
     """Bodies that may wait for a busy pool's next free worker (503 busy past it)."""
     decode_timeout_s: float = 30.0
     """A worker decoding one body longer than this is killed: 413."""
-    inline_bytes: int = 64 * 1024
-    """Bodies up to this size, with at most ``inline_containers`` possible lists and
-    maps, are parsed on the loop: the trip to a worker costs the loop more."""
-    inline_containers: int = 1000
+    decode_wait_s: float = 30.0
+    """How long a body waits for a free worker (one starting included): 503 busy after."""
+    inline_bytes: int = 128 * 1024
+    """Bodies up to this size holding at most ``inline_values`` values (msgpack; JSON:
+    brackets) are parsed on the loop: for them the trip to a worker costs the loop more."""
+    inline_values: int = 500
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 or self.max_records < 1:
@@ -60,9 +62,9 @@ class BodyLimits:
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must hold at least one body of "
                 f"max_bytes ({self.max_bytes})"
             )
-        if self.decode_workers < 0 or self.decode_queue < 0 or self.decode_timeout_s <= 0:
+        if self.decode_workers < 0 or self.decode_queue < 0 or min(self.decode_timeout_s, self.decode_wait_s) <= 0:
             raise ValueError(f"decode_workers and decode_queue must be >= 0 and "
-                             f"decode_timeout_s > 0, got {self}")
+                             f"decode_timeout_s, decode_wait_s > 0, got {self}")
         if not 0 < self.token_share <= 1 or self.min_rate_bytes_s < 0:
             raise ValueError(f"token_share must be in (0, 1] and min_rate_bytes_s >= 0, got {self}")
 

@@ -14,7 +14,7 @@
 5. The body streams in within its limits (413; 408 when a chunk is late or the body
    arrives under the minimum rate; 503 when the bodies in memory, or those of this
    producer token, are at their bound), is parsed by a decode worker process when it
-   is over 64 KiB or may hold over 1,000 lists and maps (503 busy when the pool's
+   is over 128 KiB or holds over 500 values (JSON: brackets) (503 busy when the pool's
    queue is full or the worker died; 413 past the decode timeout), else in slices on
    the loop; a record past its container or nesting bound is 413 before it is decoded
    whole (400, 413); then the body is checked against the
