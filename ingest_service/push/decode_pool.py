@@ -113,6 +113,11 @@ class _Worker:
                 stdin.write(view[start:start + _WRITE_SLICE])
                 await stdin.drain()
         await stdin.drain()
+        if isinstance(body, bytearray):
+            # In the pipe (or the transport's buffer, a copy) now: the service's copy
+            # is not needed again (a dead worker is a 503, the client resends), and its
+            # room goes to the records coming back.
+            body.clear()
         records: list[dict[bytes, bytes]] = []
         sizes: list[int] = []
         while True:
@@ -221,7 +226,7 @@ class DecodePool:
         :func:`~ingest_service.push.body.parse_records` raises (400, 413), PushBusyError
         (503) when the pool is full or the worker died, PushTooLargeError (413) when it
         took over ``decode_timeout_s``."""
-        worker = await self._take()
+        worker, size = await self._take(), len(body)
         keep = False
         try:
             async with asyncio.timeout(self.limits.decode_timeout_s):
@@ -239,7 +244,7 @@ class DecodePool:
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             code = await _exit_code(worker)
             log.error("push decode worker %d ended (exit code %s) while decoding a %d-byte "
-                      "body; starting another", worker.pid, code, len(body))
+                      "body; starting another", worker.pid, code, size)
             raise PushBusyError(
                 f"the decode worker ended (exit code {code}) while decoding this body: nothing "
                 f"was appended; resend the same batch under the same seq") from exc
