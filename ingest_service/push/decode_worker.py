@@ -109,7 +109,10 @@ def main() -> None:
     # stops its workers itself (and a worker whose stdin ends stops anyway).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     gc.freeze()
-    serve(sys.stdin.buffer, sys.stdout.buffer)
+    try:
+        serve(sys.stdin.buffer, sys.stdout.buffer)
+    except BrokenPipeError:
+        pass  # the service went away mid-answer (killed, or it timed this body out)
 
 
 if __name__ == "__main__":
