@@ -1,6 +1,9 @@
 """A push body parsed into stream entries (its limits, :class:`BodyLimits`, are
 :mod:`~ingest_service.push.limits`'s; reading it, :mod:`~ingest_service.push.read`'s).
 
+Big or container-heavy bodies are parsed by :func:`parse_records` in a decode worker
+process (:mod:`~ingest_service.push.decode_pool`); the others (and every body with
+``decode_workers`` 0) here, on the loop.
 Parsing (:func:`parse_records_sliced`) runs on the event loop in slices: it decodes
 record by record (one JSON line, one element of a JSON array, one msgpack item per
 call) and hands the loop back after every 64 records, 32 KiB of JSON (about a
