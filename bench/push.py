@@ -38,6 +38,8 @@ Runs in about a minute and a half with the defaults.
 Usage: python bench/push.py [--rounds 4] [--latency-rounds 3] [--seconds 8]
        python bench/push.py --bombs-only [--steps steps.log]  (each loop step over 2 ms
        of CPU in the service, with where it began and ended: bench/_serve_steps.py)
+       python bench/push.py --bombs-only --compare-inline  (the decode pool against the
+       same service parsing every body on its loop, --decode-workers 0, interleaved)
 """
 
 from __future__ import annotations
@@ -254,6 +256,27 @@ def loadavg() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def paired_bombs(bench: Bench, args: argparse.Namespace, bases: dict[str, str]) -> None:
+    from push_bombs import paired_bomb_phase, paired_report
+
+    async def run() -> dict[str, Any]:
+        r = Redis.from_url(bench.redis_url)
+        named = {}
+        for label, base in bases.items():
+            name = f"{DATASET}-bombs-{label.split()[0]}"
+            await create_dataset(r, streams.DatasetSpec(name=name, partitions=PARTITIONS,
+                                                        format="push"))
+            named[label] = (base, name)
+        await r.aclose()
+        return await paired_bomb_phase(named, OTHER_TOKEN, args.bomb_seconds, args.bomb_rounds)
+
+    print(f"5. the loop beside decoding bombs, {' vs '.join(bases)} ({args.bomb_rounds} rounds "
+          f"interleaved, {args.bomb_seconds:.0f} s each, one bomb client, /healthz probed one "
+          f"after the other)")
+    for line in paired_report(asyncio.run(run())):
+        print(line)
+
+
 def bombs(bench: Bench, args: argparse.Namespace, base: str) -> None:
     from push_bombs import bomb_phase, report
 
@@ -286,6 +309,9 @@ def main() -> None:
     parser.add_argument("--bomb-seconds", type=float, default=3.0, help="per bomb, phase 5")
     parser.add_argument("--bomb-rounds", type=int, default=3, help="phase 5 rounds")
     parser.add_argument("--bombs-only", action="store_true", help="run phase 5 alone")
+    parser.add_argument("--compare-inline", action="store_true",
+                        help="with --bombs-only: a second service with --decode-workers 0 "
+                             "(every body parsed on the loop), rounds interleaved, paired ratios")
     parser.add_argument("--steps", type=Path, default=None,
                         help="serve through bench/_serve_steps.py: each loop step over 2 ms "
                              "of CPU is written to this file (where it started and ended)")
@@ -309,6 +335,21 @@ def main() -> None:
         print(f"{args.producers} producers x batches of {args.records} x {args.record_bytes} B; "
               f"redis :{server.port}, service :{port} (pid {proc.pid}); {loadavg()}")
         rss0 = rss_mb(proc.pid)
+        if args.bombs_only and args.compare_inline:
+            inline_port = free_port()
+            inline = subprocess.Popen(
+                [sys.executable, "-m", "trainguard", "serve", "--port", str(inline_port),
+                 "--no-produce", "--decode-workers", "0"], env=env, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+            try:
+                wait_ready(f"http://127.0.0.1:{inline_port}", inline)
+                paired_bombs(bench, args, {"inline (decode-workers 0)": f"http://127.0.0.1:{inline_port}",
+                                           "pool (decode-workers 2)": base})
+            finally:
+                inline.terminate()
+                inline.wait(30)
+            print(loadavg())
+            return
         if args.bombs_only:
             bombs(bench, args, base)
             return

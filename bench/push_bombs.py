@@ -20,6 +20,12 @@ limits do not stop them first):
 ``--bomb-rounds`` rounds, each the no-bomb baseline and then every bomb, interleaved:
 per bomb, the median and range over rounds of its stall and of its worst /healthz over
 that round's no-bomb p99 (the paired ratio).
+
+With ``--compare-inline`` (:func:`paired_bomb_phase`), each round runs against two
+services on the same Redis, one decoding big bodies in its worker processes (the
+default) and one with ``--decode-workers 0`` (every body parsed on the loop, in slices:
+the code before the pool), in alternating order; per bomb it also prints the median and
+range of the paired ratio of their stalls, and the load average of each round.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -35,7 +42,7 @@ from typing import Any
 import aiohttp
 import msgpack
 
-__all__ = ["BOMBS", "bomb_phase", "report", "slice_costs"]
+__all__ = ["BOMBS", "bomb_phase", "paired_bomb_phase", "paired_report", "report", "slice_costs"]
 
 _LISTS = [[[]] * 10_000] * 419
 _UNDER = [[[]] * 9_998] * 100
@@ -146,7 +153,40 @@ def _median_range(values: list[float], fmt: str) -> str:
     return f"{format(statistics.median(s), fmt)} (range {format(s[0], fmt)}-{format(s[-1], fmt)})"
 
 
-def report(rounds: list[dict[str, Any]]) -> list[str]:
+async def paired_bomb_phase(bases: dict[str, tuple[str, str]], token: str, seconds: float,
+                            rounds: int = 3) -> dict[str, list[dict[str, Any]]]:
+    """Per service (label: its base URL and dataset), the rounds of :func:`bomb_phase`,
+    the services taking turns within each round (A B, then B A, ...), each round with
+    the load average at its end."""
+    out: dict[str, list[dict[str, Any]]] = {label: [] for label in bases}
+    async with aiohttp.ClientSession() as session:
+        for n in range(rounds):
+            for label in (list(bases) if n % 2 == 0 else list(reversed(bases))):
+                base, dataset = bases[label]
+                result = await _round(session, base, dataset, token, seconds)
+                result["load"] = os.getloadavg()[0]
+                out[label].append(result)
+    return out
+
+
+def paired_report(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each service's report, then per bomb the paired ratio of the stalls (the
+    second service's over the first's, round by round)."""
+    lines: list[str] = []
+    for label, rounds in runs.items():
+        loads = ", ".join(f"{r['load']:.1f}" for r in rounds)
+        lines.append(f" {label} (load average at the end of each round: {loads})")
+        lines += report(rounds, costs=False)
+    first, second = list(runs)
+    lines.append(f" paired, per bomb: {second}'s worst /healthz over {first}'s, round by round")
+    for name in BOMBS:
+        ratios = [b[name]["worst"] / a[name]["worst"]
+                  for a, b in zip(runs[first], runs[second], strict=True)]
+        lines.append(f"  {name:>13}: median {_median_range(ratios, '.2f')}")
+    return lines
+
+
+def report(rounds: list[dict[str, Any]], *, costs: bool = True) -> list[str]:
     p99s = [r["baseline"]["p99"] for r in rounds]
     lines = [f"  no bomb: /healthz p99 median {_median_range(p99s, '.1f')} ms, p50 median "
              f"{statistics.median(r['baseline']['p50'] for r in rounds):.1f} ms "
@@ -161,9 +201,10 @@ def report(rounds: list[dict[str, Any]]) -> list[str]:
             f"  {name:>13} ({runs[0]['mib']:.1f} MiB, answers {answers}): loop stall <= "
             f"{_median_range([x['stall'] for x in runs], '.1f')} ms; worst /healthz over the "
             f"round's no-bomb p99: median {_median_range([x['ratio'] for x in runs], '.2f')}")
-    costs = slice_costs()
-    lines.append("  longest parse slice, CPU ms: " + ", ".join(
-        f"{n} {costs[n]:.1f}" for n in BOMBS))
+    if costs:
+        slices = slice_costs()
+        lines.append("  longest parse slice on the loop (decode-workers 0), CPU ms: " + ", ".join(
+            f"{n} {slices[n]:.1f}" for n in BOMBS))
     worst = max(r[n]["stall"] for r in rounds for n in BOMBS)
     worst_ratio = max(r[n]["ratio"] for r in rounds for n in BOMBS)
     lines.append(f"  worst stall of all rounds {worst:.1f} ms, worst ratio {worst_ratio:.2f} "

@@ -1,6 +1,9 @@
 """A push body parsed into stream entries (its limits, :class:`BodyLimits`, are
 :mod:`~ingest_service.push.limits`'s; reading it, :mod:`~ingest_service.push.read`'s).
 
+Big or container-heavy bodies are parsed by :func:`parse_records` in a decode worker
+process (:mod:`~ingest_service.push.decode_pool`); the others (and every body with
+``decode_workers`` 0) here, on the loop.
 Parsing (:func:`parse_records_sliced`) runs on the event loop in slices: it decodes
 record by record (one JSON line, one element of a JSON array, one msgpack item per
 call) and hands the loop back after every 64 records, 32 KiB of JSON (about a
@@ -68,6 +71,7 @@ __all__ = [
     "BatchDigest",
     "BodyLimits",
     "ParsedBatch",
+    "parse_records",
     "parse_records_sliced",
     "too_many",
     "msgpack_array_len",
@@ -391,6 +395,20 @@ async def parse_records_sliced(body: Body, content_type: str, max_record_bytes: 
             await asyncio.sleep(cpu * heavy)
         else:
             await asyncio.sleep((time.perf_counter() - started) * rest)
+
+
+def parse_records(body: Body, content_type: str, max_record_bytes: int, limits: BodyLimits
+                  ) -> ParsedBatch:
+    """:func:`parse_records_sliced`'s parse in one go, with the garbage collector
+    paused throughout: what a decode worker process runs
+    (:mod:`~ingest_service.push.decode_worker`), where no loop waits for it."""
+    steps = _parse(body, content_type, max_record_bytes, limits)
+    with _gc_paused():
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager

@@ -40,6 +40,19 @@ class BodyLimits:
     """Lists and maps in one record (413 past it, before the rest is decoded)."""
     max_record_depth: int = 64
     """How deep one record's lists and maps may nest (413 past it)."""
+    decode_workers: int = 2
+    """Decode worker processes (:mod:`~ingest_service.push.decode_pool`); 0: every body
+    is parsed on the event loop, in slices."""
+    decode_queue: int = 16
+    """Bodies that may wait for a busy pool's next free worker (503 busy past it)."""
+    decode_timeout_s: float = 30.0
+    """A worker decoding one body longer than this is killed: 413."""
+    decode_wait_s: float = 30.0
+    """How long a body waits for a free worker (one starting included): 503 busy after."""
+    inline_bytes: int = 128 * 1024
+    """Bodies up to this size holding at most ``inline_values`` values (msgpack; JSON:
+    brackets) are parsed on the loop: for them the trip to a worker costs the loop more."""
+    inline_values: int = 500
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 or self.max_records < 1:
@@ -49,6 +62,9 @@ class BodyLimits:
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must hold at least one body of "
                 f"max_bytes ({self.max_bytes})"
             )
+        if self.decode_workers < 0 or self.decode_queue < 0 or min(self.decode_timeout_s, self.decode_wait_s) <= 0:
+            raise ValueError(f"decode_workers and decode_queue must be >= 0 and "
+                             f"decode_timeout_s, decode_wait_s > 0, got {self}")
         if not 0 < self.token_share <= 1 or self.min_rate_bytes_s < 0:
             raise ValueError(f"token_share must be in (0, 1] and min_rate_bytes_s >= 0, got {self}")
 

@@ -388,11 +388,11 @@ def _paths() -> dict[str, Any]:
                                "this producer (mark, acknowledged), said once. seq 2^53-1 is a "
                                "probe: never appended, answered 409 with the mark. 413: the "
                                "body, a record, or a record's lists and maps (count, nesting) "
-                               "over the limit. Bodies: "
-                               "application/x-ndjson (one JSON value per line), application/json "
+                               "over the limit, or its decode past the timeout; 503 busy: body "
+                               "budget or decode pool full, or its worker died. Bodies: application/"
+                               "x-ndjson (one JSON value per line), application/json "
                                "(one array) or application/msgpack (one array; bin items stay "
-                               "bytes); the schemas below show one common shape of each text "
-                               "format (msgpack, being binary, has none here).",
+                               "bytes); the schemas below show one shape of each text format.",
                 "security": _BEARER,
                 "parameters": [
                     {**_param("name", _NAME, "push dataset name")},

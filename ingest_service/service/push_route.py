@@ -13,9 +13,11 @@
    ``Retry-After``). All before the body is read.
 5. The body streams in within its limits (413; 408 when a chunk is late or the body
    arrives under the minimum rate; 503 when the bodies in memory, or those of this
-   producer token, are at their bound), is parsed in slices on the loop (bodies over
-   1 MiB one at a time, at a quarter of the loop at most; a record past its container
-   or nesting bound is 413 before it is decoded whole) (400, 413), checked against the
+   producer token, are at their bound), is parsed by a decode worker process when it
+   is over 128 KiB or holds over 500 values (JSON: brackets) (503 busy when the pool's
+   queue is full or the worker died; 413 past the decode timeout), else in slices on
+   the loop; a record past its container or nesting bound is 413 before it is decoded
+   whole (400, 413); then the body is checked against the
    backlog again with its real size, and appended in slices (409 with the mark when
    ``seq`` is out of order; 409 ``batch_mismatch`` when another batch is partly in
    under ``seq``; 503 with ``Retry-After`` when Redis is out of reach or failing over,
@@ -32,6 +34,7 @@ The answer is small whatever the batch: ``{"appended", "partition", "seq", "mark
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -52,7 +55,9 @@ from ingest_service.errors import (
     UnsupportedMediaError,
     WrongDatasetKindError,
 )
-from ingest_service.push.body import CONTENT_TYPES, BodyLimits, parse_records_sliced
+from ingest_service.push.body import CONTENT_TYPES, BodyLimits, ParsedBatch, parse_records_sliced
+from ingest_service.push.decode_pool import DecodePool, needs_worker
+from ingest_service.push.entries import Body
 from ingest_service.push.ingest import (
     PushIngest,
     PushResult,
@@ -83,6 +88,8 @@ class PushRoute:
     budget: ByteBudget
     big_bodies: asyncio.Semaphore
     stopping: asyncio.Event
+    decoders: DecodePool | None = None
+    """The decode worker processes (None: ``decode_workers`` is 0, all parsed inline)."""
 
     def authorize(self, request: web.Request, dataset: str, producer_id: str) -> None:
         if self.insecure_local:
@@ -176,13 +183,7 @@ async def _push(request: web.Request, route: PushRoute,
     try:
         # The body's room in the budget is held until its records are appended: the
         # parsed entries that replace it are about as large.
-        if held > route.limits.big_body_bytes:
-            async with route.big_bodies:
-                batch = await parse_records_sliced(body, content_type, spec.max_record_bytes,
-                                                   route.limits, share=route.limits.big_body_share)
-        else:
-            batch = await parse_records_sliced(body, content_type, spec.max_record_bytes,
-                                               route.limits)
+        batch = await _parse(route, body, content_type, spec.max_record_bytes)
         del body
         await route.ingest.check_room(spec, producer_id, seq, len(batch.records),
                                       batch.data_bytes)
@@ -196,6 +197,20 @@ async def _push(request: web.Request, route: PushRoute,
         # The entries this request appended: a retry's completion counts its share.
         metrics.bytes.labels(dataset=name).inc(sum(batch.sizes[len(batch.sizes) - result.count:]))
     return _reply(result)
+
+
+async def _parse(route: PushRoute, body: Body, content_type: str,
+                 max_record_bytes: int) -> ParsedBatch:
+    """A big or container-heavy body parsed by a decode worker, the others on the loop
+    in slices (bodies over ``big_body_bytes`` one at a time there, at a share of it)."""
+    limits = route.limits
+    if route.decoders is not None and needs_worker(body, content_type, limits):
+        return await route.decoders.parse(body, content_type, max_record_bytes)
+    if len(body) > limits.big_body_bytes:
+        async with route.big_bodies:
+            return await parse_records_sliced(body, content_type, max_record_bytes, limits,
+                                              share=limits.big_body_share)
+    return await parse_records_sliced(body, content_type, max_record_bytes, limits)
 
 
 def _owner(request: web.Request, route: PushRoute) -> str:
@@ -228,4 +243,18 @@ def setup_push(app: web.Application, ingest: PushIngest, stopping: asyncio.Event
     )
     app[PUSH_KEY] = route
     app.router.add_post(push_wire.RECORDS_ROUTE, push_records)
+    if config.push_limits.decode_workers:
+        app.cleanup_ctx.append(_decoders)
     return route
+
+
+async def _decoders(app: web.Application) -> AsyncIterator[None]:
+    """The decode pool lives with the running app: its workers start as bodies need
+    them, and stop with it."""
+    route = app[PUSH_KEY]
+    route.decoders = DecodePool(route.limits, retry_after_s=RETRY_AFTER_S)
+    try:
+        yield
+    finally:
+        pool, route.decoders = route.decoders, None
+        await pool.close()

@@ -88,6 +88,12 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per push request (default 16 MiB)")
     parser.add_argument("--max-push-records", type=int, default=None,
                         help="records per push request (default 10000)")
+    parser.add_argument("--decode-workers", type=int, default=None,
+                        help="processes that decode big or container-heavy push bodies off "
+                             "the event loop (default 2; 0: all on the loop, in slices)")
+    parser.add_argument("--decode-timeout", type=float, default=None,
+                        help="seconds a decode worker may take for one body before it is "
+                             "killed and the push refused with 413 (default 30)")
     parser.add_argument("--insecure-local", action="store_true",
                         help="accept pushes without a producer token (demos on one machine "
                              "only: allowed with a loopback --host only)")
@@ -105,6 +111,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     limits = dataclasses.replace(
         limits, max_bytes=max_bytes, max_records=args.max_push_records or limits.max_records,
         max_inflight_bytes=max(limits.max_inflight_bytes, 4 * max_bytes),
+        decode_workers=limits.decode_workers if args.decode_workers is None
+        else args.decode_workers,
+        decode_timeout_s=args.decode_timeout or limits.decode_timeout_s,
     )
     config = IngestConfig.from_env(
         redis_url=args.redis_url, host=args.host, port=args.port,
