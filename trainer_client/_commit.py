@@ -58,6 +58,11 @@ class PositionReader:
         with self._lock:
             self._objects.setdefault(name, {})[obj.rank] = obj
 
+    def known(self, name: str) -> list[RankRecord]:
+        """The objects of checkpoint ``name`` read (or remembered) so far, by rank."""
+        with self._lock:
+            return [o for _, o in sorted(self._objects.get(name, {}).items())]
+
     def forget_all_but(self, names: set[str]) -> None:
         with self._lock:
             self._objects = {n: o for n, o in self._objects.items() if n in names}

@@ -26,7 +26,13 @@ from trainguard.core.checkpoints import (
     ManifestView,
     open_store,
 )
-from trainguard.core.record import PER_RANK_VERSION, RankState, SessionRecord
+from trainguard.core.rank_record import carried_skips
+from trainguard.core.record import (
+    PER_RANK_VERSION,
+    SKIPS_PER_RANK_VERSION,
+    RankState,
+    SessionRecord,
+)
 
 __all__ = ["REFUSALS", "Restoring", "check_record", "warn_if_reshaped"]
 
@@ -150,7 +156,7 @@ class Restoring(SessionBase):
         self._clock.restored(manifest, self.generation)
         self._clock.count_failures(self._heal.failures)
         step = int(manifest.step) if manifest is not None else 0
-        self._heal.restored(step, rec, self.generation)
+        self._heal.restored(step, self._restored_skips(manifest, rec), self.generation)
         self._finished = self._at_the_end(manifest, rec)
         self._log_restored(manifest)
         return step
@@ -191,6 +197,18 @@ class Restoring(SessionBase):
         log.info("run %s resumed from checkpoint %s (step %s): epoch %s, %s records of "
                  "it already trained on rank %s, %s left", self.run, manifest.name,
                  manifest.step, p.epoch, p.records, self.rank, p.remaining)
+
+    def _restored_skips(self, manifest: ManifestView | None,
+                        rec: SessionRecord | None) -> tuple[str, ...] | None:
+        """The skipped batches this rank carries on from the restored checkpoint: the
+        manifest's (session record before version 4), else those of the rank objects
+        this restore read that name this rank's partitions (its own object on the same
+        layout): no object is read for them alone."""
+        if manifest is None or rec is None:
+            return None
+        if rec.version < SKIPS_PER_RANK_VERSION:
+            return rec.skipped
+        return carried_skips(self._positions.known(manifest.name), self._mine(self._num_workers))
 
     def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
         return None if manifest is None else self._check(manifest)
