@@ -130,6 +130,12 @@ def floor_key(dataset: str, group: str) -> str:
     return f"{PREFIX}:{{{dataset}}}:floor:{group}"
 
 
+def generation_key(dataset: str, group: str) -> str:
+    """The run's newest fencing generation taken (a counter the trainer's restore
+    increments; each partition's fence is raised to it by the rank that reads it)."""
+    return f"{PREFIX}:{{{dataset}}}:generation:{group}"
+
+
 def paused_key(dataset: str) -> str:
     return f"{PREFIX}:{{{dataset}}}:paused"
 
