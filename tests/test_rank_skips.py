@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 N, P = 96, 4  # 24 records a partition; batches of 4
 
 
-def _ranks(url: str, store: str, world: int, steps: int, *extra: str) -> list[str]:
-    """Run ``world`` ranks of tests/_rank_skips.py; each rank's skipped batch ID."""
+def rank_lines(url: str, store: str, world: int, steps: int, *extra: str
+               ) -> list[dict[str, str]]:
+    """Run ``world`` ranks of tests/_rank_skips.py; each rank's printed figures."""
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -41,8 +42,14 @@ def _ranks(url: str, store: str, world: int, steps: int, *extra: str) -> list[st
     for proc in procs:
         text, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, text[-3000:]
-        out.append(next(x for x in text.splitlines() if x.startswith("SKIPPED ")).split()[1])
+        out.append(dict(x.split(" ", 1) for x in text.splitlines()
+                        if x.startswith(("SKIPPED ", "LISTS "))))
     return out
+
+
+def _ranks(url: str, store: str, world: int, steps: int, *extra: str) -> list[str]:
+    """Each rank's skipped batch ID."""
+    return [x["SKIPPED"] for x in rank_lines(url, store, world, steps, *extra)]
 
 
 def test_each_ranks_skips_are_kept_in_its_object_and_carried_over_restores(
