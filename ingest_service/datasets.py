@@ -82,7 +82,8 @@ async def delete_dataset(redis: Redis, name: str) -> None:
     groups = await redis.smembers(streams.groups_key(name))
     for g in groups:
         group = g.decode() if isinstance(g, bytes) else str(g)
-        keys += [streams.committed_key(name, group), streams.floor_key(name, group)]
+        keys += [streams.committed_key(name, group), streams.floor_key(name, group),
+                 streams.generation_key(name, group), streams.kept_key(name, group)]
     keys.append(streams.groups_key(name))
     # Keys of different hash slots: delete one by one (Cluster-safe), pipelined.
     async with redis.pipeline(transaction=False) as pipe:

@@ -216,11 +216,14 @@ def run_until_done(
 def final_counts(store_url: str, n: int) -> tuple[torch.Tensor, dict[str, Any]]:
     """The restored ledger, and the newest checkpoint's ``extra`` with every
     partition's offset under ``["trainguard"]["offsets"]`` (read from its rank objects
-    where the session record is of version 3, which keeps them out of the manifest)."""
+    where the session record is of version 3, which keeps them out of the manifest),
+    and its skipped batches under ``["skipped_batches"]`` (from the rank objects from
+    record version 4 on)."""
     from checkpoint_store import CheckpointStore
     from tests._client_train import make_state
     from trainguard.core import streams
-    from trainguard.core.rank_record import checkpoint_offsets
+    from trainguard.core.rank_record import checkpoint_offsets, checkpoint_skipped
+    from trainguard.core.record import SKIPPED_KEY, SessionRecord
 
     state, model, _ = make_state(n)
     store = CheckpointStore(store_url)
@@ -231,6 +234,10 @@ def final_counts(store_url: str, n: int) -> tuple[torch.Tensor, dict[str, Any]]:
         if "trainguard" in extra:
             extra["trainguard"] = {**extra["trainguard"], "offsets": streams.offsets_to_wire(
                 checkpoint_offsets(store, manifest))}
+            rec = SessionRecord.of(manifest)
+            skipped = None if rec is None else checkpoint_skipped(store, manifest, rec)
+            if skipped is not None:
+                extra[SKIPPED_KEY] = list(skipped)
     finally:
         store.close()
     return model.counts.clone(), extra

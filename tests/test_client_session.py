@@ -66,9 +66,9 @@ def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(any_redis, tmp
     s.close()
     ends = {p: streams.make_id(0, 29) for p in range(3)}
     # The session record, exactly (the timing record beside it: test_run_history.py):
-    # version 3 keeps the offsets, batches and random states out of the manifest.
+    # version 4 keeps the offsets, batches, random states and skips out of the manifest.
     assert {k: v for k, v in m.extra.items() if k != TIMING_KEY} == {"trainguard": {
-        "version": 3, "dataset": "tok", "run": "exp", "partitions": 3, "generation": 1,
+        "version": 4, "dataset": "tok", "run": "exp", "partitions": 3, "generation": 1,
         "commit": 1, "world_size": 1, "num_workers": 0, "seed": zlib.crc32(b"exp"),
     }}
     # ... they are in the rank's own state object, indexed by digest in the manifest.
@@ -79,7 +79,7 @@ def test_fresh_run_reads_everything_and_final_checkpoint_acks_all(any_redis, tmp
     rng = own.pop("rng")
     assert sorted(rng) == ["numpy", "python", "torch"]  # no CUDA in use here
     assert own == {
-        "version": 1, "rank": 0, "world_size": 1, "num_workers": 0,
+        "version": 2, "rank": 0, "world_size": 1, "num_workers": 0,
         "offsets": {"0": "1-29", "1": "1-29", "2": "1-29"},
         # deterministic: 90 records in 13 batches of 7 (only the last one short: a
         # batch goes on in the next partition where one ends), each led by one

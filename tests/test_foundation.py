@@ -158,7 +158,7 @@ def test_version_2_carries_seed_and_rank_states_and_version_1_still_reads() -> N
 
 
 @pytest.mark.parametrize("doc", [
-    {"trainguard": {"version": 4, "dataset": "tok"}},
+    {"trainguard": {"version": 5, "dataset": "tok"}},
     {"trainguard": "not a record"},
     {"trainguard": {"version": 2, "dataset": "tok", "ranks": {"0": {"rng": "x"}}}},
     {"trainguard": {"dataset": "tok", "generation": "x"}},

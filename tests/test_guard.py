@@ -7,6 +7,7 @@ partition, partitions round-robin), so the batch of record ``i`` is known in adv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -29,6 +30,8 @@ from trainer_client.health import EXIT_GPU_CRITICAL
 from trainer_client.spikes import RollbackConfig, SpikeConfig
 from trainguard.core import incidents as inc
 from trainguard.core import streams
+from trainguard.core.rank_record import checkpoint_skipped
+from trainguard.core.record import SessionRecord
 
 N, P = 400, 4
 POISON = 205  # partition 1, its batch 6 -> the 26th batch (round-robin), step 26
@@ -56,9 +59,19 @@ def _records_in(url: str, bid: str) -> list[int]:
 
 
 def _manifests(store: str) -> list:
+    """The manifests in commit order, each ``extra`` with the checkpoint's skipped
+    batches under ``skipped_batches`` (from session record 4 on they are read from the
+    rank objects, as the run history reads them)."""
     cs = CheckpointStore(store)
     try:
-        return sorted(cs.list(), key=lambda m: m.extra["trainguard"]["commit"])
+        out = []
+        for m in sorted(cs.list(), key=lambda m: m.extra["trainguard"]["commit"]):
+            rec = SessionRecord.of(m)
+            skipped = None if rec is None else checkpoint_skipped(cs, m, rec)
+            if skipped is not None:
+                m = dataclasses.replace(m, extra={**m.extra, SKIPPED_EXTRA_KEY: list(skipped)})
+            out.append(m)
+        return out
     finally:
         cs.close()
 

@@ -21,6 +21,7 @@ from trainguard.core import record
 from trainguard.core.history import CheckpointRow, RestartRow, WorldRow, history
 from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.newest import newest_first
+from trainguard.core.rank_record import checkpoint_skipped
 from trainguard.core.timing import Event, SaveTime, TimingError, TimingRecord, Totals
 from trainguard.ops.cli import main
 
@@ -141,7 +142,9 @@ def test_rollback_and_restart_carry_into_the_advice(redis_server, tmp_path: Path
     assert advice is not None and advice.failures == 0
     s.close()
 
-    h = history(CheckpointStore(url, keep_last=100).list(), dataset="tok", run="exp")
+    store = CheckpointStore(url, keep_last=100)
+    h = history(store.list(), dataset="tok", run="exp",
+                skips=lambda m, rec: checkpoint_skipped(store, m, rec))
     assert [c["step"] for c in h["checkpoints"]] == [5, 10, 8]
     assert h["rollbacks"] == [{"at": h["rollbacks"][0]["at"], "to_step": 5, "last_step": 10,
                                "generation": 1, "skipped": ["b-1"]}]
@@ -161,7 +164,9 @@ def test_rollback_and_restart_carry_into_the_advice(redis_server, tmp_path: Path
     common = ["--redis-url", redis_server.url, "--stores", f"main={url}"]
     assert main(["runs", "show", "exp", *common, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    after = history(CheckpointStore(url, keep_last=100).list(), dataset="tok", run="exp")
+    after = history(store.list(), dataset="tok", run="exp",
+                    skips=lambda m, rec: checkpoint_skipped(store, m, rec))
+    assert after["rollbacks"][0]["skipped"] == ["b-1"]  # read from the rank object
     assert {k: shown[k] for k in after} == {**after, "checkpoints": [
         {**c, "status": ["committed"], "tiers": ["disk"]} for c in after["checkpoints"]]}
     assert shown["store"] == "main" and shown["group"]["lag"] is not None

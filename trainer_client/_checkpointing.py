@@ -24,7 +24,7 @@ from trainguard.core.checkpoints import (
 )
 from trainguard.core.interval import Advice
 from trainguard.core.rank_record import RankRecord
-from trainguard.core.record import PER_RANK_VERSION, RankState, SessionRecord
+from trainguard.core.record import RECORD_VERSION, RankState, SessionRecord
 from trainguard.core.tier_plan import TIERS_KEY, TierPlan
 from trainguard.core.timing import TIMING_KEY
 
@@ -57,7 +57,8 @@ class Checkpointing(SessionBase):
         ``blocking``), entries up to them are acknowledged and the committed offsets
         and the retention floor are published. A fenced trainer is refused here, and a
         refusal met in the background is raised by the next call. ``skipped`` lists
-        the batches consumed but never trained (the session record carries them).
+        the batches consumed but never trained by this rank (its state object carries
+        them; with a store without per-rank objects, rank 0's go into the manifest).
         A session restored at the end of a finished dataset (:attr:`finished`) writes
         nothing and returns the restored checkpoint's handle.
         """
@@ -108,10 +109,11 @@ class Checkpointing(SessionBase):
             num_workers=self._num_workers,
             offsets={} if per_rank else offsets,
             batches={} if per_rank else batches,
-            skipped=None if skipped is None else tuple(skipped),
+            # With per-rank objects each rank's own skips go into its object.
+            skipped=None if skipped is None or per_rank else tuple(skipped),
             seed=self.seed,
             ranks={} if per_rank else ranks,
-            version=PER_RANK_VERSION if per_rank else 2,
+            version=RECORD_VERSION if per_rank else 2,
         )
         doc = {**(extra or {}), **rec.to_extra(), **self._clock.extra(step), **self._every.extra()}
         started = time.monotonic()
@@ -120,7 +122,8 @@ class Checkpointing(SessionBase):
             own = RankRecord(rank=self.rank, world_size=self.world_size,
                              num_workers=self._num_workers,
                              offsets={p: now.offsets[p] for p in parts},
-                             batches={p: now.batches[p] for p in parts}, state=mine)
+                             batches={p: now.batches[p] for p in parts}, state=mine,
+                             skipped=None if skipped is None else tuple(skipped))
             handle = self._rank_store.save(state, step=step, extra=doc, blocking=blocking,
                                            rank_state=own.to_wire())
             self._clock.saved(handle, step, started)

@@ -13,17 +13,22 @@ With per-rank state objects (a store with ``supports_rank_state``) every rank do
 this for the partitions it reads, and nothing else: it acknowledges them, publishes
 their committed offsets and retention floor, and no rank gathers another's offsets
 (:class:`PositionReader` reads a kept checkpoint's offsets from the objects of the
-ranks that owned those partitions, once per checkpoint). With a store without them,
-rank 0 does it for every partition from the gathered offsets (:func:`gather_offsets`,
-session record version 2).
+ranks that owned those partitions, once per checkpoint). Only rank 0 lists the
+store for the kept checkpoints; it publishes them (names and session records, a
+document of keep_last entries) with its offsets, and the other ranks read that one
+key (:class:`KeptCheckpoint`), so no rank's publish grows with W. With a store
+without per-rank objects, rank 0 does it for every partition from the gathered
+offsets (:func:`gather_offsets`, session record version 2).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -34,6 +39,7 @@ from trainer_client.errors import FencedError
 from trainguard.core import record, streams
 from trainguard.core.checkpoints import (
     CheckpointStoreAPI,
+    CorruptCheckpointError,
     ManifestView,
     RankStateStoreAPI,
     SaveHandleView,
@@ -41,7 +47,51 @@ from trainguard.core.checkpoints import (
 from trainguard.core.rank_record import Positions, RankRecord, positions
 from trainguard.core.record import RankState, SessionRecord
 
-__all__ = ["OffsetCommitter", "PositionReader", "gather_offsets"]
+__all__ = ["KEPT_VERSION", "KeptCheckpoint", "OffsetCommitter", "PositionReader",
+           "gather_offsets"]
+
+KEPT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KeptCheckpoint:
+    """A kept checkpoint as rank 0 published it (a ``ManifestView`` of what the
+    retention floor needs: name, step, uid and the session record in ``extra``)."""
+
+    name: str
+    step: int
+    uid: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    pinned: bool = False
+
+
+def kept_document(kept: Sequence[ManifestView], *, dataset: str, run: str) -> str:
+    """The kept checkpoints of this run, as rank 0 publishes them (JSON)."""
+    out = []
+    for m in kept:
+        try:
+            rec = record.SessionRecord.of(m)
+        except record.RecordError:
+            continue
+        if rec is not None and rec.run == run and rec.dataset == dataset:
+            out.append({"name": m.name, "step": int(m.step), "uid": m.uid,
+                        "record": dict(m.extra[record.RECORD_KEY])})
+    return json.dumps({"version": KEPT_VERSION, "kept": out}, separators=(",", ":"))
+
+
+def parse_kept(raw: bytes | str | None) -> list[KeptCheckpoint] | None:
+    """The published kept checkpoints; None when absent or not of a version this
+    reads (the rank then lists the store itself)."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        if doc.get("version") != KEPT_VERSION:
+            return None
+        return [KeptCheckpoint(str(k["name"]), int(k["step"]), str(k["uid"]),
+                               {record.RECORD_KEY: dict(k["record"])}) for k in doc["kept"]]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 class PositionReader:
@@ -57,6 +107,11 @@ class PositionReader:
     def remember(self, name: str, obj: RankRecord) -> None:
         with self._lock:
             self._objects.setdefault(name, {})[obj.rank] = obj
+
+    def known(self, name: str) -> list[RankRecord]:
+        """The objects of checkpoint ``name`` read (or remembered) so far, by rank."""
+        with self._lock:
+            return [o for _, o in sorted(self._objects.get(name, {}).items())]
 
     def forget_all_but(self, names: set[str]) -> None:
         with self._lock:
@@ -97,8 +152,12 @@ class OffsetCommitter:
         dataset: str,
         run: str,
         reader: PositionReader | None = None,
+        lists: bool = True,
     ) -> None:
+        """``lists``: this rank lists the store for the kept checkpoints and publishes
+        them (rank 0); the others read what it published."""
         self._redis = client
+        self._lists = lists
         self._call = call
         self._store = store
         self._dataset = dataset
@@ -155,15 +214,16 @@ class OffsetCommitter:
         t0 = time.perf_counter()
         r = self._redis
         self._call(ofs.ack_upto, r, self._dataset, self._run, generation, offsets)
-        kept = self._store.list()
+        kept = self._kept()
         self._reader.forget_all_but({m.name for m in kept})
         mine = sorted(offsets)
         floor = record.retention_floor(
             offsets, kept, dataset=self._dataset, run=self._run,
-            positions=None if whole else (
-                lambda m, rec: self._reader.positions(m, rec, mine).offsets))
+            positions=None if whole else self._kept_positions(mine))
         committed: dict[Any, Any] = streams.offsets_to_wire(offsets)
         floors: dict[Any, Any] = streams.offsets_to_wire(floor)
+        published = kept_document(kept, dataset=self._dataset, run=self._run) \
+            if self._lists and not whole else None
 
         def publish() -> None:
             # A new pipeline per attempt: a failed execute() empties its pipeline, so
@@ -173,10 +233,34 @@ class OffsetCommitter:
             if whole:
                 pipe.delete(streams.floor_key(self._dataset, self._run))
             pipe.hset(streams.floor_key(self._dataset, self._run), mapping=floors)
+            if published is not None:
+                pipe.set(streams.kept_key(self._dataset, self._run), published)
             pipe.execute()
 
         self._call(publish)
         self.last_publish_s = time.perf_counter() - t0
+
+    def _kept(self) -> Sequence[ManifestView]:
+        """The run's kept checkpoints: listed by rank 0 (and by any rank when rank 0
+        published none yet); the others read rank 0's list, one key. A list published
+        before rank 0's newest retention names a checkpoint since deleted at worst,
+        which only lowers the floor (trims less) until the next commit."""
+        if not self._lists:
+            raw = self._call(self._redis.get, streams.kept_key(self._dataset, self._run))
+            published = parse_kept(raw)
+            if published is not None:
+                return published
+        return self._store.list()
+
+    def _kept_positions(self, mine: list[int]
+                        ) -> Callable[[ManifestView, SessionRecord], Mapping[int, str]]:
+        def offsets(m: ManifestView, rec: SessionRecord) -> Mapping[int, str]:
+            try:
+                return self._reader.positions(m, rec, mine).offsets
+            except (CorruptCheckpointError, FileNotFoundError):
+                # Deleted by retention after rank 0 published it: no floor to keep.
+                return {}
+        return offsets
 
     def raise_background(self) -> None:
         """Raise (once) a fencing refusal or fatal error met in the background."""

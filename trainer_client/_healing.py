@@ -26,7 +26,6 @@ from trainer_client.batch import Batch
 from trainer_client.watchdog import Watchdog, WatchdogConfig
 from trainguard.core import settings
 from trainguard.core.incidents import LoopPolicy
-from trainguard.core.record import SessionRecord
 
 __all__ = ["Healing"]
 
@@ -108,11 +107,13 @@ class Healing:
         self.retime()
         return self.attempts.remedy.action == "older_checkpoint"
 
-    def restored(self, step: int, rec: SessionRecord | None, generation: int | None) -> None:
+    def restored(self, step: int, skips: Sequence[str] | None, generation: int | None) -> None:
+        """After a restore to ``step``: ``skips``, the skipped batches this rank carries
+        on from the checkpoint (its own; the run's from a manifest before record 4)."""
         self._step, self._records, self._handed = step, 0, 0
         failed = (self.attempts.incident or {}).get("step")
         self._catch_up = failed if failed is not None and failed > step else None
-        self._skips = list(rec.skipped or ()) if rec is not None else []
+        self._skips = list(skips or ())
         skip = self.attempts.skipped_batch()
         if skip is not None:
             log.warning("restart-loop breaker: the same failure came back at step %s with "

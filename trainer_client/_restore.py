@@ -8,13 +8,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from trainer_client import _rng
 from trainer_client import offsets as ofs
 from trainer_client._finished import consumed_to_the_end, ends_if_finished
 from trainer_client._loaders import refuse_own_position
 from trainer_client._session_base import SessionBase
+from trainer_client._uneven import flag_device
 from trainer_client.errors import (
     CheckpointMismatchError,
+    FencedError,
     NoRollbackTargetError,
     PartitionCountError,
     TrainerClientError,
@@ -26,7 +31,13 @@ from trainguard.core.checkpoints import (
     ManifestView,
     open_store,
 )
-from trainguard.core.record import PER_RANK_VERSION, RankState, SessionRecord
+from trainguard.core.rank_record import carried_skips
+from trainguard.core.record import (
+    PER_RANK_VERSION,
+    SKIPS_PER_RANK_VERSION,
+    RankState,
+    SessionRecord,
+)
 
 __all__ = ["REFUSALS", "Restoring", "check_record", "warn_if_reshaped"]
 
@@ -151,7 +162,7 @@ class Restoring(SessionBase):
         self._every.restored(manifest)
         self._clock.count_failures(self._heal.failures)
         step = int(manifest.step) if manifest is not None else 0
-        self._heal.restored(step, rec, self.generation)
+        self._heal.restored(step, self._restored_skips(manifest, rec), self.generation)
         self._finished = self._at_the_end(manifest, rec)
         self._log_restored(manifest)
         return step
@@ -193,6 +204,18 @@ class Restoring(SessionBase):
                  "it already trained on rank %s, %s left", self.run, manifest.name,
                  manifest.step, p.epoch, p.records, self.rank, p.remaining)
 
+    def _restored_skips(self, manifest: ManifestView | None,
+                        rec: SessionRecord | None) -> tuple[str, ...] | None:
+        """The skipped batches this rank carries on from the restored checkpoint: the
+        manifest's (session record before version 4), else those of the rank objects
+        this restore read that name this rank's partitions (its own object on the same
+        layout): no object is read for them alone."""
+        if manifest is None or rec is None:
+            return None
+        if rec.version < SKIPS_PER_RANK_VERSION:
+            return rec.skipped
+        return carried_skips(self._positions.known(manifest.name), self._mine(self._num_workers))
+
     def _record(self, manifest: ManifestView | None) -> SessionRecord | None:
         return None if manifest is None else self._check(manifest)
 
@@ -224,18 +247,15 @@ class Restoring(SessionBase):
                        new_generation: bool) -> None:
         """Take (or keep) the generation on rank 0, then on every rank move the group of
         the partitions it reads to the checkpoint's offsets (:meth:`_place`)."""
-        gen = None
         if self.rank == 0:
-            r = self._redis
-            self._call(r.sadd, streams.groups_key(self.dataset_name), self.run)
-            if new_generation:
-                floor = rec.generation if rec is not None else 0
-                gen = self._call(ofs.bump_generation, r, self.dataset_name, self.run,
-                                 self.spec.partitions, floor)
-            else:
-                gen = self._gen()
+            self._call(self._redis.sadd, streams.groups_key(self.dataset_name), self.run)
+        if new_generation:
+            layout = rec.num_workers if rec is not None else self._num_workers
+            gen = self._fence_new_generation(rec.generation if rec is not None else 0,
+                                             self._mine(layout))
+        else:
+            gen = self._broadcast(self._gen() if self.rank == 0 else None)
         # Every rank seeks after this: the fences hold the new generation by then.
-        gen = self._broadcast(gen)
         self.generation = gen
         # A rollback keeps counting commits up: its lineage must outrank the
         # abandoned checkpoints (higher steps, same commit numbers).
@@ -252,6 +272,50 @@ class Restoring(SessionBase):
         self._consumed.place({}, {}, self._apply_rank_state(rec))
         for ds in self._datasets:
             ds.generation, ds.seed = gen, self.seed
+
+    def _fence_new_generation(self, floor: int, mine: list[int]) -> int:
+        """Take a new fencing generation (rank 0, from the run's counter: O(1)) and
+        raise the fences of this rank's partitions to it (every rank, O(P/W); the
+        ranks' partitions together are every partition once). One all-reduce of the
+        highest fence found tells every rank at once that all fences hold it; rank 0
+        then closes the older readers. A fence above it makes rank 0 take another
+        (:func:`~trainer_client.offsets.settle_generation`), or refuse on every rank
+        when a newer restore took over."""
+        r, top, plan_gen = self._redis, None, 0
+        for _ in range(ofs.TAKE_TRIES):
+            plan: dict[str, Any] = {}
+            if self.rank == 0:
+                try:
+                    if top is not None:
+                        floor = self._call(ofs.settle_generation, r, self.dataset_name,
+                                           self.run, plan_gen, top)
+                    plan = {"gen": self._call(ofs.take_generation, r, self.dataset_name,
+                                              self.run, floor)}
+                except FencedError as exc:
+                    plan = {"fenced": (exc.mine, exc.current)}
+            plan = self._broadcast(plan)
+            if "fenced" in plan:
+                mine_gen, current = plan["fenced"]
+                raise FencedError(group=self.run, mine=mine_gen, current=current,
+                                  what="restore")
+            plan_gen = int(plan["gen"])
+            found = self._call(ofs.fence_partitions, r, self.dataset_name, self.run,
+                               plan_gen, mine)
+            top = self._max_over_ranks(found)
+            if top == plan_gen:
+                if self.rank == 0:
+                    self._call(ofs.evict_readers, r, self.dataset_name, self.run, plan_gen)
+                return plan_gen
+        raise FencedError(group=self.run, mine=plan_gen, current=top or plan_gen,
+                          what="restore")
+
+    def _max_over_ranks(self, value: int) -> int:
+        """``value``'s maximum over the ranks: one all-reduce of one integer."""
+        if self.world_size == 1:
+            return value
+        box = torch.tensor([value], dtype=torch.int64, device=flag_device(self.process_group))
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(box.item())
 
     def rollback(self, state: Any, to_step: int | None = None, *,
                  reason: str | None = None) -> int:

@@ -116,7 +116,8 @@ class SessionBase:
         self._finished: ManifestView | None = None
         self._placed: set[int] = set()
         self._committer = OffsetCommitter(self._redis, self._call, self.store,
-                                          dataset=dataset, run=run, reader=self._positions)
+                                          dataset=dataset, run=run, reader=self._positions,
+                                          lists=self.rank == 0)
         self._reseek = False
         self._datasets: list[StreamingDataset] = []
         self.seed = _rng.default_seed(run) if seed is None else int(seed)

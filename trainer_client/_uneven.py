@@ -36,14 +36,14 @@ from trainer_client.batch import Batch
 from trainer_client.errors import PeerGpuCriticalError
 from trainer_client.health import EXIT_PEER_CRITICAL, HealthMonitor
 
-__all__ = ["UNEVEN_MODES", "Uneven", "in_step"]
+__all__ = ["UNEVEN_MODES", "Uneven", "flag_device", "in_step"]
 
 Uneven = Literal["join", "stop"]
 """How ranks with different amounts of data leave the loop (module doc)."""
 UNEVEN_MODES: tuple[Uneven, ...] = get_args(Uneven)
 
 
-def _flag_device(group: Any) -> torch.device:
+def flag_device(group: Any) -> torch.device:
     # NCCL reduces only CUDA tensors; gloo and the rest take CPU ones.
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -62,7 +62,7 @@ def in_step(
     report) is never recorded as consumed. When any rank's ``monitor`` has seen a
     CRITICAL report, that rank raises its own GpuCriticalError (``monitor.check()``)
     and the others PeerGpuCriticalError, in the same iteration."""
-    device = _flag_device(group)
+    device = flag_device(group)
     world = dist.get_world_size(group)
     done = False
     while True:

@@ -26,8 +26,10 @@ together to the newest committed checkpoint of the current lineage taken before 
 spike (``RollbackConfig.checkpoints_back`` further back), the gradients are cleared and
 the learning rate is set to ``base_lr x guard.lr_scale``. The replay then drops the
 offending batches in :meth:`batches`, *after* the session recorded their offsets:
-consumed, never trained. Every manifest written through :meth:`checkpoint` lists all
-batches dropped so far in ``extra["skipped_batches"]``.
+consumed, never trained. Every checkpoint written through :meth:`checkpoint` lists all
+batches this rank dropped so far: in its rank's state object (session record 4,
+:func:`trainguard.core.rank_record.checkpoint_skipped` reads them), or in the
+manifest's ``extra["skipped_batches"]`` with a store without per-rank objects.
 
 Batch IDs (:func:`batch_id`) name a batch by its records: ``"<partition>:<first
 ID>..<last ID>"`` per partition, joined by ``;``. They are stable across a replay when
@@ -210,7 +212,7 @@ class GuardedTraining:
 
     def checkpoint(self, *, blocking: bool = False, extra: Mapping[str, Any] | None = None) -> SaveHandleView:
         """``session.checkpoint`` of the state plus the guard's, at :attr:`step`, with
-        the dropped batch IDs in ``extra["skipped_batches"]``."""
+        the dropped batch IDs as the checkpoint's skipped batches (module docstring)."""
         if extra is not None and SKIPPED_EXTRA_KEY in extra:
             raise ValueError(f"extra must not use the key {SKIPPED_EXTRA_KEY!r}: the guard "
                              "writes it")

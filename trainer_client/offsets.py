@@ -6,7 +6,11 @@ script on the partition's own keys. Reads are fenced by eviction instead: a read
 connection carries its generation in its name and checks the fences once, when opened;
 a bump closes every reading connection of an older generation (see
 ``trainer_client._reader``). A refusal is raised as :class:`FencedError`. The
-generation is bumped by ``TrainingSession.restore``. A plain
+generation is bumped by ``TrainingSession.restore``: rank 0 takes it from the run's
+counter (:func:`take_generation`, O(1)), each rank raises the fences of its own
+partitions to it (:func:`fence_partitions`, O(P/W)), and once every rank's fences hold
+it rank 0 closes the older readers (:func:`evict_readers`); :func:`bump_generation`
+is the same in one process for every partition. A plain
 ``StreamingDataset`` without a session uses generation 0, which works as long as no
 session ever fenced the group.
 """
@@ -25,16 +29,25 @@ from trainguard.core import groups, streams
 from trainguard.core.groups import ACK_LUA, BUMP_LUA, SEEK_LUA, START_LUA, WRITE_SEEK_LUA
 
 __all__ = [
+    "TAKE_TRIES",
     "ack_upto",
     "assert_generation",
     "bump_generation",
     "current_generations",
     "evict_readers",
+    "fence_partitions",
     "reader_name",
     "seek_group",
+    "settle_generation",
     "start_pass",
+    "take_generation",
     "write_seek",
 ]
+
+TAKE_TRIES = 3
+"""Generations a restore takes before it gives up: a second is needed only when fences
+above the counter exist (written by a trainguard without the counter, or the counter
+was lost with a Redis restart), never twice in a row."""
 
 
 def eval_many(
@@ -163,19 +176,54 @@ def current_generations(client: redis.Redis, dataset: str, group: str,
     return [int(v) if v is not None else 0 for v in pipe.execute()]
 
 
-def bump_generation(client: redis.Redis, dataset: str, group: str, partitions: int, floor: int) -> int:
-    """Take a new fencing generation for the run: above every partition's fence and
-    above ``floor`` (the generation of the checkpoint being restored)."""
-    new = max([floor, *current_generations(client, dataset, group, partitions)]) + 1
-    calls = [([streams.fence_key(dataset, p, group)], [new]) for p in range(partitions)]
-    results = eval_many(client, BUMP_LUA, calls, replicated=True)
-    for r in results:
+def take_generation(client: redis.Redis, dataset: str, group: str, floor: int) -> int:
+    """A new fencing generation for the run, above its counter and ``floor`` (the
+    generation of the checkpoint being restored): one script on one key, O(1)."""
+    (r,) = eval_many(client, groups.GENERATION_LUA,
+                     [([streams.generation_key(dataset, group)], [floor])], replicated=True)
+    if isinstance(r, Exception):
+        raise r
+    return int(r)
+
+
+def fence_partitions(client: redis.Redis, dataset: str, group: str, generation: int,
+                     partitions: Iterable[int]) -> int:
+    """Raise the fences of ``partitions`` to ``generation`` (never lower one); returns
+    the highest fence found, ``generation`` when every one holds it now."""
+    calls = [([streams.fence_key(dataset, p, group)], [generation]) for p in partitions]
+    top = generation
+    for r in eval_many(client, BUMP_LUA, calls, replicated=True):
         if isinstance(r, Exception):
             raise r
-        if int(r) != new:
-            raise FencedError(group=group, mine=new, current=int(r), what="restore")
-    evict_readers(client, dataset, group, new)
-    return new
+        top = max(top, int(r))
+    return top
+
+
+def settle_generation(client: redis.Redis, dataset: str, group: str, generation: int,
+                      top: int) -> int:
+    """After fencing at ``generation`` found a fence at ``top`` above it: the floor for
+    the next generation to take, when the run's counter is still ``generation`` (that
+    fence was written without the counter: by an older trainguard, or before Redis
+    lost the counter); FencedError when the counter moved past it (a newer restore
+    took over meanwhile: this trainer is the older one)."""
+    current = int(client.get(streams.generation_key(dataset, group)) or 0)
+    if current > generation:
+        raise FencedError(group=group, mine=generation, current=current, what="restore")
+    return top
+
+
+def bump_generation(client: redis.Redis, dataset: str, group: str, partitions: int, floor: int) -> int:
+    """Take a new fencing generation for the run, above every partition's fence and
+    above ``floor``, fence every partition at it and close the older readers: a
+    restore's fencing in one process (a session's ranks split it, each its own)."""
+    for _ in range(TAKE_TRIES):
+        new = take_generation(client, dataset, group, floor)
+        top = fence_partitions(client, dataset, group, new, range(partitions))
+        if top == new:
+            evict_readers(client, dataset, group, new)
+            return new
+        floor = settle_generation(client, dataset, group, new, top)
+    raise FencedError(group=group, mine=new, current=top, what="restore")
 
 
 _READER = "trainguard-reader"

@@ -206,6 +206,10 @@ class StoreSet:
                 self._caches[url] = ManifestCache(self._stores[url])
             return self._stores[url]
 
+    def opened(self, root: StoreRoot) -> Any:
+        """The root's store (opened once): rank state objects are read through it."""
+        return self._open(root.url, root)
+
     def _cache(self, url: str, root: StoreRoot) -> ManifestCache:
         self._open(url, root)
         return self._caches[url]

@@ -48,9 +48,12 @@ from ingest_service.service.throughput import ThroughputSampler
 from ingest_service.service.training import training
 from trainguard.core import incidents as inc
 from trainguard.core import settings, streams
+from trainguard.core.checkpoints import CorruptCheckpointError, ManifestView
+from trainguard.core.history import Skips, history, with_recorded_failures
 from trainguard.core.history import histories as run_histories
-from trainguard.core.history import history, with_recorded_failures
 from trainguard.core.interval import IntervalPolicy
+from trainguard.core.rank_record import checkpoint_skipped
+from trainguard.core.record import RecordError, SessionRecord
 from trainguard.core.urls import redact_text
 
 __all__ = ["DEAD_LETTERS_SHOWN", "SAMPLER_KEY", "attempts", "collect_runs", "dataset_detail", "run_detail",
@@ -156,6 +159,23 @@ def _without_stacks(incident: dict[str, Any]) -> dict[str, Any]:
             else "see `trainguard runs show` (it quotes the error)"}
 
 
+def _skips(stores: StoreSet, root: StoreRoot) -> Skips:
+    """Each checkpoint's skipped batches: the manifest's, or from session record 4 on
+    its rank objects' (one read per rank, once per listing). A damaged or missing
+    object counts none and is logged: the history shows what it can."""
+    store = stores.opened(root)
+
+    def skips(m: ManifestView, rec: SessionRecord) -> tuple[str, ...] | None:
+        try:
+            return checkpoint_skipped(store, m, rec)
+        except (RecordError, CorruptCheckpointError, OSError) as exc:
+            log.warning("store %r: skipped batches of checkpoint %s unreadable: %s",
+                        root.name, m.name, redact_text(f"{type(exc).__name__}: {exc}"))
+            return None
+
+    return skips
+
+
 def _root_histories(stores: StoreSet, policy: IntervalPolicy | None, root: StoreRoot,
                     cancel: Cancel) -> list[dict[str, Any]]:
     """A root's run histories (blocking), derived once per listing of the root."""
@@ -163,7 +183,7 @@ def _root_histories(stores: StoreSet, policy: IntervalPolicy | None, root: Store
 
     def make(c: Catalog) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for h in run_histories(c.manifests, policy=policy):
+        for h in run_histories(c.manifests, policy=policy, skips=_skips(stores, root)):
             for ckpt in h["checkpoints"]:
                 ckpt["status"] = c.labels.get(ckpt["name"], ["committed"])
                 ckpt["tiers"] = c.tiers.get(ckpt["name"], [])

@@ -26,6 +26,7 @@ from trainguard.core import streams
 __all__ = [
     "ACK_LUA",
     "BUMP_LUA",
+    "GENERATION_LUA",
     "SEEK_LUA",
     "START_LUA",
     "WRITE_SEEK_LUA",
@@ -126,6 +127,16 @@ local new = tonumber(ARGV[1])
 if cur >= new then return cur end
 redis.call('SET', KEYS[1], ARGV[1])
 return new
+"""
+
+# KEYS: the run's generation counter.  ARGV: floor. Returns the new generation: one
+# above both, and the counter holds it (two restores never take the same one).
+GENERATION_LUA = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local floor = tonumber(ARGV[1])
+if floor > cur then cur = floor end
+redis.call('SET', KEYS[1], cur + 1)
+return cur + 1
 """
 
 _shas: dict[str, str] = {}

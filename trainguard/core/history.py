@@ -2,8 +2,10 @@
 restarts, rollbacks, world-size changes, save timing and the interval advice.
 
 The manifests are the truth (no database of its own): the session record
-(:mod:`trainguard.core.record`) gives each checkpoint's generation, commit, world
-size and skipped batches; the timing record (:mod:`trainguard.core.timing`) gives
+(:mod:`trainguard.core.record`) gives each checkpoint's generation, commit and world
+size, and its skipped batches (before record version 4; from then on the caller's
+``skips`` reads them from the rank objects,
+:func:`trainguard.core.rank_record.checkpoint_skipped`); the timing record (:mod:`trainguard.core.timing`) gives
 save timings, restore/rollback events and the run's totals. Manifests of older
 writers (no timing record) still give the timeline: a restart is then a generation
 change, and the observed time the span of commit times.
@@ -15,7 +17,7 @@ shortens the timeline, while the totals (carried from manifest to manifest) stay
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -24,7 +26,15 @@ from trainguard.core.interval import IntervalPolicy, advise
 from trainguard.core.record import RecordError, SessionRecord
 from trainguard.core.timing import SaveTime, TimingError, TimingRecord
 
-__all__ = ["CheckpointRow", "RestartRow", "RunKey", "WorldRow", "histories", "history", "run_keys", "with_recorded_failures"]
+__all__ = ["CheckpointRow", "RestartRow", "RunKey", "Skips", "WorldRow", "histories", "history",
+           "run_keys", "with_recorded_failures"]
+
+Skips = Callable[[ManifestView, SessionRecord], "tuple[str, ...] | None"]
+"""A checkpoint's skipped batches from its manifest and session record."""
+
+
+def _manifest_skips(m: ManifestView, rec: SessionRecord) -> tuple[str, ...] | None:
+    return rec.skipped
 
 
 @dataclass(frozen=True)
@@ -58,7 +68,8 @@ def run_keys(manifests: Iterable[ManifestView]) -> set[RunKey]:
 
 
 def histories(manifests: Iterable[ManifestView], *,
-              policy: IntervalPolicy | None = None) -> list[dict[str, Any]]:
+              policy: IntervalPolicy | None = None,
+              skips: Skips | None = None) -> list[dict[str, Any]]:
     """The history of every run ``manifests`` carry, ordered by (run, dataset): one
     pass sorts the manifests by run, then each run's history reads only its own (a
     root of R runs and M manifests costs O(M), not O(R x M))."""
@@ -67,7 +78,7 @@ def histories(manifests: Iterable[ManifestView], *,
         rec = _record(m)
         if rec is not None and rec.run:
             by_run.setdefault(RunKey(rec.dataset, rec.run), []).append(m)
-    return [history(by_run[k], dataset=k.dataset, run=k.run, policy=policy)
+    return [history(by_run[k], dataset=k.dataset, run=k.run, policy=policy, skips=skips)
             for k in sorted(by_run, key=lambda k: (k.run, k.dataset))]
 
 
@@ -130,10 +141,11 @@ class WorldRow(TypedDict):
 
 
 def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
-            policy: IntervalPolicy | None = None, failures: int | None = None
-            ) -> dict[str, Any]:
+            policy: IntervalPolicy | None = None, failures: int | None = None,
+            skips: Skips | None = None) -> dict[str, Any]:
     """The history of ``run`` on ``dataset`` from ``manifests`` (any order, any runs:
-    the others are ignored), as JSON-ready data. ``failures``: the failed attempts
+    the others are ignored), as JSON-ready data. ``skips``: each checkpoint's skipped
+    batches (default: the manifest's own, which a version 4 record does not carry). ``failures``: the failed attempts
     Redis recorded (:mod:`trainguard.core.incidents`; those that died before their
     first checkpoint left no manifest): the failure count is at least that."""
     mine = []
@@ -147,17 +159,20 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
     restarts: list[RestartRow] = []
     rollbacks: list[dict[str, Any]] = []
     world: list[WorldRow] = []
+    skipped_of = skips or _manifest_skips
     prev: tuple[ManifestView, SessionRecord] | None = None
+    prev_skipped: tuple[str, ...] | None = None
     committed_by_gen: dict[int, int] = {}
     newest_gen: int | None = None
     for m, rec, tim in mine:
         blocked, durable = measured.get(m.name, (None, None))
+        skipped = skipped_of(m, rec)
         checkpoints.append({
             "step": m.step, "name": m.name, "created_at": _created(m),
             "nbytes": getattr(m, "nbytes", None), "generation": rec.generation,
             "commit": rec.commit, "world_size": rec.world_size, "num_workers": rec.num_workers,
             "pinned": m.pinned, "blocked_s": blocked, "durable_s": durable,
-            "skipped": len(rec.skipped or ()),
+            "skipped": len(skipped or ()),
         })
         events = tim.events if tim else ()
         # Against the newest generation seen, not the previous manifest's: a fenced
@@ -179,16 +194,16 @@ def history(manifests: Iterable[ManifestView], *, dataset: str, run: str,
             if e.kind == "rollback":
                 rollbacks.append({"at": e.at, "to_step": e.to_step, "last_step": e.last_step,
                                   "generation": e.generation})
-        if prev is not None and prev[1].skipped != rec.skipped and rollbacks:
-            before = set(prev[1].skipped or ())
-            rollbacks[-1].setdefault("skipped", [b for b in rec.skipped or () if b not in before])
+        if prev is not None and prev_skipped != skipped and rollbacks:
+            before = set(prev_skipped or ())
+            rollbacks[-1].setdefault("skipped", [b for b in skipped or () if b not in before])
         if prev is None or (prev[1].world_size, prev[1].num_workers) != (rec.world_size,
                                                                           rec.num_workers):
             world.append({"at": _created(m), "step": m.step, "world_size": rec.world_size,
                           "num_workers": rec.num_workers})
         committed_by_gen[rec.generation] = max(committed_by_gen.get(rec.generation, 0), m.step)
         newest_gen = max(rec.generation, newest_gen or 0)
-        prev = (m, rec)
+        prev, prev_skipped = (m, rec), skipped
     for rb in rollbacks:
         rb.setdefault("skipped", [])
     return {

@@ -4,9 +4,10 @@ and the one order in which checkpoints are restored.
 A manifest's ``extra`` carries it under two keys (the user's own ``extra`` keys sit
 beside them)::
 
-    extra["trainguard"]        version 3 (2: with offsets, batches and ranks, below;
+    extra["trainguard"]        version 4 (3: skipped batches in the manifest, below;
+                               2: with offsets, batches and ranks, below;
                                1: without seed and ranks)
-        version      3
+        version      4
         dataset      dataset name               run          the run (= consumer group)
         partitions   partition count            world_size   ranks that wrote it
         num_workers  DataLoader workers per rank of the pass it was taken in
@@ -22,8 +23,11 @@ beside them)::
                      rank's random states when the checkpoint was taken (torch CPU,
                      CUDA per device, NumPy, Python ``random``; see ``RankState``) and
                      the epoch it was in with the batches it consumed there
-    extra["skipped_batches"]   IDs of every batch consumed but never trained (written
-                               only by runs that skip batches: ``GuardedTraining``)
+    extra["skipped_batches"]   versions 1 to 3 only: IDs of every batch consumed but
+                               never trained (written only by runs that skip batches:
+                               ``GuardedTraining``, the restart-loop breaker); from
+                               version 4 on each rank's object holds its own
+                               (:func:`trainguard.core.rank_record.checkpoint_skipped`)
 
 :class:`SessionRecord` is that document as one frozen type, and
 :meth:`SessionRecord.from_extra` its only parser. The test
@@ -54,6 +58,7 @@ __all__ = [
     "PER_RANK_VERSION",
     "RECORD_VERSION",
     "SKIPPED_KEY",
+    "SKIPS_PER_RANK_VERSION",
     "RankState",
     "RecordError",
     "SessionRecord",
@@ -62,9 +67,11 @@ __all__ = [
 
 RECORD_KEY = "trainguard"
 SKIPPED_KEY = "skipped_batches"
-RECORD_VERSION = 3
+RECORD_VERSION = 4
 PER_RANK_VERSION = 3
 """From this version on, offsets, batches and rank states are in per-rank objects."""
+SKIPS_PER_RANK_VERSION = 4
+"""From this version on, skipped batches are in per-rank objects too (not the manifest)."""
 
 
 
@@ -112,7 +119,8 @@ class SessionRecord:
     offsets: Mapping[int, str] = field(default_factory=dict)
     batches: Mapping[int, int] = field(default_factory=dict)
     skipped: tuple[str, ...] | None = None
-    """Batches consumed but never trained; None: the run does not skip batches."""
+    """Batches consumed but never trained (before version 4; from then on in the rank
+    objects); None: the manifest lists none."""
     seed: int | None = None
     """The run seed; None in version 1 records (the session then uses its own)."""
     ranks: Mapping[int, RankState] = field(default_factory=dict)
@@ -142,6 +150,9 @@ class SessionRecord:
             doc[RECORD_KEY]["seed"] = self.seed
             doc[RECORD_KEY]["ranks"] = {str(r): s.to_wire() for r, s in sorted(self.ranks.items())}
         if self.skipped is not None:
+            if self.version >= SKIPS_PER_RANK_VERSION:
+                raise ValueError(f"a version {self.version} session record keeps no skipped "
+                                 "batches: each rank's object holds its own")
             doc[SKIPPED_KEY] = list(self.skipped)
         return doc
 

@@ -130,6 +130,19 @@ def floor_key(dataset: str, group: str) -> str:
     return f"{PREFIX}:{{{dataset}}}:floor:{group}"
 
 
+def kept_key(dataset: str, group: str) -> str:
+    """The run's kept checkpoints, as rank 0 of its trainer saw them after its last
+    commit (JSON: name, step, uid and session record of each): the other ranks read
+    it for their retention floor instead of listing the store."""
+    return f"{PREFIX}:{{{dataset}}}:kept:{group}"
+
+
+def generation_key(dataset: str, group: str) -> str:
+    """The run's newest fencing generation taken (a counter the trainer's restore
+    increments; each partition's fence is raised to it by the rank that reads it)."""
+    return f"{PREFIX}:{{{dataset}}}:generation:{group}"
+
+
 def paused_key(dataset: str) -> str:
     return f"{PREFIX}:{{{dataset}}}:paused"
 
