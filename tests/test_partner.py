@@ -26,6 +26,7 @@ from tests import _client_ledger as ledger
 from tests._tier_servers import TierServers, tier_servers
 from trainguard.core.checkpoints import CheckpointStoreAPI
 from trainguard.core.rank_record import checkpoint_offsets
+from trainguard.core.record import RECORD_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20
@@ -80,7 +81,7 @@ def _final_ledger(servers: TierServers, node: int, n: int, partitions: int) -> t
     try:
         manifest = store.load(state)
         assert manifest is not None, "no checkpoint was committed"
-        assert manifest.extra["trainguard"]["version"] == 3
+        assert manifest.extra["trainguard"]["version"] == RECORD_VERSION
         assert (store.ram.root / DATA_DIR / manifest.uid / "ranks" / "0.json").is_file()
         assert sorted(checkpoint_offsets(store, manifest)) == list(range(partitions))
     finally:

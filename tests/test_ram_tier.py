@@ -19,6 +19,7 @@ from checkpoint_store.ram_tier import RamTierFullError, RamTierStore, memory_bac
 from tests import _client_fill as cf
 from tests import _client_ledger as ledger
 from trainguard.core.checkpoints import CheckpointError, CheckpointStoreAPI
+from trainguard.core.record import RECORD_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20
@@ -175,5 +176,5 @@ def test_ledger_with_the_ram_tier_as_store_survives_kills(redis_server, shm: Pat
     assert kills == 8
     counts, extra = ledger.final_counts(f"file://{shm}", n)
     ledger.assert_each_once(counts)
-    assert extra["trainguard"]["version"] == 3 and len(extra["trainguard"]["offsets"]) == p
+    assert extra["trainguard"]["version"] == RECORD_VERSION and len(extra["trainguard"]["offsets"]) == p
     assert tree_bytes(shm) <= 3 * 256 << 10
