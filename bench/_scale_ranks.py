@@ -11,12 +11,14 @@ its P/W partitions, batch counts, random states) and a manifest indexing the W o
 them (``checkpoint_store.rank_state``). Then, in interleaved rounds (new, baseline in a
 Latin square, ``bench/rounds.py``), on ``--sample`` ranks spread over 0..W-1:
 
-- new (session record 3, main as it is): a rank's ``checkpoint()`` call (the loop's
+- new (session record 4, main as it is): a rank's ``checkpoint()`` call (the loop's
   stall) is its fence check of its own partitions and the capture of its random
   states; in the background it writes its state object (fsync'd, as
   ``saving._write_rank_state``), rank 0 writes the manifest of W index entries, and
   each rank's ``OffsetCommitter.publish`` acknowledges and publishes its own
-  partitions (listing the kept manifests for the retention floor).
+  partitions; only rank 0 lists the store for the retention floor and publishes the
+  kept checkpoints (``streams.kept_key``), every other rank GETs that key
+  (``OffsetCommitter(lists=rank == 0)``, as ``_session_base`` makes it).
 - baseline (record 2, reproduced: the calls the old commit made, with the real
   functions): the fence check of all P partitions on every rank, the all-gather
   through ``gather_offsets`` itself (a rank unpickles and merges W payloads of all P
@@ -25,11 +27,15 @@ Latin square, ``bench/rounds.py``), on ``--sample`` ranks spread over 0..W-1:
   manifest holds every offset and every rank's random states (its bytes computed
   exactly from the record's JSON, its encode and parse measured up to
   ``--v2-max-ranks`` ranks and scaled by bytes beyond; said so in the output).
-- restore: rank 0 bumps the fence of all P (``bump_generation``); each sampled rank
-  loads the newest checkpoint (``CheckpointStore.load``), reads its own object (same
-  W) or the objects of the ranks that owned its partitions (W x 0.75 and W x 1.25,
-  through ``rank_record.positions``), seeks and acknowledges its partitions. The
-  baseline's rank parses the whole version 2 manifest instead of one object.
+- restore (new, as ``_restore._fence_new_generation``): rank 0 takes the generation
+  from the run's counter (``take_generation``, one key), each sampled rank fences its
+  own partitions of the new layout (``fence_partitions``), rank 0 closes the older
+  readers (``evict_readers``); the one int64 MAX all-reduce between is not measured.
+  Then each sampled rank loads the newest checkpoint (``CheckpointStore.load``), reads
+  its own object (same W) or the objects of the ranks that owned its partitions
+  (W x 0.75 and W x 1.25, through ``rank_record.positions``), seeks and acknowledges
+  its partitions. The baseline (record 2): rank 0 bumps the fence of all P
+  (``bump_generation``) and each rank parses the whole version 2 manifest instead.
 
 Composition (ranks run in parallel on their own hosts; all their Redis work lands on
 the same servers, so its CPU is summed and spread over the masters)::
@@ -38,7 +44,9 @@ the same servers, so its CPU is summed and spread over the masters)::
                      mean over sampled ranks of x's server CPU x W / masters)
     stall      = across(fence check + random states)          [+ W/merged x merge: baseline]
     commit     = stall + across(object write) + rank 0's manifest write + across(publish)
-    restore    = rank 0's fence bump + across(load + objects + seek + ack)
+    restore    = rank 0's take + across(own fences) + rank 0's eviction
+                 + across(load + objects + seek + ack)       [over the W' restoring ranks]
+    restore    = rank 0's bump of all P + across(load + manifest + seek + ack)  [baseline]
     Redis CPU per checkpoint = mean server CPU per sampled rank x W (+ rank 0's publish)
 
 Not in either side: the transport of the collectives (the baseline's W payloads of
@@ -74,7 +82,7 @@ from trainer_client._commit import OffsetCommitter, PositionReader, gather_offse
 from trainguard.core import streams
 from trainguard.core.checkpoints import open_store, rank_state_store
 from trainguard.core.rank_record import RankRecord, positions
-from trainguard.core.record import RankState, SessionRecord
+from trainguard.core.record import RECORD_VERSION, RankState, SessionRecord
 
 RUN = "scale"
 CHANGES = {"same": 1.0, "minus25": 0.75, "plus25": 1.25}
@@ -117,6 +125,20 @@ class Clock:
 
 def _direct(fn: Callable[..., Any], *a: Any, **k: Any) -> Any:
     return fn(*a, **k)
+
+
+class _Listings:
+    """Counts a store's listings (the output says how many ranks listed per commit)."""
+
+    def __init__(self, store: Any):
+        self.count = 0
+        inner = store.list
+
+        def counted() -> Any:
+            self.count += 1
+            return inner()
+
+        store.list = counted
 
 
 def mean_w(server_cpu: list[float], world: int, masters: int) -> float:
@@ -190,7 +212,7 @@ class Checkpoint:
         self.url = (d.work / f"ckpt-{d.P}-{world}").as_uri()
         store = open_store(self.url, keep_last=1000)
         store.save({"model": torch.nn.Linear(2, 2)}, step=1, blocking=True,
-                   extra=d.record(world, 3).to_extra(), rank_state=d.own(0, world).to_wire())
+                   extra=d.record(world, RECORD_VERSION).to_extra(), rank_state=d.own(0, world).to_wire())
         m = store.latest()
         store.close()
         assert m is not None
@@ -265,21 +287,22 @@ def _new_round(d: Data, ck: Checkpoint, ranks: list[int], step: int) -> dict[str
     t0 = time.perf_counter()
     ck.commit_manifest(uid, step, digests)
     manifest_s = time.perf_counter() - t0
-    idle = 0
+    lists = 0
     for r in ranks:
         store = open_store(ck.url)
         reader = PositionReader(rank_state_store(store))
         # A rank knows its own objects of its own commits (OffsetCommitter.after).
         reader.remember(ck.name, owns[r])
         reader.remember(f"{step:012d}-{uid}.json", owns[r])
-        committer = OffsetCommitter(c, _direct, store, dataset=d.name, run=RUN, reader=reader)
+        # As the session makes it (_session_base): only rank 0 lists the store and
+        # publishes the kept checkpoints; the others GET that key. Rank 0 is the first
+        # sampled rank, so the others find its list of this very commit.
+        committer = OffsetCommitter(c, _direct, store, dataset=d.name, run=RUN, reader=reader,
+                                    lists=r == 0)
+        listed = _Listings(store)
         with Clock(d) as p:
-            try:
-                committer.publish(owns[r].offsets, d.gen, whole=False)
-            except redis.DataError:
-                # A rank owning no partition (W x workers > P): main's publish sends an
-                # empty HSET, which redis-py refuses (the session logs it as a warning).
-                idle += 1
+            committer.publish(owns[r].offsets, d.gen, whole=False)
+        lists += listed.count
         pub.append(p.wall_s)
         pub_cpu.append(p.server_cpu_s)
         store.close()
@@ -294,7 +317,7 @@ def _new_round(d: Data, ck: Checkpoint, ranks: list[int], step: int) -> dict[str
                                  "publish_queue_s": mean_w(pub_cpu, W, m)},
         "commit_s": st + wr + manifest_s + pb,
         "rank_work_s": max(a + b + e for a, b, e in zip(stall, write, pub)),
-        "manifest_write_s": manifest_s, "idle_ranks_refused": idle,
+        "manifest_write_s": manifest_s, "store_listings": lists,
         "redis_cpu_s": statistics.mean([a + b + e for a, b, e in zip(stall_cpu, write_cpu, pub_cpu)]) * W,
     }
 
@@ -338,15 +361,43 @@ def _old_round(d: Data, ck: Checkpoint, W: int, args: argparse.Namespace,
 
 def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
               v2: dict[str, Any] | None) -> dict[str, Any]:
-    """Rank 0's fence bump, then each sampled rank's restore (new layout; with ``v2``
-    the baseline's: the whole version 2 manifest parsed instead of one object)."""
+    """Each restore's fencing, then each sampled rank's restore. New layout (as
+    ``_restore._fence_new_generation`` and ``_session_base._place`` do it): rank 0 takes
+    the generation from the run's counter, each rank fences its own partitions at
+    the new W, (one int64 MAX all-reduce: not measured), rank 0 closes the older
+    readers; then each rank loads, reads its own object or its partitions' owners',
+    seeks and acknowledges. With ``v2``, the baseline's: rank 0 bumps all P
+    (``bump_generation``) and every rank parses the whole version 2 manifest."""
     c, W = d.client, ck.world
-    t0 = time.perf_counter()
-    d.gen = ofs.bump_generation(c, d.name, RUN, d.P, d.gen)
-    bump = time.perf_counter() - t0
     out: dict[str, Any] = {}
+    bumps = []
     for change, ranks in ranks_by_change.items():
         W2 = max(1, round(W * CHANGES[change]))
+        fence: dict[str, float] = {}
+        if v2 is None:
+            t0 = time.perf_counter()
+            c.sadd(streams.groups_key(d.name), RUN)
+            gen = ofs.take_generation(c, d.name, RUN, d.gen)
+            fence["take_s"] = time.perf_counter() - t0
+            fw, fc = [], []
+            for r in ranks:
+                with Clock(d) as f:
+                    top = ofs.fence_partitions(c, d.name, RUN, gen, d.mine(r, W2))
+                assert top == gen, (top, gen)
+                fw.append(f.wall_s)
+                fc.append(f.server_cpu_s)
+            fence["fence_s"] = across(fw, fc, W2, d.masters)
+            fence["fence_rank_s"], fence["fence_queue_s"] = max(fw), mean_w(fc, W2, d.masters)
+            t0 = time.perf_counter()
+            ofs.evict_readers(c, d.name, RUN, gen)
+            fence["evict_s"] = time.perf_counter() - t0
+            d.gen = gen
+            bump = fence["take_s"] + fence["fence_s"] + fence["evict_s"]
+        else:
+            t0 = time.perf_counter()
+            d.gen = ofs.bump_generation(c, d.name, RUN, d.P, d.gen)
+            bump = time.perf_counter() - t0
+        bumps.append(bump)
         walls, cpus, read, objs = [], [], [], []
         for r in ranks:
             mine = d.mine(r, W2)
@@ -382,11 +433,11 @@ def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
             objs.append(len(got))
             read.append(ck.manifest_bytes + sum(ck.object_bytes[o] for o in got)
                         if v2 is None else v2["bytes"])
-        out[change] = {"restore_s": bump + across(walls, cpus, W, d.masters),
-                       "rank_s": max(walls), "queue_s": mean_w(cpus, W, d.masters),
+        out[change] = {"restore_s": bump + across(walls, cpus, W2, d.masters),
+                       "rank_s": max(walls), "queue_s": mean_w(cpus, W2, d.masters),
                        "bytes_read_per_rank": max(read), "objects_read_max": max(objs),
-                       "world_size": W2}
-    out["bump_s"] = bump
+                       "world_size": W2, "fencing": fence}
+    out["bump_s"] = bumps[0]
     return out
 
 
@@ -428,7 +479,8 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
                            "manifest_bytes": {"new": ck.manifest_bytes,
                                               "old": v2["bytes"] + ck.manifest_bytes},
                            "object_bytes_median": statistics.median(ck.object_bytes.values()),
-                           "v2_measured_ranks": v2["measured_ranks"]}
+                           "v2_measured_ranks": v2["measured_ranks"],
+                           "store_listings_per_commit": max(x["store_listings"] for x in rows["new"])}
     for side in ("new", "old"):
         for key in ("stall_s", "commit_s", "rank_work_s", "manifest_write_s", "redis_cpu_s"):
             fig.setdefault(key, {})[side] = spread([x[key] for x in rows[side]])
@@ -444,7 +496,9 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
                 "objects_read_max": restores[side][0][ch]["objects_read_max"],
                 "rank_s": spread([x[ch]["rank_s"] for x in restores[side]]),
                 "queue_s": spread([x[ch]["queue_s"] for x in restores[side]]),
-                "world_size": restores[side][0][ch]["world_size"]}
+                "world_size": restores[side][0][ch]["world_size"],
+                "fencing": {k: spread([x[ch]["fencing"][k] for x in restores[side]])
+                            for k in restores[side][0][ch]["fencing"]}}
     for key in ("stall_s", "commit_s", "rank_work_s", "redis_cpu_s"):
         fig[key]["ratio"] = spread([o[key] / n[key] for o, n in zip(rows["old"], rows["new"])])
     fig["restore_same"]["ratio"] = spread([

@@ -1,6 +1,6 @@
 """The commit at scale: loop stall, commit latency and restore at W simulated ranks x P
 partitions, on single Redis and on a Redis Cluster (3 masters + 3 replicas), the
-per-rank layout (main, session record 3) beside the baseline (record 2: a global
+per-rank layout (main, session record 4) beside the baseline (record 2: a global
 gather of offsets and a manifest holding every rank's record), in the same run: the
 inputs of ``docs/SCALING.md``.
 

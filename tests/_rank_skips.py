@@ -5,11 +5,15 @@ Restores, then ``--commits`` times consumes ``--steps`` batches and checkpoints 
 the step reached; with ``--skip`` it reports its first batch of this run as skipped
 (consumed, never trained: ``checkpoint(skipped=[...])``), which only this rank knows.
 Prints ``SKIPPED <batch id or ->`` and ``LISTS <n>``: how often the session listed
-the store from the first checkpoint on (the store's own ``list``, counted)."""
+the store from the first checkpoint on (the store's own ``list``, counted); and
+``WARNED <n>``: the warnings the session logged (a failed acknowledgement after a
+commit is one). A rank that owns no partition (ranks > partitions) steps on empty
+batches (``uneven="join"``) and checkpoints with the others."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -19,6 +23,16 @@ from torch.utils.data import DataLoader
 
 from trainer_client import TrainingSession
 from trainer_client.guard import batch_id
+from trainguard.core import streams
+
+
+class _Count(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.n = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.n += 1
 
 
 def main() -> int:
@@ -36,10 +50,14 @@ def main() -> int:
                               rank=rank, world_size=world, block_ms=100)
     torch.manual_seed(0)
     state = {"model": torch.nn.Linear(4, 1)}
+    warned = _Count()
+    logging.getLogger("trainer_client").addHandler(warned)
     step = session.restore(state)
     it = iter(session.batches(DataLoader(session.dataset(batch_size=4), batch_size=None)))
-    first = next(it)
-    mine = batch_id(first)
+    idle = not streams.rank_partitions(session.spec.partitions, world_size=world,
+                                       num_workers=0, rank=rank)
+    first = next(it)  # every rank steps together (an idle one on empty batches)
+    mine = "-" if idle else batch_id(first)
     lists = [0]
     listing = session.store.list
 
@@ -56,6 +74,7 @@ def main() -> int:
     session.close()
     print(f"SKIPPED {mine if args.skip else '-'}", flush=True)
     print(f"LISTS {lists[0]}", flush=True)
+    print(f"WARNED {warned.n}", flush=True)
     if world > 1:
         dist.destroy_process_group()
     return 0

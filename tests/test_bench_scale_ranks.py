@@ -43,6 +43,8 @@ def test_scale_bench_restores_read_only_the_owners_objects(tmp_path: Path):
     assert set(sizes) == {(w, p) for w in RANKS for p in PARTS}
     for (W, P), f in sizes.items():
         assert f["sampled_ranks"] == [0, W - 1]
+        # Of the sampled ranks only rank 0 lists the store; the other GETs its list.
+        assert f["store_listings_per_commit"] == 1
         same = f["restore_same"]
         assert same["new"]["objects_read_max"] == 1
         # The manifest and the object of its own rank, nothing else.

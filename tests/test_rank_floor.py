@@ -60,3 +60,40 @@ def test_only_rank_0_lists_the_store_and_the_floor_is_the_listings(
         assert floor[str(p)] in allowed, (p, floor, expected, dropped)
     assert published is not None
     assert [k["name"] for k in json.loads(published)["kept"]] == [m.name for m in kept]
+
+
+def test_a_rank_owning_no_partition_publishes_nothing_and_warns_nothing(
+        redis_server, tmp_path: Path) -> None:
+    """Three ranks over two partitions: rank 2 owns none. Over two commits no rank
+    logs a warning (before, rank 2's publish sent an HSET without fields, refused by
+    redis-py, and logged "acknowledging offsets after commit failed" at each commit);
+    the committed offsets are exactly the newest checkpoint's of partitions 0 and 1,
+    the floor is retention_floor over the kept checkpoints, and the kept key names
+    them."""
+    spec = cf.create(redis_server.url, "tok", partitions=2)
+    cf.fill(redis_server.url, spec, N)
+    url = f"file://{tmp_path}/c"
+    out = rank_lines(redis_server.url, url, 3, 2, "--commits", "2")
+    assert [int(x["WARNED"]) for x in out] == [0, 0, 0]
+    # A fresh run: a rank reading the kept key before rank 0's first publish lists.
+    lists = [int(x["LISTS"]) for x in out]
+    assert lists[0] == 2 and max(lists[1:]) <= 1, lists
+
+    store = CheckpointStore(url)
+    kept = store.list()
+    newest = kept[-1]
+    offsets = checkpoint_positions(store, newest).offsets
+    expected = record.retention_floor(
+        offsets, kept, dataset="tok", run="exp",
+        positions=lambda m, rec: checkpoint_positions(store, m).offsets)
+    store.close()
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    committed = client.hgetall(streams.committed_key("tok", "exp"))
+    floor = client.hgetall(streams.floor_key("tok", "exp"))
+    published = client.get(streams.kept_key("tok", "exp"))
+    client.close()
+    assert set(offsets) == {0, 1}
+    assert committed == {str(p): i for p, i in offsets.items()}
+    assert floor == {str(p): i for p, i in expected.items()}
+    assert published is not None
+    assert [k["name"] for k in json.loads(published)["kept"]] == [m.name for m in kept]

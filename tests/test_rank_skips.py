@@ -43,7 +43,7 @@ def rank_lines(url: str, store: str, world: int, steps: int, *extra: str
         text, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, text[-3000:]
         out.append(dict(x.split(" ", 1) for x in text.splitlines()
-                        if x.startswith(("SKIPPED ", "LISTS "))))
+                        if x.startswith(("SKIPPED ", "LISTS ", "WARNED "))))
     return out
 
 

@@ -229,13 +229,19 @@ class OffsetCommitter:
             # A new pipeline per attempt: a failed execute() empties its pipeline, so
             # retrying the same one would publish nothing.
             pipe = r.pipeline(transaction=True)
-            pipe.hset(streams.committed_key(self._dataset, self._run), mapping=committed)
+            # A rank owning no partition (ranks x workers > partitions) has no field to
+            # set: redis-py refuses an HSET without one (DataError), which would cost
+            # the kept list rank 0 publishes in the same transaction.
+            if committed:
+                pipe.hset(streams.committed_key(self._dataset, self._run), mapping=committed)
             if whole:
                 pipe.delete(streams.floor_key(self._dataset, self._run))
-            pipe.hset(streams.floor_key(self._dataset, self._run), mapping=floors)
+            if floors:
+                pipe.hset(streams.floor_key(self._dataset, self._run), mapping=floors)
             if published is not None:
                 pipe.set(streams.kept_key(self._dataset, self._run), published)
-            pipe.execute()
+            if len(pipe):
+                pipe.execute()
 
         self._call(publish)
         self.last_publish_s = time.perf_counter() - t0
