@@ -106,7 +106,8 @@ def test_auto_copies_each_tier_of_a_node_store_on_the_advised_schedule(
     multiple of the plan's partner interval at that save, and on disk exactly when a
     multiple of its disk interval; the first save goes everywhere (nothing measured),
     and the plan is multi-level: saves every few steps, partner copies of fewer of
-    them, disk copies of fewer still."""
+    them, disk copies of some of those (the final plan's disk interval above the
+    partner's)."""
     spec = cf.create(redis_server.url, "tok", partitions=2)
     cf.fill(redis_server.url, spec, 2400)
     with tier_servers(shm, 2, keep_copies=10_000) as servers:
@@ -131,8 +132,11 @@ def test_auto_copies_each_tier_of_a_node_store_on_the_advised_schedule(
     steps = 2400 // 4 // 1  # two partitions of 1200 records, batches of 4
     assert plan is not None, "the run never planned"
     assert 2 <= len(saves) < steps // 2, (len(saves), plan.to_json())
-    assert 1 <= len(disk) < len(partner) < len(saves), (len(disk), len(partner), len(saves),
-                                                        plan.to_json())
+    # Nested at every save (each disk interval a multiple of the partner one), so disk
+    # copies are partner copies too; how many of each depends on the measured costs,
+    # which the plan may revise mid-run, so only the final plan's order is pinned.
+    assert disk and disk <= partner and len(partner) < len(saves), (
+        sorted(disk), sorted(partner), len(saves), plan.to_json())
     assert plan.every["partner"] > 1 and plan.every["disk"] > plan.every["partner"], plan.to_json()
 
 
