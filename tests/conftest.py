@@ -110,3 +110,18 @@ def redis_target(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
     if request.param == "single":
         return request.getfixturevalue("redis_server")  # type: ignore[no-any-return]
     return request.getfixturevalue("redis_cluster")  # type: ignore[no-any-return]
+
+
+@pytest.fixture(autouse=True)
+def _no_rendezvous_env_leaks() -> Iterator[None]:
+    """A rendezvous handler run in this process (the backend's tests) puts the variables
+    its workers would inherit into os.environ: restore them after every test, so that no
+    later test's trainers inherit a finished test's rendezvous (its Redis is gone)."""
+    names = ("TRAINGUARD_RDZV_WORKER", "TRAINGUARD_RDZV_CLOSED_AT")
+    saved = {n: os.environ.get(n) for n in names}
+    yield
+    for n, v in saved.items():
+        if v is None:
+            os.environ.pop(n, None)
+        else:
+            os.environ[n] = v

@@ -7,10 +7,15 @@ the admission check, the workers' store of each round and the job stop."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -373,3 +378,30 @@ def test_each_round_gives_its_workers_a_store_of_its_own_and_a_job_stop_closes_i
     finally:
         client.close()
         _shutdown([a, b])
+
+
+def test_an_inherited_worker_variable_of_another_rendezvous_is_ignored(tmp_path: Path) -> None:
+    """A process that torchrun did not start for the rendezvous named in
+    ``$TRAINGUARD_RDZV_WORKER`` (no matching ``$TORCHELASTIC_RUN_ID``: the variable was
+    inherited, and its Redis is gone) starts its process group on torch's default store
+    instead of waiting a minute for that Redis and failing."""
+    dead = WorkerRendezvous(url=f"redis://127.0.0.1:{_free_port()}/0", run_id="gone",
+                            prefix="worker/1/x", store_ttl_s=60.0, stop_ttl_s=60.0)
+    code = ("import torch.distributed as dist\n"
+            "from trainer_client import init_process_group\n"
+            "init_process_group('gloo')\n"
+            "print('WORLD', dist.get_world_size())\n"
+            "dist.destroy_process_group()\n")
+    env = {**os.environ, RDZV_WORKER_ENV: dead.to_env(), "RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "WORLD 1" in out.stdout, out.stderr[-2000:]
+    assert "ignored" in out.stderr, out.stderr[-2000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

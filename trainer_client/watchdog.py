@@ -147,6 +147,7 @@ def init_process_group(backend: str | None = None, *, config: WatchdogConfig | N
 
     cfg = config or WatchdogConfig.from_env()
     kwargs.setdefault("timeout", timedelta(seconds=min(cfg.startup_s, cfg.ceiling_s)))
+    info = None
     if kwargs.get("store") is None and kwargs.get("init_method") is None \
             and settings.rdzv_worker():
         # A worker of the trainguard rendezvous: the group's store is the round's in
@@ -154,8 +155,8 @@ def init_process_group(backend: str | None = None, *, config: WatchdogConfig | N
         # can die). Imported only here: no other worker needs the rendezvous.
         from trainguard.elastic.worker import WorkerRendezvous, process_group_store
 
-        info = WorkerRendezvous.from_env()
-        assert info is not None
+        info = WorkerRendezvous.of_this_worker()
+    if info is not None:
         kwargs["store"] = process_group_store(info, timeout=kwargs["timeout"])
         kwargs.setdefault("rank", int(os.environ["RANK"]))
         kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))

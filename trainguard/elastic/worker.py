@@ -89,6 +89,26 @@ class WorkerRendezvous:
         keys.run_tag(info.run_id)  # a bad id fails here, not at the first key
         return info
 
+    @classmethod
+    def of_this_worker(cls) -> WorkerRendezvous | None:
+        """The variable when torchrun started this process under its rendezvous: its
+        run id is ``$TORCHELASTIC_RUN_ID``, which the agent sets for each worker. A
+        variable inherited from elsewhere (a process that ran a handler itself, an
+        exported shell variable, a worker's own child) names a Redis and a round this
+        process is not part of: it is ignored, with a warning, and torch's default
+        store is used."""
+        info = cls.from_env()
+        if info is None:
+            return None
+        run = os.environ.get("TORCHELASTIC_RUN_ID")
+        if run != info.run_id:
+            log.warning("$%s names rendezvous %r but this process was not started by "
+                        "torchrun for it ($TORCHELASTIC_RUN_ID=%r): ignored; the process "
+                        "group uses torch's default store", settings.RDZV_WORKER_ENV,
+                        info.run_id, run)
+            return None
+        return info
+
 
 def process_group_store(info: WorkerRendezvous, *, timeout: timedelta) -> dist.Store:
     """The store of this worker's round: its keys live in the rendezvous' Redis under
@@ -125,7 +145,7 @@ def stop_job(*, reason: str, exit_code: int, rank: int | None = None) -> bool:
     logged, not raised: the exit code matters more, and an agent that restarts the
     worker anyway gets a refusal, which calls this again."""
     try:
-        info = WorkerRendezvous.from_env()
+        info = WorkerRendezvous.of_this_worker()
         if info is None:
             return False
         return record_stop(info, reason=reason, exit_code=exit_code, rank=rank)
