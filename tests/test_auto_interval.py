@@ -113,7 +113,8 @@ def test_auto_copies_each_tier_of_a_node_store_on_the_advised_schedule(
     with tier_servers(shm, 2, keep_copies=10_000) as servers:
         ram = RamTierStore(node_root(servers.node_shm(0), 0), budget_bytes=64 * MB, keep_last=2)
         store = NodeTierStore(ram, node=0, peers=servers.urls, disk_root=tmp_path / "disk",
-                              disk_keep_last=10_000, intervals=TierIntervals(partner_every=7))
+                              disk_keep_last=10_000, intervals=TierIntervals(partner_every=7),
+                              hold_until_copied=True)  # a slow copy must not lose its save
         session = TrainingSession(redis_server.url, dataset="tok", run="auto", store=store,
                                   checkpoint_every="auto", tier_policy=POLICY)
         saves = _train(session, store, step_s=0.004)
