@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -125,3 +127,17 @@ def _no_rendezvous_env_leaks() -> Iterator[None]:
             os.environ.pop(n, None)
         else:
             os.environ[n] = v
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh directory in shared memory, removed afterwards (it outlives processes)."""
+    from checkpoint_store.ram_tier import memory_backed
+
+    if memory_backed("/dev/shm") is None:
+        pytest.skip("/dev/shm is not a memory-backed file system here")
+    path = Path("/dev/shm") / f"trainguard-test-{uuid.uuid4().hex}"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 import shutil
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ from torch.utils.data import DataLoader
 from checkpoint_store.layout import parse_manifest_name
 from checkpoint_store.node_tiers import NodeTierStore, TierIntervals
 from checkpoint_store.partner import node_root
-from checkpoint_store.ram_tier import RamTierStore, memory_backed
+from checkpoint_store.ram_tier import RamTierStore
 from checkpoint_store.store import CheckpointStore
 from checkpoint_store.tiered import TieredCheckpointStore
 from tests import _client_fill as cf
@@ -39,17 +37,6 @@ MB = 1 << 20
 # Failures far more often than any real run sees, so that a run of a few seconds
 # takes several saves per tier: a crash every 2 s, a node every 40 s, ...
 POLICY = TierPolicy(prior_mtbf_s={"crash": 2.0, "node": 40.0, "nodes": 400.0, "job": 4000.0})
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    if memory_backed("/dev/shm") is None:
-        pytest.skip("/dev/shm is not a memory-backed file system here")
-    path = Path("/dev/shm") / f"trainguard-test-{uuid.uuid4().hex}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "sometimes", "AUTO", [10]])

@@ -7,9 +7,6 @@ the column."""
 
 from __future__ import annotations
 
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from checkpoint_store.node_tiers import NodeTierStore, TierIntervals
 from checkpoint_store.partner import node_root
-from checkpoint_store.ram_tier import RamTierStore, memory_backed
+from checkpoint_store.ram_tier import RamTierStore
 from ingest_service.service.admin import AdminConfig
 from ingest_service.service.admin_checkpoints import StoreRoot, parse_store_roots
 from tests import _client_fill as cf
@@ -29,17 +26,6 @@ from tests.admin_helpers import TOKEN, ThreadedServer, service_app
 from trainer_client import TrainingSession
 
 MB = 1 << 20
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    if memory_backed("/dev/shm") is None:
-        pytest.skip("/dev/shm is not a memory-backed file system here")
-    path = Path("/dev/shm") / f"trainguard-test-{uuid.uuid4().hex}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _tiers(base: str, path: str, key: str) -> dict[int, list[str]]:

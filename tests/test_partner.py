@@ -9,8 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ import torch
 from checkpoint_store.layout import DATA_DIR
 from checkpoint_store.node_tiers import NodeTierStore, TierIntervals
 from checkpoint_store.partner import node_root, partners_of
-from checkpoint_store.ram_tier import RamTierFullError, RamTierStore, memory_backed
+from checkpoint_store.ram_tier import RamTierFullError, RamTierStore
 from tests import _client_fill as cf
 from tests import _client_ledger as ledger
 from tests._tier_servers import TierServers, tier_servers
@@ -30,18 +28,6 @@ from trainguard.core.record import RECORD_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A fresh directory in shared memory, removed afterwards (it outlives processes)."""
-    if memory_backed("/dev/shm") is None:
-        pytest.skip("/dev/shm is not a memory-backed file system here")
-    path = Path("/dev/shm") / f"trainguard-test-{uuid.uuid4().hex}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

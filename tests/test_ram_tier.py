@@ -3,12 +3,9 @@ the process, under a byte budget that no save ever exceeds."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,18 +20,6 @@ from trainguard.core.record import RECORD_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A fresh directory in shared memory, removed afterwards (it outlives processes)."""
-    path = Path("/dev/shm") / f"trainguard-test-{uuid.uuid4().hex}"
-    if memory_backed("/dev/shm") is None:
-        pytest.skip("/dev/shm is not a memory-backed file system here")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _state(seed: int, mb: int = 1) -> dict[str, torch.Tensor]:
