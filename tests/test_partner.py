@@ -292,12 +292,7 @@ def test_three_nodes_one_lost_every_record_trained_once(redis_server, shm: Path,
                 "--tier-disk", str(tmp_path / "disk"), "--ram-tier-budget", str(16 * MB)]
         with ledger.zygote(tmp_path / "job.log") as z:
             job = z.spawn(args, 3)
-            copied = 0
-            while copied < 2:
-                got = job.next_line(120)
-                assert got is not None and not job.exits, job.seen[-20:]
-                if got[0] == 1 and got[1].startswith("COPIED"):
-                    copied += 1
+            _wait_copies(job, node=1)
             job.kill()
             servers.lose(1)
             shutil.rmtree(tmp_path / "disk" / "node1", ignore_errors=True)
@@ -307,6 +302,17 @@ def test_three_nodes_one_lost_every_record_trained_once(redis_server, shm: Path,
         assert "1: RESTORED_FROM partner:n2" in job.seen, job.seen[:10]
         for node in (0, 1):  # node 1's own final checkpoint too: its restore was whole
             ledger.assert_each_once(_final_ledger(servers, node, n, p))
+
+
+def _wait_copies(job: Any, *, node: int, count: int = 2) -> None:
+    """Wait until ``node`` reported ``count`` copies made (its partners hold them);
+    any process exiting first fails the test."""
+    copied = 0
+    while copied < count:
+        got = job.next_line(120)
+        assert got is not None and not job.exits, job.seen[-20:]
+        if got[0] == node and got[1].startswith("COPIED"):
+            copied += 1
 
 
 def test_world_shrinks_after_a_node_loss_reading_its_state_from_a_partner(
@@ -328,23 +334,13 @@ def test_world_shrinks_after_a_node_loss_reading_its_state_from_a_partner(
                 "--ram-tier-budget", str(16 * MB)]
         with ledger.zygote(tmp_path / "job.log") as z:
             job = z.spawn(args, 3)
-            copied = 0
-            while copied < 2:
-                got = job.next_line(120)
-                assert got is not None and not job.exits, job.seen[-20:]
-                if got[0] == 2 and got[1].startswith("COPIED"):
-                    copied += 1
+            _wait_copies(job, node=2)
             job.kill()
             servers.lose(2)
             shutil.rmtree(tmp_path / "disk" / "node2", ignore_errors=True)
             servers.start(2)
             job = z.spawn(args, 2)
-            copied = 0
-            while copied < 2:
-                got = job.next_line(120)
-                assert got is not None and not job.exits, job.seen[-20:]
-                if got[0] == 1 and got[1].startswith("COPIED"):
-                    copied += 1
+            _wait_copies(job, node=1)
             job.kill()
             shrunk = job.seen
             job = z.spawn(args, 2)
