@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -39,14 +40,7 @@ def test_only_rank_0_lists_the_store_and_the_floor_is_the_listings(
     out = rank_lines(redis_server.url, url, 2, 2, "--commits", "3")
     assert [int(x["LISTS"]) for x in out] == [3, 0]
 
-    store = CheckpointStore(url)
-    kept = store.list()
-    newest = kept[-1]
-    offsets = checkpoint_positions(store, newest).offsets
-    expected = record.retention_floor(
-        offsets, kept, dataset="tok", run="exp",
-        positions=lambda m, rec: checkpoint_positions(store, m).offsets)
-    store.close()
+    kept, offsets, expected = _floor_of(url)
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     floor = client.hgetall(streams.floor_key("tok", "exp"))
     published = client.get(streams.kept_key("tok", "exp"))
@@ -79,14 +73,7 @@ def test_a_rank_owning_no_partition_publishes_nothing_and_warns_nothing(
     lists = [int(x["LISTS"]) for x in out]
     assert lists[0] == 2 and max(lists[1:]) <= 1, lists
 
-    store = CheckpointStore(url)
-    kept = store.list()
-    newest = kept[-1]
-    offsets = checkpoint_positions(store, newest).offsets
-    expected = record.retention_floor(
-        offsets, kept, dataset="tok", run="exp",
-        positions=lambda m, rec: checkpoint_positions(store, m).offsets)
-    store.close()
+    kept, offsets, expected = _floor_of(url)
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     committed = client.hgetall(streams.committed_key("tok", "exp"))
     floor = client.hgetall(streams.floor_key("tok", "exp"))
@@ -97,3 +84,18 @@ def test_a_rank_owning_no_partition_publishes_nothing_and_warns_nothing(
     assert floor == {str(p): i for p, i in expected.items()}
     assert published is not None
     assert [k["name"] for k in json.loads(published)["kept"]] == [m.name for m in kept]
+
+
+def _floor_of(url: str) -> tuple[list[Any], dict[int, str], dict[int, str]]:
+    """The kept checkpoints, the newest one's offsets, and the retention floor they
+    give (what rank 0 must publish), read from the store itself."""
+    store = CheckpointStore(url)
+    try:
+        kept = store.list()
+        offsets = checkpoint_positions(store, kept[-1]).offsets
+        expected = record.retention_floor(
+            offsets, kept, dataset="tok", run="exp",
+            positions=lambda m, rec: checkpoint_positions(store, m).offsets)
+    finally:
+        store.close()
+    return kept, offsets, expected
