@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from tests.servers import RedisCluster, RedisServer
+from tests.servers import RedisCluster, RedisServer, free_port
 from trainer_client import redis_client
 from trainguard.core import quarantine
 from trainguard.core.settings import RDZV_WORKER_ENV
@@ -385,7 +384,7 @@ def test_an_inherited_worker_variable_of_another_rendezvous_is_ignored(tmp_path:
     ``$TRAINGUARD_RDZV_WORKER`` (no matching ``$TORCHELASTIC_RUN_ID``: the variable was
     inherited, and its Redis is gone) starts its process group on torch's default store
     instead of waiting a minute for that Redis and failing."""
-    dead = WorkerRendezvous(url=f"redis://127.0.0.1:{_free_port()}/0", run_id="gone",
+    dead = WorkerRendezvous(url=f"redis://127.0.0.1:{free_port()}/0", run_id="gone",
                             prefix="worker/1/x", store_ttl_s=60.0, stop_ttl_s=60.0)
     code = ("import torch.distributed as dist\n"
             "from trainer_client import init_process_group\n"
@@ -393,15 +392,9 @@ def test_an_inherited_worker_variable_of_another_rendezvous_is_ignored(tmp_path:
             "print('WORLD', dist.get_world_size())\n"
             "dist.destroy_process_group()\n")
     env = {**os.environ, RDZV_WORKER_ENV: dead.to_env(), "RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env.pop("TORCHELASTIC_RUN_ID", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "WORLD 1" in out.stdout, out.stderr[-2000:]
     assert "ignored" in out.stderr, out.stderr[-2000:]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -46,6 +46,7 @@ from ingest_service.service.auth import PushTokens
 from ingest_service.service.config import IngestConfig
 from ingest_service.service.push_route import PUSH_KEY
 from tests.servers import RedisServer, free_port
+from tests.test_push_memory import _wait_ready
 from trainguard.core import streams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,15 +188,7 @@ def test_a_decode_worker_killed_mid_request_is_503_appends_nothing_and_is_replac
     async def scenario() -> None:
         r = await _dataset(server.url)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            for _ in range(600):
-                assert service.poll() is None, "the service exited before it was ready"
-                try:
-                    async with session.get(f"{base}/readyz") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
+            await _wait_ready(session, base, service)
 
             async def push(seq: int, data: bytes) -> tuple[int, dict[str, str], Any]:
                 async with session.post(f"{base}{URL}", data=data, headers=HEADERS,
