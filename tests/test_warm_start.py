@@ -10,7 +10,7 @@ worker from its node's zygote instead of starting a fresh Python.
 - signals: SIGTERM to the wrapper runs the child's handler; SIGKILL of the wrapper
   leaves no child alive (a SIGSTOPped one too); the child's exit code and death
   signal are the wrapper's;
-- the child's random generators: torch's is the zygote's, numpy's and Python's reseeded;
+- the child's random generators: torch's and numpy's are the zygote's, Python's reseeded;
 - ``$TRAINGUARD_WARM=0`` runs the script in the wrapper's process, with the line why;
   the wrapper imports no torch.
 
@@ -169,14 +169,15 @@ def test_sigkill_of_the_wrapper_leaves_no_child_alive(
     assert wait_until(lambda: _gone(child), 10), f"child {child} outlived its wrapper"
 
 
-def test_a_forked_child_has_the_zygotes_torch_generator_and_fresh_others(
+def test_a_forked_child_has_the_zygotes_torch_and_numpy_generators_and_pythons_fresh(
         own_zygote: dict[str, str], tmp_path: Path) -> None:
     """What a fork carries over: torch's default generator (whose seed a fresh process
-    draws at random) is the zygote's, the same in every child, where two cold
-    processes differ; numpy's global generator and Python's ``random`` are reseeded at
-    each fork (as a fresh process seeds them). A restored run is deterministic either
-    way, because a trainguard restore sets all three (trainer_client/_rng.py); a fresh
-    run that wants torch's cold behaviour seeds it itself."""
+    draws at random) and numpy's global one (seeded from the OS when numpy.random is
+    first imported: in the zygote, by torch._dynamo) are the zygote's, the same in
+    every child, where two cold processes differ; Python's ``random`` is reseeded at
+    each fork (its own at-fork hook). A restored run is deterministic either way,
+    because a trainguard restore sets all three (trainer_client/_rng.py); a fresh run
+    that wants the cold behaviour seeds them itself."""
     script = _script(tmp_path, SAYS + """import random, numpy, torch
 print(torch.initial_seed(), torch.rand(1).item(), numpy.random.rand(), random.random())
 """)
@@ -191,10 +192,10 @@ print(torch.initial_seed(), torch.rand(1).item(), numpy.random.rand(), random.ra
         lines = out.splitlines()
         assert lines[0].split()[5] == "1", lines  # forked: torch was there already
         warms.append(lines[1].split())
-    assert warms[0][:2] == warms[1][:2]  # torch's seed and draw: the zygote's
-    assert warms[0][2] != warms[1][2] and warms[0][3] != warms[1][3]  # reseeded
+    assert warms[0][:3] == warms[1][:3]  # torch's seed and draw, numpy's: the zygote's
+    assert warms[0][3] != warms[1][3]  # Python's random: reseeded
     assert all(colds[0][k] != colds[1][k] for k in range(4))
-    assert warms[0][:2] != colds[0][:2]
+    assert warms[0][:3] != colds[0][:3]
 
 
 def test_warm_off_runs_the_script_in_the_wrappers_process(

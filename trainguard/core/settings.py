@@ -57,7 +57,8 @@ variable                       what                          default
                                                              <uid>``
 ``TRAINGUARD_WARM_PRELOAD``    modules the zygote imports    unset: torch,
                                beyond the defaults           torch.distributed,
-                               (``a,b``)                     trainer_client,
+                               (``a,b``)                     torch._dynamo,
+                                                             trainer_client,
                                                              checkpoint_store
 ``TRAINGUARD_WARM_IDLE_S``     the zygote exits after this   ``600``
                                long without a worker

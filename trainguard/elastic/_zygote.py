@@ -45,7 +45,11 @@ from trainguard.elastic import warm
 
 __all__ = ["DEFAULT_PRELOAD", "NotForkable", "check_forkable", "main"]
 
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "trainer_client", "checkpoint_store")
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "trainer_client",
+                   "checkpoint_store")
+"""torch._dynamo: every torch.optim optimizer imports it when made (torch._compile's
+``_disable_dynamo``), 3 to 8 s on a loaded 2-core node, which a cold worker pays
+inside its "session" phase, after the imports it was measured apart from."""
 AGENT_POLL_S = 0.25
 """How often the zygote looks whether its agent still runs."""
 DEFAULT_IDLE_S = 600.0

@@ -4,8 +4,8 @@ torchrun starts every worker as a fresh Python process, at every restart; most o
 that start is importing torch (5 s quiet, 13-19 s on a loaded node). This wrapper
 is what torchrun starts instead: it asks its node's zygote
 (:mod:`trainguard.elastic._zygote`, one per torchrun agent, which imported torch,
-torch.distributed, trainer_client and checkpoint_store once) to fork a child that
-runs ``train.py`` (or ``-m module``) with this process's argv, environment, working
+torch.distributed, torch._dynamo, trainer_client and checkpoint_store once) to fork a
+child that runs ``train.py`` (or ``-m module``) with this process's argv, environment, working
 directory and stdin/stdout/stderr. The wrapper stays as the child's stand-in for
 torchrun: it forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 to it and exits as the
 child did (the same code, or killed by the same signal); when the wrapper dies (the
