@@ -218,6 +218,29 @@ def test_warm_off_runs_the_script_in_the_wrappers_process(
     assert w.returncode == 0 and "json.tool" in out
 
 
+def test_a_preload_that_starts_a_thread_is_refused_and_the_worker_runs_cold(
+        tmp_path: Path, warm_dir: str) -> None:
+    """A module in ``$TRAINGUARD_WARM_PRELOAD`` that starts a thread at import: the
+    zygote refuses to serve (a fork would copy one thread of two) and exits saying
+    so; the wrapper runs the script in its own process, its one stderr line naming
+    the threads and what to do."""
+    (tmp_path / "threaded_preload.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}",
+           "TRAINGUARD_WARM_DIR": warm_dir, "TRAINGUARD_WARM_PRELOAD": "threaded_preload"}
+    w = _wrapper(env, _script(tmp_path, SAYS))
+    out, err = w.communicate(timeout=300)
+    assert w.returncode == 0, err
+    assert out.split()[:2] == ["PID", str(w.pid)]  # ran in the wrapper's process
+    (line,) = err.splitlines()
+    assert line.startswith("trainguard.elastic.warm: running cold, in this process: no "
+                           "usable zygote (the zygote exited 1 before serving"), line
+    assert "runs 2 threads" in line and "expected exactly 1" in line, line
+    assert "take it out of $TRAINGUARD_WARM_PRELOAD" in line, line
+    assert not _zygotes(warm_dir)
+
+
 def test_a_script_that_is_not_there_is_a_clear_error(own_zygote: dict[str, str]) -> None:
     """A missing script: exit 1 with what was expected, before any zygote is asked."""
     w = _wrapper(own_zygote, "no/such/train.py")

@@ -112,7 +112,7 @@ def _tail(path: str) -> str:
             lines = [x for x in f.read().splitlines() if x.strip()]
     except OSError:
         return "no log"
-    return lines[-1][:300] if lines else "its log is empty"
+    return lines[-1][:600] if lines else "its log is empty"
 
 
 def _start_zygote(path: str, agent: int) -> socket.socket:
@@ -192,21 +192,40 @@ def _exit_as(status: int) -> None:
 def run_warm(request: Request, agent: int) -> None:
     """Have the zygote run ``request``; never returns (exits as the child did). Raises
     OSError (nothing was started) when the zygote cannot be used."""
-    sock = zygote_socket(agent)
-    _send(sock, {**request, "env": dict(os.environ), "cwd": os.getcwd()})
-    replies = _replies(sock)
-    first = next(replies, None)
-    if first is None or "pid" not in first:
-        sock.close()
-        why = (first or {}).get("error", "it closed the connection")
-        raise OSError(f"the zygote refused: {why}")
+    # Handlers first: a stop that comes while the zygote starts or forks is held, then
+    # passed to the child (or, if none is started, delivered to this process after all).
+    pending: list[int] = []
+    live: list[socket.socket] = []
 
     def forward(sig: int, _frame: Any) -> None:
+        if not live:
+            pending.append(sig)
+            return
         with contextlib.suppress(OSError):
-            sock.sendall(bytes([sig]))
+            live[0].sendall(bytes([sig]))
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    try:
+        sock = zygote_socket(agent)
+        _send(sock, {**request, "env": dict(os.environ), "cwd": os.getcwd()})
+        replies = _replies(sock)
+        first = next(replies, None)
+        if first is None or "pid" not in first:
+            sock.close()
+            raise OSError(f"the zygote refused: "
+                          f"{(first or {}).get('error', 'it closed the connection')}")
+    except (OSError, ValueError):
+        for sig in FORWARDED:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+        for held in pending:
+            os.kill(os.getpid(), held)
+        raise
+    live.append(sock)
+    for held in pending:
+        with contextlib.suppress(OSError):
+            sock.sendall(bytes([held]))
     why, status = "closed", None
     try:
         status = next((int(r["status"]) for r in replies if "status" in r), None)
@@ -252,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{request['script']!r} (cwd {os.getcwd()}): expected a file")
     try:
         run_warm(request, os.getppid())
-    except OSError as e:
+    except (OSError, ValueError) as e:
         run_cold(request, f"no usable zygote ({e})")
 
 
