@@ -7,6 +7,8 @@ worker from its node's zygote instead of starting a fresh Python.
   negative, and the final checkpoint's ledger has every record trained once;
 - a node killed (agent and workers, kill -9): its zygote and the worker it forked are
   gone soon after, the other node finishes alone, every record once;
+- two local workers of one agent (``--nproc-per-node=2``) start one zygote (the lock)
+  and are both its forks;
 - signals: SIGTERM to the wrapper runs the child's handler; SIGKILL of the wrapper
   leaves no child alive (a SIGSTOPped one too); the child's exit code and death
   signal are the wrapper's;
@@ -333,3 +335,28 @@ def test_a_killed_node_leaves_no_process_behind_and_the_other_finishes_alone(
     finally:
         for a in agents:
             a.close()
+
+
+def test_the_local_workers_of_one_agent_share_one_zygote(
+        redis_server: RedisServer, tmp_path: Path, warm_dir: str) -> None:
+    """``torchrun --standalone --nproc-per-node=2`` through the wrapper: both local
+    workers start at once, one starts the zygote under the agent's lock and the other
+    waits for it, so both are forks of the same zygote (torch imported before their
+    first line); the job trains every record once."""
+    n = 64
+    url, store = redis_server.url, f"file://{tmp_path}/ckpt"
+    cf.fill(url, cf.create(url, "el", partitions=P), n)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "--max-restarts=0", "--monitor-interval=0.1",
+           "-m", "trainguard.elastic.warm", "--", "-m", "tests._warm_job",
+           *_job_args(url, store, n)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TRAINGUARD_WARM_DIR": warm_dir}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    starts = sorted(line.split() for line in proc.stdout.splitlines() if ": WARM " in line)
+    assert [s[0] for s in starts] == ["0:", "1:"], proc.stdout[-2000:]
+    assert {s[2] for s in starts} == {"1"}
+    assert len({s[6] for s in starts}) == 1  # one parent: the agent's zygote
+    counts, _ = final_counts(store, n)
+    assert_each_once(counts)
