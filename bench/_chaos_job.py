@@ -60,7 +60,7 @@ class Job:
     def __init__(self, work: Path, name: str, *, reps: int, gap_s: float,
                  persistence: str = "none", records: int | None = None,
                  extra: tuple[str, ...] = (), max_restarts: int = 100,
-                 cluster: bool = False, s3: bool = False) -> None:
+                 cluster: bool = False, s3: bool = False, warm: bool = False) -> None:
         self.work, self.name = work, name
         self.moto: MotoServer | None = None
         self.proxy: TcpProxy | None = None
@@ -106,7 +106,8 @@ class Job:
              "--ckpt-every", str(FIRST_CKPT), "--spike-file", str(self.spike_file),
              "--critical-file", str(self.critical_file),
              "--watchdog-floor-s", str(WATCHDOG_FLOOR_S), *extra],
-            max_restarts=max_restarts, conf=FAST_CONF, entry=("-m", "tests._heal_job"))
+            max_restarts=max_restarts, conf=FAST_CONF, entry=("-m", "tests._heal_job"),
+            warm=warm)
         self.every: list[Agent] = []
         self.live: list[Agent] = []
         for i in range(NODES):
@@ -294,10 +295,10 @@ class Job:
             self.moto.stop()
 
 
-def fault_free_rate(work: Path, steps: int = 120) -> float:
+def fault_free_rate(work: Path, steps: int = 120, *, warm: bool = False) -> float:
     """Records/s of a fault-free job of the campaign's shape: first step to DONE."""
     n = steps * NODES * BATCH
-    job = Job(work, "fault-free", reps=0, gap_s=0, records=n)
+    job = Job(work, "fault-free", reps=0, gap_s=0, records=n, warm=warm)
     try:
         verdict = job.finish()
     finally:
@@ -306,13 +307,13 @@ def fault_free_rate(work: Path, steps: int = 120) -> float:
     return n / verdict["wall_s"]
 
 
-def crash_loop(work: Path, reps: int) -> dict[str, Any]:
+def crash_loop(work: Path, reps: int, *, warm: bool = False) -> dict[str, Any]:
     """A bug at one step in every attempt: handled when the breaker stops the job with
     exit 87, every agent leaving on the job stop, and a restart_loop incident, no record twice and none lost up to the newest
     checkpoint (every step of a full world consumed NODES x BATCH records)."""
     crash_at = 3 * FIRST_CKPT + 2
     job = Job(work, "crash_loop", reps=reps, gap_s=0, records=NODES * BATCH * 40,
-              extra=("--crash-at", str(crash_at)), max_restarts=6)
+              extra=("--crash-at", str(crash_at)), max_restarts=6, warm=warm)
     try:
         for a in job.live:
             with contextlib.suppress(AssertionError):

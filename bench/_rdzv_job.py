@@ -2,9 +2,10 @@
 the moments its start-up is made of printed first.
 
 ``T <rank> START <epoch s>`` is when this process was created (from /proc, so it
-includes the interpreter's own start), ``T <rank> IMPORTED <epoch s>`` when torch,
-the trainer client and the checkpoint store are imported; then the ledger job's
-``READY`` (process group and session made, checkpoint restored) and ``STEP`` lines.
+includes the interpreter's own start; a warm worker: when its wrapper was),
+``T <rank> IMPORTED <epoch s>`` when torch, the trainer client and the checkpoint
+store are imported (a warm worker: they were, in the zygote, before the fork); then
+the ledger job's ``READY`` (process group and session made, checkpoint restored) and ``STEP`` lines.
 """
 
 from __future__ import annotations
@@ -14,17 +15,12 @@ import sys
 import time
 
 
-def _created_s() -> float:
-    """This process' creation time, seconds since the epoch (Linux /proc)."""
-    with open("/proc/self/stat") as f:
-        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # since boot
-    age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    return time.time() - age_s
-
-
 def main() -> int:
     rank = os.environ.get("RANK", "0")
-    print(f"T {rank} START {_created_s():.3f}", flush=True)
+    # From /proc (a warm worker: its wrapper's start), so importing it costs nothing here.
+    from trainguard.core.process import started_at
+
+    print(f"T {rank} START {started_at() or 0.0:.3f}", flush=True)
     import torch  # noqa: F401
 
     import checkpoint_store  # noqa: F401  (what the job's store= URL opens)

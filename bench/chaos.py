@@ -1,7 +1,7 @@
 """The chaos campaign: a 3-node elastic job on this machine, faults injected at random
 (seeded) moments, each class ``--reps`` times; the verdict is the per-record ledger.
 
-    python bench/chaos.py [--reps 2] [--gap-s 30] [--seed 0] [--classes a,b,...]
+    python bench/chaos.py [--reps 2] [--gap-s 30] [--seed 0] [--classes a,b,...] [--warm|--cold]
 
 Each class runs one job: 3 torchrun agents (``--rdzv-backend=trainguard`` against a
 fresh redis-server, gloo, ``--nproc-per-node=1``) training the ledger job of
@@ -48,6 +48,10 @@ A fault is injected ``gap_s x U(0.5, 1.5)`` after the job trained again. Classes
   again: its saves go to the remote tier only and the restart restores from there
   (``bench/_chaos_full_tier.py``; time to the next step: from the kill). Not counted
   in goodput.
+
+``--warm``: every worker starts through ``trainguard.elastic.warm`` (forked by its
+node's zygote, which imported torch once) instead of as a fresh process (``--cold``,
+the default, torchrun's way).
 
 Classes this campaign does not inject (yet) are listed in the table as not run, with
 the reason (``NOT_RUN``). Prints the table, exactly-once goodput and each incident's
@@ -188,12 +192,12 @@ def _gpu_critical(job: cj.Job, rep: int, rng: random.Random) -> dict[str, Any]:
 def run_class(cls: str, work: Path, args: argparse.Namespace, rng: random.Random
               ) -> dict[str, Any]:
     if cls == "crash_loop":
-        return cj.crash_loop(work, args.reps)
+        return cj.crash_loop(work, args.reps, warm=args.warm)
     if cls == "full_local_tier":
         return full_local_tier(work, args.reps)
     job = cj.Job(work, cls, reps=args.reps, gap_s=args.gap_s,
                  persistence="always" if cls == "redis_restart" else "none",
-                 cluster=cls == "cluster_master_kill", s3=cls == "s3_outage")
+                 cluster=cls == "cluster_master_kill", s3=cls == "s3_outage", warm=args.warm)
     events: list[dict[str, Any]] = []
     try:
         job.wait_trained(min_step=cj.FIRST_CKPT + 1)
@@ -267,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--classes", default=",".join(CLASSES),
                     help=f"comma-separated subset of {','.join(CLASSES)}")
     ap.add_argument("--results", default="", help="results file (default: bench/results/)")
+    start = ap.add_mutually_exclusive_group()
+    start.add_argument("--warm", dest="warm", action="store_true",
+                       help="workers start through trainguard.elastic.warm (forked by "
+                       "each node's zygote)")
+    start.add_argument("--cold", dest="warm", action="store_false",
+                       help="workers start as fresh processes, torchrun's way (default)")
     args = ap.parse_args(argv)
     chosen = [c.strip() for c in args.classes.split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CLASSES))
@@ -275,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     started, load = time.time(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="chaos-base-") as work:
-        rate = cj.fault_free_rate(Path(work))
-    print(f"fault-free: {rate:.1f} records/s", flush=True)
+        rate = cj.fault_free_rate(Path(work), warm=args.warm)
+    print(f"fault-free: {rate:.1f} records/s ({'warm' if args.warm else 'cold'} starts)",
+          flush=True)
     runs: dict[str, dict[str, Any]] = {}
     for cls in chosen:
         print(f"{cls}:", flush=True)
@@ -293,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{wall:.0f} s of job wall time, fault-free {rate:.1f} records/s); "
           f"loadavg at start {load[0]:.1f}")
     print_incidents(runs)
-    doc = {"seed": args.seed, "reps": args.reps, "gap_s": args.gap_s, "rows": rows,
+    doc = {"seed": args.seed, "reps": args.reps, "gap_s": args.gap_s, "warm": args.warm,
+           "rows": rows,
            "goodput": goodput, "fault_free_records_s": rate, "wall_s": time.time() - started,
            "loadavg_at_start": list(load), "runs": runs}
     path = Path(args.results) if args.results else rd.results_path()

@@ -1,6 +1,7 @@
 """Node loss to the next training step: the trainguard rendezvous against torch's c10d.
 
-    python bench/rdzv_recovery.py [--rounds 3] [--nodes 3]
+    python bench/rdzv_recovery.py [--rounds 3] [--nodes 3] [--warm|--cold]
+    python bench/rdzv_recovery.py --warm-vs-cold [--rounds 3] [--nodes 3]
 
 Each round runs, in alternating order, one job per backend: ``--nodes`` torchrun
 agents on this machine (``--nproc-per-node=1``, gloo, ``--max-restarts=3``), each
@@ -29,12 +30,21 @@ what the agents and workers print (read-time stamps of each line, wall clock):
 
 Prints the per-round table, the median of the per-round ratios c10d / trainguard
 with its range, and merges an ``rdzv_recovery`` section into the results file of
-``rounds.results_path()``.
+``rounds.results_path()``. ``--warm``: both backends' workers start through
+``trainguard.elastic.warm`` (forked by each node's zygote), ``--cold`` (default) as
+fresh processes.
+
+``--warm-vs-cold``: the trainguard backend only, each round one job with cold worker
+starts and one with warm ones, in alternating order; prints the median of the
+per-round ratios cold / warm with its range and merges an ``rdzv_recovery_warm``
+section. Warm, "imports" ends at the fork (the zygote imported before), so the phase
+holds the wrapper's own start and the fork.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -92,8 +102,8 @@ def _last_value(agent: Agent, prefix: str, before: float) -> float:
     return max(float(x.rsplit(" ", 1)[1]) for t, x in agent.seen(prefix) if t <= before)
 
 
-def one_job(backend: str, work: Path, nodes: int, kill_first: bool = False
-            ) -> dict[str, Any]:
+def one_job(backend: str, work: Path, nodes: int, kill_first: bool = False, *,
+            warm: bool = False) -> dict[str, Any]:
     redis = RedisServer(work / "redis").start()
     agents: list[Agent] = []
     try:
@@ -103,8 +113,9 @@ def one_job(backend: str, work: Path, nodes: int, kill_first: bool = False
         command = agent_command(
             backend, endpoint, f"bench-{backend}-{time.time_ns()}", f"1:{nodes}",
             _job_args(url, f"file://{work}/ckpt"), conf=None,
-            entry=(str(ROOT / "bench" / "_rdzv_job.py"),))
-        agents = [Agent(f"n{i}", command, work / f"{backend}-n{i}.log") for i in range(nodes)]
+            entry=(str(ROOT / "bench" / "_rdzv_job.py"),), warm=warm)
+        agents = [Agent(f"n{i}", command, work / f"{backend}-n{i}.log",
+                        env={"TRAINGUARD_WARM_DIR": str(work / "warm")}) for i in range(nodes)]
         wait_for(agents, "COMMITTED", timeout_s=300)
         host = _store_host(agents, endpoint) if backend == "c10d" else None
         by_rank = sorted((a for a in agents if a is not host),
@@ -144,47 +155,89 @@ def one_job(backend: str, work: Path, nodes: int, kill_first: bool = False
         redis.kill()
 
 
+def _line(r: int, name: str, got: dict[str, Any]) -> str:
+    return f"round {r} {name:10s} " + (
+        f"{got['total_s']:6.1f} s  " + "  ".join(f"{k} {v:.1f}" for k, v in got["phases_s"].items())
+        if got["recovered"] else f"did not recover: {got.get('why')}")
+
+
+def _medians(doc: dict[str, Any], results: dict[str, list[dict[str, Any]]]) -> None:
+    for name, runs in results.items():
+        ok = [x for x in runs if x["recovered"]]
+        if ok:
+            med = statistics.median(x["total_s"] for x in ok)
+            split = {p: round(statistics.median(x["phases_s"][p] for x in ok), 2)
+                     for p in PHASES}
+            doc[f"{name}_median_s"] = round(med, 2)
+            doc[f"{name}_phases_median_s"] = split
+            print(f"{name:10s} median {med:6.1f} s  " +
+                  "  ".join(f"{k} {v}" for k, v in split.items()))
+
+
+def warm_vs_cold(rounds: int, nodes: int) -> int:
+    """The trainguard backend, cold and warm worker starts interleaved."""
+    load = os.getloadavg()
+    results: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
+    for r in range(rounds):
+        for name in (["cold", "warm"] if r % 2 == 0 else ["warm", "cold"]):
+            with tempfile.TemporaryDirectory(prefix=f"rdzv-{name}-") as work:
+                got = one_job("trainguard", Path(work), nodes, warm=name == "warm")
+            results[name].append(got)
+            print(_line(r, name, got), flush=True)
+    pairs = [(c, w) for c, w in zip(results["cold"], results["warm"])
+             if c["recovered"] and w["recovered"]]
+    doc: dict[str, Any] = {"nodes": nodes, "rounds": results, "loadavg_at_start": list(load),
+                           "loadavg_at_end": list(os.getloadavg())}
+    if pairs:
+        ratio = rd.Ratio("node kill to next step: cold / warm worker starts (time)",
+                         [c["total_s"] / w["total_s"] for c, w in pairs],
+                         target="warm <= 15 s median")
+        doc["ratio"] = ratio.doc()
+        _medians(doc, results)
+        rd.print_headlines([ratio])
+    print(f"loadavg at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
+    rd.write_section(rd.results_path(), "rdzv_recovery_warm", doc)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--c10d-first", action="store_true",
                     help="also kill c10d's first node once per round (the job is expected to stop)")
+    start = ap.add_mutually_exclusive_group()
+    start.add_argument("--warm", dest="warm", action="store_true",
+                       help="workers start through trainguard.elastic.warm")
+    start.add_argument("--cold", dest="warm", action="store_false",
+                       help="workers start as fresh processes (default)")
+    start.add_argument("--warm-vs-cold", action="store_true",
+                       help="the trainguard backend, cold against warm worker starts")
     args = ap.parse_args()
+    if args.warm_vs_cold:
+        return warm_vs_cold(args.rounds, args.nodes)
     results: dict[str, list[dict[str, Any]]] = {"trainguard": [], "c10d": [], "c10d-first": []}
     for r in range(args.rounds):
         order = ["trainguard", "c10d"] if r % 2 == 0 else ["c10d", "trainguard"]
         for backend in order:
             with tempfile.TemporaryDirectory(prefix=f"rdzv-{backend}-") as work:
-                got = one_job(backend, Path(work), args.nodes)
+                got = one_job(backend, Path(work), args.nodes, warm=args.warm)
             results[backend].append(got)
-            print(f"round {r} {backend:10s} " + (
-                f"{got['total_s']:6.1f} s  " + "  ".join(
-                    f"{k} {v:.1f}" for k, v in got["phases_s"].items())
-                if got["recovered"] else f"did not recover: {got['why']}"), flush=True)
+            print(_line(r, backend, got), flush=True)
         if args.c10d_first:
             with tempfile.TemporaryDirectory(prefix="rdzv-c10d-first-") as work:
-                got = one_job("c10d", Path(work), args.nodes, kill_first=True)
+                got = one_job("c10d", Path(work), args.nodes, kill_first=True, warm=args.warm)
             results["c10d-first"].append(got)
             print(f"round {r} c10d-first recovered={got['recovered']}", flush=True)
     pairs = [(c, t) for c, t in zip(results["c10d"], results["trainguard"])
              if c["recovered"] and t["recovered"]]
-    doc: dict[str, Any] = {"nodes": args.nodes, "rounds": results}
+    doc: dict[str, Any] = {"nodes": args.nodes, "rounds": results, "warm": args.warm}
     if pairs:
         ratio = rd.Ratio("node kill to next step: c10d / trainguard (time)",
                          [c["total_s"] / t["total_s"] for c, t in pairs],
                          target="trainguard <= 15 s median")
         doc["ratio"] = ratio.doc()
-        for backend in ("trainguard", "c10d"):
-            ok = [x for x in results[backend] if x["recovered"]]
-            if ok:
-                med = statistics.median(x["total_s"] for x in ok)
-                split = {p: round(statistics.median(x["phases_s"][p] for x in ok), 2)
-                         for p in PHASES}
-                doc[f"{backend}_median_s"] = round(med, 2)
-                doc[f"{backend}_phases_median_s"] = split
-                print(f"{backend:10s} median {med:6.1f} s  " +
-                      "  ".join(f"{k} {v}" for k, v in split.items()))
+        _medians(doc, {b: results[b] for b in ("trainguard", "c10d")})
         rd.print_headlines([ratio])
     rd.write_section(rd.results_path(), "rdzv_recovery", doc)
     return 0

@@ -32,15 +32,18 @@ FAST_CONF = "join_timeout=120,close_timeout=10"
 
 def agent_command(backend: str, endpoint: str, run_id: str, nnodes: str, job_args: list[str],
                   *, max_restarts: int = 3, conf: str | None = FAST_CONF,
-                  entry: tuple[str, ...] = ("-m", "tests._client_train")) -> list[str]:
-    """torchrun's command line for one node; ``conf`` None: torch's defaults."""
+                  entry: tuple[str, ...] = ("-m", "tests._client_train"),
+                  warm: bool = False) -> list[str]:
+    """torchrun's command line for one node; ``conf`` None: torch's defaults. ``warm``:
+    the workers start through ``trainguard.elastic.warm`` (forked by the node's zygote)."""
+    # "--": torchrun would read the job's --run as an abbreviation of its --run-path;
+    # warm, the one "--" goes before the entry (torchrun would read its -m as its own).
+    run = ["-m", "trainguard.elastic.warm", "--", *entry] if warm else [*entry, "--"]
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
         "--nproc-per-node=1", f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}", f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-        *([f"--rdzv-conf={conf}"] if conf else []), *entry,
-        # "--": torchrun would read the job's --run as an abbreviation of its --run-path.
-        "--", *job_args,
+        *([f"--rdzv-conf={conf}"] if conf else []), *run, *job_args,
     ]
 
 

@@ -41,7 +41,7 @@ from trainer_client.errors import GpuCriticalError, RestartLoopError
 from trainguard.core import incidents as inc
 from trainguard.core import settings
 from trainguard.core.exit_codes import EXIT_RESTART_LOOP
-from trainguard.core.process import pid_alive, started_at
+from trainguard.core.process import forked_at, pid_alive, started_at
 
 __all__ = ["IMPORTED_AT", "AttemptLog"]
 
@@ -115,10 +115,13 @@ class AttemptLog:
         r, akey = self._r, self._k(inc.attempts_key)
         n = int(self._call(r.hincrby, akey, "seq", 1))
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        # A warm worker (forked by trainguard.elastic.warm's zygote) had its imports
+        # at the fork: IMPORTED_AT is the zygote's, long before this process existed.
         doc = {"attempt": n, "pid": os.getpid(), "host": _HOST, "world_size": self.world_size,
                "restart_count": None if restart is None else int(restart),
                "rendezvous_at": _rendezvous_at(),
-               "started_at": started_at(), "imported_at": IMPORTED_AT, "session_at": time.time(),
+               "started_at": started_at(),
+               "imported_at": max(IMPORTED_AT, forked_at() or 0.0), "session_at": time.time(),
                "restored_at": None, "restored_step": None, "first_step_at": None,
                "outcome": "running"}
         self._call(r.hset, akey, str(n), inc.dumps(doc))

@@ -12,7 +12,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-__all__ = ["free_port", "http_ready", "pid_alive", "started_at", "wait_until"]
+from trainguard.core.settings import WARM_FORKED_ENV, WARM_PID_ENV, WARM_STARTED_ENV
+
+__all__ = ["forked_at", "free_port", "http_ready", "pid_alive", "started_at", "wait_until"]
 
 _given: set[int] = set()
 
@@ -42,9 +44,32 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _warm(name: str) -> float | None:
+    """``$name`` when this process is the warm worker the zygote forked and named
+    (``$TRAINGUARD_WARM_PID`` is this pid: a process the worker starts inherits the
+    variables but is not that worker); else None."""
+    if os.environ.get(WARM_PID_ENV) != str(os.getpid()):
+        return None
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def forked_at() -> float | None:
+    """When the zygote forked this process (``trainguard.elastic.warm``): where its
+    imports ended, since they were done in the zygote before; None when it was not."""
+    return _warm(WARM_FORKED_ENV)
+
+
 def started_at(pid: int | None = None) -> float | None:
     """When process ``pid`` (default: this one) started, in unix seconds; None where
-    the host does not say (no ``/proc``)."""
+    the host does not say (no ``/proc``). This process, forked by a warm zygote: when
+    its wrapper started (``/proc`` would give the zygote's start, long before)."""
+    if pid is None or pid == os.getpid():
+        warm = _warm(WARM_STARTED_ENV)
+        if warm is not None:
+            return warm
     try:
         with open(f"/proc/{pid or os.getpid()}/stat") as f:
             stat = f.read()

@@ -48,6 +48,26 @@ variable                       what                          default
                                run id, this round's store
                                prefix; see
                                ``trainguard.elastic.worker``)
+``TRAINGUARD_WARM``            warm worker starts under the  on (``0``: every worker
+                               wrapper                       starts cold, in the
+                               ``trainguard.elastic.warm``   wrapper's process)
+``TRAINGUARD_WARM_DIR``        where a node's zygote keeps   ``$XDG_RUNTIME_DIR/
+                               its socket, lock and log      trainguard-warm``, else
+                                                             ``/tmp/trainguard-warm-
+                                                             <uid>``
+``TRAINGUARD_WARM_PRELOAD``    modules the zygote imports    unset: torch,
+                               beyond the defaults           torch.distributed,
+                               (``a,b``)                     torch._dynamo,
+                                                             trainer_client,
+                                                             checkpoint_store
+``TRAINGUARD_WARM_IDLE_S``     the zygote exits after this   ``600``
+                               long without a worker
+``TRAINGUARD_WARM_STARTED_AT`` set by the zygote in a        unset outside a warm
+``TRAINGUARD_WARM_FORKED_AT``  worker it forks: the          worker
+``TRAINGUARD_WARM_PID``        wrapper's start, the fork,
+                               the worker's pid (its
+                               incident phases, see
+                               ``trainguard.core.process``)
 ============================== ============================= =======================
 """
 
@@ -70,6 +90,13 @@ __all__ = [
     "LOOP_BREAKER_ENV",
     "RDZV_WORKER_ENV",
     "TOKENIZE_PROCESSES_ENV",
+    "WARM_DIR_ENV",
+    "WARM_ENV",
+    "WARM_FORKED_ENV",
+    "WARM_IDLE_S_ENV",
+    "WARM_PID_ENV",
+    "WARM_PRELOAD_ENV",
+    "WARM_STARTED_ENV",
     "WATCHDOG_ENV",
     "admin_token",
     "checkpoint_stores",
@@ -102,6 +129,13 @@ NODE_ID_ENV = "TRAINGUARD_NODE_ID"
 QUARANTINE_ENVS = ("TRAINGUARD_QUARANTINE_S", "TRAINGUARD_QUARANTINE_FAILURES",
                    "TRAINGUARD_QUARANTINE_WINDOW_S")
 _QUARANTINE_DEFAULTS = (3600.0, 3, 600.0)
+WARM_ENV = "TRAINGUARD_WARM"
+WARM_DIR_ENV = "TRAINGUARD_WARM_DIR"
+WARM_PRELOAD_ENV = "TRAINGUARD_WARM_PRELOAD"
+WARM_IDLE_S_ENV = "TRAINGUARD_WARM_IDLE_S"
+WARM_STARTED_ENV = "TRAINGUARD_WARM_STARTED_AT"
+WARM_FORKED_ENV = "TRAINGUARD_WARM_FORKED_AT"
+WARM_PID_ENV = "TRAINGUARD_WARM_PID"
 
 
 def redis_url(explicit: str | None = None) -> str:

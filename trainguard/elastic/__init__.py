@@ -7,6 +7,9 @@ failure.
 ``backend`` (torch's ``RendezvousBackend``: the state and its compare-and-set),
 ``store`` (a Redis ``torch.distributed.Store``), ``rendezvous`` (the handler: fast
 close, no agent-hosted store, the admission check), ``keys`` (every Redis key).
+Beside the rendezvous, ``warm``: warm worker starts (``torchrun -m
+trainguard.elastic.warm train.py``), each worker forked by its agent's zygote
+(``_zygote``).
 
 torchrun imports every registered handler module at start, whichever backend it
 runs, so this package imports nothing until the handler is made.
