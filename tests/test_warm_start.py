@@ -26,6 +26,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -360,3 +361,43 @@ def test_the_local_workers_of_one_agent_share_one_zygote(
     assert len({s[6] for s in starts}) == 1  # one parent: the agent's zygote
     counts, _ = final_counts(store, n)
     assert_each_once(counts)
+
+
+AGENT = """import sys
+from trainguard.elastic import warm
+print("WARMED", warm.prewarm(sys.argv[1:]), flush=True)
+sys.stdin.readline()  # live until the test closes our stdin: the zygote's agent
+"""
+
+
+@pytest.mark.parametrize("argv, env, warmed", [
+    (["--nnodes=1:3", "-m", "trainguard.elastic.warm", "--", "train.py"], {}, True),
+    (["--nnodes=1:3", "train.py"], {}, False),
+    (["-m", "trainguard.elastic.warm", "train.py"], {"TRAINGUARD_WARM": "0"}, False),
+])
+def test_an_agent_whose_workers_start_warm_has_its_zygote_serving_before_its_first_join(
+        warm_dir: str, tmp_path: Path, argv: list[str], env: dict[str, str],
+        warmed: bool) -> None:
+    """What the rendezvous handler does before an agent's first join: its zygote is
+    serving when ``prewarm`` returns (a rejoining node imports torch before it asks in,
+    while the others train), only for an agent whose command line starts its workers
+    through ``trainguard.elastic.warm``, and not when warm starts are off; the zygote
+    ends with its agent."""
+    agent = subprocess.Popen([sys.executable, _script(tmp_path, AGENT), *argv], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT),
+                                  "TRAINGUARD_WARM_DIR": warm_dir, **env},
+                             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert agent.stdout is not None and agent.stdin is not None
+    try:
+        assert agent.stdout.readline().split() == ["WARMED", str(warmed)]
+        zygotes = _zygotes(warm_dir)
+        assert list(zygotes) == ([agent.pid] if warmed else [])
+        sock = socket.socket(socket.AF_UNIX)
+        serving = sock.connect_ex(os.path.join(warm_dir, f"agent-{agent.pid}.sock")) == 0
+        sock.close()
+        assert serving is warmed
+    finally:
+        agent.stdin.close()
+        agent.wait(60)
+    if warmed:
+        assert wait_until(lambda: _gone(zygotes[agent.pid]), 60), "the zygote outlived its agent"

@@ -59,6 +59,7 @@ import hashlib
 import importlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -181,6 +182,8 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
     """What this node's workers were told after its last round."""
     _joined: tuple[int, str] = (0, "")
     """The round this node joined last and a digest of its members."""
+    _warmed = False
+    """Whether this agent's warm-start zygote was started (before its first join)."""
 
     @property
     def use_agent_store(self) -> bool:
@@ -199,6 +202,14 @@ class TrainguardRendezvousHandler(DynamicRendezvousHandler):
                     f"node {request.addr!r} may not join rendezvous {request.run_id!r}: "
                     f"{reason}; its agent leaves, the other nodes go on without it"
                 )
+        if not self._warmed:
+            # Before the first join: a node that joins a running job makes every other
+            # node restart its workers, then wait for its own; its torch import must
+            # come before that, while the others still train (trainguard.elastic.warm).
+            from trainguard.elastic import warm
+
+            self._warmed = True
+            warm.prewarm(sys.argv)
         info = super().next_rendezvous()
         # The workers the agent spawns next inherit os.environ: their incidents split
         # the time to the next step at this moment (rendezvous | spawn).

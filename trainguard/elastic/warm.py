@@ -38,7 +38,8 @@ from typing import Any
 
 from trainguard.core import settings
 
-__all__ = ["FORWARDED", "Request", "main", "parse_argv", "run_here", "runtime_dir", "socket_path"]
+__all__ = ["FORWARDED", "Request", "main", "parse_argv", "prewarm", "run_here", "runtime_dir",
+           "socket_path"]
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 """The signals the wrapper passes on to its child (torchrun's stop is SIGTERM)."""
@@ -153,6 +154,31 @@ def zygote_socket(agent: int) -> socket.socket:
         return _connect(path) or _start_zygote(path, agent)
 
 
+def _enabled() -> bool:
+    return os.environ.get(settings.WARM_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def prewarm(agent_argv: list[str]) -> bool:
+    """Start this agent's zygote now, and wait until it serves, when the agent's
+    workers are started through this module (``-m trainguard.elastic.warm`` in
+    ``agent_argv``, the agent's command line). The trainguard rendezvous handler calls
+    it before the agent's first join: a node that joins a running job (a rejoin, a
+    replacement) then imports torch before it asks in, while the other nodes still
+    train, instead of after, while they wait for it in ``init_process_group`` (12-16 s
+    of every rejoin, measured). False (and a warning) where the zygote cannot start:
+    the workers then start cold, as they would have."""
+    if not _enabled() or "trainguard.elastic.warm" not in agent_argv:
+        return False
+    try:
+        zygote_socket(os.getpid()).close()
+    except OSError as e:
+        print(f"trainguard.elastic.warm: could not start this agent's zygote before its "
+              f"join ({e}); its workers will try again, or start cold", file=sys.stderr,
+              flush=True)
+        return False
+    return True
+
+
 def _send(sock: socket.socket, request: Request) -> None:
     """The request (length-prefixed JSON) with this process's fds 0, 1, 2 attached."""
     body = json.dumps(request).encode()
@@ -263,7 +289,7 @@ def run_here(request: Request) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     request = parse_argv(sys.argv[1:] if argv is None else argv)
-    if os.environ.get(settings.WARM_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if not _enabled():
         run_cold(request, f"${settings.WARM_ENV}={os.environ[settings.WARM_ENV]}")
         return
     if "script" in request and not os.path.isfile(request["script"]):
