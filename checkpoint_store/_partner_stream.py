@@ -243,14 +243,17 @@ class _StreamedDirect(DirectLoad):
 
 def load_from_tier_server(link: PartnerLink, node: int, owner: int, name: str,
                           state: Mapping[str, Any], keys: Iterable[str] | None, *,
-                          in_place: bool, io_threads: int,
-                          tier: ServedTier = "ram") -> tuple[Manifest, TierSource]:
+                          in_place: bool, io_threads: int, tier: ServedTier = "ram",
+                          manifest_raw: bytes | None = None) -> tuple[Manifest, TierSource]:
     """Load ``owner``'s checkpoint ``name`` from ``node``'s tier server into ``state``
     (module doc); ``in_place``: straight into its tensors (else every byte is verified
-    before the state changes). Returns the manifest and the source (what it
-    received)."""
+    before the state changes). ``manifest_raw``: its manifest as the server's index
+    gave it (else it is fetched; either way it is parsed and checked). Returns the
+    manifest and the source (what it received)."""
     digests = link.files(node, owner, name, tier=tier)
-    manifest = parse_manifest(name, link.read(node, owner, manifest_path(name), tier=tier))
+    if manifest_raw is None:
+        manifest_raw = link.read(node, owner, manifest_path(name), tier=tier)
+    manifest = parse_manifest(name, manifest_raw)
     source = TierSource(link, node, owner, name, digests, tier=tier)
     chunks = tuple(f"{data_dir(manifest.uid)}/{a}/" for a in manifest.arrays)
     try:
@@ -282,12 +285,14 @@ def restore_from_partner(link: PartnerLink, node: int, owner: int, step: int,
     has none), then fetch that copy into ``ram_root`` in the background unless the
     root holds data of it already. Returns the manifest and the fetch's thread."""
     index = link.index(node, owner) or {}  # None: that node is out of reach
-    names = [n for n in (e["name"] for e in index.get("ram", []))
-             if (p := parse_manifest_name(n)) is not None and p.step == step]
-    if not names:
+    found = {e["name"]: e["manifest"] for e in index.get("ram", [])
+             if (p := parse_manifest_name(e["name"])) is not None and p.step == step}
+    if not found:
         return None, None
-    manifest, _ = load_from_tier_server(link, node, owner, max(names), state, keys,
-                                        in_place=in_place, io_threads=io_threads)
+    name = max(found)
+    manifest, _ = load_from_tier_server(link, node, owner, name, state, keys,
+                                        in_place=in_place, io_threads=io_threads,
+                                        manifest_raw=found[name].encode("utf-8"))
     if (ram_root / data_dir(manifest.uid)).exists():
         return manifest, None
 
