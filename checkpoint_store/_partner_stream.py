@@ -130,26 +130,32 @@ class TierSource:
         size returned, nothing read when the sizes differ."""
         return self.stream(path, parts, crc_parts=0)[0]
 
-    def stream(self, path: str, parts: Sequence[memoryview], *,
+    def stream(self, path: str, parts: Sequence[Piece], *,
                crc_parts: int) -> tuple[int, int]:
         """``read_into`` that also returns the CRC-32C of the first ``crc_parts``
         parts (a chunk's payload), computed piece by piece as they arrive:
-        ``(file size, CRC)``. Raises CorruptCheckpointError when the file's SHA-256
-        differs from its sender's."""
+        ``(file size, CRC)``. A part given as a length (a gap: alignment, padding,
+        bytes of no claimed tensor) is received into one ``_PIECE``-byte scratch
+        buffer, hashed and checksummed, and dropped. Raises CorruptCheckpointError
+        when the file's SHA-256 differs from its sender's."""
         digest = self._digest(path)
-        want = sum(len(p) for p in parts)
+        want = sum(p if isinstance(p, int) else len(p) for p in parts)
+        scratch = memoryview(bytearray(min(_PIECE, max(
+            (p for p in parts if isinstance(p, int)), default=0))))
         conn = self._connect()
         crc = 0
         try:
             resp = self._open(conn, path)
-            size = resp.length if resp.length is not None else -1
-            if size != want:
+            length = resp.length if resp.length is not None else -1
+            if length != want:
                 conn.close()  # the body is left unread: this connection is done
-                return size, 0
+                return length, 0
             h = hashlib.sha256()
             for i, part in enumerate(parts):
-                for pos in range(0, len(part), _PIECE):
-                    piece = part[pos : pos + _PIECE]
+                size = part if isinstance(part, int) else len(part)
+                for pos in range(0, size, _PIECE):
+                    piece = (scratch[: min(_PIECE, size - pos)] if isinstance(part, int)
+                             else part[pos : pos + _PIECE])
                     _recv_full(resp, piece, path)
                     h.update(piece)
                     if i < crc_parts:
@@ -234,10 +240,10 @@ class _StreamedDirect(DirectLoad):
         self.source = source
 
     def _read_other(self, path: str, pieces: list[Piece], expected_crc: int) -> None:
-        views = [p if isinstance(p, memoryview) else memoryview(bytearray(p)) for p in pieces]
         trailer = memoryview(bytearray(CRC_BYTES))
-        size, crc = self.source.stream(path, [*views, trailer], crc_parts=len(views))
-        check_size(size, sum(map(len, views)) + CRC_BYTES, path)
+        size, crc = self.source.stream(path, [*pieces, trailer], crc_parts=len(pieces))
+        payload = sum(p if isinstance(p, int) else len(p) for p in pieces)
+        check_size(size, payload + CRC_BYTES, path)
         check_crc(crc, trailer, expected_crc, path)
 
 
