@@ -359,14 +359,13 @@ class NodeTierStore(RankStateWrappedStore):
         """Load ``step`` (default: the newest in :meth:`list`) from the first tier with a
         verified copy. CorruptCheckpointError when none has one (the session then tries
         the step before); None when there is no checkpoint at all. A partner's copy is
-        streamed into ``state``'s tensors (``strict``: verified before any changes); a
-        damaged one is then reloaded over by the next tier, which loads every tensor."""
+        streamed in place (``strict``: verified first); the next tier reloads a damaged one."""
         if step is None:
             newest = self.latest()
             if newest is None:
                 return None
             step = newest.step
-        dirty = ""  # an in-place partner restore that failed: its bytes are in the state
+        dirty = ""  # an in-place partner restore failed: its bytes may be in the state
         for tier, attempt in self._tiers_for(step, strict):
             try:
                 manifest = attempt(state, keys)
@@ -388,8 +387,9 @@ class NodeTierStore(RankStateWrappedStore):
         raise CorruptCheckpointError(
             f"node {self.node}: no tier holds a verified copy of step {step} (RAM, "
             f"partners {self.partners}, disk, remote); the restore tries the checkpoint "
-            "before it" + (f". The state's tensors hold bytes of {dirty}'s damaged copy, read "
-                           "in place: load another checkpoint before using them" if dirty else ""))
+            "before it" + (f". The state's tensors may hold bytes of {dirty}'s damaged copy "
+                           "(read in place): load another checkpoint before using them"
+                           if dirty else ""))
 
     def _tiers_for(self, step: int, strict: bool) -> builtins.list[tuple[str, Any]]:
         def from_ram(state: Mapping[str, Any], keys: Iterable[str] | None) -> Manifest | None:
