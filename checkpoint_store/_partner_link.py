@@ -92,6 +92,15 @@ class PartnerLink:
             return None
         return dict(doc["tiers"])
 
+    def files(self, node: int, owner: int, name: str, *,
+              tier: ServedTier = "ram") -> dict[str, str]:
+        """The data files of ``owner``'s checkpoint ``name`` on ``node``'s ``tier``,
+        each with the SHA-256 its copy's sender recorded (``rel -> digest``)."""
+        doc = json.loads(self._request(node, "GET", f"/v1/files/{owner}/{name}?tier={tier}"))
+        if not isinstance(doc, dict):
+            raise PartnerCopyError(f"node {node}'s file list of {name} is not a JSON object")
+        return {str(k): str(v) for k, v in doc.items()}
+
     def read(self, node: int, owner: int, rel: str, *, tier: ServedTier = "ram") -> bytes:
         """One file ``rel`` (relative to ``owner``'s root) from ``node``'s ``tier``: a
         per-rank state object, which the reader checks against its manifest's digest.
@@ -108,8 +117,7 @@ class PartnerLink:
             raise PartnerCopyError(f"{name!r} is not a manifest name")
         dst = Path(root)
         q = f"?tier={tier}"
-        files: dict[str, str] = json.loads(self._request(node, "GET",
-                                                         f"/v1/files/{owner}/{name}{q}"))
+        files = self.files(node, owner, name, tier=tier)
         try:
             for rel, digest in files.items():
                 out = staged_path(dst, parsed.uid, rel)

@@ -18,8 +18,8 @@ The catalog (:meth:`catalog`) says where each checkpoint lives; :meth:`list` is 
 restore's view of it: the checkpoints this node can get from some tier *and* that
 every other node can get too (from its own tier server or a partner's), so that all
 ranks restore the same step. :meth:`load` of a step tries the tiers in order (own
-RAM, a partner's copy fetched into own RAM, local disk, remote), each verified (SHA-256 of the
-transfer, CRC-32C of every chunk on read); a tier whose copy is damaged is skipped
+RAM, a partner's copy streamed into the state, local disk, remote), each verified (SHA-256
+of the transfer, CRC-32C of every chunk); a tier whose copy is damaged is skipped
 with a warning, and :attr:`restored_from` says which tier served the restore.
 
 Node ``r`` is the session's rank ``r``. The store has per-rank state objects
@@ -49,11 +49,11 @@ from typing import Any
 from checkpoint_store._copies import PartnerCopyError, copy_local
 from checkpoint_store._node_ranks import NodeRankReader
 from checkpoint_store._partner_link import PartnerLink
+from checkpoint_store._partner_stream import restore_from_partner
 from checkpoint_store._wrapped import RankStateWrappedStore
 from checkpoint_store.backends import LocalBackend, open_backend
 from checkpoint_store.dist import ONE_PROCESS
 from checkpoint_store.handle import SaveHandle
-from checkpoint_store.layout import parse_manifest_name
 from checkpoint_store.manifest import Manifest, parse_manifest
 from checkpoint_store.partner import partners_of
 from checkpoint_store.ram_tier import RamTierStore
@@ -161,6 +161,7 @@ class NodeTierStore(RankStateWrappedStore):
             node=node, ram=ram.store, disk=self.disk, link=self.link, remote=self._remote,
             hosts=lambda owner: partners_of(owner, self.nodes, copies=copies, domains=domains))
         self._saves = 0
+        self._refetch: threading.Thread | None = None
         # Seconds of each tier's recent copies (checkpoint_tiers: the auto plan's costs).
         self._copy_s: dict[str, collections.deque[float]] = {}
         self._upload_started: dict[str, float] = {}
@@ -277,8 +278,10 @@ class NodeTierStore(RankStateWrappedStore):
 
     def wait_copies(self, timeout_s: float | None = None) -> None:
         """Return once every committed save has been copied (or failed to be),
-        uploads included."""
+        uploads included, and a partner's copy restored from is back in RAM."""
         self._queue.join()
+        if self._refetch is not None:  # a restored partner copy coming back into RAM
+            self._refetch.join(timeout_s)
         if self._uploader is not None:
             self._uploader.wait_idle(timeout_s)
 
@@ -355,16 +358,19 @@ class NodeTierStore(RankStateWrappedStore):
              keys: Iterable[str] | None = None, strict: bool = False) -> Manifest | None:
         """Load ``step`` (default: the newest in :meth:`list`) from the first tier with a
         verified copy. CorruptCheckpointError when none has one (the session then tries
-        the step before); None when there is no checkpoint at all."""
+        the step before); None when there is no checkpoint at all. A partner's copy is
+        streamed in place (``strict``: verified first); the next tier reloads a damaged one."""
         if step is None:
             newest = self.latest()
             if newest is None:
                 return None
             step = newest.step
-        for tier, attempt in self._tiers_for(step):
+        dirty = ""  # an in-place partner restore failed: its bytes may be in the state
+        for tier, attempt in self._tiers_for(step, strict):
             try:
                 manifest = attempt(state, keys)
             except (CorruptCheckpointError, PartnerCopyError) as e:
+                dirty = dirty or (tier if tier.startswith("partner") and not strict else "")
                 log.warning("node %s: the %s copy of step %s is not usable (%s); trying the "
                             "next tier", self.node, tier, step, e)
                 continue
@@ -381,9 +387,11 @@ class NodeTierStore(RankStateWrappedStore):
         raise CorruptCheckpointError(
             f"node {self.node}: no tier holds a verified copy of step {step} (RAM, "
             f"partners {self.partners}, disk, remote); the restore tries the checkpoint "
-            "before it")
+            "before it" + (f". The state's tensors may hold bytes of {dirty}'s damaged copy "
+                           "(read in place): load another checkpoint before using them"
+                           if dirty else ""))
 
-    def _tiers_for(self, step: int) -> builtins.list[tuple[str, Any]]:
+    def _tiers_for(self, step: int, strict: bool) -> builtins.list[tuple[str, Any]]:
         def from_ram(state: Mapping[str, Any], keys: Iterable[str] | None) -> Manifest | None:
             if newest_save_of(step, self.ram.list()) is None:
                 return None
@@ -391,19 +399,12 @@ class NodeTierStore(RankStateWrappedStore):
 
         def from_partner(host: int) -> Any:
             def attempt(state: Mapping[str, Any], keys: Iterable[str] | None) -> Manifest | None:
-                tiers = self.link.index(host, self.node) or {}
-                names = [e["name"] for e in tiers.get("ram", [])]
-                cands = [n for n in names
-                         if (p := parse_manifest_name(n)) is not None and p.step == step]
-                if not cands:
-                    return None
-                name = max(cands)
-                self.link.fetch(host, self.node, name, self.ram.root)
-                try:
-                    return self.ram.load(state, step=step, keys=keys, strict=True)
-                except CorruptCheckpointError:
-                    self.ram.delete(step)  # the damaged copy goes; the next tier is tried
-                    raise
+                if self._refetch is not None:  # an earlier restore's fetch into RAM
+                    self._refetch.join()
+                manifest, self._refetch = restore_from_partner(
+                    self.link, host, self.node, step, state, keys, ram_root=self.ram.root,
+                    in_place=not strict, io_threads=self.ram.store.io_threads)
+                return manifest
             return attempt
 
         def from_disk(state: Mapping[str, Any], keys: Iterable[str] | None) -> Manifest | None:

@@ -77,6 +77,23 @@ def test_tiers_bench_reports_every_figure_against_its_baseline(tmp_path: Path) -
     assert work == lost.compare(lost.TierCosts(**work["costs"]), step_s=1.0)
 
 
+@pytest.mark.slow
+def test_tiers_bench_restore_only_runs_the_restore_group_alone(tmp_path: Path) -> None:
+    """``--restore-only``: the four restores (each checked bit for bit inside the run)
+    and their ratios, partner against remote with its target, in a section of its
+    own; no other group runs."""
+    out = tmp_path / "results.json"
+    section = tiers.main(["--size-mib", "2", "--rounds", "1", "--dir", str(tmp_path),
+                          "--json", str(out), "--restore-only"])
+    benches = json.loads(out.read_text())["benches"]
+    assert "tiers" not in benches
+    assert benches["tiers_restore"]["ratios"] == section["ratios"]
+    assert sorted(section["rows"]) == sorted(RESTORES)
+    assert all(len(row["wall_s"]) == 1 for row in section["rows"].values())
+    assert section["ratios"]["partner restore speed / remote (moto S3)"]["target"] == ">= 5x"
+    assert "peak_memory" not in section and "lost_work" not in section
+
+
 def test_lost_work_is_the_advisors_intervals_against_one_daly_interval() -> None:
     """The arithmetic, on known costs: the periods are TierIntervals.auto's, a
     failure needing tier i loses lost_work(T_i, stall, lag_i), today's interval is

@@ -129,7 +129,9 @@ def test_lost_node_restores_its_part_from_the_partner(shm: Path) -> None:
         assert again.restored_from == "partner:n1"
         for k, v in _state(2).items():
             assert torch.equal(target[k], v), k
-        # The copy came back into node 0's RAM tier: the next restore needs no network.
+        # The copy comes back into node 0's RAM tier after the restore (in the
+        # background; wait_copies waits for it): the next restore needs no network.
+        again.wait_copies()
         assert again.load(target) is not None and again.restored_from == "ram"
         again.close()
 
