@@ -2,6 +2,7 @@
 
     python bench/tiers.py [--size-mib 64] [--rounds 4] [--dir /path/on/disk] [--json F]
                           [--restore-only]
+    python bench/tiers.py --memory-only --size-mib 64 [--size-mib 256] [--json F]
 
 1. stall: the time an async RAM-tier save (``save(blocking=False)``, the session's
    save) stops the loop, against a plain host copy of the same state into buffers
@@ -20,7 +21,8 @@
    measurement (``_tiers_peak.py``): the process's peak RSS above the state (VmHWM,
    reset after the state is built) plus the tmpfs bytes of its own RAM tier and of
    the partner's copy (tmpfs pages are not in any RSS), against the state's bytes.
-   Target: <= 2x (the RAM copy and the partner copy, nothing else).
+   Target: <= 2x (the RAM copy and the partner copy, nothing else). ``--memory-only``
+   runs this group alone, at each ``--size-mib`` given (a ``tiers_memory`` section).
 5. lost work per failure at the multi-level advisor's intervals against today's
    single interval: arithmetic on the costs of 1-3 and stated failure rates
    (``_tiers_lost.py``), printed as such.
@@ -302,6 +304,21 @@ def peak_lines(docs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def memory_only(sizes: Sequence[int], json_path: str | None) -> dict[str, Any]:
+    """Group 4 alone, once per state size (each mode a fresh process)."""
+    load_start = os.getloadavg()
+    peaks = [doc for size in sizes for doc in peak_memory(size)]
+    print("[peak host memory: a RAM save + its partner copy, a fresh process each]")
+    print("(process: VmHWM reset after the state is built; tiers: tmpfs bytes; target: added <= 2x)")
+    print("\n".join(peak_lines(peaks)))
+    section = {"sizes_mib": list(sizes), "peak_memory": peaks,
+               "loadavg": {"start": list(load_start), "end": list(os.getloadavg())}}
+    out = rd.results_path() if json_path is None else Path(json_path)
+    rd.write_section(out, "tiers_memory", section, rd.machine())
+    print(f"results: {out}")
+    return section
+
+
 # ------------------------------------------------------------------ the run
 def restore_ratios(loads: rd.Rounds) -> list[rd.Ratio]:
     return [
@@ -328,7 +345,8 @@ def phase_lines(phases: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--size-mib", type=int, default=64)
+    ap.add_argument("--size-mib", type=int, action="append",
+                    help="state size (default 64); --memory-only takes several")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--dir", default=None, help="where the disk tier goes (default: tmp)")
     ap.add_argument("--step-s", type=float, default=1.0,
@@ -337,7 +355,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="results file (default: bench/results/<host>-<stamp>.json)")
     ap.add_argument("--restore-only", action="store_true",
                     help="run the restore group (3) alone; merges a tiers_restore section")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only the peak host memory group (4), at each --size-mib")
     args = ap.parse_args(argv)
+    sizes = args.size_mib or [64]
+    if args.memory_only:
+        return memory_only(sizes, args.json)
+    if len(sizes) != 1:
+        ap.error(f"one --size-mib without --memory-only, got {sizes}")
+    args.size_mib = sizes[0]
     t0 = time.perf_counter()
     load_start = os.getloadavg()
     moto = MotoServer().start()

@@ -28,7 +28,9 @@ PHASES = (
 )
 """A save's phases in order. ``retired`` comes after the save returned: the manifests
 retention drops are deleted, their data not yet. A partner copy's send has one phase,
-``partner-mid-send`` (one file staged on the partner, the others and the commit not)."""
+``partner-mid-send`` (one file staged on the partner, the others and the commit not);
+an async save staged in the store's files (the RAM tier, ``_file_staging``) has
+``mid-staging`` (its first chunk file written, before ``save`` returned)."""
 CRASH_ENV = "TRAINGUARD_CKPT_CRASH_AT"
 FAIL_ENV = "TRAINGUARD_CKPT_FAIL_AT"
 STOP_ENV = "TRAINGUARD_CKPT_STOP_AT"

@@ -3,6 +3,7 @@ fetch a copy back. Standard library HTTP only, one short request per file."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import logging
@@ -24,9 +25,32 @@ from checkpoint_store._copies import (
 )
 from checkpoint_store.layout import manifest_path, parse_manifest_name
 
-__all__ = ["PartnerLink"]
+__all__ = ["SEND_PIECE_BYTES", "PartnerLink"]
 
 log = logging.getLogger("checkpoint_store.partner")
+SEND_PIECE_BYTES = 1 << 20
+"""What a send reads and sends at a time: a copy never holds a whole chunk file."""
+
+
+def _early_answer(conn: http.client.HTTPConnection, node: int,
+                  path: str) -> PartnerCopyError | None:
+    """The refusal a server sent before it stopped reading a PUT's body, if any."""
+    if conn.sock is None:  # never connected: nothing was answered
+        return None
+    try:
+        resp = conn.getresponse()
+        data = resp.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    return None if resp.status == 200 else _refusal(node, "PUT", path, resp.status, data)
+
+
+def _refusal(node: int, method: str, path: str, status: int, data: bytes) -> PartnerCopyError:
+    try:
+        why = json.loads(data).get("error", "")
+    except ValueError:
+        why = data[:200].decode("utf-8", "replace")
+    return PartnerCopyError(f"node {node}'s tier server refused {method} {path}: {status} {why}")
 
 
 class PartnerLink:
@@ -51,12 +75,7 @@ class PartnerLink:
         finally:
             conn.close()
         if resp.status != 200:
-            try:
-                why = json.loads(data).get("error", "")
-            except ValueError:
-                why = data[:200].decode("utf-8", "replace")
-            raise PartnerCopyError(f"node {node}'s tier server refused {method} {path}: "
-                                   f"{resp.status} {why}")
+            raise _refusal(node, method, path, resp.status, data)
         return data
 
     # ---------------------------------------------------------------- sending
@@ -70,16 +89,57 @@ class PartnerLink:
         base = Path(root)
         manifest = (base / manifest_path(name)).read_text("utf-8")
         files: dict[str, str] = {}
+        piece = memoryview(bytearray(SEND_PIECE_BYTES))  # the sender's whole buffer
         for i, rel in enumerate(checkpoint_file_names(base, name)):
-            data = (base / rel).read_bytes()  # read once: hashed here, sent, checked there
-            files[rel] = digest = sha256_bytes(data)
-            self._request(to, "PUT", f"/v1/stage/{owner}/{parsed.uid}/{quote(rel)}", data,
-                          {"X-Sha256": digest, "Content-Type": "application/octet-stream"})
+            files[rel] = self._put_file(to, f"/v1/stage/{owner}/{parsed.uid}/{quote(rel)}",
+                                        base / rel, piece)
             if i == 0:
                 _faults.reached("partner-mid-send")
         body = json.dumps({"manifest": manifest, "files": files}).encode("utf-8")
         self._request(to, "POST", f"/v1/commit/{owner}/{name}", body,
                       {"Content-Type": "application/json"})
+
+    def _put_file(self, node: int, path: str, src: Path, piece: memoryview) -> str:
+        """PUT file ``src`` to ``node`` in pieces of ``len(piece)`` bytes, read once and
+        hashed as they pass; returns its SHA-256. The digest goes in the commit (it is
+        known only once the last piece is sent): the partner hashes what it receives
+        and commits only files whose digest matches."""
+        url = urlsplit(self.urls[node])
+        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80,
+                                          timeout=self.timeout_s)
+        h = hashlib.sha256()
+        try:
+            with open(src, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                conn.putrequest("PUT", path, skip_accept_encoding=True)
+                conn.putheader("Content-Type", "application/octet-stream")
+                conn.putheader("Content-Length", str(size))
+                conn.endheaders()
+                sent = 0
+                while sent < size:
+                    n = f.readinto(piece[:min(len(piece), size - sent)])
+                    if not n:
+                        raise PartnerCopyError(f"{src} shrank to {sent} of {size} bytes while "
+                                               "it was sent: the checkpoint was dropped; "
+                                               "send a newer one")
+                    h.update(piece[:n])
+                    conn.send(piece[:n])
+                    sent += n
+            resp = conn.getresponse()
+            data = resp.read()
+        except PartnerCopyError:
+            raise
+        except OSError as e:
+            # A server that refuses the file (its budget) answers before the body is in
+            # and closes: its reason beats "connection reset".
+            raise (_early_answer(conn, node, path) or PartnerCopyError(
+                f"node {node}'s tier server {self.urls[node]} is out of reach (PUT {path}: "
+                f"{e})")) from e
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise _refusal(node, "PUT", path, resp.status, data)
+        return h.hexdigest()
 
     # ---------------------------------------------------------------- reading
     def index(self, node: int, owner: int) -> dict[str, list[dict[str, str]]] | None:

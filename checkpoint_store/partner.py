@@ -20,7 +20,9 @@ HTTP routes (JSON unless said; ``<o>`` an owner node rank):
 
 - ``GET  /v1/index/<o>``: the committed checkpoints of ``o`` here, per tier
   (``ram``: own tier or partner copy; ``disk``), each with its manifest text;
-- ``PUT  /v1/stage/<o>/<uid>/<relpath>``: one data file of a copy (``X-Sha256``);
+- ``PUT  /v1/stage/<o>/<uid>/<relpath>``: one data file of a copy, written as it
+  arrives and hashed on the way (``X-Sha256``, optional, is checked when sent; the
+  commit checks every file against the sender's list either way);
 - ``POST /v1/commit/<o>/<manifest name>``: ``{"manifest": text, "files": {rel: sha}}``:
   checks every staged file, then commits the copy (data, then the manifest);
 - ``GET  /v1/files/<o>/<manifest name>``: the copy's files and their SHA-256;
@@ -30,6 +32,8 @@ HTTP routes (JSON unless said; ``<o>`` an owner node rank):
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import logging
 import os
@@ -49,7 +53,6 @@ from checkpoint_store._copies import (
     checkpoint_files,
     clear_staging,
     commit_staged,
-    sha256_bytes,
     staged_path,
 )
 from checkpoint_store.layout import MANIFEST_DIR, data_dir, parse_manifest_name
@@ -62,6 +65,8 @@ SUMS_DIR = "sums"
 """``<owner root>/sums/<manifest name>``: the sender's SHA-256 of each file of a copy,
 written before the copy's manifest."""
 _STAGED_PER_OWNER = 4  # copies of one owner that may be half-sent at once
+RECEIVE_PIECE_BYTES = 1 << 20
+"""What a staged file's transfer holds in memory at a time (per request)."""
 
 
 def partners_of(node: int, nodes: int, *, copies: int = 1,
@@ -187,17 +192,39 @@ class TierServer:
         shutil.rmtree(base / data_dir(parsed.uid), ignore_errors=True)
         (base / SUMS_DIR / name).unlink(missing_ok=True)
 
-    def staged(self, owner: int, uid: str, rel: str, data: bytes, digest: str | None) -> None:
-        """Stage file ``rel`` of ``owner``'s copy ``uid``: checked against the sender's
-        SHA-256 before a byte is written, then written whole (a torn write leaves only a
-        ``.part`` file, which no commit takes)."""
-        if sha256_bytes(data) != digest:
-            raise PartnerCopyError(f"file {rel} arrived damaged (SHA-256 differs)")
+    def staged(self, owner: int, uid: str, rel: str, body: io.BufferedIOBase, length: int,
+               digest: str | None = None) -> str:
+        """Stage file ``rel`` of ``owner``'s copy ``uid`` as it arrives (``length`` bytes
+        of ``body``): written piece by piece into a ``.part`` file and hashed on the way,
+        then renamed to its name (a torn transfer leaves only the ``.part`` file, which no
+        commit takes). A ``digest`` sent ahead is checked before the rename; either way
+        the SHA-256 seen here is what the commit compares with the sender's list, so no
+        staged file is read back. Returns it."""
         out = staged_path(self.owner_root(owner), uid, rel)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".part")
-        tmp.write_bytes(data)
-        tmp.replace(out)
+        h = hashlib.sha256()
+        piece = memoryview(bytearray(max(1, min(length, RECEIVE_PIECE_BYTES))))
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                got = 0
+                while got < length:
+                    n = body.readinto(piece[:min(len(piece), length - got)])
+                    if not n:
+                        raise PartnerCopyError(f"file {rel} cut short: {got} of {length} "
+                                               "bytes arrived; send it again")
+                    h.update(piece[:n])
+                    done = 0
+                    while done < n:
+                        done += f.write(piece[done:n]) or 0
+                    got += n
+            seen = h.hexdigest()
+            if digest is not None and seen != digest:
+                raise PartnerCopyError(f"file {rel} arrived damaged (SHA-256 differs)")
+            tmp.replace(out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         with self._lock:
             if (owner, uid) not in self._staged:
                 # A sender that died before its commit leaves its entry behind: keep the
@@ -205,7 +232,8 @@ class TierServer:
                 mine = [k for k in self._staged if k[0] == owner]
                 for k in mine[:max(0, len(mine) - _STAGED_PER_OWNER + 1)]:
                     del self._staged[k]
-            self._staged.setdefault((owner, uid), {})[rel] = digest
+            self._staged.setdefault((owner, uid), {})[rel] = seen
+        return seen
 
     def files(self, owner: int, name: str, tier: ServedTier) -> dict[str, str]:
         base = self.owner_root(owner, tier)
@@ -299,8 +327,12 @@ def _handler(server: TierServer) -> type[BaseHTTPRequestHandler]:
                     uid, rel = rest[0], "/".join(rest[1:])
                     staged_path(server.owner_root(owner), uid, rel)  # refuse a bad path first
                     length = int(self.headers.get("Content-Length", "0"))
+                    # A refusal leaves the body unread: this connection cannot serve on.
+                    self.close_connection = True
                     server.make_room(owner, length)
-                    server.staged(owner, uid, rel, self._body(), self.headers.get("X-Sha256"))
+                    server.staged(owner, uid, rel, self.rfile, length,
+                                  self.headers.get("X-Sha256"))
+                    self.close_connection = False
                     return self._json(200, {"staged": rel})
                 if method == "POST" and op == "commit" and len(rest) == 1:
                     doc = json.loads(self._body())

@@ -24,6 +24,14 @@ checkpoint being written included. A save that would exceed it, by ``on_full``:
 
 and raises :class:`RamTierFullError` when the state alone exceeds the budget, or when
 the wait runs out. Nothing is ever written beyond the budget.
+
+An asynchronous save (``blocking=False``) of CPU tensors copies them straight into the
+new checkpoint's files before it returns (``_file_staging``), not into a host buffer:
+the staged bytes are the checkpoint once committed, they count in the budget from the
+start (room is made for them before the copy), and the node holds one copy of the
+state beside the live one. A save killed while staging commits nothing (its files are
+debris for ``gc``). CUDA tensors still go through the pinned staging buffer (the
+device-to-host copy stays asynchronous).
 """
 
 from __future__ import annotations
@@ -173,9 +181,12 @@ class RamTierStore(RankStateWrappedStore):
         self.may_drop: Callable[[str], bool] = lambda _name: True
         self.on_dropped: Callable[[builtins.list[str]], None] = lambda _names: None
         # The inner store keeps everything: this class decides what goes.
+        # An async save stages straight into the tier's files (``_file_staging``): the
+        # staged copy is the checkpoint, inside the budget, and no host buffer holds a
+        # second copy of the state.
         self.store = CheckpointStore(self.root, keep_last=_NO_LIMIT, keep_every=keep_every,
                                      chunk_bytes=chunk_bytes, io_threads=io_threads,
-                                     process_group=ONE_PROCESS)
+                                     process_group=ONE_PROCESS, stage_in_files=True)
         self.url = self.store.url
         self._backend = LocalBackend(str(self.root))
         self._lock = threading.Lock()  # budget decisions and retention, one at a time

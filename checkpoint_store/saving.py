@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store import _faults
-from checkpoint_store.backends import Backend
+from checkpoint_store._file_staging import seal_rank
+from checkpoint_store.backends import Backend, LocalBackend
 from checkpoint_store.dist import Comm, all_gather_json, broadcast_json
 from checkpoint_store.dtypes import dtype_name
 from checkpoint_store.flatten import TensorLeaf
@@ -58,7 +59,7 @@ from trainguard.core.checkpoints import (
 )
 from trainguard.core.newest import newest_committed
 
-__all__ = ["SaveJob", "latest_pointer", "run_save"]
+__all__ = ["SaveJob", "as_save_error", "latest_pointer", "pick_uid", "run_save", "write_marker"]
 
 log = logging.getLogger("checkpoint_store")
 
@@ -76,6 +77,12 @@ class SaveJob:
     error: BaseException | None = None
     """Set when this rank failed before writing: it still takes part in the
     protocol, reporting the error, so every rank aborts together and promptly."""
+    uid: str | None = None
+    """Set when the chunk files are staged already under ``data/<uid>`` (with the
+    in-flight marker; ``_file_staging``, one-process stores): steps 1 and 2's marker
+    were done in the caller's thread, and the writer seals the files."""
+    parent: str | None = None
+    """The newest manifest when ``uid`` was chosen (the new manifest's parent)."""
 
 
 def latest_pointer(name: str, step: int, uid: str) -> bytes:
@@ -85,6 +92,21 @@ def latest_pointer(name: str, step: int, uid: str) -> bytes:
 def _newest_name(backend: Backend) -> ManifestName | None:
     names = [p for p in map(parse_manifest_name, backend.listdir(MANIFEST_DIR)) if p]
     return newest_committed(names)
+
+
+def pick_uid(backend: Backend) -> tuple[str, str | None]:
+    """A uid sorting after every committed manifest, and the newest one's name (the
+    parent). Raises OSError when the store cannot be listed."""
+    newest = _newest_name(backend)
+    return new_uid(uid_time_ns(newest.uid) + 1 if newest else 0), (newest.name if newest else None)
+
+
+def write_marker(backend: Backend, uid: str, rank: int, step: int) -> None:
+    """This rank's in-flight marker of save ``uid`` (``gc`` spares a live writer's)."""
+    backend.write_file(inflight_marker(uid, rank), [json.dumps({
+        "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
+        "step": step, "rank": rank,
+    }).encode()])
 
 
 def _tensor_entries(job: SaveJob) -> dict[str, Any]:
@@ -141,7 +163,7 @@ def _merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _as_save_error(e: BaseException, step: int) -> BaseException:
+def as_save_error(e: BaseException, step: int) -> BaseException:
     if isinstance(e, CheckpointError):
         return e
     if isinstance(e, OSError):
@@ -164,23 +186,14 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
     """Run the protocol; returns the committed manifest and its exact bytes.
     ``fragments``: the writer's encoded manifest entries of its previous save."""
     rank = comm.rank
-    uid_doc: dict[str, Any] = {}
-    parent: str | None = None
-    if rank == 0:
-        try:
-            newest = _newest_name(backend)
-            parent = newest.name if newest else None
-            uid_doc = {"uid": new_uid(uid_time_ns(newest.uid) + 1 if newest else 0)}
-        except OSError as e:
-            uid_doc = {"error": f"{type(e).__name__}: {e}"}
-    # Gathered, not broadcast: each rank queues its writer only after staging, so no
-    # rank starts writing (CRCs, copies into the page cache) while another is still in
-    # its blocked staging copy, competing for the same cores and memory bandwidth.
-    uid_doc = all_gather_json(comm, uid_doc)[0]
-    if "error" in uid_doc:
-        raise CheckpointWriteError(0, f"saving step {job.step} failed: rank 0 cannot list "
-                                      f"the store: {uid_doc['error']}")
-    uid = uid_doc["uid"]
+    staged_in_files = job.uid is not None
+    if job.uid is not None:
+        if comm.world_size != 1:
+            raise CheckpointError("a save staged in the store's files needs a one-process "
+                                  f"store; this one has {comm.world_size} ranks")
+        uid, parent = job.uid, job.parent
+    else:
+        uid, parent = _gathered_uid(backend, comm, job.step)
     ddir = data_dir(uid)
     marker = inflight_marker(uid, rank)
     own_inflight.add(uid)
@@ -190,23 +203,25 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
         try:
             if job.error is not None:
                 raise job.error
-            backend.write_file(marker, [json.dumps({
-                "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
-                "step": job.step, "rank": rank,
-            }).encode()])
-            _faults.reached("before-data")
+            if not staged_in_files:
+                write_marker(backend, uid, rank, job.step)
+                _faults.reached("before-data")
             if rank == 0:
                 write_root_group(backend, ddir, {"trainguard": {"step": job.step, "uid": uid}})
             if job.staged.ready is not None:
                 job.staged.ready.synchronize()
-            arrays = write_rank(backend, ddir, job.plan, job.staged.segments,
-                                io_threads=io_threads)
+            if staged_in_files:
+                assert isinstance(backend, LocalBackend)  # CheckpointStore checks it
+                arrays = seal_rank(backend, ddir, job.plan, io_threads=io_threads)
+            else:
+                arrays = write_rank(backend, ddir, job.plan, job.staged.segments,
+                                    io_threads=io_threads)
             report = {"ok": True, "arrays": arrays, "tensors": _tensor_entries(job)}
             if job.rank_state is not None:
                 report["rank_state"] = _write_rank_state(backend, job, uid, rank,
                                                          comm.world_size)
         except Exception as e:
-            local_error = _as_save_error(e, job.step)
+            local_error = as_save_error(e, job.step)
             report = {"ok": False, "error": f"{type(local_error).__name__}: {local_error}"}
         reports = all_gather_json(comm, report)
         outcome: dict[str, Any] = {}
@@ -227,6 +242,26 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
             raise CheckpointWriteError(outcome["errno"], outcome["error"])
         raise DistributedSaveError(outcome["error"])
     return parse_manifest(outcome["name"], manifest_bytes), manifest_bytes
+
+
+def _gathered_uid(backend: Backend, comm: Comm, step: int) -> tuple[str, str | None]:
+    """Step 1: rank 0's uid (and parent), known to every rank."""
+    uid_doc: dict[str, Any] = {}
+    parent: str | None = None
+    if comm.rank == 0:
+        try:
+            uid, parent = pick_uid(backend)
+            uid_doc = {"uid": uid}
+        except OSError as e:
+            uid_doc = {"error": f"{type(e).__name__}: {e}"}
+    # Gathered, not broadcast: each rank queues its writer only after staging, so no
+    # rank starts writing (CRCs, copies into the page cache) while another is still in
+    # its blocked staging copy, competing for the same cores and memory bandwidth.
+    uid_doc = all_gather_json(comm, uid_doc)[0]
+    if "error" in uid_doc:
+        raise CheckpointWriteError(0, f"saving step {step} failed: rank 0 cannot list "
+                                      f"the store: {uid_doc['error']}")
+    return str(uid_doc["uid"]), parent
 
 
 def _write_rank_state(backend: Backend, job: SaveJob, uid: str, rank: int,
@@ -305,7 +340,7 @@ def _commit(backend: Backend, job: SaveJob, uid: str, parent: str | None,
         if not _landed(backend, name, raw):
             with contextlib.suppress(OSError):
                 backend.remove_tree(ddir)
-            err = _as_save_error(e, job.step)
+            err = as_save_error(e, job.step)
             return {"ok": False, "error": str(err), "errno": getattr(err, "errno", None)}, b""
         # The manifest's existence is the commit: an error after it (or a PUT whose
         # response was lost) leaves a committed save, whose data must stay.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import logging
 import os
@@ -15,22 +16,21 @@ import torch
 
 from checkpoint_store import _faults
 from checkpoint_store._catalog import Catalog
-from checkpoint_store.backends import Backend, open_backend
+from checkpoint_store._file_staging import stage_files
+from checkpoint_store.backends import Backend, LocalBackend, open_backend
 from checkpoint_store.direct import DirectLoad
 from checkpoint_store.dist import Comm, all_gather_json, make_comm
-from checkpoint_store.flatten import decode_skeleton, flatten
+from checkpoint_store.flatten import TensorLeaf, decode_skeleton, flatten
 from checkpoint_store.handle import SaveHandle
-from checkpoint_store.layout import (
-    data_dir,
-)
+from checkpoint_store.layout import data_dir, inflight_marker
 from checkpoint_store.loading import Applier
 from checkpoint_store.manifest import Manifest, TensorFragments
-from checkpoint_store.plan import plan_rank
+from checkpoint_store.plan import RankPlan, plan_rank
 from checkpoint_store.reader import ChunkReader
 from checkpoint_store.retention import (
     remove_data,
 )
-from checkpoint_store.saving import SaveJob, run_save
+from checkpoint_store.saving import SaveJob, as_save_error, pick_uid, run_save, write_marker
 from checkpoint_store.staging import BufferPool, Staged, direct_segments
 from trainguard.core.checkpoints import (
     CheckpointError,
@@ -60,6 +60,9 @@ class CheckpointStore(Catalog):
     ``chunk_bytes`` (target size of a chunk file) and ``io_threads`` (parallel chunk
     I/O) tune throughput; ``stale_after_s`` is how old another host's in-flight marker
     must be before ``gc`` treats its save as dead.
+
+    ``stage_in_files=True`` (a local one-process store: the RAM tier): an async save of
+    CPU tensors copies them into its chunk files, not a host buffer (``_file_staging``).
     """
 
     supports_rank_state = True
@@ -77,6 +80,7 @@ class CheckpointStore(Catalog):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         io_threads: int = 4,
         stale_after_s: float = 24 * 3600.0,
+        stage_in_files: bool = False,
     ):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -95,6 +99,12 @@ class CheckpointStore(Catalog):
         self._process_group = process_group
         self._backend: Backend = open_backend(url, storage_options)
         self._comm: Comm = make_comm(process_group)
+        if stage_in_files and not (isinstance(self._backend, LocalBackend)
+                                   and self._comm.world_size == 1):
+            raise ValueError(
+                f"stage_in_files=True needs a local directory and a one-process store; "
+                f"got {url!r} with {self._comm.world_size} ranks: leave it False there")
+        self.stage_in_files = stage_in_files
         self._pool = BufferPool()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
         self._lock = threading.Lock()
@@ -119,7 +129,8 @@ class CheckpointStore(Catalog):
             )
         return {"url": self.url, "keep_last": self.keep_last, "keep_every": self.keep_every,
                 "storage_options": self._storage_options, "chunk_bytes": self.chunk_bytes,
-                "io_threads": self.io_threads, "stale_after_s": self.stale_after_s}
+                "io_threads": self.io_threads, "stale_after_s": self.stale_after_s,
+                "stage_in_files": self.stage_in_files}
 
     @property
     def rank(self) -> int:
@@ -209,9 +220,34 @@ class CheckpointStore(Catalog):
         on_cpu = all(not leaf.tensor.is_cuda for leaf in leaves)
         if blocking and on_cpu:
             staged = Staged(direct_segments(leaves, plan), None)
+        elif self.stage_in_files and on_cpu:
+            return self._stage_in_files(step, extra_doc, leaves, plan, skeleton)
         else:
             staged = self._pool.stage(leaves, plan)
         return SaveJob(step, extra_doc, leaves, plan, staged, skeleton)
+
+    def _stage_in_files(self, step: int, extra_doc: dict[str, Any],
+                        leaves: builtins.list[TensorLeaf], plan: RankPlan,
+                        skeleton: bytes) -> SaveJob:
+        """Uid, marker and chunk files now (``_file_staging``); the writer seals them."""
+        assert isinstance(self._backend, LocalBackend)
+        uid, parent = pick_uid(self._backend)
+        self._own_inflight.add(uid)
+        try:
+            write_marker(self._backend, uid, self.rank, step)
+            _faults.reached("before-data")
+            stage_files(self._backend, data_dir(uid), plan, leaves)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                self._backend.remove_tree(data_dir(uid))
+            with contextlib.suppress(OSError):
+                self._backend.remove(inflight_marker(uid, self.rank))
+            self._own_inflight.discard(uid)
+            if isinstance(e, OSError):  # tmpfs full, say: what and what to do
+                raise as_save_error(e, step) from e
+            raise
+        return SaveJob(step, extra_doc, leaves, plan, Staged([], None), skeleton,
+                       uid=uid, parent=parent)
 
     def _run(self, handle: SaveHandle, job: SaveJob) -> None:
         try:

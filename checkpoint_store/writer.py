@@ -23,12 +23,12 @@ from checkpoint_store.plan import RankPlan
 from checkpoint_store.staging import Segment
 from checkpoint_store.zarr_format import ArrayLayout, crc32c, group_metadata, zero_bytes
 
-__all__ = ["write_rank", "write_root_group"]
+__all__ = ["chunk_pieces", "write_arrays", "write_rank", "write_root_group"]
 
 Piece = bytes | memoryview
 
 
-def _chunk_pieces(layout: ArrayLayout, segments: Sequence[Segment], index: int) -> list[Piece]:
+def chunk_pieces(layout: ArrayLayout, segments: Sequence[Segment], index: int) -> list[Piece]:
     """Bytes of chunk ``index``: segment slices, zeros in gaps and in the padding."""
     size = layout.chunk_bytes
     start, end = index * size, (index + 1) * size
@@ -81,23 +81,41 @@ def write_rank(
     io_threads: int,
 ) -> dict[str, dict[str, Any]]:
     """Write the rank's group, arrays and chunks; returns the manifest ``arrays`` entries."""
-    group = f"{data_dir}/{rank_group(plan.rank)}"
-    backend.write_file(f"{group}/zarr.json", [_json_bytes(group_metadata())])
     by_array: dict[str, list[Segment]] = {}
     for seg in sorted(segments, key=lambda s: (s.array, s.offset)):
         by_array.setdefault(seg.array, []).append(seg)
 
+    def write_chunk(layout: ArrayLayout, index: int) -> int:
+        pieces = chunk_pieces(layout, by_array.get(layout.path, []), index)
+        crc = crc32c(pieces)
+        pieces.append(struct.pack("<I", crc))
+        backend.write_file(f"{data_dir}/{layout.chunk_path(index)}", pieces)
+        return crc
+
+    return write_arrays(backend, data_dir, plan, write_chunk, io_threads=io_threads)
+
+
+def write_arrays(
+    backend: Backend,
+    data_dir: str,
+    plan: RankPlan,
+    write_chunk: Callable[[ArrayLayout, int], int],
+    *,
+    io_threads: int,
+) -> dict[str, dict[str, Any]]:
+    """The rank's group, its arrays' metadata and every chunk by ``write_chunk(layout,
+    index)`` (which returns the chunk's CRC-32C), then every directory fsync'd; returns
+    the manifest ``arrays`` entries. ``write_rank`` writes chunks from segments, the
+    file staging of ``_file_staging`` seals chunks staged before."""
+    group = f"{data_dir}/{rank_group(plan.rank)}"
+    backend.write_file(f"{group}/zarr.json", [_json_bytes(group_metadata())])
     crcs: dict[str, list[int]] = {a.path: [0] * a.nchunks for a in plan.arrays}
     written = 0
     lock = threading.Lock()
 
-    def write_chunk(layout: ArrayLayout, index: int) -> None:
+    def one_chunk(layout: ArrayLayout, index: int) -> None:
         nonlocal written
-        pieces = _chunk_pieces(layout, by_array.get(layout.path, []), index)
-        crc = crc32c(pieces)
-        pieces.append(struct.pack("<I", crc))
-        backend.write_file(f"{data_dir}/{layout.chunk_path(index)}", pieces)
-        crcs[layout.path][index] = crc
+        crcs[layout.path][index] = write_chunk(layout, index)
         with lock:
             written += 1
             first = written == 1
@@ -111,7 +129,7 @@ def write_rank(
 
     # Every file is its own job: fsyncs of many small files overlap instead of queueing.
     jobs: list[Callable[[], None]] = [partial(write_metadata, a) for a in plan.arrays]
-    jobs += [partial(write_chunk, a, i) for a in plan.arrays for i in range(a.nchunks)]
+    jobs += [partial(one_chunk, a, i) for a in plan.arrays for i in range(a.nchunks)]
     _run_all(jobs, io_threads)
     dirs = [f"{data_dir}/{a.path}" for a in plan.arrays]
     _run_all([partial(backend.sync_dirs, [d]) for d in dirs], io_threads)

@@ -1,0 +1,102 @@
+"""An asynchronous save that stages into the store's own chunk files (the RAM tier).
+
+A save with ``blocking=False`` must copy the state before it returns: the training
+loop changes the tensors next. Copied into a host buffer (``staging.BufferPool``),
+that is a second full copy of the state beside the one the writer then puts in the
+tier's files. A store whose root is memory (tmpfs: the RAM tier) copies the state
+straight into its chunk files instead: the staged copy IS the checkpoint's data once
+committed, so a save holds one copy of the state beside the live one, not two.
+
+Foreground (the caller's thread, before ``save`` returns; a one-process store only):
+the uid is chosen and the in-flight marker written, as ``saving.run_save`` would do,
+then every chunk file is created with its payload and 4 zero bytes where its CRC-32C
+goes (``stage_files``). Background (the writer thread, ``seal_rank``): each chunk is
+read back in small pieces to compute its CRC (so the CRC pins the bytes that landed),
+the trailer is written in place and the file fsync'd; then the arrays' metadata, and
+``run_save`` commits as always (manifest by exclusive create, then LATEST). A crash
+anywhere before the manifest leaves a data directory and the marker of a dead
+process: debris that ``gc`` removes, like that of any torn save; nothing is committed.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import crc32c as _crc
+
+from checkpoint_store import _faults
+from checkpoint_store.backends import LocalBackend
+from checkpoint_store.flatten import TensorLeaf
+from checkpoint_store.plan import RankPlan
+from checkpoint_store.staging import Segment, direct_segments
+from checkpoint_store.writer import chunk_pieces, write_arrays
+from checkpoint_store.zarr_format import CRC_BYTES, ArrayLayout, zero_bytes
+from trainguard.core.checkpoints import CheckpointError
+
+__all__ = ["SEAL_PIECE_BYTES", "STAGING_PHASE", "seal_rank", "stage_files"]
+
+STAGING_PHASE = "mid-staging"
+"""The fault phase (``_faults``) reached once the first chunk file is staged."""
+SEAL_PIECE_BYTES = 1 << 20
+"""What one read of a chunk being sealed holds, per I/O thread: the whole extra
+memory of the background half of the save."""
+
+
+def stage_files(backend: LocalBackend, data_dir: str, plan: RankPlan,
+                leaves: Sequence[TensorLeaf]) -> None:
+    """Write every chunk file of ``plan`` under ``data_dir`` from ``leaves``: payload
+    (zeros in gaps and padding) and a zeroed CRC trailer that :func:`seal_rank` fills
+    in. Runs in the caller's thread: on return the state may change."""
+    by_array: dict[str, list[Segment]] = {}
+    for seg in sorted(direct_segments(leaves, plan), key=lambda s: (s.array, s.offset)):
+        by_array.setdefault(seg.array, []).append(seg)
+    first = True
+    for layout in plan.arrays:
+        for index in range(layout.nchunks):
+            pieces = chunk_pieces(layout, by_array.get(layout.path, []), index)
+            pieces.extend(zero_bytes(CRC_BYTES))
+            backend.write_file(f"{data_dir}/{layout.chunk_path(index)}", pieces)
+            if first:
+                first = False
+                _faults.reached(STAGING_PHASE)
+
+
+def seal_rank(backend: LocalBackend, data_dir: str, plan: RankPlan, *,
+              io_threads: int) -> dict[str, dict[str, Any]]:
+    """Checksum the chunk files :func:`stage_files` wrote, write their trailers, then
+    the rank's metadata (``writer.write_arrays``); returns the manifest ``arrays``
+    entries, as ``write_rank`` does."""
+    local = threading.local()
+
+    def seal(layout: ArrayLayout, index: int) -> int:
+        if not hasattr(local, "view"):
+            local.view = memoryview(bytearray(SEAL_PIECE_BYTES))
+        view: memoryview = local.view
+        rel = f"{data_dir}/{layout.chunk_path(index)}"
+        size = layout.chunk_bytes
+        fd = os.open(backend.local_path(rel), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            found = os.fstat(fd).st_size
+            if found != size + CRC_BYTES:
+                raise CheckpointError(
+                    f"the staged chunk {rel} holds {found} bytes, expected {size + CRC_BYTES}: "
+                    "something else wrote into the store's root during the save; nothing "
+                    "was committed, save again")
+            crc, pos = 0, 0
+            while pos < size:
+                n = os.preadv(fd, [view[:min(len(view), size - pos)]], pos)
+                if n == 0:
+                    raise CheckpointError(f"the staged chunk {rel} shrank while it was sealed")
+                crc = _crc.crc32c(view[:n], value=crc)
+                pos += n
+            os.pwrite(fd, struct.pack("<I", crc), size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return crc
+
+    return write_arrays(backend, data_dir, plan, seal, io_threads=io_threads)

@@ -1,0 +1,153 @@
+"""The RAM tier's async save stages straight into its own files (``_file_staging``):
+no second copy of the state in the trainer, the staged bytes inside the budget from
+the start, and a save killed while staging commits nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint_store import CheckpointStore
+from checkpoint_store._file_staging import STAGING_PHASE
+from checkpoint_store.layout import DATA_DIR, INFLIGHT_DIR, MANIFEST_DIR
+from checkpoint_store.ram_tier import RamTierStore, state_bytes, tree_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1 << 20
+
+
+def _state(seed: int, mb: int) -> dict[str, torch.Tensor]:
+    """``mb`` MiB of float32 in four tensors, a non-contiguous one among them."""
+    g = torch.Generator().manual_seed(seed)
+    per = mb * MB // 4 // 4
+    out = {f"t{i}": torch.randn(per, generator=g) for i in range(3)}
+    out["t3"] = torch.randn(per // 64, 64, generator=g).t()  # a transposed view
+    return out
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/self/status has no {key}")
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_async_save_makes_no_second_copy_of_the_state(shm: Path) -> None:
+    """An async RAM-tier save of a 32 MiB state allocates no staging buffer (the
+    store's buffer pool stays empty, where a plain store's async save of the same state
+    on the same tmpfs grows it to the whole state), the process's peak RSS during the
+    save rises by under a quarter of the state, and the committed checkpoint is the
+    state as it was when save() returned, not as the loop changed it after."""
+    state = _state(1, 32)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    ram = RamTierStore(shm / "ram", budget_bytes=4 * nbytes, keep_last=1)
+    ram.save(_state(0, 1), step=0, blocking=False).wait()  # imports, threads: warmed
+    saved = {k: v.clone() for k, v in state.items()}  # before the peak is reset
+    try:
+        Path("/proc/self/clear_refs").write_text("5\n")
+        reset = True
+    except OSError:
+        reset = False
+    before = _status_kib("VmRSS")
+    handle = ram.save(state, step=1, blocking=False)
+    for v in state.values():
+        v.add_(1.0)  # the loop goes on while the writer seals the files
+    handle.wait()
+    peak = _status_kib("VmHWM")
+    assert ram.store._pool.capacity == 0
+    back = {k: torch.zeros_like(v) for k, v in saved.items()}
+    ram.load(back, step=1, strict=True)
+    assert _equal(back, saved)
+    assert ram.store.verify(1).step == 1
+    assert tree_bytes(ram.root / DATA_DIR) >= nbytes
+    ram.close()
+    if reset:
+        assert (peak - before) * 1024 < nbytes // 4, f"peak rose {(peak - before) // 1024} MiB"
+
+    # The counter does see a staging copy where there is one.
+    plain = CheckpointStore(shm / "plain", keep_last=1)
+    plain.save(saved, step=1, blocking=False).wait()
+    assert plain._pool.capacity >= nbytes
+    plain.close()
+
+
+def test_async_saves_keep_the_budget_with_the_staging_counted(shm: Path) -> None:
+    """Budget for two checkpoints and a bit: each async save's staged files are in the
+    tier (and counted) as soon as save() returns, next to the checkpoint kept, and the
+    tier never holds more than the budget; the oldest goes to make room, the newest
+    two load exactly."""
+    one = state_bytes(_state(0, 2))
+    budget = 2 * one + one // 2
+    ram = RamTierStore(shm, budget_bytes=budget, keep_last=10)
+    states = {step: _state(step, 2) for step in range(1, 6)}
+    nbytes = sum(t.numel() * t.element_size() for t in states[1].values())
+    for step, state in states.items():
+        handle = ram.save(state, step=step, blocking=False)
+        held = ram.used_bytes()  # the save is staged, perhaps not sealed yet
+        assert held <= budget
+        assert held >= (2 if step > 1 else 1) * nbytes, (step, held)
+        handle.wait()
+        assert ram.used_bytes() <= budget
+    assert [m.step for m in ram.list()] == [4, 5]
+    for step in (4, 5):
+        back = {k: torch.zeros_like(v) for k, v in states[step].items()}
+        ram.load(back, step=step, strict=True)
+        assert _equal(back, states[step])
+    ram.close()
+
+
+_STAGER = """
+import os, sys, torch
+from checkpoint_store.ram_tier import RamTierStore
+from checkpoint_store._faults import CRASH_ENV
+store = RamTierStore(sys.argv[1], budget_bytes=64 << 20, chunk_bytes=1 << 20)
+g = torch.Generator().manual_seed(1)
+store.save({"w": torch.randn(1 << 20, generator=g)}, step=1).wait()
+os.environ[CRASH_ENV] = sys.argv[2]  # SIGKILL once the first chunk file is staged
+store.save({"w": torch.randn(1 << 20, generator=g)}, step=2, blocking=False).wait()
+print("NOT KILLED", flush=True)
+"""
+
+
+def test_kill_during_staging_commits_nothing(shm: Path) -> None:
+    """A trainer SIGKILLed after the first of an async save's four chunk files is staged
+    leaves that save uncommitted: a restart lists and loads only the step before, bit
+    for bit, and ``gc`` removes the torn save's files and marker."""
+    out = subprocess.run([sys.executable, "-c", _STAGER, str(shm), STAGING_PHASE], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, (out.returncode, out.stdout, out.stderr)
+    torn = [d for d in (shm / DATA_DIR).iterdir()]
+    assert len(torn) == 2 and len(list((shm / MANIFEST_DIR).iterdir())) == 1
+    chunks = {d.name: sorted(p.name for p in d.rglob("*") if p.is_file() and
+                             p.name != "zarr.json") for d in torn}
+    # Step 1's four chunk files; the torn save got as far as its first one.
+    assert sorted(len(c) for c in chunks.values()) == [1, 4], chunks
+    assert len(list((shm / INFLIGHT_DIR).iterdir())) == 1
+
+    store = RamTierStore(shm, budget_bytes=64 << 20, chunk_bytes=1 << 20)
+    assert [m.step for m in store.list()] == [1]
+    back = {"w": torch.zeros(1 << 20)}
+    manifest = store.load(back, strict=True)
+    assert manifest is not None and manifest.step == 1
+    assert torch.equal(back["w"], torch.randn(1 << 20, generator=torch.Generator().manual_seed(1)))
+    report = store.gc()
+    assert len(report.removed_data) == 1 and report.in_flight == []
+    assert len(list((shm / DATA_DIR).iterdir())) == 1
+    assert list((shm / INFLIGHT_DIR).iterdir()) == []
+    store.close()
+
+
+def test_stage_in_files_is_refused_where_it_cannot_hold(tmp_path: Path) -> None:
+    """``stage_in_files`` needs a local directory: a remote URL is refused at once,
+    naming what to do."""
+    with pytest.raises(ValueError, match="needs a local directory and a one-process store"):
+        CheckpointStore("memory://staging-refused", stage_in_files=True)
+    CheckpointStore(tmp_path, stage_in_files=True).close()
