@@ -40,6 +40,9 @@ Usage: python bench/push.py [--rounds 4] [--latency-rounds 3] [--seconds 8]
        of CPU in the service, with where it began and ended: bench/_serve_steps.py)
        python bench/push.py --bombs-only --compare-inline  (the decode pool against the
        same service parsing every body on its loop, --decode-workers 0, interleaved)
+       python bench/push.py --bombs-only --compare-root DIR  (this tree's service against
+       the same service from another source tree, e.g. the commit before a change,
+       exported with `git archive <commit> | tar -x -C DIR`, interleaved)
 """
 
 from __future__ import annotations
@@ -256,17 +259,18 @@ def loadavg() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def paired_bombs(bench: Bench, args: argparse.Namespace, bases: dict[str, str]) -> None:
+def paired_bombs(bench: Bench, args: argparse.Namespace,
+                 bases: dict[str, tuple[str, int]]) -> None:
     from push_bombs import paired_bomb_phase, paired_report
 
     async def run() -> dict[str, Any]:
         r = Redis.from_url(bench.redis_url)
         named = {}
-        for label, base in bases.items():
+        for label, (base, pid) in bases.items():
             name = f"{DATASET}-bombs-{label.split()[0]}"
             await create_dataset(r, streams.DatasetSpec(name=name, partitions=PARTITIONS,
                                                         format="push"))
-            named[label] = (base, name)
+            named[label] = (base, name, pid)
         await r.aclose()
         return await paired_bomb_phase(named, OTHER_TOKEN, args.bomb_seconds, args.bomb_rounds)
 
@@ -277,7 +281,7 @@ def paired_bombs(bench: Bench, args: argparse.Namespace, bases: dict[str, str]) 
         print(line)
 
 
-def bombs(bench: Bench, args: argparse.Namespace, base: str) -> None:
+def bombs(bench: Bench, args: argparse.Namespace, base: str, pid: int) -> None:
     from push_bombs import bomb_phase, report
 
     async def run() -> dict[str, Any]:
@@ -286,7 +290,8 @@ def bombs(bench: Bench, args: argparse.Namespace, base: str) -> None:
         await create_dataset(r, streams.DatasetSpec(name=name, partitions=PARTITIONS,
                                                     format="push"))
         await r.aclose()
-        return await bomb_phase(base, name, OTHER_TOKEN, args.bomb_seconds, args.bomb_rounds)
+        return await bomb_phase(base, name, OTHER_TOKEN, args.bomb_seconds, args.bomb_rounds,
+                                pid)
 
     print(f"5. the loop beside decoding bombs ({args.bomb_rounds} rounds interleaved, "
           f"{args.bomb_seconds:.0f} s each, one bomb client, /healthz probed one after the other)")
@@ -312,6 +317,10 @@ def main() -> None:
     parser.add_argument("--compare-inline", action="store_true",
                         help="with --bombs-only: a second service with --decode-workers 0 "
                              "(every body parsed on the loop), rounds interleaved, paired ratios")
+    parser.add_argument("--compare-root", type=Path, default=None,
+                        help="with --bombs-only: a second service run from this source tree "
+                             "(e.g. `git archive <commit>` of the code before a change), rounds "
+                             "interleaved, paired ratios")
     parser.add_argument("--steps", type=Path, default=None,
                         help="serve through bench/_serve_steps.py: each loop step over 2 ms "
                              "of CPU is written to this file (where it started and ended)")
@@ -335,23 +344,31 @@ def main() -> None:
         print(f"{args.producers} producers x batches of {args.records} x {args.record_bytes} B; "
               f"redis :{server.port}, service :{port} (pid {proc.pid}); {loadavg()}")
         rss0 = rss_mb(proc.pid)
-        if args.bombs_only and args.compare_inline:
-            inline_port = free_port()
-            inline = subprocess.Popen(
-                [sys.executable, "-m", "trainguard", "serve", "--port", str(inline_port),
-                 "--no-produce", "--decode-workers", "0"], env=env, stdout=subprocess.DEVNULL,
+        if args.bombs_only and (args.compare_inline or args.compare_root):
+            # The baseline: this tree with every body parsed on the loop, or another tree.
+            other_port = free_port()
+            if args.compare_root:
+                root = args.compare_root.resolve()
+                other_env, extra = {**env, "PYTHONPATH": str(root)}, []
+                label = f"baseline ({root.name})"
+            else:
+                root, other_env, extra = ROOT, env, ["--decode-workers", "0"]
+                label = "inline (decode-workers 0)"
+            other = subprocess.Popen(
+                [sys.executable, "-m", "trainguard", "serve", "--port", str(other_port),
+                 "--no-produce", *extra], env=other_env, cwd=root, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             try:
-                wait_ready(f"http://127.0.0.1:{inline_port}", inline)
-                paired_bombs(bench, args, {"inline (decode-workers 0)": f"http://127.0.0.1:{inline_port}",
-                                           "pool (decode-workers 2)": base})
+                wait_ready(f"http://127.0.0.1:{other_port}", other)
+                paired_bombs(bench, args, {label: (f"http://127.0.0.1:{other_port}", other.pid),
+                                           "this tree (decode-workers 2)": (base, proc.pid)})
             finally:
-                inline.terminate()
-                inline.wait(30)
+                other.terminate()
+                other.wait(30)
             print(loadavg())
             return
         if args.bombs_only:
-            bombs(bench, args, base)
+            bombs(bench, args, base, proc.pid)
             return
         ratios: list[float] = []
         print("1. ratio, closed loop, aiohttp client -> service vs redis-py pipeline -> Redis")
@@ -409,7 +426,7 @@ def main() -> None:
               f"p99 {pct(lat, .99):.1f} ms over all rounds (per round {p99s[0]:.1f}-{p99s[-1]:.1f}; "
               f"target < 50); beside the worst-case client p99 {pct(worst, .99):.1f} ms "
               f"(target < 100)")
-        bombs(bench, args, base)
+        bombs(bench, args, base, proc.pid)
     finally:
         proc.terminate()
         proc.wait(30)

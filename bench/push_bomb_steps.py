@@ -10,7 +10,10 @@ services run through ``bench/_serve_steps.py`` with ``TRAINGUARD_SLOW_STEP_MS=1`
 step over 1 ms logged); per round and bomb, ``--pushes`` pushes are sent to each, one
 after the other, and the longest step logged during them is that round's figure.
 Prints per bomb the median and range over rounds for each, and the load average.
-Usage: python bench/push_bomb_steps.py [--rounds 3] [--pushes 4]
+With ``--compare-root DIR`` the first service is the pool service of another source
+tree (e.g. the commit before a change: ``git archive <commit> | tar -x -C DIR``)
+instead of this tree's ``--decode-workers 0``.
+Usage: python bench/push_bomb_steps.py [--rounds 3] [--pushes 4] [--compare-root DIR]
 """
 
 from __future__ import annotations
@@ -74,18 +77,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pushes", type=int, default=4, help="per bomb, round and service")
+    parser.add_argument("--compare-root", type=Path, default=None,
+                        help="the first service from this source tree, with its decode pool")
     args = parser.parse_args()
+    first = (("inline", ROOT, "0") if args.compare_root is None
+             else ("baseline", args.compare_root.resolve(), "2"))
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-steps-"))
     server = RedisServer(tmp / "redis").start()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": server.url,
            "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:steps-*:*", "TRAINGUARD_SLOW_STEP_MS": "1"}
     services: dict[str, tuple[str, Path, subprocess.Popen[bytes]]] = {}
     try:
-        for label, workers in (("inline", "0"), ("pool", "2")):
+        for label, root, workers in (first, ("pool", ROOT, "2")):
             port, log = free_port(), tmp / f"{label}.log"
             proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "bench" / "_serve_steps.py"), "--port", str(port),
-                 "--no-produce", "--decode-workers", workers], env=env,
+                [sys.executable, str(root / "bench" / "_serve_steps.py"), "--port", str(port),
+                 "--no-produce", "--decode-workers", workers], env={**env, "PYTHONPATH": str(root)},
+                cwd=root,  # `python -m` puts the cwd first: the decode workers are root's too
                 stdout=subprocess.DEVNULL, stderr=log.open("wb"))
             services[label] = (f"http://127.0.0.1:{port}", log, proc)
         for base, _, _proc in services.values():

@@ -104,17 +104,33 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
+def _waited_ms(pid: int | None) -> float:
+    """Milliseconds the service's main thread (its event loop) has spent runnable but
+    waiting for a core (``/proc/<pid>/schedstat``, second field, ns): the scheduler's
+    share of a stall, which no change to the loop's code removes. NaN: not known."""
+    if pid is None:
+        return float("nan")
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 async def _round(session: aiohttp.ClientSession, base: str, dataset: str, token: str,
-                 seconds: float) -> dict[str, Any]:
-    """One round: /healthz with no bomb, then beside each bomb in turn."""
+                 seconds: float, pid: int | None = None) -> dict[str, Any]:
+    """One round: /healthz with no bomb, then beside each bomb in turn (with ``pid``,
+    the service's: its loop thread's run-queue wait per second of each phase)."""
     out: dict[str, Any] = {}
     stop = asyncio.Event()
     probe = asyncio.ensure_future(_probe(session, base, stop))
+    waited, started = _waited_ms(pid), time.perf_counter()
     await asyncio.sleep(seconds)
     stop.set()
     base_lat = await probe
     out["baseline"] = {"p50": _pct(base_lat, .5), "p99": _pct(base_lat, .99),
-                       "max": max(base_lat), "n": len(base_lat)}
+                       "max": max(base_lat), "n": len(base_lat),
+                       "runq": (_waited_ms(pid) - waited) / (time.perf_counter() - started)}
     ctx = multiprocessing.get_context("spawn")
     loop = asyncio.get_running_loop()
     for name, (_, body) in _bombs().items():
@@ -127,25 +143,28 @@ async def _round(session: aiohttp.ClientSession, base: str, dataset: str, token:
         # From its first answer on: the bomber's start (imports) is not the service's.
         await loop.run_in_executor(None, ready.wait, 60)
         probe = asyncio.ensure_future(_probe(session, base, stop))
+        waited, started = _waited_ms(pid), time.perf_counter()
         await asyncio.sleep(seconds)
         stop.set()
         stopped.set()
         lat = await probe
+        runq = (_waited_ms(pid) - waited) / (time.perf_counter() - started)
         statuses = await loop.run_in_executor(None, results.get)
         bomber.join()
         out[name] = {"worst": max(lat), "p99": _pct(lat, .99), "n": len(lat),
                      "stall": max(lat) - out["baseline"]["p50"], "answers": statuses,
-                     "ratio": max(lat) / out["baseline"]["p99"], "mib": len(body) / 2**20}
+                     "ratio": max(lat) / out["baseline"]["p99"], "mib": len(body) / 2**20,
+                     "runq": runq}
     return out
 
 
-async def bomb_phase(base: str, dataset: str, token: str, seconds: float, rounds: int = 3
-                     ) -> list[dict[str, Any]]:
+async def bomb_phase(base: str, dataset: str, token: str, seconds: float, rounds: int = 3,
+                     pid: int | None = None) -> list[dict[str, Any]]:
     """Per round (the baseline and the bombs interleaved, so that a change of the
     machine's load shows in both): the no-bomb /healthz figures and, per bomb, the
     worst /healthz latency, its ratio to that round's no-bomb p99, and the answers."""
     async with aiohttp.ClientSession() as session:
-        return [await _round(session, base, dataset, token, seconds) for _ in range(rounds)]
+        return [await _round(session, base, dataset, token, seconds, pid) for _ in range(rounds)]
 
 
 def _median_range(values: list[float], fmt: str) -> str:
@@ -153,17 +172,17 @@ def _median_range(values: list[float], fmt: str) -> str:
     return f"{format(statistics.median(s), fmt)} (range {format(s[0], fmt)}-{format(s[-1], fmt)})"
 
 
-async def paired_bomb_phase(bases: dict[str, tuple[str, str]], token: str, seconds: float,
-                            rounds: int = 3) -> dict[str, list[dict[str, Any]]]:
-    """Per service (label: its base URL and dataset), the rounds of :func:`bomb_phase`,
+async def paired_bomb_phase(bases: dict[str, tuple[str, str, int | None]], token: str,
+                            seconds: float, rounds: int = 3) -> dict[str, list[dict[str, Any]]]:
+    """Per service (label: its base URL, dataset and pid), the rounds of :func:`bomb_phase`,
     the services taking turns within each round (A B, then B A, ...), each round with
     the load average at its end."""
     out: dict[str, list[dict[str, Any]]] = {label: [] for label in bases}
     async with aiohttp.ClientSession() as session:
         for n in range(rounds):
             for label in (list(bases) if n % 2 == 0 else list(reversed(bases))):
-                base, dataset = bases[label]
-                result = await _round(session, base, dataset, token, seconds)
+                base, dataset, pid = bases[label]
+                result = await _round(session, base, dataset, token, seconds, pid)
                 result["load"] = os.getloadavg()[0]
                 out[label].append(result)
     return out
@@ -188,9 +207,14 @@ def paired_report(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 def report(rounds: list[dict[str, Any]], *, costs: bool = True) -> list[str]:
     p99s = [r["baseline"]["p99"] for r in rounds]
+    # The control of the ratio below: the same statistic (worst over p99) with no bomb.
+    control = [r["baseline"]["max"] / r["baseline"]["p99"] for r in rounds]
     lines = [f"  no bomb: /healthz p99 median {_median_range(p99s, '.1f')} ms, p50 median "
              f"{statistics.median(r['baseline']['p50'] for r in rounds):.1f} ms "
-             f"({len(rounds)} rounds, {sum(r['baseline']['n'] for r in rounds)} probes)"]
+             f"({len(rounds)} rounds, {sum(r['baseline']['n'] for r in rounds)} probes); its "
+             f"own worst over its p99: median {_median_range(control, '.2f')}; the loop "
+             f"thread's run-queue wait {_median_range([r['baseline']['runq'] for r in rounds], '.0f')}"
+             " ms/s"]
     for name in BOMBS:
         runs = [r[name] for r in rounds]
         answers: dict[int, int] = {}
@@ -200,7 +224,8 @@ def report(rounds: list[dict[str, Any]], *, costs: bool = True) -> list[str]:
         lines.append(
             f"  {name:>13} ({runs[0]['mib']:.1f} MiB, answers {answers}): loop stall <= "
             f"{_median_range([x['stall'] for x in runs], '.1f')} ms; worst /healthz over the "
-            f"round's no-bomb p99: median {_median_range([x['ratio'] for x in runs], '.2f')}")
+            f"round's no-bomb p99: median {_median_range([x['ratio'] for x in runs], '.2f')}; "
+            f"run-queue wait {_median_range([x['runq'] for x in runs], '.0f')} ms/s")
     if costs:
         slices = slice_costs()
         lines.append("  longest parse slice on the loop (decode-workers 0), CPU ms: " + ", ".join(

@@ -12,8 +12,11 @@ worker costs more of the loop than their parse.
 The pool holds at most ``decode_workers`` processes, started as demand needs them;
 a request waits for a free one, and when ``decode_queue`` requests already wait, it
 is answered 503 busy with ``Retry-After`` (the body budget bounds the bytes waiting,
-this their number). The loop's share of a body is writing it to the worker's pipe a
-slice at a time and unpickling the records' frames, one per loop turn.
+this their number). The loop's share of a body is its chunks written into a
+:class:`~ingest_service.push.spool.SpooledBody` as they arrive (by
+:func:`~ingest_service.push.read.read_body`), one small message handing the worker
+that file's descriptor over its Unix socket (no copy of the body, no pickle of it),
+and the records' frames unpickled one per loop turn.
 
 A worker that dies while it decodes (kill -9, out of memory) is a 503 for that
 request (nothing was appended: the producer resends the same seq), one that takes
@@ -28,6 +31,7 @@ import contextlib
 import logging
 import os
 import pickle
+import socket
 import sys
 from pathlib import Path
 
@@ -43,6 +47,7 @@ from ingest_service.push import decode_worker as wire
 from ingest_service.push.body import JSON_TYPE, MSGPACK_TYPES, NDJSON_TYPE, ParsedBatch
 from ingest_service.push.entries import Body
 from ingest_service.push.limits import BodyLimits
+from ingest_service.push.spool import SpooledBody
 
 __all__ = ["DecodePool", "needs_worker"]
 
@@ -50,8 +55,6 @@ log = logging.getLogger(__name__)
 
 _ARRAY_HEADS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
 _MAP_HEADS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
-_WRITE_SLICE = 256 * 1024
-"""Bytes of a body written to a worker's pipe per loop turn."""
 _REFUSALS: dict[int, type[PushRejectedError]] = {400: MalformedPushError, 413: PushTooLargeError}
 _ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -95,29 +98,29 @@ def _msgpack_values(body: Body, budget: int) -> int:
 
 
 class _Worker:
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
+    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
+        self.proc, self.sock = proc, sock
+        """``sock``: the service's end of the worker's stdin, a Unix socket (jobs, each
+        with its body's file descriptor)."""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    async def parse(self, body: Body, content_type: str, max_record_bytes: int,
+    async def parse(self, body: Body | SpooledBody, content_type: str, max_record_bytes: int,
                     limits: BodyLimits) -> ParsedBatch:
-        stdin, stdout = self.proc.stdin, self.proc.stdout
-        assert stdin is not None and stdout is not None
+        stdout = self.proc.stdout
+        assert stdout is not None
+        spool = body if isinstance(body, SpooledBody) else SpooledBody.of(body)
         header = pickle.dumps((content_type, max_record_bytes, limits))
-        stdin.write(wire.JOB.pack(len(header), len(body)) + header)
-        with memoryview(body) as view:
-            for start in range(0, len(body), _WRITE_SLICE):
-                stdin.write(view[start:start + _WRITE_SLICE])
-                await stdin.drain()
-        await stdin.drain()
-        if isinstance(body, bytearray):
-            # In the pipe (or the transport's buffer, a copy) now: the service's copy
-            # is not needed again (a dead worker is a 503, the client resends), and its
-            # room goes to the records coming back.
-            body.clear()
+        try:
+            await _send_with_fd(self.sock, wire.JOB.pack(len(header), len(spool)) + header,
+                                spool.fileno())
+        finally:
+            # The worker has its own descriptor now (in flight or received): closing ours
+            # leaves the last one to the worker, which frees the pages when it is done.
+            # Should the worker be dead, the body is not needed again (503: resent).
+            spool.close()
         records: list[dict[bytes, bytes]] = []
         sizes: list[int] = []
         while True:
@@ -136,6 +139,33 @@ class _Worker:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
+        self.sock.close()
+
+
+async def _send_with_fd(sock: socket.socket, message: bytes, fd: int) -> None:
+    """``message`` on the non-blocking ``sock``, ``fd`` passed with its first bytes
+    (``SCM_RIGHTS``). A job's message is under a kilobyte into a socket the idle worker
+    has emptied: it goes at once, but a full socket is waited for, never spun on."""
+    loop = asyncio.get_running_loop()
+    sent = 0
+    while sent < len(message):
+        try:
+            if sent == 0:
+                sent = socket.send_fds(sock, [message], [fd])
+            else:
+                sent += sock.send(message[sent:])
+        except BlockingIOError:
+            writable: asyncio.Future[None] = loop.create_future()
+            loop.add_writer(sock.fileno(), _wake, writable)
+            try:
+                await writable
+            finally:
+                loop.remove_writer(sock.fileno())
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class DecodePool:
@@ -160,12 +190,18 @@ class DecodePool:
         """Start one worker and put it among the idle ones once it is ready."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        worker: _Worker | None = None
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ingest_service.push.decode_worker",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
-                limit=2 * wire.FRAME_BYTES)
-            worker = _Worker(proc)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "ingest_service.push.decode_worker",
+                    stdin=theirs.fileno(), stdout=asyncio.subprocess.PIPE, env=env,
+                    limit=2 * wire.FRAME_BYTES)
+            finally:
+                theirs.close()  # the worker's end is the worker's alone
+            worker = _Worker(proc, ours)
             assert proc.stdout is not None
             ready = await proc.stdout.readexactly(len(wire.READY))
             if ready != wire.READY or self._closed:
@@ -173,11 +209,15 @@ class DecodePool:
                 await proc.wait()
                 return
         except (OSError, asyncio.IncompleteReadError) as exc:
+            if worker is not None:
+                worker.kill()
             log.error("a push decode worker did not start (%s: %s); bodies wait for the "
                       "next one", type(exc).__name__, exc)
             return
         finally:
             self._starting -= 1
+            if worker is None:
+                ours.close()
         self._live.add(worker)
         self._idle.put_nowait(worker)
 
@@ -220,12 +260,13 @@ class DecodePool:
         task.add_done_callback(self._reaping.discard)  # type: ignore[arg-type]
         self._grow()
 
-    async def parse(self, body: Body, content_type: str, max_record_bytes: int
+    async def parse(self, body: Body | SpooledBody, content_type: str, max_record_bytes: int
                     ) -> ParsedBatch:
         """``body``'s records as stream entries, parsed by a worker; raises what
         :func:`~ingest_service.push.body.parse_records` raises (400, 413), PushBusyError
         (503) when the pool is full or the worker died, PushTooLargeError (413) when it
-        took over ``decode_timeout_s``."""
+        took over ``decode_timeout_s``. A :class:`SpooledBody` is closed once handed to
+        the worker (the caller may close it again: nothing)."""
         worker, size = await self._take(), len(body)
         keep = False
         try:
@@ -255,7 +296,7 @@ class DecodePool:
                 self._drop(worker)
 
     async def close(self) -> None:
-        """Stop every worker (their stdin closed, then killed) and wait for them."""
+        """Stop every worker (killed, their job socket closed) and wait for them."""
         self._closed = True
         for worker in list(self._live):
             worker.kill()

@@ -6,12 +6,16 @@ Why a process: a record of ten thousand lists is one C call of msgpack's or JSON
 decoder, 2-9 ms that hold the GIL, so a thread decoding it holds the event loop's
 thread as long. In a process of its own, the decode holds nothing of the service's.
 
-The wire, over the worker's stdin and stdout (its stderr is the service's log):
+The wire, over the worker's stdin (a Unix socket) and stdout (its stderr is the
+service's log):
 
 - the worker writes ``READY`` (one byte) once imported, then serves one job at a time;
-- a job: ``>IQ`` (header length, body length), the header (a pickle of the content
+- a job: ``>IQ`` (header length, body length) and the header (a pickle of the content
   type, ``max_record_bytes`` and the :class:`~ingest_service.push.limits.BodyLimits`),
-  then the body's bytes;
+  with the descriptor of the file holding the body
+  (:class:`~ingest_service.push.spool.SpooledBody`) passed beside its first bytes
+  (``SCM_RIGHTS``): the worker reads the body from it and closes it, the last holder,
+  so the file's pages are freed here, not on the service's loop;
 - the answer: frames of ``>BI`` (kind, length) and a payload. ``RECORDS``: a pickle of
   (entries, sizes) of at most ``FRAME_RECORDS`` records or about ``FRAME_BYTES``
   (the service unpickles one frame per loop turn); then ``DONE``: a pickle of
@@ -32,6 +36,7 @@ import gc
 import os
 import pickle
 import signal
+import socket
 import struct
 import sys
 from typing import BinaryIO
@@ -53,16 +58,44 @@ FRAME_BYTES = 256 * 1024
 millisecond (a frame of 256 KiB of 1 KB records: about 0.25 ms)."""
 
 
-def _read_exactly(stream: BinaryIO, n: int) -> bytearray | None:
+def _read_exactly(stream: BinaryIO | socket.socket, n: int) -> bytearray | None:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = stream.readinto(view[got:])  # type: ignore[attr-defined]
+        k = (stream.recv_into(view[got:]) if isinstance(stream, socket.socket)
+             else stream.readinto(view[got:]))  # type: ignore[attr-defined]
         if not k:
             return None  # the service went away
         got += k
     view.release()
     return buf
+
+
+def _receive_job(sock: socket.socket) -> tuple[bytearray, bytearray] | None:
+    """The next job's header and body (None: the service went away). The body's file
+    is read whole and closed here."""
+    data, fds, _, _ = socket.recv_fds(sock, JOB.size, 1)
+    if not data:
+        return None
+    head = _read_exactly(sock, JOB.size - len(data)) if len(data) < JOB.size else b""
+    if head is None or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        if head is None:
+            return None
+        raise RuntimeError(f"a decode job came with {len(fds)} file descriptors, not 1: "
+                           "the service and this worker do not speak the same wire")
+    head_len, body_len = JOB.unpack(bytes(data) + bytes(head))
+    with open(fds[0], "rb", buffering=0) as body_file:  # closed: ours was the last
+        header = _read_exactly(sock, head_len)
+        body_file.seek(0)  # the service's writes moved the offset this file shares
+        body = _read_exactly(body_file, body_len)
+    if header is None:
+        return None
+    if body is None:
+        raise RuntimeError(f"the body's file holds fewer than the {body_len} bytes the job "
+                           "says: the service and this worker do not speak the same wire")
+    return header, body
 
 
 def _frame(out: BinaryIO, kind: int, payload: object) -> None:
@@ -71,19 +104,15 @@ def _frame(out: BinaryIO, kind: int, payload: object) -> None:
     out.write(data)
 
 
-def serve(inp: BinaryIO, out: BinaryIO) -> None:
+def serve(inp: socket.socket, out: BinaryIO) -> None:
     """Answer jobs from ``inp`` on ``out`` until ``inp`` ends."""
     out.write(READY)
     out.flush()
     while True:
-        head = _read_exactly(inp, JOB.size)
-        if head is None:
+        job = _receive_job(inp)
+        if job is None:
             return
-        head_len, body_len = JOB.unpack(head)
-        header = _read_exactly(inp, head_len)
-        body = _read_exactly(inp, body_len)
-        if header is None or body is None:
-            return
+        header, body = job
         content_type, max_record_bytes, limits = pickle.loads(header)
         try:
             batch = parse_records(body, content_type, max_record_bytes, limits)
@@ -118,8 +147,8 @@ def main() -> None:
     os.nice(_NICE)
     gc.freeze()
     try:
-        serve(sys.stdin.buffer, sys.stdout.buffer)
-    except BrokenPipeError:
+        serve(socket.socket(fileno=sys.stdin.fileno()), sys.stdout.buffer)
+    except (BrokenPipeError, ConnectionResetError):
         pass  # the service went away mid-answer (killed, or it timed this body out)
 
 

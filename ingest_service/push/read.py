@@ -13,6 +13,10 @@ past ``max_inflight_bytes``), from its first chunk until its records are appende
 (the parsed entries replace the body, about as large), and each producer token may
 hold at most its share of it (``token_inflight_bytes``): one token trickling bodies
 cannot keep another dataset's producers out.
+
+A body that a decode worker will parse (over ``inline_bytes``) is written chunk by
+chunk into a :class:`~ingest_service.push.spool.SpooledBody` that the worker receives,
+never gathered into one buffer on the loop.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ingest_service.push.body import (
     msgpack_array_len,
     too_many,
 )
+from ingest_service.push.spool import SpooledBody
 
 __all__ = ["ByteBudget", "read_body"]
 
@@ -72,8 +77,8 @@ class ByteBudget:
 
 
 async def read_body(content: StreamReader, content_type: str, limits: BodyLimits,
-                    budget: ByteBudget, owner: str = "", *, length: int | None = None
-                    ) -> bytearray:
+                    budget: ByteBudget, owner: str = "", *, length: int | None = None,
+                    spool_over: int | None = None) -> bytearray | SpooledBody:
     """The whole body, refused with 413 as soon as it passes a limit, with 408 when it
     arrives too slowly, or with 503 when the bodies of all requests together (or of
     ``owner``'s) would pass ``budget``. The bytes stay taken from ``budget``: the
@@ -83,12 +88,21 @@ async def read_body(content: StreamReader, content_type: str, limits: BodyLimits
     joined at the end held every body twice at its peak, which the budget did not
     count. With ``length`` (the declared Content-Length) its room is taken from the
     budget before a byte is read (503 at once when there is none) and the buffer is
-    made that size once, so the memory a body holds is always what it took."""
+    made that size once, so the memory a body holds is always what it took.
+
+    With ``spool_over`` (a decode pool parses bodies over that size), a body declared
+    or found to be longer goes into a :class:`SpooledBody` instead, chunk by chunk (what
+    it holds so far moved there once it passes ``spool_over``: at most that much and a
+    chunk): no step of the loop allocates, zeroes or copies the whole body."""
     taken = 0  # the bytes taken from the budget so far
+    spool: SpooledBody | None = None
     if length is not None and 0 < length <= limits.max_bytes:
         budget.take(length, owner)
         taken = length
-        body = bytearray(length)
+    if spool_over is not None and length is not None and length > spool_over:
+        spool, body = SpooledBody(), bytearray()
+    elif taken:
+        body = bytearray(taken)
     else:
         body = bytearray()
     size = newlines = 0
@@ -128,10 +142,18 @@ async def read_body(content: StreamReader, content_type: str, limits: BodyLimits
                 if size > taken:  # past the room taken (no length declared, or a longer body)
                     budget.take(size - taken, owner)
                     taken = size
-                body[size - len(chunk):size] = chunk
+                if spool is None and spool_over is not None and size > spool_over:
+                    spool = SpooledBody.of(body[:size - len(chunk)])  # at most spool_over
+                    body = bytearray()
+                if spool is not None:
+                    spool.write(chunk)
+                else:
+                    body[size - len(chunk):size] = chunk
                 del chunk
     except TimeoutError as exc:
         budget.give(taken, owner)
+        if spool is not None:
+            spool.close()
         raise PushTooSlowError(
             f"the body did not arrive in time ({size} bytes in {loop.time() - started:.1f} s: "
             f"each chunk within {limits.chunk_timeout_s} s, after {limits.min_rate_grace_s} s "
@@ -140,7 +162,13 @@ async def read_body(content: StreamReader, content_type: str, limits: BodyLimits
         ) from exc
     except BaseException:
         budget.give(taken, owner)
+        if spool is not None:
+            spool.close()
         raise
+    if spool is not None:
+        if size < taken:
+            budget.give(taken - size, owner)
+        return spool
     if size < len(body):  # shorter than declared (aiohttp refuses that): keep what came
         del body[size:]
         budget.give(taken - size, owner)

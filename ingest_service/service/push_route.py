@@ -48,6 +48,7 @@ from ingest_service.errors import (
     Forbidden,
     MalformedPushError,
     NotReplicatedError,
+    PushBusyError,
     PushDataLostError,
     PushOutOfOrderError,
     PushRejectedError,
@@ -65,6 +66,7 @@ from ingest_service.push.ingest import (
     parse_params,
 )
 from ingest_service.push.read import ByteBudget, read_body
+from ingest_service.push.spool import SpooledBody
 from ingest_service.service.auth import PushTokens, bearer_token
 from ingest_service.service.config import CONFIG_KEY, METRICS_KEY
 from ingest_service.service.http_errors import RETRY_AFTER_S, error_response, unavailable
@@ -177,20 +179,25 @@ async def _push(request: web.Request, route: PushRoute,
         return _reply(PushResult(choose_partition(producer_id, spec.partitions), seq, False, 0,
                                  None, None, mark))
     owner = _owner(request, route)
+    # With a decode pool, a body it will parse (over inline_bytes) is spooled to a file
+    # the worker reads, never one buffer of this process: no loop step is O(body).
+    spool_over = None if route.decoders is None else route.limits.inline_bytes
     body = await read_body(request.content, content_type, route.limits, route.budget, owner,
-                           length=length)
+                           length=length, spool_over=spool_over)
     held = len(body)
     try:
         # The body's room in the budget is held until its records are appended: the
         # parsed entries that replace it are about as large.
         batch = await _parse(route, body, content_type, spec.max_record_bytes)
-        del body
+        body = bytearray()  # its memory free while its entries are appended
         await route.ingest.check_room(spec, producer_id, seq, len(batch.records),
                                       batch.data_bytes)
         result = await route.ingest.append(spec, producer_id, seq, batch.records, batch.sizes,
                                            batch.digest)
     finally:
         route.budget.give(held, owner)
+        if isinstance(body, SpooledBody):
+            body.close()  # refused before a worker took it (503 busy, or shutting down)
     if result.count:
         metrics = app[METRICS_KEY]
         metrics.records.labels(dataset=name).inc(result.count)
@@ -199,13 +206,17 @@ async def _push(request: web.Request, route: PushRoute,
     return _reply(result)
 
 
-async def _parse(route: PushRoute, body: Body, content_type: str,
+async def _parse(route: PushRoute, body: Body | SpooledBody, content_type: str,
                  max_record_bytes: int) -> ParsedBatch:
     """A big or container-heavy body parsed by a decode worker, the others on the loop
     in slices (bodies over ``big_body_bytes`` one at a time there, at a share of it)."""
     limits = route.limits
-    if route.decoders is not None and needs_worker(body, content_type, limits):
+    if route.decoders is not None and (isinstance(body, SpooledBody)
+                                       or needs_worker(body, content_type, limits)):
         return await route.decoders.parse(body, content_type, max_record_bytes)
+    if isinstance(body, SpooledBody):
+        # The pool went away between reading and parsing (the service stopping).
+        raise PushBusyError("the service is shutting down: send to another instance or retry")
     if len(body) > limits.big_body_bytes:
         async with route.big_bodies:
             return await parse_records_sliced(body, content_type, max_record_bytes, limits,
