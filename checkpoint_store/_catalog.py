@@ -21,6 +21,7 @@ from checkpoint_store.layout import (
     parse_manifest_name,
 )
 from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.rank_content import with_content
 from checkpoint_store.rank_state import read_rank_object
 from checkpoint_store.reader import verify_data
 from checkpoint_store.retention import (
@@ -86,7 +87,7 @@ class Catalog:
             raw = self._backend.read(manifest_path(name))
         except FileNotFoundError as e:
             raise NoCheckpointError(f"manifest {name} does not exist") from e
-        manifest = parse_manifest(name, raw, pinned=pinned)
+        manifest = with_content(self._backend, parse_manifest(name, raw, pinned=pinned))
         if reuse:
             self._remember(name, stamp, manifest)
         return manifest
