@@ -21,6 +21,7 @@ from checkpoint_store.layout import (
     parse_manifest_name,
 )
 from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.rank_content import with_content
 from checkpoint_store.rank_state import read_rank_object
 from checkpoint_store.reader import verify_data
 from checkpoint_store.retention import (
@@ -54,7 +55,7 @@ class Catalog:
     stale_after_s: float
     _backend: Backend
     _own_inflight: set[str]
-    _parsed: dict[str, tuple[bytes, Manifest]]
+    _parsed: dict[str, tuple[float | None, Manifest]]
 
     # ---------------------------------------------------------------- read side
     def _names(self) -> builtins.list[ManifestName]:
@@ -68,31 +69,48 @@ class Catalog:
 
     def _read_manifest(self, name: str, pins: set[str] | None = None, *,
                        reuse: bool = False) -> Manifest:
-        """Read and verify a manifest. ``reuse``: return the copy parsed from the very
-        same bytes before, if any (for retention, which reads every manifest after
-        every save and only looks at names, steps and pins; callers that hand the
-        manifest out get a fresh one)."""
+        """Read and verify a manifest. ``reuse``: return the copy this store parsed
+        (or committed) before when the file's modification time is still the one it
+        had then, without reading it (listings and retention, after every save: a
+        manifest is written once, by exclusive create, so a name whose file was not
+        touched since holds the bytes verified then, and a listing costs a stat per
+        manifest, not a read and parse of its whole index of ranks). A file rewritten
+        in place (damage, a forgery) has a new time and is read and verified again."""
+        pinned = name in (pins if pins is not None else self._pins())
+        seen = self._parsed.get(name) if reuse else None
+        if seen is not None and seen[0] is not None \
+                and self._backend.mtime(manifest_path(name)) == seen[0]:
+            return dataclasses.replace(seen[1], pinned=pinned)
+        # The time before the read: a rewrite after it gives a newer time, never this.
+        stamp = self._backend.mtime(manifest_path(name)) if reuse else None
         try:
             raw = self._backend.read(manifest_path(name))
         except FileNotFoundError as e:
             raise NoCheckpointError(f"manifest {name} does not exist") from e
-        pinned = name in (pins if pins is not None else self._pins())
-        seen = self._parsed.get(name) if reuse else None
-        if seen is not None and seen[0] == raw:
-            return dataclasses.replace(seen[1], pinned=pinned)
-        manifest = parse_manifest(name, raw, pinned=pinned)
+        manifest = with_content(self._backend, parse_manifest(name, raw, pinned=pinned))
         if reuse:
-            self._remember(name, raw, manifest)
+            self._remember(name, stamp, manifest)
         return manifest
 
-    def _remember(self, name: str, raw: bytes, manifest: Manifest) -> None:
-        if len(self._parsed) >= 256:
+    def _remember(self, name: str, stamp: float | None, manifest: Manifest) -> None:
+        """Keep ``manifest``, verified when its file's modification time was ``stamp``
+        (None: the backend tells no times, so it is read again each time)."""
+        if len(self._parsed) >= 4096:  # a store far past any retention: start over
             self._parsed.clear()
-        self._parsed[name] = (raw, manifest)
+        self._parsed[name] = (stamp, manifest)
+
+    def _remember_commit(self, manifest: Manifest) -> None:
+        """This store just committed ``manifest``: listings after it need not read it."""
+        self._remember(manifest.name, self._backend.mtime(manifest_path(manifest.name)),
+                       manifest)
 
     def list(self) -> builtins.list[Manifest]:
-        """Committed, readable manifests, oldest first (damaged ones are logged)."""
-        return self._list(reuse=False)
+        """Committed, readable manifests, oldest first (damaged ones are logged). A
+        manifest this store read or committed before and whose file is untouched since
+        is not read again (:meth:`_read_manifest`), so rank 0's listing at each commit
+        costs one stat per kept checkpoint, whatever the world size. The manifests
+        returned are shared records: read them, never change them."""
+        return self._list(reuse=True)
 
     def manifest_names(self) -> builtins.list[str]:
         """The manifest names, in commit order, from one listing (nothing is read):
@@ -116,7 +134,12 @@ class Catalog:
     def _list(self, *, reuse: bool) -> builtins.list[Manifest]:
         pins = self._pins()
         out = []
-        for n in self._names():
+        names = self._names()
+        if reuse:  # forget the deleted (retention): the cache holds the kept only
+            present = {n.name for n in names}
+            for gone in [k for k in list(self._parsed) if k not in present]:
+                self._parsed.pop(gone, None)  # the writer thread's retention lists too
+        for n in names:
             try:
                 out.append(self._read_manifest(n.name, pins, reuse=reuse))
             except CorruptCheckpointError as e:

@@ -17,7 +17,8 @@ from typing import Any, TypeGuard
 from checkpoint_store.dtypes import dtype_from_name, is_supported
 from trainguard.core.checkpoints import CorruptCheckpointError
 
-__all__ = ["MAX_CHUNK_BYTES", "MAX_STATE_BYTES", "ZARR_ITEMSIZE", "check_structure"]
+__all__ = ["MAX_CHUNK_BYTES", "MAX_STATE_BYTES", "ZARR_ITEMSIZE", "check_content",
+           "check_structure"]
 
 ZARR_ITEMSIZE: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2,
@@ -129,9 +130,16 @@ def check_structure(name: str, body: dict[str, Any], state_chars: int) -> None:
                          "(FORMAT.md)")
     if state_chars > MAX_STATE_BYTES * 4 // 3 + 4:
         raise _bad(name, f"the state skeleton is larger than {MAX_STATE_BYTES >> 20} MiB")
-    arrays = {path: _check_array(name, str(path), meta) for path, meta in body["arrays"].items()}
-    tensors = body["tensors"]
+    check_content(name, body["arrays"], body["tensors"])
+
+
+def check_content(name: str, arrays: Any, tensors: Any) -> None:
+    """Raise CorruptCheckpointError unless ``arrays`` and ``tensors`` (a manifest's, or
+    those a format 4 checkpoint's rank objects hold together) fit each other."""
+    if not isinstance(arrays, dict):
+        raise _bad(name, "'arrays' is not an object")
+    sizes = {path: _check_array(name, str(path), meta) for path, meta in arrays.items()}
     if not isinstance(tensors, dict):
         raise _bad(name, "'tensors' is not an object")
     for key, entry in tensors.items():
-        _check_tensor(name, str(key), entry, arrays)
+        _check_tensor(name, str(key), entry, sizes)

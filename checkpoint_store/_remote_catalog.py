@@ -13,6 +13,7 @@ from typing import Any
 from checkpoint_store.backends import Backend
 from checkpoint_store.layout import MANIFEST_DIR, PINS_DIR, manifest_path, parse_manifest_name
 from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.rank_content import with_content
 from trainguard.core.checkpoints import CheckpointError, CorruptCheckpointError
 
 __all__ = ["RemoteCatalog"]
@@ -63,7 +64,8 @@ class RemoteCatalog:
                 m = cache.get(n)
                 if m is None:
                     try:
-                        m = parse_manifest(n, call(self._backend.read, manifest_path(n)))
+                        m = with_content(self._backend, parse_manifest(
+                            n, call(self._backend.read, manifest_path(n))))
                     except FileNotFoundError:
                         continue  # deleted between listing and reading
                     except CorruptCheckpointError as e:

@@ -123,11 +123,15 @@ class StorageWriter(tdcp.StorageWriter):
     process opens one store on the same root for all its saves."""
 
     def __init__(self, store: CheckpointStore, *, step: int,
-                 extra: Mapping[str, Any] | None = None, overwrite: bool = True):
+                 extra: Mapping[str, Any] | None = None, overwrite: bool = True,
+                 rank_state: Mapping[str, Any] | None = None):
         super().__init__()
         self.store: CheckpointStore | None = store
         self.step = step
         self.extra = dict(extra) if extra is not None else None
+        # This rank's state object (offsets, random states: ``CheckpointStore.save``'s
+        # ``rank_state``); it travels with the writer into DCP's checkpoint process.
+        self.rank_state = dict(rank_state) if rank_state is not None else None
         self.overwrite = overwrite
         self.manifest: Manifest | None = None
         self._reopen: dict[str, Any] | None = None
@@ -136,12 +140,13 @@ class StorageWriter(tdcp.StorageWriter):
         # Threads, locks and a gloo group do not cross processes: the arguments do.
         reopen = self.store._reopen_args() if self.store is not None else self._reopen
         return {"reopen": reopen, "step": self.step, "extra": self.extra,
-                "overwrite": self.overwrite}
+                "overwrite": self.overwrite, "rank_state": self.rank_state}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.store, self.manifest = None, None
         self._reopen = state["reopen"]
         self.step, self.extra, self.overwrite = state["step"], state["extra"], state["overwrite"]
+        self.rank_state = state.get("rank_state")
 
     def _store(self) -> CheckpointStore:
         if self.store is None:
@@ -235,7 +240,8 @@ class StorageWriter(tdcp.StorageWriter):
             for fqn in tensor_fqns:
                 flat.setdefault(fqn, TensorRef(tensor_path(all_paths[fqn])))
         state = nest(flat, {k: v for k, v in all_paths.items() if v})
-        self.manifest = store.save(state, step=self.step, extra=self.extra).wait()
+        self.manifest = store.save(state, step=self.step, extra=self.extra,
+                                   rank_state=self.rank_state).wait()
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

@@ -5,8 +5,12 @@ store checkpoints through ``torch.distributed.checkpoint``: ``save`` runs
 ``dcp.save`` (``blocking=False``: ``dcp.async_save``) with ``dcp.StorageWriter``, and
 ``load`` runs ``dcp.load`` with ``dcp.StorageReader``, so DCP's planners and its
 FSDP2 paths decide the layout while the checkpoint is an ordinary trainguard one, with
-the session's offsets committed inside its manifest (``extra``). Listing, pinning,
-verification, retention and gc are the wrapped ``CheckpointStore``'s.
+the session's offsets committed with it: each rank's ``rank_state`` goes through
+``StorageWriter`` into the wrapped store's own save, so every rank writes its per-rank
+state object beside its shards and the manifest indexes it, as ``CheckpointStore``
+does (a session on this store gathers no rank's offsets). Listing, pinning,
+verification, retention, gc and :meth:`read_rank_state` are the wrapped
+``CheckpointStore``'s.
 
 DCP reports failures as ``CheckpointException``, a ``BaseException`` that
 ``except Exception`` misses; here they become ``CheckpointError``.
@@ -30,6 +34,7 @@ from checkpoint_store.store import CheckpointStore
 from trainguard.core.checkpoints import (
     CheckpointError,
     IfBusy,
+    ManifestView,
     NoCheckpointError,
     SaveInProgressError,
     check_if_busy,
@@ -54,6 +59,10 @@ def _plain(e: BaseException, what: str) -> BaseException:
 class DcpCheckpointStore(WrappedStore):
     """``store``: a ``CheckpointStore`` or its URL (``options`` then go to it)."""
 
+    supports_rank_state = True
+    """Capability: ``save(rank_state=...)`` and :meth:`read_rank_state`, so a session
+    writes per-rank state objects instead of gathering every rank's offsets."""
+
     def __init__(self, store: CheckpointStore | str, **options: Any):
         self.store = store if isinstance(store, CheckpointStore) else \
             CheckpointStore(store, **options)
@@ -73,10 +82,13 @@ class DcpCheckpointStore(WrappedStore):
 
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: IfBusy = "wait") -> SaveHandle:
-        """``dcp.save`` (or ``dcp.async_save``) of ``state`` as checkpoint ``step``."""
+             if_busy: IfBusy = "wait",
+             rank_state: Mapping[str, Any] | None = None) -> SaveHandle:
+        """``dcp.save`` (or ``dcp.async_save``) of ``state`` as checkpoint ``step``;
+        ``rank_state``: this rank's state object, as ``CheckpointStore.save`` takes it
+        (every rank passes one, or none does)."""
         self._settle_current(check_if_busy(if_busy))
-        writer = StorageWriter(self.store, step=step, extra=extra)
+        writer = StorageWriter(self.store, step=step, extra=extra, rank_state=rank_state)
         handle = SaveHandle(step)
         if blocking:
             try:
@@ -120,6 +132,10 @@ class DcpCheckpointStore(WrappedStore):
         if reader.manifest is None:
             raise NoCheckpointError(f"no checkpoint was loaded from {self.url}")
         return reader.manifest
+
+    def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s state object of ``manifest``, verified (the wrapped store's)."""
+        return self.store.read_rank_state(manifest, rank)
 
     def close(self) -> None:
         self._settle_current("wait")

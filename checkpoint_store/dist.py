@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["ONE_PROCESS", "Comm", "GlooComm", "LocalComm", "all_gather_json", "broadcast_json", "make_comm"]
+__all__ = ["ONE_PROCESS", "Comm", "GlooComm", "LocalComm", "all_gather_json", "broadcast_json",
+           "gather_json", "make_comm"]
 
 
 class Comm(Protocol):
@@ -26,6 +27,13 @@ class Comm(Protocol):
         """Rank 0's ``data`` on every rank."""
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]: ...
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's ``data`` on rank 0 (in rank order); None on the others."""
+
+    def all_reduce_int64(self, values: list[int], op: str) -> list[int]:
+        """The elementwise ``op`` ("sum" or "max") of every rank's ``values`` (all of
+        one length), on every rank."""
 
 
 class LocalComm:
@@ -38,6 +46,12 @@ class LocalComm:
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         return [data]
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        return [data]
+
+    def all_reduce_int64(self, values: list[int], op: str) -> list[int]:
+        return list(values)
 
 
 class GlooComm:
@@ -76,6 +90,38 @@ class GlooComm:
             self._dist.all_gather(bufs, mine, group=self.group)
         return [bytes(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
 
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        # Sizes first (one int64 a rank, to rank 0 only), then the payloads padded to
+        # the longest: the other ranks receive nothing.
+        size = torch.tensor([len(data)])
+        root = self.rank == 0
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)] \
+            if root else None
+        self._dist.gather(size, sizes, dst=self._src, group=self.group)
+        longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0])
+        self._dist.broadcast(longest, src=self._src, group=self.group)
+        n = int(longest.item())
+        mine = torch.zeros(n, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)] \
+            if root else None
+        if n:
+            self._dist.gather(mine, bufs, dst=self._src, group=self.group)
+        if sizes is None:
+            return None
+        if bufs is None or not n:
+            return [b"" for _ in sizes]
+        return [bytes(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+    def all_reduce_int64(self, values: list[int], op: str) -> list[int]:
+        if not values:
+            return []
+        ops = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX}
+        t = torch.tensor(values, dtype=torch.int64)
+        self._dist.all_reduce(t, op=ops[op], group=self.group)
+        return [int(v) for v in t.tolist()]
+
 
 def broadcast_json(comm: Comm, doc: Any) -> Any:
     return json.loads(comm.broadcast_bytes(json.dumps(doc).encode() if comm.rank == 0 else None))
@@ -88,6 +134,14 @@ def all_gather_json(comm: Comm, doc: Any) -> list[Any]:
         # str/int/list/dict values, so it reads the same either way.
         return [doc]
     return [json.loads(b) for b in comm.all_gather_bytes(json.dumps(doc).encode())]
+
+
+def gather_json(comm: Comm, doc: Any) -> list[Any] | None:
+    """Every rank's ``doc`` on rank 0; None on the others (which receive nothing)."""
+    if comm.world_size == 1:
+        return [doc]
+    got = comm.gather_bytes(json.dumps(doc).encode())
+    return None if got is None else [json.loads(b) for b in got]
 
 
 ONE_PROCESS = "one-process"

@@ -8,7 +8,10 @@ and the SHA-256 covers every byte before that suffix, so any language verifies i
 without re-encoding JSON. Version 1 (read, never written) hashed Python's canonical
 JSON of the other fields. Version 3 adds ``ranks``: the index of the per-rank state
 objects (:mod:`checkpoint_store.rank_state`), None when the save carried none; version 2
-(read, no longer written) is version 3 without it. See FORMAT.md for every field.
+(read, no longer written) is version 3 without it. Version 4, written for saves of
+several ranks, moves ``arrays`` and ``tensors`` into the ranks' objects (both ``{}``
+here, ``ranks`` always an index; :mod:`checkpoint_store.rank_content`); a single-rank
+save is written as version 3, which it is byte for byte. See FORMAT.md for every field.
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ from trainguard.core.checkpoints import CorruptCheckpointError
 
 __all__ = [
     "CHECKSUM_SUFFIX_BYTES", "FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "Manifest",
-    "TensorFragments", "encode_manifest", "parse_manifest",
+    "SINGLE_RANK_VERSION", "TensorFragments", "check_array_names", "encode_manifest",
+    "parse_manifest",
 ]
 
 FORMAT_NAME = "trainguard.checkpoint"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+"""What a save of several ranks writes (its tensor index in the ranks' objects)."""
+SINGLE_RANK_VERSION = 3
+"""What a single-rank save writes: its index fits the manifest, as in version 3."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 CHECKSUM_SUFFIX_BYTES = len(',"checksum":"sha256:') + 64 + len('"}\n')
 _SUFFIX_RE = re.compile(rb',"checksum":"(sha256:[0-9a-f]{64})"\}\n\Z')
 MANIFEST_KEYS = frozenset(
@@ -64,6 +71,10 @@ class Manifest:
     ranks: dict[str, Any] | None = field(default=None, repr=False)
     """The index of the per-rank state objects (``rank_state.make_index``); None when
     the save carried none (and in manifests of versions 1 and 2)."""
+    version: int = SINGLE_RANK_VERSION
+    """The format version of the manifest's file. In version 4 (several ranks) the
+    store's readers fill ``arrays`` and ``tensors`` from the ranks' objects on first
+    use (``rank_content.with_content``)."""
 
     @property
     def data_dir(self) -> str:
@@ -119,18 +130,21 @@ def encode_manifest(
     *, step: int, uid: str, created_at: float, parent: str | None, world_size: int,
     extra: dict[str, Any], arrays: dict[str, Any], tensors: dict[str, Any], state: bytes,
     fragments: TensorFragments | None = None, ranks: dict[str, Any] | None = None,
+    version: int = SINGLE_RANK_VERSION, nbytes: int | None = None,
 ) -> bytes:
     """The manifest's bytes. ``fragments`` (kept by the writer from save to save)
-    reuses the JSON of unchanged tensor entries; the bytes are the same either way."""
+    reuses the JSON of unchanged tensor entries; the bytes are the same either way.
+    ``nbytes``: the tensor bytes when ``tensors`` does not list them (version 4)."""
     body: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": version,
         "step": step,
         "uid": uid,
         "created_at": created_at,
         "parent": parent,
         "world_size": world_size,
-        "nbytes": sum(int(s["nbytes"]) for t in tensors.values() for s in t["shards"]),
+        "nbytes": nbytes if nbytes is not None else
+        sum(int(s["nbytes"]) for t in tensors.values() for s in t["shards"]),
         "extra": extra,
         "arrays": arrays,
         "tensors": tensors,
@@ -167,7 +181,7 @@ def _check_v1(name: str, body: dict[str, Any], checksum: Any) -> None:
         )
 
 
-def _check_array_names(name: str, arrays: object) -> None:
+def check_array_names(name: str, arrays: object) -> None:
     """Array names become paths under the checkpoint's data directory: a name that
     could leave it (``..``, an absolute path, a backslash, an empty segment) makes the
     manifest corrupt, whatever its checksum says."""
@@ -215,7 +229,7 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
             f"manifest {name} records step {body['step']} uid {body['uid']}, which do not "
             "match its name"
         )
-    _check_array_names(name, body["arrays"])
+    check_array_names(name, body["arrays"])
     state = body["state"]
     if not isinstance(state, dict) or state.get("encoding") != "msgpack" \
             or not isinstance(state.get("base64"), str):
@@ -224,6 +238,12 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
     check_structure(name, body, len(state["base64"]))
     ranks = body.get("ranks")
     check_index(name, ranks, body["world_size"] if type(body["world_size"]) is int else -1)
+    if version == 4 and (ranks is None or body["arrays"] or body["tensors"]
+                         or body["world_size"] < 2):
+        raise CorruptCheckpointError(
+            f"manifest {name} has format version 4, whose arrays and tensors are in the "
+            "objects of its ranks: it needs several ranks, an index of their objects and "
+            "empty 'arrays' and 'tensors'; the manifest is damaged or forged")
     try:
         state_bytes = base64.b64decode(state["base64"], validate=True)
     except ValueError as e:
@@ -242,4 +262,5 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
         arrays=body["arrays"],
         state=state_bytes,
         ranks=ranks,
+        version=int(version),
     )

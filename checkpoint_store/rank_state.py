@@ -16,6 +16,11 @@ An object's bytes are canonical JSON (sorted keys, compact, ASCII)::
 and the index's digest of rank ``r`` is the first 32 hex digits (128 bits) of the
 SHA-256 of exactly those bytes. A reader checks the digest, then the uid, step and
 rank inside, so an object copied from another save or rank is refused as damaged.
+
+A save of several ranks (manifest format 4) writes every rank's object, as version 2:
+the same fields plus the rank's own ``arrays`` and ``tensors`` entries (what format 3
+kept in the manifest, :mod:`checkpoint_store.rank_content`), with ``"state": null``
+when the save carried no rank states. A single-rank save writes version 1 as before.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ from trainguard.core.checkpoints import CorruptCheckpointError
 __all__ = [
     "DIGEST",
     "RANK_STATE_FORMAT",
+    "RANK_INDEX_VERSION",
     "RANK_STATE_VERSION",
     "RANKS_DIR",
     "check_index",
     "decode_rank_state",
     "digest",
+    "read_rank_doc",
     "read_rank_object",
     "encode_rank_state",
     "make_index",
@@ -46,6 +53,10 @@ __all__ = [
 
 RANK_STATE_FORMAT = "trainguard.rank_state"
 RANK_STATE_VERSION = 1
+"""The object of a single-rank save: its state document only."""
+RANK_INDEX_VERSION = 2
+"""The object of a save of several ranks: the state (or null) and the rank's arrays
+and tensor entries."""
 RANKS_DIR = "ranks"
 DIGEST = "sha256/128"
 """The index's digest: SHA-256 cut to 128 bits (a damaged object is told apart with
@@ -64,14 +75,23 @@ def digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
-def encode_rank_state(state: Mapping[str, Any], *, uid: str, step: int, rank: int,
-                      world_size: int) -> bytes:
-    """The object's exact bytes. Raises ``TypeError``/``ValueError`` when ``state`` is
-    not plain JSON (str, int, float, bool, None, lists and str-keyed objects)."""
-    return _ENCODER.encode({
+def encode_rank_state(state: Mapping[str, Any] | None, *, uid: str, step: int, rank: int,
+                      world_size: int,
+                      content: tuple[dict[str, Any], dict[str, Any]] | None = None) -> bytes:
+    """The object's exact bytes: version 1 of ``state``, or with ``content`` (the
+    rank's arrays and tensor entries) version 2. Raises ``TypeError``/``ValueError``
+    when ``state`` is not plain JSON (str, int, float, bool, None, lists and
+    str-keyed objects)."""
+    doc: dict[str, Any] = {
         "format": RANK_STATE_FORMAT, "version": RANK_STATE_VERSION, "uid": uid,
-        "step": step, "rank": rank, "world_size": world_size, "state": dict(state),
-    }).encode()
+        "step": step, "rank": rank, "world_size": world_size,
+        "state": None if state is None else dict(state),
+    }
+    if content is not None:
+        doc.update(version=RANK_INDEX_VERSION, arrays=content[0], tensors=content[1])
+    elif state is None:
+        raise ValueError("a rank state object of version 1 needs a state document")
+    return _ENCODER.encode(doc).encode()
 
 
 def make_index(digests: Sequence[str]) -> dict[str, Any]:
@@ -95,9 +115,27 @@ def check_index(name: str, index: Any, world_size: int) -> None:
 
 
 def decode_rank_state(raw: bytes, *, name: str, index: Mapping[str, Any], uid: str,
-                      step: int, rank: int) -> dict[str, Any]:
+                      step: int, rank: int) -> dict[str, Any] | None:
     """Rank ``rank``'s document from its object's bytes, checked against manifest
-    ``name``'s index; CorruptCheckpointError on any mismatch."""
+    ``name``'s index (None: a version 2 object of a save without rank states);
+    CorruptCheckpointError on any mismatch."""
+    return _state_of(decode_rank_doc(raw, name=name, index=index, uid=uid, step=step,
+                                     rank=rank), name, rank)
+
+
+def _state_of(doc: dict[str, Any], name: str, rank: int) -> dict[str, Any] | None:
+    state = doc.get("state")
+    if state is None and doc["version"] == RANK_INDEX_VERSION:
+        return None
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"the state object of rank {rank} of checkpoint {name} "
+                                     "holds no state document")
+    return state
+
+
+def decode_rank_doc(raw: bytes, *, name: str, index: Mapping[str, Any], uid: str,
+                    step: int, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s whole object, checked as :func:`decode_rank_state` says."""
     expected = index["objects"][rank]
     if digest(raw) != expected:
         raise CorruptCheckpointError(
@@ -110,27 +148,31 @@ def decode_rank_state(raw: bytes, *, name: str, index: Mapping[str, Any], uid: s
     except ValueError as e:  # a digest collision aside, unreachable: kept for clarity
         raise CorruptCheckpointError(f"the state object of rank {rank} of checkpoint "
                                      f"{name} is not JSON: {e}") from e
-    found = (doc.get("format"), doc.get("version"), doc.get("uid"), doc.get("step"),
-             doc.get("rank"))
-    if found != (RANK_STATE_FORMAT, RANK_STATE_VERSION, uid, step, rank):
+    version = doc.get("version") if isinstance(doc, dict) else None
+    found = (doc.get("format"), version, doc.get("uid"), doc.get("step"),
+             doc.get("rank")) if isinstance(doc, dict) else (None,) * 5
+    if version not in (RANK_STATE_VERSION, RANK_INDEX_VERSION) \
+            or found != (RANK_STATE_FORMAT, version, uid, step, rank):
         raise CorruptCheckpointError(
             f"the state object of rank {rank} of checkpoint {name} is {found}, expected "
-            f"{(RANK_STATE_FORMAT, RANK_STATE_VERSION, uid, step, rank)}: it belongs to "
-            "another save or rank; load an earlier checkpoint"
+            f"{(RANK_STATE_FORMAT, f'{RANK_STATE_VERSION} or {RANK_INDEX_VERSION}', uid, step, rank)}: "
+            "it belongs to another save or rank; load an earlier checkpoint"
         )
-    state = doc.get("state")
-    if not isinstance(state, dict):
-        raise CorruptCheckpointError(f"the state object of rank {rank} of checkpoint {name} "
-                                     "holds no state document")
-    return state
+    return doc
 
 
 def read_rank_object(backend: Backend, manifest: Any, rank: int) -> dict[str, Any] | None:
     """Rank ``rank``'s document of the parsed ``manifest`` (a ``Manifest``) on
     ``backend``; None when its save carried no rank states."""
-    index = manifest.ranks
-    if index is None:
+    if manifest.ranks is None:
         return None
+    return _state_of(read_rank_doc(backend, manifest, rank), manifest.name, rank)
+
+
+def read_rank_doc(backend: Backend, manifest: Any, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s whole object of ``manifest`` (which has an index), verified."""
+    index = manifest.ranks
+    assert index is not None
     if not 0 <= rank < manifest.world_size:
         raise IndexError(f"rank {rank} is not one of the {manifest.world_size} ranks that "
                          f"wrote checkpoint {manifest.name}")
@@ -141,5 +183,5 @@ def read_rank_object(backend: Backend, manifest: Any, rank: int) -> dict[str, An
             f"the state object of rank {rank} of checkpoint {manifest.name} is missing: the "
             "checkpoint is damaged; load an earlier one"
         ) from e
-    return decode_rank_state(raw, name=manifest.name, index=index, uid=manifest.uid,
-                             step=manifest.step, rank=rank)
+    return decode_rank_doc(raw, name=manifest.name, index=index, uid=manifest.uid,
+                           step=manifest.step, rank=rank)

@@ -4,10 +4,14 @@
    once every rank has staged its state;
 2. each rank writes its in-flight marker, then its arrays and its state object
    (``rank_state``; every file and directory fsync'd);
-3. ranks report success or failure to rank 0 (all-gather; the state object goes as
-   its digest only);
+3. ranks report success or failure to rank 0 (a gather to rank 0 alone: success, the
+   state object's digest and the rank's tensor bytes, never its tensor entries); with
+   several ranks, those entries are in each rank's object (format 4), and a fixed-size
+   reduction checks that the ranks' blocks agree on each tensor and tile it
+   (:func:`checkpoint_store.rank_content.check_blocks`);
 4. rank 0, only if every rank succeeded, writes the manifest (exclusive create: the
-   commit point), then swaps LATEST; otherwise it removes the save's data;
+   commit point; with several ranks an index of their objects), then swaps LATEST;
+   otherwise it removes the save's data;
 5. rank 0 broadcasts the outcome (the manifest bytes, or the error) to every rank;
 6. each rank removes its marker.
 
@@ -20,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import socket
 import time
@@ -31,7 +34,7 @@ from typing import Any
 from checkpoint_store import _faults
 from checkpoint_store._file_staging import seal_rank
 from checkpoint_store.backends import Backend, LocalBackend
-from checkpoint_store.dist import Comm, all_gather_json, broadcast_json
+from checkpoint_store.dist import Comm, all_gather_json, broadcast_json, gather_json
 from checkpoint_store.dtypes import dtype_name
 from checkpoint_store.flatten import TensorLeaf
 from checkpoint_store.layout import (
@@ -45,10 +48,22 @@ from checkpoint_store.layout import (
     parse_manifest_name,
     uid_time_ns,
 )
-from checkpoint_store.manifest import Manifest, TensorFragments, encode_manifest, parse_manifest
+from checkpoint_store.manifest import (
+    FORMAT_VERSION,
+    Manifest,
+    TensorFragments,
+    encode_manifest,
+    parse_manifest,
+)
 from checkpoint_store.plan import RankPlan
+from checkpoint_store.rank_content import (
+    check_blocks,
+    merge_tensors,
+    rank_entries,
+    skeleton_paths,
+    with_content,
+)
 from checkpoint_store.rank_state import digest, encode_rank_state, make_index, rank_state_path
-from checkpoint_store.reshard import unique_blocks
 from checkpoint_store.staging import Staged
 from checkpoint_store.writer import write_rank, write_root_group
 from trainguard.core.checkpoints import (
@@ -129,40 +144,6 @@ def _tensor_entries(job: SaveJob) -> dict[str, Any]:
     return out
 
 
-def _merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One entry per tensor with every rank's block; a block several ranks report
-    (a replicated ``Shard``) is recorded once, from the lowest rank."""
-    merged: dict[str, Any] = {}
-    for entries in per_rank:
-        for path, e in entries.items():
-            fresh = {"dtype": e["dtype"], "shape": e["shape"], "shards": []}
-            if e.get("layout") is not None:
-                fresh["layout"] = e["layout"]
-            m = merged.setdefault(path, fresh)
-            if (m["dtype"], m["shape"], m.get("layout")) != (e["dtype"], e["shape"],
-                                                             e.get("layout")):
-                raise CheckpointError(
-                    f"ranks disagree on tensor {path!r}: {m['dtype']} {m['shape']} "
-                    f"{m.get('layout')} vs {e['dtype']} {e['shape']} {e.get('layout')}; every "
-                    "rank must save the same global tensors"
-                )
-            m["shards"].extend(e["shards"])
-    for path, m in merged.items():
-        if len(m["shards"]) > 1:  # one block is unique as it is (no new list and set)
-            m["shards"] = unique_blocks(m["shards"])
-        # In-bounds blocks (Shard checks that) tile the tensor exactly when their
-        # volumes add up to it and none overlaps; a sum that differs means a block
-        # is missing or overlaps another, and the loader could not use them.
-        covered = sum(math.prod(s["shape"]) for s in m["shards"])
-        if covered != math.prod(m["shape"]):
-            raise CheckpointError(
-                f"the ranks' blocks of tensor {path!r} cover {covered} of its "
-                f"{math.prod(m['shape'])} elements: blocks overlap or are missing; every "
-                "element must be saved by exactly one block (identical blocks count once)"
-            )
-    return merged
-
-
 def as_save_error(e: BaseException, step: int) -> BaseException:
     if isinstance(e, CheckpointError):
         return e
@@ -197,8 +178,10 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
     ddir = data_dir(uid)
     marker = inflight_marker(uid, rank)
     own_inflight.add(uid)
+    world = comm.world_size
     local_error: BaseException | None = None
     report: dict[str, Any]
+    entries: dict[str, Any] | None = None
     try:
         try:
             if job.error is not None:
@@ -216,19 +199,27 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
             else:
                 arrays = write_rank(backend, ddir, job.plan, job.staged.segments,
                                     io_threads=io_threads)
-            report = {"ok": True, "arrays": arrays, "tensors": _tensor_entries(job)}
-            if job.rank_state is not None:
-                report["rank_state"] = _write_rank_state(backend, job, uid, rank,
-                                                         comm.world_size)
+            entries = _tensor_entries(job)
+            if world == 1:  # the manifest holds the index (format 3): nothing to send
+                report = {"ok": True, "arrays": arrays, "tensors": entries}
+            else:
+                report = {"ok": True, "nbytes": job.plan.nbytes}
+            if job.rank_state is not None or world > 1:
+                report["rank_state"] = _write_rank_state(
+                    backend, job, uid, rank, world,
+                    None if world == 1 else (arrays, rank_entries(entries)))
         except Exception as e:
             local_error = as_save_error(e, job.step)
             report = {"ok": False, "error": f"{type(local_error).__name__}: {local_error}"}
-        reports = all_gather_json(comm, report)
+            entries = None
+        blocks = _check_blocks(comm, job, entries) if world > 1 else None
+        reports = gather_json(comm, report)
         outcome: dict[str, Any] = {}
         manifest_bytes = b""
         if rank == 0:
+            assert reports is not None
             outcome, manifest_bytes = _commit(backend, job, uid, parent, reports,
-                                              comm.world_size, fragments)
+                                              world, fragments, blocks)
         outcome = broadcast_json(comm, outcome)
         manifest_bytes = comm.broadcast_bytes(manifest_bytes if rank == 0 else None)
     finally:
@@ -241,7 +232,21 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
         if outcome.get("errno"):
             raise CheckpointWriteError(outcome["errno"], outcome["error"])
         raise DistributedSaveError(outcome["error"])
-    return parse_manifest(outcome["name"], manifest_bytes), manifest_bytes
+    manifest = with_content(backend, parse_manifest(outcome["name"], manifest_bytes))
+    return manifest, manifest_bytes
+
+
+def _check_blocks(comm: Comm, job: SaveJob, entries: dict[str, Any] | None) -> str | None:
+    """Collective: the fixed-size check of every rank's blocks (the same verdict on
+    every rank), over the tensor paths of rank 0's skeleton, which rank 0 sends."""
+    paths: list[str] = []
+    if comm.rank == 0:
+        try:
+            paths = skeleton_paths(job.skeleton)
+        except Exception:  # rank 0 failed before it had a skeleton: its report says so
+            paths = []
+    paths = broadcast_json(comm, paths)
+    return check_blocks(comm, paths, entries)
 
 
 def _gathered_uid(backend: Backend, comm: Comm, step: int) -> tuple[str, str | None]:
@@ -265,12 +270,13 @@ def _gathered_uid(backend: Backend, comm: Comm, step: int) -> tuple[str, str | N
 
 
 def _write_rank_state(backend: Backend, job: SaveJob, uid: str, rank: int,
-                      world_size: int) -> str:
-    """Write this rank's state object (fsync'd with its directory); returns its digest."""
-    assert job.rank_state is not None
+                      world_size: int,
+                      content: tuple[dict[str, Any], dict[str, Any]] | None) -> str:
+    """Write this rank's state object (fsync'd with its directory); returns its digest.
+    ``content``: the rank's arrays and tensor entries (several ranks: format 4)."""
     try:
         raw = encode_rank_state(job.rank_state, uid=uid, step=job.step, rank=rank,
-                                world_size=world_size)
+                                world_size=world_size, content=content)
     except (TypeError, ValueError) as e:
         raise CheckpointError(
             f"the rank state of rank {rank} is not plain JSON ({e}); expected str, int, "
@@ -308,28 +314,34 @@ def _landed(backend: Backend, name: str, raw: bytes) -> bool:
 
 def _commit(backend: Backend, job: SaveJob, uid: str, parent: str | None,
             reports: list[dict[str, Any]], world_size: int,
-            fragments: TensorFragments | None) -> tuple[dict[str, Any], bytes]:
+            fragments: TensorFragments | None,
+            blocks: str | None) -> tuple[dict[str, Any], bytes]:
     ddir = data_dir(uid)
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if not rep["ok"]]
-    if failed:
+    if failed or blocks is not None:
         with contextlib.suppress(OSError):
             backend.remove_tree(ddir)
-        detail = "; ".join(f"rank {r}: {err}" for r, err in failed)
+        detail = "; ".join(f"rank {r}: {err}" for r, err in failed) or str(blocks)
         return {"ok": False, "error": f"save of step {job.step} aborted, nothing committed "
                                       f"(previous checkpoint intact): {detail}"}, b""
     name = ManifestName(uid=uid, step=job.step).name
     raw = b""
     try:
         _faults.reached("after-data")
-        arrays: dict[str, Any] = {}
-        for rep in reports:
-            arrays.update(rep["arrays"])
-        raw = encode_manifest(
-            step=job.step, uid=uid, created_at=time.time(), parent=parent,
-            world_size=world_size, extra=job.extra, arrays=arrays,
-            tensors=_merge_tensors([rep["tensors"] for rep in reports]), state=job.skeleton,
-            fragments=fragments, ranks=_rank_index(reports),
-        )
+        if world_size == 1:
+            raw = encode_manifest(
+                step=job.step, uid=uid, created_at=time.time(), parent=parent,
+                world_size=1, extra=job.extra, arrays=reports[0]["arrays"],
+                tensors=merge_tensors([reports[0]["tensors"]]), state=job.skeleton,
+                fragments=fragments, ranks=_rank_index(reports),
+            )
+        else:  # format 4: the arrays and tensor entries are in the ranks' objects
+            raw = encode_manifest(
+                step=job.step, uid=uid, created_at=time.time(), parent=parent,
+                world_size=world_size, extra=job.extra, arrays={}, tensors={},
+                state=job.skeleton, ranks=_rank_index(reports), version=FORMAT_VERSION,
+                nbytes=sum(int(rep["nbytes"]) for rep in reports),
+            )
         try:
             backend.exclusive_create(manifest_path(name), raw)
         except FileExistsError as e:

@@ -112,8 +112,9 @@ class CheckpointStore(Catalog):
         self._current: SaveHandle | None = None
         self._unreported: SaveHandle | None = None
         self._own_inflight: set[str] = set()
-        # name -> (its bytes, parsed): retention re-reads every manifest after each save.
-        self._parsed: dict[str, tuple[bytes, Manifest]] = {}
+        # name -> (its file's modification time when verified, parsed): listings and
+        # retention re-list every kept manifest after each save (Catalog._read_manifest).
+        self._parsed: dict[str, tuple[float | None, Manifest]] = {}
         # Only the writer thread encodes manifests.
         self._fragments = TensorFragments()
         self._closed = False
@@ -251,7 +252,7 @@ class CheckpointStore(Catalog):
 
     def _run(self, handle: SaveHandle, job: SaveJob) -> None:
         try:
-            manifest, raw = run_save(self._backend, self._comm, job,
+            manifest, _raw = run_save(self._backend, self._comm, job,
                                      io_threads=self.io_threads,
                                      own_inflight=self._own_inflight,
                                      fragments=self._fragments)
@@ -262,8 +263,9 @@ class CheckpointStore(Catalog):
             return
         retired: builtins.list[Manifest] = []
         if self.rank == 0:
-            # Retention reads every manifest: this one is parsed already.
-            self._remember(manifest.name, raw, manifest)
+            # Retention and the next listings read every manifest: this one is
+            # parsed already, and its bytes are the ones just committed.
+            self._remember_commit(manifest)
             try:
                 retired = self._retire(protect=manifest.name)
             except Exception:

@@ -50,6 +50,7 @@ from checkpoint_store.layout import (
     parse_manifest_name,
 )
 from checkpoint_store.manifest import Manifest, parse_manifest
+from checkpoint_store.rank_content import with_content
 from checkpoint_store.reader import verify_data
 from checkpoint_store.saving import latest_pointer
 from trainguard.core.backoff import Backoff, RetryPolicy
@@ -328,7 +329,7 @@ class Uploader:
             raw = self.local.read(manifest_path(name))
         except FileNotFoundError as e:
             raise _Gone(name) from e
-        return raw, parse_manifest(name, raw)
+        return raw, with_content(self.local, parse_manifest(name, raw))
 
     def _upload(self, name: str) -> None:
         try:

@@ -17,7 +17,7 @@ import torch
 
 import checkpoint_store
 from checkpoint_store import FORMAT_VERSION, CheckpointStore
-from checkpoint_store.manifest import CHECKSUM_SUFFIX_BYTES, MANIFEST_KEYS
+from checkpoint_store.manifest import CHECKSUM_SUFFIX_BYTES, MANIFEST_KEYS, SINGLE_RANK_VERSION
 from trainguard.core.checkpoints import CorruptCheckpointError
 
 FORMAT_MD = Path(checkpoint_store.__file__).with_name("FORMAT.md")
@@ -88,7 +88,8 @@ def test_manifest_bytes_end_with_a_checksum_of_the_bytes_before_it(tmp_path):
         stored = (data / path / "zarr.json").read_bytes()
         assert entry.pop("zarr_json_sha256") == hashlib.sha256(stored).hexdigest()
     assert doc == EXPECTED_BODY
-    assert FORMAT_VERSION == 3
+    # Format 4 changed saves of several ranks only; a single-rank save is format 3.
+    assert (FORMAT_VERSION, SINGLE_RANK_VERSION) == (4, 3)
 
 
 def _as_version_1(raw: bytes) -> bytes:
@@ -118,10 +119,10 @@ def test_version_1_checkpoints_still_load_and_unknown_versions_are_refused(tmp_p
     assert torch.equal(target["w"], torch.arange(80, dtype=torch.float32).reshape(20, 4))
     store.verify(3)
     doc = json.loads(path.read_bytes())
-    doc["version"] = 4
+    doc["version"] = 5
     path.write_bytes(json.dumps(doc).encode())
-    with pytest.raises(CorruptCheckpointError, match=r"format version 4; this reader "
-                                                     r"understands versions \[1, 2, 3\]"):
+    with pytest.raises(CorruptCheckpointError, match=r"format version 5; this reader "
+                                                     r"understands versions \[1, 2, 3, 4\]"):
         store.load(target, strict=True)
 
 

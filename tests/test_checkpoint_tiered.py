@@ -460,7 +460,7 @@ def test_both_stores_implement_the_shared_api(tmp_path):
     """CheckpointStore, TieredCheckpointStore, RamTierStore, NodeTierStore and
     DcpCheckpointStore have every member of CheckpointStoreAPI, each method with exactly
     the protocol's parameters (names, kinds, defaults; close may add optional ones), so
-    each serves as a ``store``; all but DCP's the per-rank state objects' wider one."""
+    each serves as a ``store``; and all the per-rank state objects' wider one."""
     import inspect
 
     from checkpoint_store import CheckpointStoreAPI, RamTierStore, TieredCheckpointStore
@@ -477,8 +477,9 @@ def test_both_stores_implement_the_shared_api(tmp_path):
 
     from trainguard.core.checkpoints import RankStateStoreAPI
 
-    ranked = (CheckpointStore, TieredCheckpointStore, RamTierStore, NodeTierStore)
-    for cls in (*ranked, DcpCheckpointStore):
+    ranked = (CheckpointStore, TieredCheckpointStore, RamTierStore, NodeTierStore,
+              DcpCheckpointStore)
+    for cls in ranked:
         # Stores with per-rank state objects match the wider protocol (save takes
         # rank_state; read_rank_state); the others the base one, without the flag.
         api = RankStateStoreAPI if cls in ranked else CheckpointStoreAPI
