@@ -44,7 +44,8 @@ def test_async_save_makes_no_second_copy_of_the_state(shm: Path) -> None:
     """An async RAM-tier save of a 32 MiB state allocates no staging buffer (the
     store's buffer pool stays empty, where a plain store's async save of the same state
     on the same tmpfs grows it to the whole state), the process's peak RSS during the
-    save rises by under a quarter of the state, and the committed checkpoint is the
+    save rises by under half the state (a second copy would be all of it; the writer's
+    own buffers measured 2-8 MiB, 8 under load), and the committed checkpoint is the
     state as it was when save() returned, not as the loop changed it after."""
     state = _state(1, 32)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -70,7 +71,7 @@ def test_async_save_makes_no_second_copy_of_the_state(shm: Path) -> None:
     assert tree_bytes(ram.root / DATA_DIR) >= nbytes
     ram.close()
     if reset:
-        assert (peak - before) * 1024 < nbytes // 4, f"peak rose {(peak - before) // 1024} MiB"
+        assert (peak - before) * 1024 < nbytes // 2, f"peak rose {(peak - before) // 1024} MiB"
 
     # The counter does see a staging copy where there is one.
     plain = CheckpointStore(shm / "plain", keep_last=1)
