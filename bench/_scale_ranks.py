@@ -12,9 +12,10 @@ them (``checkpoint_store.rank_state``). Then, in interleaved rounds (new, baseli
 Latin square, ``bench/rounds.py``), on ``--sample`` ranks spread over 0..W-1:
 
 - new (session record 4, main as it is): a rank's ``checkpoint()`` call (the loop's
-  stall) is its fence check of its own partitions and the capture of its random
-  states; in the background it writes its state object (fsync'd, as
-  ``saving._write_rank_state``), rank 0 writes the manifest of W index entries, and
+  stall) is the capture of its random states; in the background it writes its state
+  object (fsync'd, as ``saving._write_rank_state``) and checks the fences of its own
+  partitions (the save's precommit; before this change that check was on the loop's
+  path: ``stall_with_fence_s``), rank 0 writes the manifest of W index entries, and
   each rank's ``OffsetCommitter.publish`` acknowledges and publishes its own
   partitions; only rank 0 lists the store for the retention floor and publishes the
   kept checkpoints (``streams.kept_key``), every other rank GETs that key
@@ -34,16 +35,21 @@ Latin square, ``bench/rounds.py``), on ``--sample`` ranks spread over 0..W-1:
   Then each sampled rank loads the newest checkpoint (``CheckpointStore.load``), reads
   its own object (same W) or the objects of the ranks that owned its partitions
   (W x 0.75 and W x 1.25, through ``rank_record.positions``), seeks and acknowledges
-  its partitions. The baseline (record 2): rank 0 bumps the fence of all P
-  (``bump_generation``) and each rank parses the whole version 2 manifest instead.
+  its partitions (``place_partitions``: one script call per rank; the fences too are
+  one call per rank). Beside it in every round, main's restore before that
+  (``each``: a fence script per partition, a seek and an ack script per partition),
+  with the servers' command CPU per partition of both. The baseline (record 2): rank
+  0 bumps the fence of all P (``bump_generation``) and each rank parses the whole
+  version 2 manifest instead.
 
 Composition (ranks run in parallel on their own hosts; all their Redis work lands on
 the same servers, so its CPU is summed and spread over the masters)::
 
     across(x)  = max(max over sampled ranks of x's wall,
                      mean over sampled ranks of x's server CPU x W / masters)
-    stall      = across(fence check + random states)          [+ W/merged x merge: baseline]
-    commit     = stall + across(object write) + rank 0's manifest write + across(publish)
+    stall      = across(random states)        [baseline: + fence check, + W/merged x merge]
+    commit     = stall + across(object write + fence check) + rank 0's manifest write
+                 + across(publish)
     restore    = rank 0's take + across(own fences) + rank 0's eviction
                  + across(load + objects + seek + ack)       [over the W' restoring ranks]
     restore    = rank 0's bump of all P + across(load + manifest + seek + ack)  [baseline]
@@ -79,7 +85,7 @@ from checkpoint_store.saving import latest_pointer
 from trainer_client import TrainingSession, _rng, redis_client
 from trainer_client import offsets as ofs
 from trainer_client._commit import OffsetCommitter, PositionReader, gather_offsets
-from trainguard.core import streams
+from trainguard.core import groups, streams
 from trainguard.core.checkpoints import open_store, rank_state_store
 from trainguard.core.rank_record import RankRecord, positions
 from trainguard.core.record import RECORD_VERSION, RankState, SessionRecord
@@ -270,19 +276,23 @@ def _new_round(d: Data, ck: Checkpoint, ranks: list[int], step: int) -> dict[str
     W, c = ck.world, d.client
     uid = new_uid(time.time_ns())
     stall, stall_cpu, write, write_cpu, pub, pub_cpu = [], [], [], [], [], []
+    fence, fence_cpu = [], []
     digests = list(ck.digests)
     owns = {}
     for r in ranks:
-        with Clock(d) as s:
-            ofs.current_generations(c, d.name, RUN, d.mine(r, W))
+        with Clock(d) as s:  # the loop's stall: the in-memory capture only
             RankState(rng=_rng.capture(), epoch=0, epoch_batches=1)
         stall.append(s.wall_s)
         stall_cpu.append(s.server_cpu_s)
-        with Clock(d) as w:
+        with Clock(d) as w:  # the writer: the object, then the precommit fence check
             digests[r] = ck.write_object(uid, r, step)
             json.dumps({"ok": True, "arrays": {}, "tensors": {}, "rank_state": digests[r]})
         write.append(w.wall_s)
         write_cpu.append(w.server_cpu_s)
+        with Clock(d) as f:
+            ofs.current_generations(c, d.name, RUN, d.mine(r, W))
+        fence.append(f.wall_s)
+        fence_cpu.append(f.server_cpu_s)
         owns[r] = d.own(r, W)
     t0 = time.perf_counter()
     ck.commit_manifest(uid, step, digests)
@@ -308,17 +318,25 @@ def _new_round(d: Data, ck: Checkpoint, ranks: list[int], step: int) -> dict[str
         store.close()
     ck.drop(uid, step)
     m = len(d.servers.clients)
-    st, wr, pb = across(stall, stall_cpu, W, m), across(write, write_cpu, W, m), \
-        across(pub, pub_cpu, W, m)
+    both = [a + b for a, b in zip(stall, fence)]
+    both_cpu = [a + b for a, b in zip(stall_cpu, fence_cpu)]
+    st, pb = across(stall, stall_cpu, W, m), across(pub, pub_cpu, W, m)
+    wr = across([a + b for a, b in zip(write, fence)], [a + b for a, b in zip(write_cpu, fence_cpu)],
+                W, m)
     return {
-        "stall_s": st, "parts": {"fence_and_rng_s": max(stall), "object_write_s": max(write),
-                                 "publish_s": max(pub), "stall_queue_s": mean_w(stall_cpu, W, m),
+        "stall_s": st, "parts": {"rng_s": max(stall), "fence_check_s": max(fence),
+                                 "object_write_s": max(write), "publish_s": max(pub),
+                                 "stall_queue_s": mean_w(stall_cpu, W, m),
+                                 "fence_queue_s": mean_w(fence_cpu, W, m),
                                  "write_queue_s": mean_w(write_cpu, W, m),
-                                 "publish_queue_s": mean_w(pub_cpu, W, m)},
+                                 "publish_queue_s": mean_w(pub_cpu, W, m),
+                                 # main before this change: the fence check on the loop's path
+                                 "stall_with_fence_s": across(both, both_cpu, W, m)},
         "commit_s": st + wr + manifest_s + pb,
-        "rank_work_s": max(a + b + e for a, b, e in zip(stall, write, pub)),
+        "rank_work_s": max(a + b + e + g for a, b, e, g in zip(stall, write, pub, fence)),
         "manifest_write_s": manifest_s, "store_listings": lists,
-        "redis_cpu_s": statistics.mean([a + b + e for a, b, e in zip(stall_cpu, write_cpu, pub_cpu)]) * W,
+        "redis_cpu_s": statistics.mean([a + b + e + g for a, b, e, g in
+                                        zip(stall_cpu, write_cpu, pub_cpu, fence_cpu)]) * W,
     }
 
 
@@ -359,14 +377,31 @@ def _old_round(d: Data, ck: Checkpoint, W: int, args: argparse.Namespace,
     }
 
 
+def _fence_each(c: Any, name: str, gen: int, parts: list[int]) -> int:
+    """Main before the one-script restore: one fence script per partition."""
+    calls = [([streams.fence_key(name, p, RUN)], [gen]) for p in parts]
+    return max([gen, *(int(r) for r in ofs.eval_many(c, groups.BUMP_LUA, calls, replicated=True))])
+
+
+def _place_each(c: Any, name: str, gen: int, pos: dict[int, str]) -> None:
+    """Main before the one-script restore: a seek script, then an ack script, per partition."""
+    ofs.seek_group(c, name, RUN, gen, pos, batches=dict.fromkeys(pos, 1), write=True)
+    calls = [(groups.partition_keys(name, p, RUN)[:2], [RUN, gen, i]) for p, i in sorted(pos.items())]
+    for r in ofs.eval_many(c, groups.ACK_LUA, calls):
+        if isinstance(r, Exception):
+            raise r
+
+
 def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
-              v2: dict[str, Any] | None) -> dict[str, Any]:
+              v2: dict[str, Any] | None, *, each: bool = False) -> dict[str, Any]:
     """Each restore's fencing, then each sampled rank's restore. New layout (as
     ``_restore._fence_new_generation`` and ``_session_base._place`` do it): rank 0 takes
     the generation from the run's counter, each rank fences its own partitions at
     the new W, (one int64 MAX all-reduce: not measured), rank 0 closes the older
     readers; then each rank loads, reads its own object or its partitions' owners',
-    seeks and acknowledges. With ``v2``, the baseline's: rank 0 bumps all P
+    seeks and acknowledges (``place_partitions``: one script call per rank). ``each``:
+    the same with main's calls before that (a fence script per partition, a seek and
+    an ack script per partition). With ``v2``, the baseline's: rank 0 bumps all P
     (``bump_generation``) and every rank parses the whole version 2 manifest."""
     c, W = d.client, ck.world
     out: dict[str, Any] = {}
@@ -382,12 +417,14 @@ def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
             fw, fc = [], []
             for r in ranks:
                 with Clock(d) as f:
-                    top = ofs.fence_partitions(c, d.name, RUN, gen, d.mine(r, W2))
+                    top = _fence_each(c, d.name, gen, d.mine(r, W2)) if each else \
+                        ofs.fence_partitions(c, d.name, RUN, gen, d.mine(r, W2))
                 assert top == gen, (top, gen)
                 fw.append(f.wall_s)
                 fc.append(f.server_cpu_s)
             fence["fence_s"] = across(fw, fc, W2, d.masters)
             fence["fence_rank_s"], fence["fence_queue_s"] = max(fw), mean_w(fc, W2, d.masters)
+            fence["fence_us_per_partition"] = sum(fc) * 1e6 / sum(len(d.mine(r, W2)) for r in ranks)
             t0 = time.perf_counter()
             ofs.evict_readers(c, d.name, RUN, gen)
             fence["evict_s"] = time.perf_counter() - t0
@@ -398,7 +435,7 @@ def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
             d.gen = ofs.bump_generation(c, d.name, RUN, d.P, d.gen)
             bump = time.perf_counter() - t0
         bumps.append(bump)
-        walls, cpus, read, objs = [], [], [], []
+        walls, cpus, read, objs, place_cpu = [], [], [], [], []
         for r in ranks:
             mine = d.mine(r, W2)
             with Clock(d) as k:
@@ -422,21 +459,27 @@ def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
                     assert old is not None
                     pos = positions(old, mine, lambda o: RankRecord(o, W, d.workers)).offsets
                     got = []
-                ofs.seek_group(c, d.name, RUN, d.gen, pos, batches=dict.fromkeys(pos, 1), write=True)
-                ofs.ack_upto(c, d.name, RUN, d.gen, pos)
                 store.close()
-            wall = k.wall_s
+            with Clock(d) as s:  # the seek and acknowledgement, on their own: CPU per partition
+                if each or v2 is not None:
+                    _place_each(c, d.name, d.gen, pos)
+                else:
+                    ofs.place_partitions(c, d.name, RUN, d.gen, pos, dict.fromkeys(pos, 1))
+            place_cpu.append(s.server_cpu_s)
+            wall = k.wall_s + s.wall_s
             if v2 is not None:  # the parse of a manifest past --v2-max-ranks, scaled by bytes
                 wall += v2["parse_s"] * (v2["bytes"] / v2["measured_bytes"] - 1)
             walls.append(wall)
-            cpus.append(k.server_cpu_s)
+            cpus.append(k.server_cpu_s + s.server_cpu_s)
             objs.append(len(got))
             read.append(ck.manifest_bytes + sum(ck.object_bytes[o] for o in got)
                         if v2 is None else v2["bytes"])
         out[change] = {"restore_s": bump + across(walls, cpus, W2, d.masters),
                        "rank_s": max(walls), "queue_s": mean_w(cpus, W2, d.masters),
                        "bytes_read_per_rank": max(read), "objects_read_max": max(objs),
-                       "world_size": W2, "fencing": fence}
+                       "world_size": W2, "fencing": fence,
+                       "place_us_per_partition": sum(place_cpu) * 1e6 / sum(
+                           len(d.mine(r, W2)) for r in ranks)}
     out["bump_s"] = bumps[0]
     return out
 
@@ -463,12 +506,21 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
     sampled = sample_ranks(W, args.sample)
     by_change = {ch: sample_ranks(max(1, round(W * f)), args.sample) for ch, f in CHANGES.items()}
     rows: dict[str, list[dict[str, Any]]] = {"new": [], "old": []}
-    restores: dict[str, list[dict[str, Any]]] = {"new": [], "old": []}
+    restores: dict[str, list[dict[str, Any]]] = {"new": [], "old": [], "each": []}
     for r in range(args.rounds + 1):  # round 0 warms up
         for side in ("new", "old") if r % 2 == 0 else ("old", "new"):
             if side == "new":
                 row = _new_round(d, ck, sampled, step=100 + r)
+                # Beside it in the same round, in turns: main's restore before the
+                # one-script calls (a fence, a seek and an ack script per partition).
+                same = {"same": by_change["same"]}
+                if r % 2:
+                    each = _restores(d, ck, same, None, each=True)
                 back = _restores(d, ck, by_change, None)
+                if not r % 2:
+                    each = _restores(d, ck, same, None, each=True)
+                if r:
+                    restores["each"].append(each)
             else:
                 row = _old_round(d, ck, W, args, v2)
                 back = _restores(d, ck, {"same": by_change["same"]}, v2)
@@ -481,11 +533,12 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
                            "object_bytes_median": statistics.median(ck.object_bytes.values()),
                            "v2_measured_ranks": v2["measured_ranks"],
                            "store_listings_per_commit": max(x["store_listings"] for x in rows["new"])}
-    for side in ("new", "old"):
-        for key in ("stall_s", "commit_s", "rank_work_s", "manifest_write_s", "redis_cpu_s"):
-            fig.setdefault(key, {})[side] = spread([x[key] for x in rows[side]])
-        fig.setdefault("parts", {})[side] = {
-            k: spread([x["parts"][k] for x in rows[side]]) for k in rows[side][0]["parts"]}
+    for side in ("new", "old", "each"):
+        if side != "each":
+            for key in ("stall_s", "commit_s", "rank_work_s", "manifest_write_s", "redis_cpu_s"):
+                fig.setdefault(key, {})[side] = spread([x[key] for x in rows[side]])
+            fig.setdefault("parts", {})[side] = {
+                k: spread([x["parts"][k] for x in rows[side]]) for k in rows[side][0]["parts"]}
         fig.setdefault("bump_s", {})[side] = spread([x["bump_s"] for x in restores[side]])
         for ch in restores[side][0]:
             if ch == "bump_s":
@@ -497,6 +550,8 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
                 "rank_s": spread([x[ch]["rank_s"] for x in restores[side]]),
                 "queue_s": spread([x[ch]["queue_s"] for x in restores[side]]),
                 "world_size": restores[side][0][ch]["world_size"],
+                "place_us_per_partition": spread([x[ch]["place_us_per_partition"]
+                                                  for x in restores[side]]),
                 "fencing": {k: spread([x[ch]["fencing"][k] for x in restores[side]])
                             for k in restores[side][0][ch]["fencing"]}}
     for key in ("stall_s", "commit_s", "rank_work_s", "redis_cpu_s"):
@@ -504,6 +559,10 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
     fig["restore_same"]["ratio"] = spread([
         o["same"]["restore_s"] / n["same"]["restore_s"]
         for o, n in zip(restores["old"], restores["new"])])
+    # main before the one-script restore / now, paired within a round
+    fig["restore_same"]["ratio_each"] = spread([
+        o["same"]["restore_s"] / n["same"]["restore_s"]
+        for o, n in zip(restores["each"], restores["new"])])
     return fig
 
 

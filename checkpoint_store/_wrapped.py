@@ -9,7 +9,7 @@ into ``save`` through :meth:`_before_save` and :meth:`_after_save`.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Self
 
 from checkpoint_store.handle import SaveHandle
@@ -110,10 +110,11 @@ class RankStateWrappedStore(WrappedStore):
         blocking: bool = True,
         if_busy: IfBusy = "wait",
         rank_state: Mapping[str, Any] | None = None,
+        precommit: Callable[[], None] | None = None,
     ) -> SaveHandle:
         """As :meth:`CheckpointStore.save`, between this wrapper's two hooks."""
         return self._hooked_save(state, step=step, extra=extra, blocking=blocking,
-                                 if_busy=if_busy, rank_state=rank_state)
+                                 if_busy=if_busy, rank_state=rank_state, precommit=precommit)
 
     def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None:
         return self.store.read_rank_state(manifest, rank)

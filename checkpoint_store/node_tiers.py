@@ -173,7 +173,8 @@ class NodeTierStore(RankStateWrappedStore):
     # ---------------------------------------------------------------- save
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
-             if_busy: IfBusy = "wait", rank_state: Mapping[str, Any] | None = None) -> SaveHandle:
+             if_busy: IfBusy = "wait", rank_state: Mapping[str, Any] | None = None,
+             precommit: Callable[[], None] | None = None) -> SaveHandle:
         """A RAM-tier save (``rank_state``: this rank's state object, a file of the
         checkpoint like its shards); its copies to partners and disk follow in the
         background."""
@@ -181,7 +182,7 @@ class NodeTierStore(RankStateWrappedStore):
         # (follow_tiers) applies from the next save on.
         intervals = self.intervals
         handle = self.ram.save(state, step=step, extra=extra, blocking=blocking,
-                               if_busy=if_busy, rank_state=rank_state)
+                               if_busy=if_busy, rank_state=rank_state, precommit=precommit)
         handle.add_done_callback(lambda h: self._committed(h, intervals))
         return handle
 

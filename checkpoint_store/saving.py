@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +89,9 @@ class SaveJob:
     skeleton: bytes
     rank_state: dict[str, Any] | None = None
     """This rank's state object (``checkpoint_store.rank_state``); None: none."""
+    precommit: Callable[[], None] | None = None
+    """Called once this rank's data and object are written, before it reports: what it
+    raises fails the save everywhere and is this rank's error as raised."""
     error: BaseException | None = None
     """Set when this rank failed before writing: it still takes part in the
     protocol, reporting the error, so every rank aborts together and promptly."""
@@ -212,6 +215,14 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
             local_error = as_save_error(e, job.step)
             report = {"ok": False, "error": f"{type(local_error).__name__}: {local_error}"}
             entries = None
+        if job.precommit is not None and local_error is None:
+            try:
+                job.precommit()
+            except Exception as e:
+                # The caller's own refusal (a fenced trainer): kept as raised, so the
+                # caller recognises it; the other ranks learn it from the report.
+                local_error = e
+                report = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         blocks = _check_blocks(comm, job, entries) if world > 1 else None
         reports = gather_json(comm, report)
         outcome: dict[str, Any] = {}

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -151,12 +151,18 @@ class CheckpointStore(Catalog):
         blocking: bool = True,
         if_busy: IfBusy = "wait",
         rank_state: Mapping[str, Any] | None = None,
+        precommit: Callable[[], None] | None = None,
     ) -> SaveHandle:
         """Stage ``state`` and write it as checkpoint ``step``.
 
         ``rank_state``: this rank's own small JSON document, written beside its shards
         as its state object and indexed (by digest) in the manifest; read back with
         :meth:`read_rank_state`. Every rank passes one, or none does.
+
+        ``precommit``: called in the writer thread once this rank's data and object
+        are written, before it reports to rank 0 (``RankStateStoreAPI``): what it
+        raises fails the save on every rank, nothing committed, and is this rank's
+        error as raised.
 
         ``blocking=False`` returns once the tensors are copied to host buffers; the
         handle completes when the manifest is committed. A second save waits for the
@@ -172,11 +178,13 @@ class CheckpointStore(Catalog):
         rank_doc = None if rank_state is None else dict(rank_state)
         # One caller at a time from here to the hand-off: the staging buffer is shared.
         with self._save_lock:
-            return self._save_locked(state, step, extra_doc, blocking, if_busy, rank_doc)
+            return self._save_locked(state, step, extra_doc, blocking, if_busy, rank_doc,
+                                     precommit)
 
     def _save_locked(self, state: Mapping[str, Any], step: int, extra_doc: dict[str, Any],
                      blocking: bool, if_busy: IfBusy,
-                     rank_doc: dict[str, Any] | None = None) -> SaveHandle:
+                     rank_doc: dict[str, Any] | None = None,
+                     precommit: Callable[[], None] | None = None) -> SaveHandle:
         with self._lock:
             current = self._current
         if current is not None and not current.done():
@@ -192,6 +200,7 @@ class CheckpointStore(Catalog):
         try:
             job = self._prepare(state, step, extra_doc, blocking)
             job.rank_state = rank_doc
+            job.precommit = precommit
         except Exception as e:
             if self.world_size == 1:
                 raise

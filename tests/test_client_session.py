@@ -160,7 +160,9 @@ def test_prefetched_batches_are_not_committed(redis_target, tmp_path) -> None:
 def test_zombie_cannot_read_ack_or_commit(any_redis, tmp_path) -> None:
     """Trainer A restores; trainer B of the same run restores after it. A's reads,
     acknowledgements and checkpoints are refused with FencedError, and nothing of A's
-    reaches the store or Redis."""
+    reaches the store or Redis. A's checkpoint call returns before its fence is
+    checked (the check runs in the save's background writer, before the commit): its
+    handle fails with FencedError, and so does A's next call."""
     spec = cf.create(any_redis.url, "tok", partitions=2)
     cf.fill(any_redis.url, spec, 100)
     a = _session(any_redis.url, tmp_path)
@@ -173,9 +175,13 @@ def test_zombie_cannot_read_ack_or_commit(any_redis, tmp_path) -> None:
     assert b.generation == (a.generation or 0) + 1
     manifests_before = len(b.store.list())
 
+    handle = a.checkpoint(state, 2)
     with pytest.raises(FencedError, match="checkpoint refused") as info:
-        a.checkpoint(state, 2)
+        handle.wait()
     assert (info.value.mine, info.value.current) == (a.generation, b.generation)
+    assert len(b.store.list()) == manifests_before
+    with pytest.raises(FencedError, match="checkpoint refused"):
+        a.checkpoint(state, 3)
     assert len(b.store.list()) == manifests_before
     client = redis_client.client(any_redis.url)
     offsets = {p: i for bt in consumed for p, i in bt.offsets.items()}

@@ -4,6 +4,8 @@ a zombie of the older generation (reading, about to commit) commits nothing."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,8 +44,9 @@ def test_each_rank_fences_its_own_partitions_and_the_zombie_commits_nothing(
         redis_server, tmp_path: Path) -> None:
     """A 1-rank trainer (generation 1) reads and holds batches; a 2-rank job restores
     the run. Every fence is raised to generation 2 exactly once, each connection
-    raised exactly one rank's partitions (rank_partitions), none all 8 (before, rank 0
-    wrote every fence); the generation counter says 2. The zombie's checkpoint is
+    raised exactly one rank's partitions (rank_partitions) in one script call, none all
+    8 (before, rank 0 wrote every fence), and seeks and acknowledges them in one more;
+    the generation counter says 2. The zombie's checkpoint is
     refused with FencedError, and no manifest of generation 1 exists."""
     spec = cf.create(redis_server.url, "tok", partitions=P)
     cf.fill(redis_server.url, spec, N)
@@ -68,18 +71,31 @@ def test_each_rank_fences_its_own_partitions_and_the_zombie_commits_nothing(
         stopper.close()
         watcher.join(30)
 
-    bump = groups.script_sha(groups.BUMP_LUA)
+    fence = groups.script_sha(groups.FENCE_MANY_LUA)
+    place = groups.script_sha(groups.PLACE_MANY_LUA)
     fences = {streams.fence_key("tok", p, "exp"): p for p in range(P)}
-    by_conn: dict[tuple[str, str], list[int]] = {}
+    streams_ = {streams.partition_key("tok", p): p for p in range(P)}
+    by_conn: dict[tuple[str, str], list[list[int]]] = {}
+    placed: dict[tuple[str, str], list[list[int]]] = {}
     for cmd in seen:
         words = cmd["command"].split()
-        if words[:2] == ["EVALSHA", bump] and words[-1] == "2":
-            p = fences[words[3]]
-            by_conn.setdefault((cmd["client_address"], cmd["client_port"]), []).append(p)
-    fenced = sorted(p for ps in by_conn.values() for p in ps)
+        conn = (cmd["client_address"], cmd["client_port"])
+        if words[:2] == ["EVALSHA", fence] and words[-1] == "2":
+            keys = words[3:3 + int(words[2])]
+            by_conn.setdefault(conn, []).append([fences[k] for k in keys])
+        if words[:2] == ["EVALSHA", place] and words[3 + int(words[2]) + 2] == "seek":
+            keys = words[3:3 + int(words[2])]
+            placed.setdefault(conn, []).append([streams_[k] for k in keys[::3]])
+    # One fence script call per rank (not one per partition), its keys that rank's
+    # partitions; together every fence once.
+    assert all(len(calls) == 1 for calls in by_conn.values())
+    fenced = sorted(p for calls in by_conn.values() for ps in calls for p in ps)
     assert fenced == list(range(P))  # every fence once
     ranks = [streams.rank_partitions(P, world_size=2, num_workers=0, rank=r) for r in range(2)]
-    assert sorted(sorted(ps) for ps in by_conn.values()) == sorted(ranks)
+    assert sorted(sorted(calls[0]) for calls in by_conn.values()) == sorted(ranks)
+    # The seek and acknowledgement of a rank's partitions: one script call per rank.
+    assert sorted(sorted(calls[0]) for calls in placed.values()) == sorted(ranks)
+    assert all(len(calls) == 1 for calls in placed.values())
     client = redis.Redis.from_url(redis_server.url)
     assert client.get(streams.generation_key("tok", "exp")) == b"2"
     assert [int(client.get(streams.fence_key("tok", p, "exp"))) for p in range(P)] == [2] * P
@@ -92,3 +108,47 @@ def test_each_rank_fences_its_own_partitions_and_the_zombie_commits_nothing(
     gens = [rec.generation for m in store.list() if (rec := SessionRecord.of(m)) is not None]
     store.close()
     assert gens == [2]
+
+
+def test_the_loop_goes_on_before_the_fence_check_and_the_zombie_still_commits_nothing(
+        redis_server, tmp_path: Path) -> None:
+    """With per-rank objects, ``checkpoint()`` sends Redis nothing: it returns while the
+    server is stopped (SIGSTOP: any command would wait for the SIGCONT), with its save
+    not yet done, because the fence check runs in the save's background
+    writer. The trainer is a zombie (a newer session restored the run): once Redis
+    answers again, its handle fails with FencedError, its next call raises it, and no
+    manifest of its generation exists (the newer one's checkpoint is the only one)."""
+    spec = cf.create(redis_server.url, "tok", partitions=P)
+    cf.fill(redis_server.url, spec, N)
+    url = f"file://{tmp_path}/c"
+    zombie = TrainingSession(redis_server.url, dataset="tok", run="exp", store=url,
+                             block_ms=100)
+    state = {"model": torch.nn.Linear(4, 1)}
+    zombie.restore(state)
+    it = iter(zombie.batches(DataLoader(zombie.dataset(batch_size=4), batch_size=None)))
+    next(it)
+    newer = TrainingSession(redis_server.url, dataset="tok", run="exp", store=url)
+    newer.restore({"model": torch.nn.Linear(4, 1)})
+    newer.checkpoint({"model": torch.nn.Linear(4, 1)}, 1, blocking=True)
+    got: list[Any] = []
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        caller = threading.Thread(target=lambda: got.append(zombie.checkpoint(state, 2)))
+        caller.start()
+        # A call that sent Redis a command would wait for the SIGCONT below.
+        caller.join(60)
+        assert not caller.is_alive(), "checkpoint() waited for Redis"
+        assert len(got) == 1 and not got[0].done()
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    with pytest.raises(FencedError, match="checkpoint refused"):
+        got[0].wait(60)
+    with pytest.raises(FencedError, match="checkpoint refused"):
+        zombie.checkpoint(state, 3)
+    zombie.close()
+    newer.close()
+    store = CheckpointStore(url, keep_last=100)
+    gens = [(m.step, rec.generation) for m in store.list()
+            if (rec := SessionRecord.of(m)) is not None]
+    store.close()
+    assert gens == [(1, 2)]

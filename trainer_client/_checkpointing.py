@@ -55,8 +55,11 @@ class Checkpointing(SessionBase):
         without ever iterating :meth:`batches` (the offsets would be wrong).
         After the manifest commits (in the store's background thread unless
         ``blocking``), entries up to them are acknowledged and the committed offsets
-        and the retention floor are published. A fenced trainer is refused here, and a
-        refusal met in the background is raised by the next call. ``skipped`` lists
+        and the retention floor are published. A fenced trainer commits nothing: with
+        a store of per-rank objects its fences are checked in the save's background
+        writer before the commit (the returned handle fails with
+        :class:`FencedError`, and so does the session's next call; with ``blocking``
+        this call raises it), with other stores here, before the save. ``skipped`` lists
         the batches consumed but never trained by this rank (its state object carries
         them; with a store without per-rank objects, rank 0's go into the manifest).
         A session restored at the end of a finished dataset (:attr:`finished`) writes
@@ -72,7 +75,10 @@ class Checkpointing(SessionBase):
             # A rerun of a finished run: the restored checkpoint already holds it all,
             # and a second one of the same step would only repeat it.
             return FinishedHandle(self._finished)
-        self._check_fence(gen)
+        if self._rank_store is None:
+            # A store without per-rank objects has no precommit step: the check stays
+            # on the loop's path, before the save.
+            self._check_fence(gen)
         self._place(self._mine(self._num_workers))
         now = self._consumed.snapshot()
         offsets = now.offsets
@@ -124,8 +130,15 @@ class Checkpointing(SessionBase):
                              offsets={p: now.offsets[p] for p in parts},
                              batches={p: now.batches[p] for p in parts}, state=mine,
                              skipped=None if skipped is None else tuple(skipped))
+            # The fence check runs in the store's writer before this rank reports its
+            # save to rank 0, not here: the loop goes on after the in-memory capture,
+            # and a fenced rank still fails the save on every rank, nothing committed
+            # (a zombie's manifest is what the check keeps out; the loop's steps are
+            # the zombie's own business). It is also later, so a restore racing the
+            # save is caught more often (restore_order covers the rest).
             handle = self._rank_store.save(state, step=step, extra=doc, blocking=blocking,
-                                           rank_state=own.to_wire())
+                                           rank_state=own.to_wire(),
+                                           precommit=lambda: self._check_fence(gen))
             self._clock.saved(handle, step, started)
             # Every rank acknowledges and publishes its own partitions.
             self._committer.after(handle, own.offsets, gen, blocking=blocking, rec=rec, own=own)

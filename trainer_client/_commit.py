@@ -183,7 +183,11 @@ class OffsetCommitter:
         def after_commit(h: Any) -> None:
             try:
                 manifest = h.wait()
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, FencedError):
+                    # Refused by the save's precommit fence check: nothing committed,
+                    # and the session's next call says why.
+                    self._background_error = exc
                 done.set()  # the commit failed: nothing to acknowledge
                 return
             if own is not None:

@@ -26,7 +26,14 @@ import redis.exceptions
 from trainer_client import redis_client
 from trainer_client.errors import EvictionRefusedError, FencedError
 from trainguard.core import groups, streams
-from trainguard.core.groups import ACK_LUA, BUMP_LUA, SEEK_LUA, START_LUA, WRITE_SEEK_LUA
+from trainguard.core.groups import (
+    BUMP_LUA,
+    FENCE_MANY_LUA,
+    PLACE_MANY_LUA,
+    SEEK_LUA,
+    START_LUA,
+    WRITE_SEEK_LUA,
+)
 
 __all__ = [
     "TAKE_TRIES",
@@ -36,6 +43,8 @@ __all__ = [
     "current_generations",
     "evict_readers",
     "fence_partitions",
+    "partition_groups",
+    "place_partitions",
     "reader_name",
     "seek_group",
     "settle_generation",
@@ -145,13 +154,57 @@ def start_pass(
     return out
 
 
+def partition_groups(client: redis.Redis, dataset: str, partitions: Iterable[int]) -> list[list[int]]:
+    """``partitions`` in groups that one many-partition script call may take: on one
+    server, runs of at most ``MANY_PARTITIONS``; on a cluster, the same per hash slot
+    (Redis refuses a script whose keys span slots; a partition's keys share its slot,
+    and at 65,536 partitions over 16,384 slots a slot holds 4 on average, but the few
+    partitions of one rank rarely share one: there it is a call per partition)."""
+    order = sorted(partitions)
+    if redis_client.is_cluster(client):
+        cluster: Any = client
+        by_slot: dict[int, list[int]] = {}
+        for p in order:
+            by_slot.setdefault(cluster.keyslot(streams.partition_key(dataset, p)), []).append(p)
+        runs = list(by_slot.values())
+    else:
+        runs = [order] if order else []
+    step = groups.MANY_PARTITIONS
+    return [run[i:i + step] for run in runs for i in range(0, len(run), step)]
+
+
+def _place(client: redis.Redis, dataset: str, group: str, generation: int,
+           positions: Mapping[int, str], batches: Mapping[int, int] | None, mode: str,
+           what: str) -> int:
+    counts = batches or {}
+    calls: list[groups.ScriptCall] = []
+    for run in partition_groups(client, dataset, positions):
+        keys = [k for p in run for k in groups.partition_keys(dataset, p, group)]
+        args: list[Any] = [group, generation, mode]
+        for p in run:
+            args += [positions[p], counts.get(p, 0)]
+        calls.append((keys, args))
+    results = _check(eval_many(client, PLACE_MANY_LUA, calls), group=group, mine=generation,
+                     what=what)
+    return sum(int(r) for r in results)
+
+
 def ack_upto(
     client: redis.Redis, dataset: str, group: str, generation: int, offsets: Mapping[int, str]
 ) -> int:
-    """XACK every pending entry at or below each partition's offset; returns the count."""
-    calls = [(groups.partition_keys(dataset, p, group)[:2], [group, generation, i]) for p, i in sorted(offsets.items())]
-    results = _check(eval_many(client, ACK_LUA, calls), group=group, mine=generation, what="acknowledge")
-    return sum(int(r) for r in results)
+    """XACK every pending entry at or below each partition's offset; returns the count.
+    One script call per group of partitions (:func:`partition_groups`)."""
+    return _place(client, dataset, group, generation, offsets, None, "ack", "acknowledge")
+
+
+def place_partitions(
+    client: redis.Redis, dataset: str, group: str, generation: int,
+    positions: Mapping[int, str], batches: Mapping[int, int] | None = None,
+) -> int:
+    """A restore's placement of partitions: :func:`seek_group` (the seek recorded for
+    the next loader pass) then :func:`ack_upto`, in one script call per group of
+    partitions instead of two per partition; returns the entries acknowledged."""
+    return _place(client, dataset, group, generation, positions, batches, "seek", "seek")
 
 
 def assert_generation(
@@ -189,10 +242,13 @@ def take_generation(client: redis.Redis, dataset: str, group: str, floor: int) -
 def fence_partitions(client: redis.Redis, dataset: str, group: str, generation: int,
                      partitions: Iterable[int]) -> int:
     """Raise the fences of ``partitions`` to ``generation`` (never lower one); returns
-    the highest fence found, ``generation`` when every one holds it now."""
-    calls = [([streams.fence_key(dataset, p, group)], [generation]) for p in partitions]
+    the highest fence found, ``generation`` when every one holds it now. One script
+    call per group of partitions (:func:`partition_groups`)."""
+    calls: list[groups.ScriptCall] = [
+        ([streams.fence_key(dataset, p, group) for p in run], [generation])
+        for run in partition_groups(client, dataset, partitions)]
     top = generation
-    for r in eval_many(client, BUMP_LUA, calls, replicated=True):
+    for r in eval_many(client, FENCE_MANY_LUA, calls, replicated=True):
         if isinstance(r, Exception):
             raise r
         top = max(top, int(r))

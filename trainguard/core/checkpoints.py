@@ -211,14 +211,20 @@ class RankStateStoreAPI(CheckpointStoreAPI, Protocol):
     ``save(rank_state=...)`` document is written beside its shards and indexed in the
     manifest; :meth:`read_rank_state` reads one rank's back, verified. A session writes
     its offsets, batch counts and random states there; with a store without them, it
-    keeps its whole record in the manifest's ``extra`` (session record version 2)."""
+    keeps its whole record in the manifest's ``extra`` (session record version 2).
+
+    ``precommit``: called on every rank in the save's background writer once that
+    rank's data and object are written, before it reports to rank 0; an exception it
+    raises fails the save on every rank (nothing is committed) and is the save's error
+    on that rank, as raised. A session checks its fences there, off the loop's path."""
 
     supports_rank_state: bool
 
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
              if_busy: IfBusy = "wait",
-             rank_state: Mapping[str, Any] | None = None) -> SaveHandleView: ...
+             rank_state: Mapping[str, Any] | None = None,
+             precommit: Callable[[], None] | None = None) -> SaveHandleView: ...
 
     def read_rank_state(self, manifest: ManifestView, rank: int) -> dict[str, Any] | None: ...
 

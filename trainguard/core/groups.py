@@ -26,6 +26,9 @@ from trainguard.core import streams
 __all__ = [
     "ACK_LUA",
     "BUMP_LUA",
+    "FENCE_MANY_LUA",
+    "MANY_PARTITIONS",
+    "PLACE_MANY_LUA",
     "GENERATION_LUA",
     "SEEK_LUA",
     "START_LUA",
@@ -137,6 +140,64 @@ local floor = tonumber(ARGV[1])
 if floor > cur then cur = floor end
 redis.call('SET', KEYS[1], cur + 1)
 return cur + 1
+"""
+
+# The same moves for many partitions in one script call: a restore's per-partition
+# scripts cost the server its per-command overhead 2-3 times per partition (the
+# queue of 16,384 ranks' restores on one server); one call per rank pays it once.
+# On a cluster the keys of one call must share a slot (Redis checks the declared
+# keys), so a call there holds the partitions of one slot.
+
+MANY_PARTITIONS = 256
+"""The most partitions of one many-partition script call: it bounds how long one call
+holds the server (each partition's acknowledgements run inside it)."""
+
+# KEYS: fences.  ARGV: new generation. Raises each fence below it (never lowers one);
+# returns the highest fence found, the new generation when every one holds it now.
+FENCE_MANY_LUA = """
+local new = tonumber(ARGV[1])
+local top = new
+for i = 1, #KEYS do
+  local cur = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if cur < new then redis.call('SET', KEYS[i], ARGV[1]) elseif cur > top then top = cur end
+end
+return top
+"""
+
+# SEEK_LUA (write-seek on) then ACK_LUA of each partition, or with mode 'ack' the
+# ACK_LUA alone; every fence is checked before anything moves, so a refusal changes
+# nothing. Returns the number of entries acknowledged.
+# KEYS: stream, fence, seek of each partition.
+# ARGV: group, generation, mode ('seek' or 'ack'), then ID, batches of each partition.
+PLACE_MANY_LUA = """
+local group, mine = ARGV[1], tonumber(ARGV[2])
+local n = #KEYS / 3
+for i = 0, n - 1 do
+  local cur = tonumber(redis.call('GET', KEYS[3 * i + 2]) or '0')
+  if cur > mine then return redis.error_reply('TGFENCED ' .. cur) end
+end
+local acked = 0
+for i = 0, n - 1 do
+  local stream, fence, seek = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
+  local id = ARGV[4 + 2 * i]
+  if tonumber(redis.call('GET', fence) or '0') < mine then redis.call('SET', fence, ARGV[2]) end
+  if ARGV[3] == 'seek' then
+    local r = redis.pcall('XGROUP', 'SETID', stream, group, id)
+    if type(r) == 'table' and r.err then
+      redis.call('XGROUP', 'CREATE', stream, group, id, 'MKSTREAM')
+    end
+    redis.call('HSET', seek, 'id', id, 'batches', ARGV[5 + 2 * i])
+  end
+  while true do
+    local pend = redis.pcall('XPENDING', stream, group, '-', id, 1000)
+    if type(pend) ~= 'table' or pend.err or #pend == 0 then break end
+    local ids = {}
+    for j, e in ipairs(pend) do ids[j] = e[1] end
+    acked = acked + redis.call('XACK', stream, group, unpack(ids))
+    if #pend < 1000 then break end
+  end
+end
+return acked
 """
 
 _shas: dict[str, str] = {}
