@@ -98,7 +98,8 @@ def _check_shard(name: str, key: str, shard: Any, global_shape: list[int], items
     return nbytes
 
 
-def _check_tensor(name: str, key: str, entry: Any, arrays: dict[str, int]) -> None:
+def _check_tensor(name: str, key: str, entry: Any, arrays: dict[str, int],
+                  whole: bool = True) -> None:
     if not isinstance(entry, dict):
         raise _bad(name, f"tensor {key[:80]!r} is not an object")
     dtype_text, shape, shards = entry.get("dtype"), entry.get("shape"), entry.get("shards")
@@ -112,8 +113,9 @@ def _check_tensor(name: str, key: str, entry: Any, arrays: dict[str, int]) -> No
         raise _bad(name, f"tensor {key[:80]!r} needs a shape (integers >= 0) and a shard list")
     stored = sum(_check_shard(name, key, s, shape, dtype.itemsize, arrays) for s in shards)
     # The tensor is allocated at its global size before its bytes are read: bytes its
-    # shards cannot fill mean a shape that is not the one saved.
-    if math.prod(shape) * dtype.itemsize > stored:
+    # shards cannot fill mean a shape that is not the one saved. (Some ranks' blocks
+    # only, ``whole=False``: the loader checks that they cover each block it reads.)
+    if whole and math.prod(shape) * dtype.itemsize > stored:
         raise _bad(name, f"tensor {key[:80]!r}: its shape and dtype need more bytes than "
                          "its shards hold")
 
@@ -133,13 +135,15 @@ def check_structure(name: str, body: dict[str, Any], state_chars: int) -> None:
     check_content(name, body["arrays"], body["tensors"])
 
 
-def check_content(name: str, arrays: Any, tensors: Any) -> None:
+def check_content(name: str, arrays: Any, tensors: Any, *, whole: bool = True) -> None:
     """Raise CorruptCheckpointError unless ``arrays`` and ``tensors`` (a manifest's, or
-    those a format 4 checkpoint's rank objects hold together) fit each other."""
+    those a format 4 checkpoint's rank objects hold together) fit each other.
+    ``whole=False``: the objects of some ranks only, whose blocks need not fill a
+    tensor."""
     if not isinstance(arrays, dict):
         raise _bad(name, "'arrays' is not an object")
     sizes = {path: _check_array(name, str(path), meta) for path, meta in arrays.items()}
     if not isinstance(tensors, dict):
         raise _bad(name, "'tensors' is not an object")
     for key, entry in tensors.items():
-        _check_tensor(name, str(key), entry, sizes)
+        _check_tensor(name, str(key), entry, sizes, whole)

@@ -71,8 +71,14 @@ class _Walker:
         self.skeleton: dict[Any, Any] = {}
         self.selected: list[str] = []
 
-    def _entry(self, ref: TensorRef) -> dict[str, Any]:
-        entry = self.tensors.get(ref.path)
+    def _entry(self, ref: TensorRef, offsets: tuple[int, ...] | None = None,
+               shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+        """``ref``'s index entry; with a block (``offsets``, ``shape``), one whose
+        saved blocks cover it when the index can read on (``rank_content.RankReads``:
+        a load reads only the rank objects that hold its blocks)."""
+        covering = getattr(self.tensors, "covering", None)
+        entry = self.tensors.get(ref.path) if covering is None or offsets is None \
+            else covering(ref.path, offsets, shape)
         if entry is None:
             raise CorruptCheckpointError(
                 f"manifest {self.name} references tensor {ref.path!r} but has no index entry"
@@ -137,6 +143,7 @@ class _Walker:
                     f"{self.name} has {global_shape}"
                 )
             self._check(path, entry, block.tensor, tuple(block.tensor.shape))
+            entry = self._entry(ref, block.offsets, tuple(block.tensor.shape))
             self._fill(block.tensor, entry, block.offsets, path)
             return target
         if isinstance(target, Shards):
@@ -149,6 +156,7 @@ class _Walker:
             # claims one target per key path).
             for one in target.blocks:
                 self._check(path, entry, one.tensor, tuple(one.tensor.shape))
+                entry = self._entry(ref, one.offsets, tuple(one.tensor.shape))
                 data = self.region(entry, one.offsets, tuple(one.tensor.shape), path)
                 if data is not None:
                     with torch.no_grad():
@@ -161,8 +169,11 @@ class _Walker:
                     f"{self.name} has {global_shape}"
                 )
             self._check(path, entry, target.tensor, tuple(target.tensor.shape))
+            entry = self._entry(ref, target.offsets, tuple(target.tensor.shape))
             self._fill(target.tensor, entry, target.offsets, path)
             return target
+        # A whole tensor: every block of it, found before any buffer of its size exists.
+        entry = self._entry(ref, (0,) * len(global_shape), global_shape)
         if isinstance(target, torch.Tensor):
             self._check(path, entry, target, global_shape)
             self._fill(target, entry, (0,) * len(global_shape), path)

@@ -16,16 +16,20 @@ same verdict. Its size is set by the state's tensors, never by the world size.
 
 A reader assembles the index on demand (:func:`with_content`): a manifest's
 ``tensors`` and ``arrays`` then read every rank's object once, verified against the
-index, the first time they are used; a listing never reads them.
+index, the first time they are used; a listing never reads them. A load reads only
+the objects that hold the blocks it needs (:func:`load_content`): at the same world
+size its own rank's, and rank 0's for what ranks replicate; every object only when
+those do not cover a requested block.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -38,8 +42,10 @@ from checkpoint_store.rank_state import read_rank_doc
 from checkpoint_store.reshard import unique_blocks
 from trainguard.core.checkpoints import CheckpointError, CorruptCheckpointError
 
-__all__ = ["check_blocks", "holds_rank_content", "merge_tensors", "rank_entries",
-           "skeleton_paths", "with_content"]
+__all__ = ["RankReads", "check_blocks", "holds_rank_content", "load_content",
+           "merge_tensors", "rank_entries", "skeleton_paths", "with_content"]
+
+log = logging.getLogger("checkpoint_store")
 
 _NONE = -(2**63)
 """What a rank that holds no block of a tensor adds to a MAX reduction: nothing."""
@@ -56,9 +62,11 @@ def rank_entries(entries: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def merge_tensors(per_rank: Sequence[dict[str, Any]], *, whole: bool = True
+                  ) -> dict[str, Any]:
     """One entry per tensor with every rank's block; a block several ranks report
-    (a replicated ``Shard``) is recorded once, from the lowest rank."""
+    (a replicated ``Shard``) is recorded once, from the lowest rank. ``whole``: the
+    blocks are every rank's, so they must tile each tensor (else some ranks' only)."""
     merged: dict[str, Any] = {}
     for entries in per_rank:
         for path, e in entries.items():
@@ -77,8 +85,9 @@ def merge_tensors(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for path, m in merged.items():
         if len(m["shards"]) > 1:  # one block is unique as it is (no new list and set)
             m["shards"] = unique_blocks(m["shards"])
-        _check_cover(path, sum(math.prod(s["shape"]) for s in m["shards"]),
-                     math.prod(m["shape"]))
+        if whole:
+            _check_cover(path, sum(math.prod(s["shape"]) for s in m["shards"]),
+                         math.prod(m["shape"]))
     return merged
 
 
@@ -171,27 +180,39 @@ def holds_rank_content(manifest: Manifest) -> bool:
     return manifest.version >= 4 and manifest.world_size > 1
 
 
-def _load(backend: Backend, manifest: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read_object(backend: Backend, manifest: Manifest, r: int
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rank ``r``'s arrays and tensor entries, verified against the index."""
+    doc = read_rank_doc(backend, manifest, r)
+    a, t = doc.get("arrays"), doc.get("tensors")
+    if not isinstance(a, dict) or not isinstance(t, dict) \
+            or not all(str(k).startswith(f"r{r}/") for k in a):
+        raise CorruptCheckpointError(
+            f"the state object of rank {r} of checkpoint {manifest.name} holds no index "
+            f"of rank {r}'s arrays and tensors: it is damaged; load an earlier checkpoint")
+    check_array_names(manifest.name, a)
+    return a, t
+
+
+def _union(name: str, objects: Sequence[tuple[dict[str, Any], dict[str, Any]]], *,
+           whole: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The arrays and merged tensors of ``objects`` (in rank order), checked; ``whole``:
+    they are every rank's (else each tensor holds only the blocks of those read)."""
     arrays: dict[str, Any] = {}
-    per_rank: list[dict[str, Any]] = []
-    for r in range(manifest.world_size):
-        doc = read_rank_doc(backend, manifest, r)
-        a, t = doc.get("arrays"), doc.get("tensors")
-        if not isinstance(a, dict) or not isinstance(t, dict) \
-                or not all(str(k).startswith(f"r{r}/") for k in a):
-            raise CorruptCheckpointError(
-                f"the state object of rank {r} of checkpoint {manifest.name} holds no index "
-                f"of rank {r}'s arrays and tensors: it is damaged; load an earlier checkpoint")
-        check_array_names(manifest.name, a)
+    for a, _ in objects:
         arrays.update(a)
-        per_rank.append(t)
     try:
-        tensors = merge_tensors(per_rank)
+        tensors = merge_tensors([t for _, t in objects], whole=whole)
     except (CheckpointError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"checkpoint {manifest.name}: the ranks' objects do not "
+        raise CorruptCheckpointError(f"checkpoint {name}: the ranks' objects do not "
                                      f"form one index ({e}): load an earlier checkpoint") from e
-    check_content(manifest.name, arrays, tensors)
+    check_content(name, arrays, tensors, whole=whole)
     return arrays, tensors
+
+
+def _load(backend: Backend, manifest: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _union(manifest.name, [_read_object(backend, manifest, r)
+                                  for r in range(manifest.world_size)])
 
 
 class _Content:
@@ -287,3 +308,125 @@ def with_content(backend: Backend, manifest: Manifest) -> Manifest:
     content = _Content(lambda: _load(backend, manifest))
     return replace(manifest, arrays=_Lazy(content=content, which=0),
                    tensors=_Lazy(content=content, which=1))
+
+
+def _covered(shards: Sequence[dict[str, Any]], offsets: tuple[int, ...],
+             shape: tuple[int, ...]) -> int:
+    """Elements of the block ``[offsets, offsets + shape)`` the (unique) ``shards`` hold."""
+    total = 0
+    for s in shards:
+        n = 1
+        for a, m, b, k in zip(offsets, shape, s["offsets"], s["shape"]):
+            n *= max(0, min(a + m, b + k) - max(a, b))
+        total += n
+    return total
+
+
+def _stages(rank: int, world: int, saved: int) -> list[list[int]]:
+    """The rank objects a load on ``rank`` of ``world`` reads of a save of ``saved``
+    ranks, stage by stage until the blocks it asks for are covered. At the same world
+    size its own (each rank its shards: FSDP2, DTensor ``Shard``), at another the
+    saved ranks whose share of an evenly split first axis overlaps this rank's
+    (FSDP2's ``Shard(0)`` resharded); then rank 0's (the plain tensors only rank 0
+    writes, the lowest holder of a replicated block); then all. Guesses, each checked
+    (:meth:`_Needed.covering`)."""
+    if world == saved:
+        first = [rank]
+    else:
+        first = list(range(rank * saved // world, min(-(-(rank + 1) * saved // world), saved)))
+    return [first, [0], list(range(saved))]
+
+
+class RankReads:
+    """What one rank's load needs of a format 4 checkpoint's index: ``arrays`` and
+    ``tensors`` hold the entries of the rank objects read so far (the objects of
+    ``read``), and grow, stage by stage (:func:`_stages`), when a tensor asked for is
+    in none of them or :meth:`covering` finds a requested block not fully covered by
+    the blocks found. Never a guess's bytes: a block is read only once the blocks
+    found cover every element of it. The last stage reads every object and checks
+    the whole index, as :func:`with_content` does."""
+
+    def __init__(self, backend: Backend, manifest: Manifest, rank: int, world_size: int):
+        self._backend, self._manifest, self._rank = backend, manifest, rank
+        self._stages = iter(_stages(rank, world_size, manifest.world_size))
+        self._objects: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self.arrays: dict[str, Any] = {}
+        self.tensors = _Needed(self)
+
+    @property
+    def read(self) -> list[int]:
+        """The ranks whose objects were read, ascending."""
+        return sorted(self._objects)
+
+    def more(self, why: str) -> bool:
+        """Read the next stage's objects (``why``: what the ones read lack); False
+        when every object is read already."""
+        world = self._manifest.world_size
+        for stage in self._stages:
+            todo = [r for r in stage if r not in self._objects]
+            if not todo:
+                continue
+            complete = len(self._objects) + len(todo) == world
+            if complete and self._objects:
+                log.debug("rank %d reads all %d rank objects of %s: %s in those of ranks %s",
+                          self._rank, world, self._manifest.name, why, self.read)
+            for r in todo:
+                self._objects[r] = _read_object(self._backend, self._manifest, r)
+            # Merged in rank order, as a full read does: a block several ranks hold
+            # comes from the lowest of them, whichever was read first.
+            arrays, tensors = _union(self._manifest.name,
+                                     [self._objects[r] for r in self.read], whole=complete)
+            self.arrays.clear()
+            self.arrays.update(arrays)
+            dict.clear(self.tensors)
+            dict.update(self.tensors, tensors)
+            return True
+        return False
+
+
+class _Needed(dict):  # type: ignore[type-arg]
+    """:class:`RankReads`' tensor entries: a lookup of a tensor not among them reads on."""
+
+    def __init__(self, reads: RankReads):
+        super().__init__()
+        self._reads = reads
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        while not dict.__contains__(self, key) and self._reads.more(
+                f"tensor {key!r} is missing"):
+            pass
+        return dict.get(self, key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        found = self.get(key, _ABSENT)
+        if found is _ABSENT:
+            raise KeyError(key)
+        return found
+
+    def __contains__(self, key: object) -> bool:
+        return self.get(key, _ABSENT) is not _ABSENT
+
+    def covering(self, path: str, offsets: tuple[int, ...], shape: tuple[int, ...]
+                 ) -> dict[str, Any] | None:
+        """``path``'s entry once its blocks cover the block ``[offsets, offsets +
+        shape)`` or every object is read (then the loader reports what is missing)."""
+        entry = self.get(path)
+        while entry is not None and _covered(entry["shards"], offsets, shape) \
+                < math.prod(shape) and self._reads.more(
+                    f"the block of {path!r} at {offsets} of shape {shape} is not covered"):
+            entry = dict.get(self, path)
+        return entry
+
+
+_ABSENT: Any = object()
+
+
+def load_content(backend: Backend, manifest: Manifest, rank: int, world_size: int
+                 ) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """The ``arrays`` and ``tensors`` a load on ``rank`` of ``world_size`` walks:
+    of a format 4 checkpoint of several ranks, those of the rank objects it needs
+    (:class:`RankReads`); of any other, the manifest's own."""
+    if not holds_rank_content(manifest):
+        return manifest.arrays, manifest.tensors
+    reads = RankReads(backend, manifest, rank, world_size)
+    return reads.arrays, reads.tensors

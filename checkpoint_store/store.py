@@ -26,10 +26,9 @@ from checkpoint_store.layout import data_dir, inflight_marker
 from checkpoint_store.loading import Applier
 from checkpoint_store.manifest import Manifest, TensorFragments
 from checkpoint_store.plan import RankPlan, plan_rank
+from checkpoint_store.rank_content import load_content
 from checkpoint_store.reader import ChunkReader
-from checkpoint_store.retention import (
-    remove_data,
-)
+from checkpoint_store.retention import remove_data
 from checkpoint_store.saving import SaveJob, as_save_error, pick_uid, run_save, write_marker
 from checkpoint_store.staging import BufferPool, Staged, direct_segments
 from trainguard.core.checkpoints import (
@@ -353,11 +352,11 @@ class CheckpointStore(Catalog):
             manifest: Manifest | None = None
             try:
                 manifest = self._read_manifest(n.name, pins)
-                reader = ChunkReader(self._backend, data_dir(manifest.uid), manifest.arrays,
-                                     io_threads=self.io_threads)
-                direct = (DirectLoad(self._backend, data_dir(manifest.uid), manifest.arrays,
-                                     io_threads=self.io_threads) if in_place else None)
-                applier = Applier(manifest.name, manifest.tensors, reader, direct)
+                arrays, tensors = load_content(self._backend, manifest, self.rank, self.world_size)
+                ddir, io = data_dir(manifest.uid), self.io_threads
+                reader = ChunkReader(self._backend, ddir, arrays, io_threads=io)
+                direct = DirectLoad(self._backend, ddir, arrays, io_threads=io) if in_place else None
+                applier = Applier(manifest.name, tensors, reader, direct)
                 with torch.no_grad():
                     applier.prepare(state, decode_skeleton(manifest.state), keys)
                 if direct is not None:
