@@ -19,7 +19,7 @@ DCP reports failures as ``CheckpointException``, a ``BaseException`` that
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -83,11 +83,17 @@ class DcpCheckpointStore(WrappedStore):
     def save(self, state: Mapping[str, Any], *, step: int,
              extra: Mapping[str, Any] | None = None, blocking: bool = True,
              if_busy: IfBusy = "wait",
-             rank_state: Mapping[str, Any] | None = None) -> SaveHandle:
+             rank_state: Mapping[str, Any] | None = None,
+             precommit: Callable[[], None] | None = None) -> SaveHandle:
         """``dcp.save`` (or ``dcp.async_save``) of ``state`` as checkpoint ``step``;
         ``rank_state``: this rank's state object, as ``CheckpointStore.save`` takes it
-        (every rank passes one, or none does)."""
+        (every rank passes one, or none does). ``precommit`` (the session's fence check)
+        runs here, before the save starts, and what it raises is raised as it is: DCP
+        writes and commits in its own machinery (an async save in another process),
+        which has no step between this rank's data and the commit to run it in."""
         self._settle_current(check_if_busy(if_busy))
+        if precommit is not None:
+            precommit()
         writer = StorageWriter(self.store, step=step, extra=extra, rank_state=rank_state)
         handle = SaveHandle(step)
         if blocking:

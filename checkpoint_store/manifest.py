@@ -20,18 +20,19 @@ import base64
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from checkpoint_store._manifest_checks import check_structure
 from checkpoint_store.layout import data_dir, parse_manifest_name
 from checkpoint_store.rank_state import check_index
-from trainguard.core.checkpoints import CorruptCheckpointError
+from trainguard.core.checkpoints import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = [
     "CHECKSUM_SUFFIX_BYTES", "FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "Manifest",
     "SINGLE_RANK_VERSION", "TensorFragments", "check_array_names", "encode_manifest",
-    "parse_manifest",
+    "json_extra", "parse_manifest",
 ]
 
 FORMAT_NAME = "trainguard.checkpoint"
@@ -264,3 +265,22 @@ def parse_manifest(name: str, raw: bytes, *, pinned: bool = False) -> Manifest:
         ranks=ranks,
         version=int(version),
     )
+
+
+def json_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``extra`` as the manifest will hold it: a JSON-able mapping, exactly."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise UnsupportedValueError(f"extra must be a JSON-able mapping, got {type(extra).__name__}")
+    try:
+        doc: dict[str, Any] = json.loads(json.dumps(dict(extra), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise UnsupportedValueError(f"extra must be JSON-able (no NaN): {e}") from e
+    if doc != extra:
+        # Checked so that manifest.extra is exactly what was given, not a lossy copy.
+        raise UnsupportedValueError(
+            "extra must survive JSON unchanged: use str keys and lists (not int keys or "
+            f"tuples); got {extra!r}"
+        )
+    return doc

@@ -178,8 +178,7 @@ class NodeTierStore(RankStateWrappedStore):
         """A RAM-tier save (``rank_state``: this rank's state object, a file of the
         checkpoint like its shards); its copies to partners and disk follow in the
         background."""
-        # The intervals of the save's own moment: a plan changed meanwhile
-        # (follow_tiers) applies from the next save on.
+        # This moment's plan; one changed meanwhile (follow_tiers) applies from the next save.
         intervals = self.intervals
         handle = self.ram.save(state, step=step, extra=extra, blocking=blocking,
                                if_busy=if_busy, rank_state=rank_state, precommit=precommit)

@@ -34,7 +34,7 @@ from typing import Any
 from checkpoint_store import _faults
 from checkpoint_store._file_staging import seal_rank
 from checkpoint_store.backends import Backend, LocalBackend
-from checkpoint_store.dist import Comm, all_gather_json, broadcast_json, gather_json
+from checkpoint_store.dist import Comm, broadcast_json, gather_json
 from checkpoint_store.dtypes import dtype_name
 from checkpoint_store.flatten import TensorLeaf
 from checkpoint_store.layout import (
@@ -270,10 +270,13 @@ def _gathered_uid(backend: Backend, comm: Comm, step: int) -> tuple[str, str | N
             uid_doc = {"uid": uid}
         except OSError as e:
             uid_doc = {"error": f"{type(e).__name__}: {e}"}
-    # Gathered, not broadcast: each rank queues its writer only after staging, so no
-    # rank starts writing (CRCs, copies into the page cache) while another is still in
-    # its blocked staging copy, competing for the same cores and memory bandwidth.
-    uid_doc = all_gather_json(comm, uid_doc)[0]
+    # A barrier (a one-int64 all-reduce) before the broadcast: each rank queues its
+    # writer only after staging, so no rank starts writing (CRCs, copies into the page
+    # cache) while another is still in its blocked staging copy, competing for the same
+    # cores and memory bandwidth. Not an all-gather: every rank would receive W docs.
+    if comm.world_size > 1:
+        comm.all_reduce_int64([0], "max")
+    uid_doc = broadcast_json(comm, uid_doc)
     if "error" in uid_doc:
         raise CheckpointWriteError(0, f"saving step {step} failed: rank 0 cannot list "
                                       f"the store: {uid_doc['error']}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -24,7 +23,7 @@ from checkpoint_store.flatten import TensorLeaf, decode_skeleton, flatten
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.layout import data_dir, inflight_marker
 from checkpoint_store.loading import Applier
-from checkpoint_store.manifest import Manifest, TensorFragments
+from checkpoint_store.manifest import Manifest, TensorFragments, json_extra
 from checkpoint_store.plan import RankPlan, plan_rank
 from checkpoint_store.rank_content import load_content
 from checkpoint_store.reader import ChunkReader
@@ -37,7 +36,6 @@ from trainguard.core.checkpoints import (
     IfBusy,
     NoCheckpointError,
     SaveInProgressError,
-    UnsupportedValueError,
     check_if_busy,
 )
 
@@ -173,7 +171,7 @@ class CheckpointStore(Catalog):
         if_busy = check_if_busy(if_busy)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        extra_doc = _json_extra(extra)
+        extra_doc = json_extra(extra)
         rank_doc = None if rank_state is None else dict(rank_state)
         # One caller at a time from here to the hand-off: the staging buffer is shared.
         with self._save_lock:
@@ -369,7 +367,11 @@ class CheckpointStore(Catalog):
                 # A state that does not fit is refused on every rank, not only here:
                 # the others must not wait in the collective below for this one.
                 verdict, refusal = {"refused": f"{type(e).__name__}: {e}"}, e
-            verdicts = all_gather_json(self._comm, verdict)
+            # Every rank's verdict only when some rank has one to give: a one-flag
+            # all-reduce first, so a sound restore gathers nothing of W ranks.
+            verdicts = ([verdict] * self._comm.world_size
+                        if not self._comm.all_reduce_int64([int(bool(verdict))], "max")[0]
+                        else all_gather_json(self._comm, verdict))
             if refusal is not None:
                 if dirty:
                     refusal.add_note(_dirty_note(damaged))
@@ -440,20 +442,3 @@ def _dirty_note(damaged: builtins.list[str]) -> str:
             "damage showed, and no later load replaced them: rebuild the state (or load "
             "another store) before using it")
 
-
-def _json_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    if extra is None:
-        return {}
-    if not isinstance(extra, Mapping):
-        raise UnsupportedValueError(f"extra must be a JSON-able mapping, got {type(extra).__name__}")
-    try:
-        doc: dict[str, Any] = json.loads(json.dumps(dict(extra), allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise UnsupportedValueError(f"extra must be JSON-able (no NaN): {e}") from e
-    if doc != extra:
-        # Checked so that manifest.extra is exactly what was given, not a lossy copy.
-        raise UnsupportedValueError(
-            "extra must survive JSON unchanged: use str keys and lists (not int keys or "
-            f"tuples); got {extra!r}"
-        )
-    return doc

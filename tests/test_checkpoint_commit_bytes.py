@@ -20,15 +20,18 @@ WORKER = str(Path(__file__).with_name("_ckpt_bytes_worker.py"))
 def test_no_rank_receives_another_ranks_tensor_entries(tmp_path) -> None:
     """No payload any rank receives holds another rank's array names, shards or CRCs;
     what rank 0 gathers (the reports) is the same number of bytes whether the ranks
-    save 2 tensors or 40, and the reductions carry 8 bytes x (7 T + 1): a fixed size
-    per tensor of the state, never per rank. The checkpoints load whole on one rank,
-    and each rank's object holds its own blocks (rank r's rows of every tensor)."""
+    save 2 tensors or 40, and the reductions carry 8 bytes x (7 T + 2) (the blocks'
+    check, 7 int64 a tensor and one more, and the barrier before rank 0's uid is
+    broadcast): a fixed size per tensor of the state, never per rank; nothing is
+    all-gathered. The checkpoints load whole on one rank, and each rank's object holds
+    its own blocks (rank r's rows of every tensor)."""
     root = tmp_path / "ckpt"
     out = run_ranks(WORKER, "bytes", 3, str(root), timeout_s=240)
     for rank, o in enumerate(out):
         for t in ("2", "40"):
             assert o[t]["leaks"] == [], (rank, t)
-            assert o[t]["got"]["all_reduce"] == 8 * (7 * int(t) + 1)
+            assert o[t]["got"]["all_reduce"] == 8 * (7 * int(t) + 2)
+            assert o[t]["got"].get("all_gather", 0) == 0, (rank, t)
         if rank:  # only rank 0 receives reports
             assert o["2"]["got"]["gather"] == o["40"]["got"]["gather"] == 0
     assert out[0]["2"]["got"]["gather"] == out[0]["40"]["got"]["gather"] > 0

@@ -98,7 +98,7 @@ class Checkpointing(SessionBase):
               extra: Mapping[str, Any] | None, skipped: Sequence[str] | None) -> SaveHandleView:
         gen = self._gen()
         if self.world_size > 1 and isinstance(state, Mapping):
-            warn_divergent(state, self.world_size, self.process_group)
+            warn_divergent(state, self.process_group)
         self._commits += 1
         per_rank = self._rank_store is not None
         offsets, batches, ranks = now.offsets, now.batches, {self.rank: mine}

@@ -20,6 +20,7 @@ import redis
 import torch
 import torch.distributed as dist
 
+from trainer_client._uneven import flag_device
 from trainer_client.errors import SessionBypassedError
 from trainguard.core import streams
 
@@ -87,18 +88,30 @@ def _digest(value: Any, h: Any) -> None:
     h.update(repr(value).encode())
 
 
-def warn_divergent(state: Mapping[str, Any], world_size: int, group: Any) -> list[str]:
+def warn_divergent(state: Mapping[str, Any], group: Any) -> list[str]:
     """The top-level keys of ``state`` whose non-Shard values differ from rank 0's
-    (a collective; logged as a warning on rank 0). Returns them."""
+    (a collective; logged as a warning on rank 0). Returns them.
+
+    No rank receives the others' digests: rank 0 broadcasts its own (one per key, not
+    per rank), each rank flags the keys where it differs, and one MAX all-reduce of
+    those flags (a fixed size: rank 0's keys + one for keys rank 0 lacks) tells every
+    rank which keys differ somewhere. At 16,384 ranks an all-gather would carry every
+    rank's digests into every rank at every checkpoint."""
     mine = {}
     for key in sorted(state, key=str):
         h = hashlib.blake2b(digest_size=16)
         _digest(state[key], h)
         mine[str(key)] = h.hexdigest()
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=group)
-    differ = sorted({k for other in gathered[1:] for k, d in other.items()
-                     if gathered[0].get(k) != d})
+    ref: list[Any] = [mine if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(ref, group=group, group_src=0)
+    keys = sorted(ref[0])
+    flags = torch.tensor([int(mine.get(k) != ref[0][k]) for k in keys]
+                         + [int(not set(mine) <= set(keys))], dtype=torch.int64,
+                         device=flag_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    differ = [k for k, f in zip(keys, flags.tolist()) if f]
+    if flags[-1]:
+        differ.append("(keys rank 0 does not have)")
     if differ and dist.get_rank(group) == 0:
         log.warning(
             "state keys %s differ across ranks but are not Shard blocks: only rank 0's "
