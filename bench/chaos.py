@@ -189,6 +189,11 @@ def _gpu_critical(job: cj.Job, rep: int, rng: random.Random) -> dict[str, Any]:
             "replaced_s": None if replaced is None else replaced - back_at, "handled": handled}
 
 
+UNCOUNTED = ("crash_loop", "full_local_tier")
+"""Classes outside goodput: the crash loop is stopped by design, and full_local_tier
+runs a one-process job of its own."""
+
+
 def run_class(cls: str, work: Path, args: argparse.Namespace, rng: random.Random
               ) -> dict[str, Any]:
     if cls == "crash_loop":
@@ -277,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                        "each node's zygote)")
     start.add_argument("--cold", dest="warm", action="store_false",
                        help="workers start as fresh processes, torchrun's way (default)")
+    ap.add_argument("--paired-baseline", action="store_true",
+                    help="a fault-free job right before each class's job, its rate that "
+                    "class's baseline (goodput then compares like with like on a machine "
+                    "whose load drifts); default: one fault-free job at the start")
     args = ap.parse_args(argv)
     chosen = [c.strip() for c in args.classes.split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CLASSES))
@@ -291,22 +300,35 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, Any]] = {}
     for cls in chosen:
         print(f"{cls}:", flush=True)
+        if args.paired_baseline and cls not in UNCOUNTED:
+            with tempfile.TemporaryDirectory(prefix="chaos-base-") as work:
+                base = cj.fault_free_rate(Path(work), warm=args.warm)
+            print(f"  fault-free just before: {base:.1f} records/s", flush=True)
+        else:
+            base = rate
         with tempfile.TemporaryDirectory(prefix=f"chaos-{cls}-") as work:
-            runs[cls] = run_class(cls, Path(work), args, rng)
+            runs[cls] = {**run_class(cls, Path(work), args, rng), "baseline_records_s": base}
     rows = [_row(name, runs, args.reps) for name in (*ROWS, *NOT_RUN)]
     # Goodput is the 3-node job's: full_local_tier runs a one-process job of its own.
-    trained = [r for c, r in runs.items() if c not in ("crash_loop", "full_local_tier")]
-    once = sum(r["once"] for r in trained)
-    wall = sum(r["wall_s"] for r in trained)
-    goodput = once / (rate * wall) if wall else None
+    trained = {c: r for c, r in runs.items() if c not in UNCOUNTED}
+    once = sum(r["once"] for r in trained.values())
+    wall = sum(r["wall_s"] for r in trained.values())
+    expected = sum(r["baseline_records_s"] * r["wall_s"] for r in trained.values())
+    goodput = once / expected if expected else None
     print_table(rows)
-    print(f"exactly-once goodput: {_fmt(goodput)} ({once} records trained exactly once in "
-          f"{wall:.0f} s of job wall time, fault-free {rate:.1f} records/s); "
-          f"loadavg at start {load[0]:.1f}")
+    print(f"exactly-once goodput: {'-' if goodput is None else f'{goodput:.2f}'} ({once} "
+          f"records trained exactly once in {wall:.0f} s of job wall time, against "
+          + (f"a fault-free job before each class: {expected:.0f} records" if
+             args.paired_baseline else f"fault-free {rate:.1f} records/s")
+          + f"); loadavg at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
+    print("  per class: " + ", ".join(
+        f"{c} {r['once'] / (r['baseline_records_s'] * r['wall_s']):.2f}"
+        for c, r in trained.items() if r["wall_s"]))
     print_incidents(runs)
     doc = {"seed": args.seed, "reps": args.reps, "gap_s": args.gap_s, "warm": args.warm,
            "rows": rows,
-           "goodput": goodput, "fault_free_records_s": rate, "wall_s": time.time() - started,
+           "goodput": goodput, "fault_free_records_s": rate,
+           "paired_baseline": args.paired_baseline, "wall_s": time.time() - started,
            "loadavg_at_start": list(load), "runs": runs}
     path = Path(args.results) if args.results else rd.results_path()
     rd.write_section(path, "chaos", doc)
