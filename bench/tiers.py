@@ -304,13 +304,21 @@ def peak_lines(docs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+NOTE = ("partner and moto S3 on loopback: protocols and copies, not a network; moto is an "
+        "emulator, not S3")
+
+
+def print_peaks(peaks: list[dict[str, Any]]) -> None:
+    print("[peak host memory: a RAM save + its partner copy, a fresh process each]")
+    print("(process: VmHWM reset after the state is built; tiers: tmpfs bytes; target: added <= 2x)")
+    print("\n".join(peak_lines(peaks)))
+
+
 def memory_only(sizes: Sequence[int], json_path: str | None) -> dict[str, Any]:
     """Group 4 alone, once per state size (each mode a fresh process)."""
     load_start = os.getloadavg()
     peaks = [doc for size in sizes for doc in peak_memory(size)]
-    print("[peak host memory: a RAM save + its partner copy, a fresh process each]")
-    print("(process: VmHWM reset after the state is built; tiers: tmpfs bytes; target: added <= 2x)")
-    print("\n".join(peak_lines(peaks)))
+    print_peaks(peaks)
     section = {"sizes_mib": list(sizes), "peak_memory": peaks,
                "loadavg": {"start": list(load_start), "end": list(os.getloadavg())}}
     out = rd.results_path() if json_path is None else Path(json_path)
@@ -412,9 +420,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if phases is not None:
         print("\n[where the time goes, one restore each (partner missed its target)]")
         print(phase_lines(phases))
-    print("\n[peak host memory: a RAM save + its partner copy, a fresh process each]")
-    print("(process: VmHWM reset after the state is built; tiers: tmpfs bytes; target: added <= 2x)")
-    print("\n".join(peak_lines(peaks)))
+    print()
+    print_peaks(peaks)
     print("\n[lost work per failure: multi-level advisor vs today's single interval]")
     print(lost.table(work))
     print()
@@ -428,8 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratios": {r.name: r.doc() for r in ratios},
         "restore_phases": phases, "peak_memory": peaks, "lost_work": work,
         "elapsed_s": round(elapsed, 1),
-        "note": "partner and moto S3 on loopback: protocols and copies, not a network; "
-                "moto is an emulator, not S3",
+        "note": NOTE,
     }
     out = rd.results_path() if args.json is None else Path(args.json)
     rd.write_section(out, "tiers", section, rd.machine())
@@ -459,8 +465,7 @@ def _report_restores(args: argparse.Namespace, t: Tiers, loads: rd.Rounds,
         "loadavg": {"start": list(load_start), "end": list(load_end)},
         "rows": rd.rows_doc(loads), "ratios": {r.name: r.doc() for r in ratios},
         "restore_phases": phases, "elapsed_s": round(elapsed, 1),
-        "note": "partner and moto S3 on loopback: protocols and copies, not a network; "
-                "moto is an emulator, not S3",
+        "note": NOTE,
     }
     out = rd.results_path() if args.json is None else Path(args.json)
     rd.write_section(out, "tiers_restore", section, rd.machine())
