@@ -424,23 +424,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_peaks(peaks)
     print("\n[lost work per failure: multi-level advisor vs today's single interval]")
     print(lost.table(work))
-    print()
-    rd.print_headlines(ratios)
-    elapsed = time.perf_counter() - t0
-    print(f"\n(run took {elapsed:.0f} s; moto S3 on loopback is an emulator, not S3)")
-    section = {
-        "size_mib": args.size_mib, "rounds": args.rounds, "state_bytes": t.nbytes,
-        "loadavg": {"start": list(load_start), "end": list(load_end)},
+    return _finish(args, t, "tiers", ratios, (load_start, load_end), t0, {
         "rows": {**rd.rows_doc(stall), **rd.rows_doc(costs), **rd.rows_doc(loads)},
-        "ratios": {r.name: r.doc() for r in ratios},
-        "restore_phases": phases, "peak_memory": peaks, "lost_work": work,
-        "elapsed_s": round(elapsed, 1),
-        "note": NOTE,
-    }
-    out = rd.results_path() if args.json is None else Path(args.json)
-    rd.write_section(out, "tiers", section, rd.machine())
-    print(f"results: {out}")
-    return section
+        "restore_phases": phases, "peak_memory": peaks, "lost_work": work})
 
 
 def _report_restores(args: argparse.Namespace, t: Tiers, loads: rd.Rounds,
@@ -456,19 +442,27 @@ def _report_restores(args: argparse.Namespace, t: Tiers, loads: rd.Rounds,
     if phases is not None:
         print("\n[where the time goes, one restore each (partner missed its target)]")
         print(phase_lines(phases))
+    return _finish(args, t, "tiers_restore", ratios, (load_start, load_end), t0,
+                   {"rows": rd.rows_doc(loads), "restore_phases": phases})
+
+
+def _finish(args: argparse.Namespace, t: Tiers, name: str, ratios: list[rd.Ratio],
+            loads: tuple[tuple[float, float, float], tuple[float, float, float]],
+            t0: float, figures: dict[str, Any]) -> dict[str, Any]:
+    """The headlines, then section ``name`` (the run's figures and what every section
+    carries) merged into the results file."""
     print()
     rd.print_headlines(ratios)
     elapsed = time.perf_counter() - t0
     print(f"\n(run took {elapsed:.0f} s; moto S3 on loopback is an emulator, not S3)")
     section = {
         "size_mib": args.size_mib, "rounds": args.rounds, "state_bytes": t.nbytes,
-        "loadavg": {"start": list(load_start), "end": list(load_end)},
-        "rows": rd.rows_doc(loads), "ratios": {r.name: r.doc() for r in ratios},
-        "restore_phases": phases, "elapsed_s": round(elapsed, 1),
-        "note": NOTE,
+        "loadavg": {"start": list(loads[0]), "end": list(loads[1])},
+        "ratios": {r.name: r.doc() for r in ratios}, **figures,
+        "elapsed_s": round(elapsed, 1), "note": NOTE,
     }
     out = rd.results_path() if args.json is None else Path(args.json)
-    rd.write_section(out, "tiers_restore", section, rd.machine())
+    rd.write_section(out, name, section, rd.machine())
     print(f"results: {out}")
     return section
 
