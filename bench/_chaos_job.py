@@ -33,6 +33,13 @@ AHEAD = int(MAX_RECORDS_S * 10)  # records filled ahead of the job: 10 s at top 
 # A step slower than this, once steps were measured, is a hang (the job's default,
 # 1.5 s, is for a quiet machine; this one is shared).
 WATCHDOG_FLOOR_S = 5.0
+# A peer that beat nothing for this long, while the job made no progress, is stopped
+# (heartbeats every 0.2 s): found without waiting for k x p99 of a loaded machine's steps.
+WATCHDOG_PEER_SILENCE_S = 3.0
+# The job's first round waits for all its nodes (it closes once the last one joined):
+# with the default 3 s, a node started late on a loaded machine began a 2-node job
+# that re-formed at once to take it in, 34 s lost in one run before any fault.
+CONF = f"{FAST_CONF},last_call_timeout=30"
 _CHUNK = re.compile(r"^\d+(\.\d+)*$")  # zarr v2-style chunk keys ("0", "0.0")
 
 
@@ -105,8 +112,9 @@ class Job:
              "--batch-size", str(BATCH), "--sleep-ms", str(SLEEP_MS),
              "--ckpt-every", str(FIRST_CKPT), "--spike-file", str(self.spike_file),
              "--critical-file", str(self.critical_file),
-             "--watchdog-floor-s", str(WATCHDOG_FLOOR_S), *extra],
-            max_restarts=max_restarts, conf=FAST_CONF, entry=("-m", "tests._heal_job"),
+             "--watchdog-floor-s", str(WATCHDOG_FLOOR_S),
+             "--watchdog-peer-silence-s", str(WATCHDOG_PEER_SILENCE_S), *extra],
+            max_restarts=max_restarts, conf=CONF, entry=("-m", "tests._heal_job"),
             warm=warm)
         self.every: list[Agent] = []
         self.live: list[Agent] = []

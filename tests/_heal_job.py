@@ -90,6 +90,7 @@ def main() -> int:
     ap.add_argument("--spike-file", default="")
     ap.add_argument("--critical-file", default="")
     ap.add_argument("--watchdog-floor-s", type=float, default=1.5)
+    ap.add_argument("--watchdog-peer-silence-s", type=float, default=10.0)
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -100,7 +101,8 @@ def main() -> int:
     say(f"PID {os.getpid()}")
     # Budgets sized for a test: steps of ~20 ms, so a stall of 1.5 s is a hang.
     cfg = WatchdogConfig(k=10, floor_s=args.watchdog_floor_s, ceiling_s=120, startup_s=60, restore_s=60,
-                         checkpoint_s=60, min_steps=3, heartbeat_s=0.2)
+                         checkpoint_s=60, min_steps=3, heartbeat_s=0.2,
+                         peer_silence_s=args.watchdog_peer_silence_s)
     if world > 1:
         init_process_group("gloo", config=cfg)
     state, model, _ = make_state(args.records)

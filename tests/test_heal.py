@@ -1,8 +1,9 @@
 """The job heals itself (issue #24, parts 2, 4, 5), through torchrun's own agent:
 
 - a worker stopped with SIGSTOP is noticed by its peer's watchdog (from the measured
-  step times), which reports the hang with every thread's stack, kills the stopped
-  rank and exits 86; the agent restarts the group and every record is trained once;
+  step times, or sooner from its silent heartbeat), which reports the hang with every
+  thread's stack, kills the stopped rank and exits 86; the agent restarts the group
+  and every record is trained once;
 - a crash at the same step after every restore climbs the restart-loop breaker's
   ladder (restore, older checkpoint, skip the batch in flight) and stops the run with
   exit 87 and an incident saying what was tried; the agent's further restarts are
@@ -142,6 +143,7 @@ def test_sigstopped_rank_is_detected_and_the_job_recovers_training_each_record_o
     assert hang["detected_by"] == "watchdog" and hang["world_before"] == 2
     (report,) = hang["reports"]
     assert report["rank"] == 0 and report["suspects"] == [1] and report["phase"] == "train"
+    assert report["trigger"] == "budget"  # peer_silence_s (10 s) is longer than the budget
     # Why it fired: the stall passed the limit, k x p99 of the steps measured, never
     # below the 1.5 s floor (a loaded machine's slow steps may raise it above).
     assert report["limit_s"] >= 1.5 and report["stalled_s"] > report["limit_s"]
@@ -157,6 +159,41 @@ def test_sigstopped_rank_is_detected_and_the_job_recovers_training_each_record_o
     tried = _docs(redis_server.url, inc.attempts_key("heal", "job"))
     assert [(a["attempt"], a["outcome"], a["restart_count"]) for a in tried] == [
         (1, "failed", 0), (2, "ok", 1)]
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_stopped_rank_is_found_by_its_silent_heartbeat_long_before_the_step_budget(
+        redis_server: Any, tmp_path: Path, victim: int) -> None:
+    """The step budget is 120 s here (a floor a loaded machine's slow steps can push
+    k x p99 to); rank ``victim`` is stopped with SIGSTOP at step 8. The other rank, a
+    checker of its peers' heartbeats, sees the stopped one beat nothing for the 2 s of
+    ``peer_silence_s`` while its own step makes no progress, and fires then: the hang
+    report says so (trigger ``peer_silence``, the stopped rank silent and a suspect,
+    the stall far inside the step budget). Rank 0 stopped is found as well (rank 1 is
+    the second checker). The job then finishes with every record trained once."""
+    n = 2 * BATCH * 25
+    run = Torchrun(2, 1, [*_job(redis_server, tmp_path, n, 2), "--sleep-ms", "20",
+                          "--watchdog-floor-s", "120", "--watchdog-peer-silence-s", "2"],
+                   tmp_path / "torchrun.log")
+    stopped = 0
+    try:
+        run.wait_for(f"{victim}: STEP 8")
+        stopped = run.pid(victim)
+        os.kill(stopped, signal.SIGSTOP)
+        rc = run.finish()
+    finally:
+        if stopped and pid_alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+        run.finish(10)
+    assert rc == 0, (run.seen[-20:], (tmp_path / "torchrun.log").read_text()[-3000:])
+    counts, _ = final_counts(f"file://{tmp_path}/ckpt", n)
+    assert torch.equal(counts, torch.ones(n)), "a record was lost or trained twice"
+    (hang,) = _docs(redis_server.url, inc.incidents_key("heal", "job"))
+    assert hang["cause"] == "hang" and hang["detected_by"] == "watchdog"
+    (report,) = hang["reports"]
+    assert report["rank"] == 1 - victim and report["trigger"] == "peer_silence"
+    assert report["silent"] == [victim] and report["suspects"] == [victim]
+    assert report["limit_s"] == 2.0 and 2.0 < report["stalled_s"] < 120.0
 
 
 def test_a_rank_out_of_data_first_steps_on_empty_batches_and_the_job_ends_once(

@@ -313,6 +313,11 @@ class AttemptLog:
                 "host": _HOST}
         self._quick.hset(self._k(inc.alive_key), str(self.rank), inc.dumps(full))
 
+    def beats(self) -> dict[int, dict[str, Any]]:
+        """Every rank's last heartbeat, by rank (raises RedisError)."""
+        raw = self._quick.hgetall(self._k(inc.alive_key)) or {}
+        return {int(k): inc.loads(v) for k, v in raw.items()}
+
     def report(self, doc: dict[str, Any]) -> None:
         full = {**doc, "attempt": self.attempt, "rank": self.rank, "pid": os.getpid(),
                 "host": _HOST}
@@ -336,15 +341,13 @@ class AttemptLog:
         with its final heartbeat, kill the stopped ranks of this host."""
         beats = {}
         with contextlib.suppress(redis.RedisError, inc.IncidentError):
-            for k, raw in (self._quick.hgetall(self._k(inc.alive_key)) or {}).items():
-                beats[int(k)] = inc.loads(raw)
-        # A live rank (waiting in the collective) beats every heartbeat_s; a stopped
-        # one stopped beating when the stall began, stalled_s ago.
+            beats = self.beats()
+        # A live rank beats every heartbeat_s; a stopped one stopped when the stall began.
         stale_after = max(2 * float(report.get("heartbeat_s") or 1.0),
                           0.5 * float(report.get("stalled_s") or 0.0))
-        suspects = [r for r, b in sorted(beats.items())
-                    if r != self.rank and b.get("attempt") == self.attempt
-                    and time.time() - float(b.get("alive_at") or 0.0) > stale_after]
+        suspects = sorted(set(report.get("silent") or ()) | {
+            r for r, b in beats.items() if r != self.rank and b.get("attempt") == self.attempt
+            and time.time() - float(b.get("alive_at") or 0.0) > stale_after})
         report = {**report, "suspects": suspects}
         with contextlib.suppress(redis.RedisError):
             self.heartbeat(report["heartbeat"])

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from trainer_client._attempts import AttemptLog
 from trainer_client._batch_ids import batch_id, overlaps
 from trainer_client.batch import Batch
-from trainer_client.watchdog import Watchdog, WatchdogConfig
+from trainer_client.watchdog import Watchdog, WatchdogConfig, silent_peers
 from trainguard.core import settings
 from trainguard.core.incidents import LoopPolicy
 
@@ -63,8 +63,15 @@ class Healing:
             self.attempts.close()
             raise
         extra = {"heartbeat_s": cfg.heartbeat_s, "kill_stalled_peers": cfg.kill_stalled_peers}
+        # Two checkers of the peers' heartbeats, not every rank: a read of W beats a
+        # second by each of W ranks would be O(W^2) at scale.
+        def peers(silence_s: float) -> list[int]:
+            return silent_peers(self.attempts.beats(), rank=rank,
+                                attempt=self.attempts.attempt, silence_s=silence_s)
+
         self.watchdog = Watchdog(cfg, beat=self.attempts.heartbeat,
-                                 fire=lambda rep: self.attempts.hang({**rep, **extra}))
+                                 fire=lambda rep: self.attempts.hang({**rep, **extra}),
+                                 peers=peers if rank < 2 and world_size > 1 else None)
         wd = self.watchdog
         self.attempts.step_of = lambda: (wd.step, wd.batch, wd.phase_name)
         self._pg_timeout_s: float | None = None

@@ -10,6 +10,17 @@ save, and waiting for in-flight ones). Outside the loop (after ``batches`` ended
 does not watch; ``session.watch("eval", limit_s=...)`` gives other work between steps
 a budget of its own.
 
+A stopped peer is noticed sooner than that (``peer_silence_s``): the checkers (ranks 0
+and 1, so that one of them stopped does not blind the job) read the peers' heartbeats
+once a beat while their own phase has made no progress for that long, and fire when
+a peer of this attempt, in a watched phase, beat nothing for that long while the
+others beat on (its beat older than the freshest by that much, and still unchanged a
+confirmation window later). The heartbeat runs on a thread of its own, so a live rank
+beats while it waits in a collective, runs a slow step or saves; a rank that beats
+nothing is stopped (SIGSTOP, a wedged host) however slow the steps of a loaded machine
+made the step budget. A peer of this host that is gone is no hang (its agent restarts
+the group).
+
 On firing it dumps every thread's stack (``sys._current_frames``) into a report
 (written by the session to Redis, see :mod:`trainguard.core.incidents`), kills
 peers of this host whose heartbeat stopped (a process stopped by a signal or wedged
@@ -32,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -45,10 +57,14 @@ from typing import Any
 from trainguard.core import lists, settings
 from trainguard.core.exit_codes import EXIT_HUNG
 from trainguard.core.incidents import HANG
+from trainguard.core.process import pid_alive
 
-__all__ = ["WATCHDOG_ENV", "Watchdog", "WatchdogConfig", "init_process_group", "thread_stacks"]
+__all__ = ["WATCHDOG_ENV", "Watchdog", "WatchdogConfig", "init_process_group", "silent_peers",
+           "thread_stacks"]
 
 log = logging.getLogger(__name__)
+
+HOST = socket.gethostname()
 
 WATCHDOG_ENV = settings.WATCHDOG_ENV
 PHASES = ("startup", "restore", "train", "checkpoint", "idle")
@@ -73,6 +89,8 @@ class WatchdogConfig:
     """How often each rank writes its heartbeat (how peers tell a stopped rank)."""
     kill_stalled_peers: bool = True
     """On firing, SIGKILL the ranks of this host whose heartbeat stopped."""
+    peer_silence_s: float = 10.0
+    """A checker fires when a peer beat nothing for this long (0: only the budgets)."""
 
     def __post_init__(self) -> None:
         if not self.k > 1.0 or not 0 < self.floor_s <= self.ceiling_s:
@@ -81,6 +99,9 @@ class WatchdogConfig:
         for name in ("startup_s", "restore_s", "checkpoint_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"WatchdogConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.peer_silence_s < 0:
+            raise ValueError(f"WatchdogConfig.peer_silence_s must be >= 0 (0: off), got "
+                             f"{self.peer_silence_s}")
         if self.min_steps < 1:
             raise ValueError(f"WatchdogConfig.min_steps must be >= 1, got {self.min_steps}")
 
@@ -124,6 +145,11 @@ class WatchdogConfig:
             return self.startup_s
         return min(max(self.k * p99_s, self.floor_s), self.ceiling_s)
 
+    def confirm_s(self) -> float:
+        """How long a peer's silence must last on our own clock as well (a peer whose
+        beat only looks old, e.g. read just after Redis came back, beats again in it)."""
+        return max(1.0, 5 * self.heartbeat_s)
+
     def phase_limit_s(self, phase: str, p99_s: float | None) -> float | None:
         """The budget of ``phase``; None: not watched."""
         return {"startup": self.startup_s, "restore": self.restore_s,
@@ -165,6 +191,20 @@ def init_process_group(backend: str | None = None, *, config: WatchdogConfig | N
     dist.init_process_group(backend, **kwargs)
 
 
+def silent_peers(beats: dict[int, dict[str, Any]], *, rank: int, attempt: int,
+                 silence_s: float) -> list[int]:
+    """The peers of ``attempt`` whose last beat, in a watched phase, is older than the
+    freshest beat of the attempt by more than ``silence_s``, and not of this host with
+    a process gone. Measured against the freshest beat, not this host's clock: hosts'
+    clocks differ, and after a Redis outage every beat is old together."""
+    ours = {r: b for r, b in beats.items() if b.get("attempt") == attempt}
+    freshest = max((float(b.get("alive_at") or 0.0) for b in ours.values()), default=0.0)
+    return [r for r, b in sorted(ours.items())
+            if r != rank and b.get("phase") not in (None, "idle")
+            and freshest - float(b.get("alive_at") or 0.0) > silence_s
+            and not (b.get("host") == HOST and not pid_alive(int(b.get("pid") or 0)))]
+
+
 def thread_stacks() -> dict[str, list[str]]:
     """Every thread's stack now, innermost frame last, keyed by ``name (ident)``."""
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -199,13 +239,18 @@ class Watchdog:
 
     ``beat(doc)`` is called every ``heartbeat_s`` with this rank's heartbeat fields;
     ``fire(report)`` when the budget ran out (it writes the report; the watchdog then
-    exits the process). Callbacks run on the watchdog's thread and must not block long: they are the
-    session's Redis writes, on a client with short timeouts."""
+    exits the process); a checker's ``peers(silence_s)``, the silent peers (see
+    :func:`silent_peers`), while its phase stalled past ``peer_silence_s``. Callbacks run
+    on the watchdog's thread and must not block long: they are the session's Redis
+    calls, on a client with short timeouts."""
 
     def __init__(self, config: WatchdogConfig, *, beat: Callable[[dict[str, Any]], None],
                  fire: Callable[[dict[str, Any]], None],
+                 peers: Callable[[float], list[int]] | None = None,
                  exit: Callable[[int], None] = os._exit) -> None:
         self.config = config
+        self._peers = peers if config.peer_silence_s > 0 else None
+        self._silent: dict[int, float] = {}  # silent peer -> when we first saw it so
         self.times = StepTimes()
         self._beat, self._fire, self._exit = beat, fire, exit
         self._lock = threading.Lock()
@@ -289,6 +334,14 @@ class Watchdog:
                     "batch": self.batch, "every_s": self.config.heartbeat_s,
                     "progress_at": self._progress_at, "alive_at": time.time()}
 
+    def _check_peers(self, now: float) -> list[int]:
+        """The peers silent for ``peer_silence_s`` and, on our clock, a confirmation
+        window more (forgotten as soon as they beat again)."""
+        assert self._peers is not None
+        got = self._call(self._peers, self.config.peer_silence_s) or []
+        self._silent = {r: self._silent.get(r, now) for r in got}
+        return [r for r, t in self._silent.items() if now - t >= self.config.confirm_s()]
+
     def _run(self) -> None:
         last_beat = 0.0
         poll = min(0.25, self.config.heartbeat_s / 2)
@@ -307,31 +360,49 @@ class Watchdog:
             if now - last_beat >= self.config.heartbeat_s:
                 last_beat = now
                 self._call(self._beat, self.heartbeat())
+                if self._peers is not None and limit is not None \
+                        and stalled > self.config.peer_silence_s:
+                    silent = self._check_peers(now)
+                    if silent:
+                        self._fire_now(phase, self.config.peer_silence_s, stalled,
+                                       silent=silent)
+                        return
+                else:
+                    self._silent = {}
             if limit is not None and stalled > limit:
                 self._fire_now(phase, limit, stalled)
                 return
 
-    def _call(self, fn: Callable[[Any], None], arg: Any) -> None:
+    def _call(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        """``fn(arg)``, or None when it failed (logged once per streak)."""
         try:
-            fn(arg)
+            result = fn(arg)
         except Exception as exc:  # a failing write must not stop the watching
             if not self._failing:
                 log.warning("watchdog: %s failed (%s: %s); retrying every beat",
                             getattr(fn, "__name__", fn), type(exc).__name__, exc)
             self._failing = True
-        else:
-            self._failing = False
+            return None
+        self._failing = False
+        return result
 
-    def _fire_now(self, phase: str, limit: float, stalled: float) -> None:
+    def _fire_now(self, phase: str, limit: float, stalled: float, *,
+                  silent: list[int] | None = None) -> None:
+        """Report and exit: the phase's budget ran out, or (``silent``) peers stopped
+        beating while this rank made no progress for ``limit`` (``peer_silence_s``)."""
         beat = self.heartbeat()
         p99 = self.times.p99()
         report = {"cause": HANG, "at": time.time(), "phase": phase, "step": beat["step"],
                   "batch": beat["batch"], "stalled_s": stalled, "limit_s": limit,
+                  "trigger": "budget" if silent is None else "peer_silence",
+                  **({} if silent is None else {"silent": silent}),
                   "p99_step_s": p99, "steps_measured": len(self.times),
                   "stacks": thread_stacks(), "heartbeat": beat}
-        log.critical("watchdog: no progress for %.1f s in phase %r at step %d (budget %.1f s, "
-                     "p99 step %s s): dumping stacks and exiting with code %d", stalled, phase,
-                     beat["step"], limit, None if p99 is None else round(p99, 3), EXIT_HUNG)
+        why = (f"budget {limit:.1f} s" if silent is None else
+               f"ranks {silent} beat nothing for {limit:.1f} s")
+        log.critical("watchdog: no progress for %.1f s in phase %r at step %d (%s, p99 step "
+                     "%s s): dumping stacks and exiting with code %d", stalled, phase,
+                     beat["step"], why, None if p99 is None else round(p99, 3), EXIT_HUNG)
         self._call(self._fire, report)
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
