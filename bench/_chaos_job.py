@@ -303,10 +303,12 @@ class Job:
             self.moto.stop()
 
 
-def fault_free_rate(work: Path, steps: int = 120, *, warm: bool = False) -> float:
-    """Records/s of a fault-free job of the campaign's shape: first step to DONE."""
+def fault_free_rate(work: Path, steps: int = 120, *, warm: bool = False,
+                    **shape: Any) -> float:
+    """Records/s of a fault-free job of the campaign's shape (``shape``: Job's
+    ``persistence``, ``cluster``, ``s3``): first step to DONE."""
     n = steps * NODES * BATCH
-    job = Job(work, "fault-free", reps=0, gap_s=0, records=n, warm=warm)
+    job = Job(work, "fault-free", reps=0, gap_s=0, records=n, warm=warm, **shape)
     try:
         verdict = job.finish()
     finally:

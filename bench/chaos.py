@@ -10,7 +10,9 @@ checkpoint says how often each record was trained). The stream is topped up ahea
 the job while it runs and finished after the last fault, so the job never ends before
 the faults are done and never waits for data (a wait would be a stall to the
 watchdog). Before the classes, a fault-free job of the same shape measures the
-records/s that goodput is divided by, in the same run.
+records/s that goodput is divided by, in the same run; with ``--paired-baseline``, a
+fault-free job right before each class, on that class's Redis and store (S3, a Redis
+Cluster, AOF), is the class's own.
 
 A fault is injected ``gap_s x U(0.5, 1.5)`` after the job trained again. Classes
 (what is injected; how the job is expected to heal):
@@ -200,9 +202,7 @@ def run_class(cls: str, work: Path, args: argparse.Namespace, rng: random.Random
         return cj.crash_loop(work, args.reps, warm=args.warm)
     if cls == "full_local_tier":
         return full_local_tier(work, args.reps)
-    job = cj.Job(work, cls, reps=args.reps, gap_s=args.gap_s,
-                 persistence="always" if cls == "redis_restart" else "none",
-                 cluster=cls == "cluster_master_kill", s3=cls == "s3_outage", warm=args.warm)
+    job = cj.Job(work, cls, reps=args.reps, gap_s=args.gap_s, warm=args.warm, **_shape(cls))
     events: list[dict[str, Any]] = []
     try:
         job.wait_trained(min_step=cj.FIRST_CKPT + 1)
@@ -219,6 +219,14 @@ def run_class(cls: str, work: Path, args: argparse.Namespace, rng: random.Random
     finally:
         job.close()
     return {**verdict, "events": events}
+
+
+def _shape(cls: str) -> dict[str, Any]:
+    """What the job of ``cls`` runs on besides the default (one Redis, local disk): its
+    paired baseline runs on the same (a job on moto's S3 or a Redis Cluster trains
+    slower than one on local disk and one Redis, which is no fault's cost)."""
+    return {"persistence": "always" if cls == "redis_restart" else "none",
+            "cluster": cls == "cluster_master_kill", "s3": cls == "s3_outage"}
 
 
 def _row(name: str, runs: dict[str, dict[str, Any]], reps: int) -> dict[str, Any]:
@@ -283,9 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--cold", dest="warm", action="store_false",
                        help="workers start as fresh processes, torchrun's way (default)")
     ap.add_argument("--paired-baseline", action="store_true",
-                    help="a fault-free job right before each class's job, its rate that "
-                    "class's baseline (goodput then compares like with like on a machine "
-                    "whose load drifts); default: one fault-free job at the start")
+                    help="a fault-free job right before each class's job, on the same "
+                    "Redis and store, its rate that class's baseline (goodput then compares "
+                    "like with like on a machine whose load drifts); default: one "
+                    "fault-free job at the start")
     args = ap.parse_args(argv)
     chosen = [c.strip() for c in args.classes.split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CLASSES))
@@ -302,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{cls}:", flush=True)
         if args.paired_baseline and cls not in UNCOUNTED:
             with tempfile.TemporaryDirectory(prefix="chaos-base-") as work:
-                base = cj.fault_free_rate(Path(work), warm=args.warm)
+                base = cj.fault_free_rate(Path(work), warm=args.warm, **_shape(cls))
             print(f"  fault-free just before: {base:.1f} records/s", flush=True)
         else:
             base = rate
