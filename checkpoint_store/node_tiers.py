@@ -18,8 +18,8 @@ The catalog (:meth:`catalog`) says where each checkpoint lives; :meth:`list` is 
 restore's view of it: the checkpoints this node can get from some tier *and* that
 every other node can get too (from its own tier server or a partner's), so that all
 ranks restore the same step. :meth:`load` of a step tries the tiers in order (own
-RAM, a partner's copy streamed into the state, local disk, remote), each verified (SHA-256
-of the transfer, CRC-32C of every chunk); a tier whose copy is damaged is skipped
+RAM, a partner's copy streamed into the state, local disk, remote), each verified (CRC-32C
+of every chunk, SHA-256 of a partner's small files); a tier whose copy is damaged is skipped
 with a warning, and :attr:`restored_from` says which tier served the restore.
 
 Node ``r`` is the session's rank ``r``. The store has per-rank state objects

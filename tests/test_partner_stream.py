@@ -110,7 +110,7 @@ def test_streamed_restore_reads_each_byte_of_the_copy_once(shm: Path) -> None:
 def test_copy_damaged_mid_stream_falls_back_and_is_never_kept(shm: Path,
                                                               tmp_path: Path) -> None:
     """A byte flipped mid-chunk in the partner's copy: the in-place restore finds it
-    (CRC-32C and SHA-256) after bytes of it landed, the disk tier reloads every tensor,
+    (its CRC-32C, against the manifest) after bytes of it landed, the disk tier reloads every tensor,
     the state is the checkpoint bit for bit, and node 0's RAM keeps nothing of the
     damaged copy (no commit, no staged debris)."""
     with tier_servers(shm, 2) as servers:
