@@ -36,7 +36,7 @@ def test_each_fault_class_heals_with_no_human_and_trains_every_record_once(
     once: 0 lost, 0 duplicated. For ``crash_loop`` (a bug at one step in every
     attempt) the breaker stops the job with exit 87 and a ``restart_loop`` incident,
     and the newest checkpoint holds every record of its steps exactly once."""
-    args = argparse.Namespace(reps=1, gap_s=10.0, seed=0)
+    args = argparse.Namespace(reps=1, gap_s=10.0, seed=0, warm=False)
     run = chaos.run_class(cls, tmp_path, args, random.Random(0))
     summary = {k: v for k, v in run.items() if k != "incidents"}
     assert run["finished"], summary
