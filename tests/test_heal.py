@@ -110,6 +110,26 @@ def _job(redis_server: Any, tmp_path: Path, n: int, partitions: int) -> list[str
             "--batch-size", str(BATCH)]
 
 
+def _stop_at_step_8(redis_server: Any, tmp_path: Path, n: int, victim: int,
+                    *extra: str) -> tuple[Torchrun, int]:
+    """A two-rank heal job of ``n`` records (``extra``: its arguments) whose rank
+    ``victim`` is stopped with SIGSTOP at step 8; torchrun's exit code once it ended
+    (the stopped process killed afterwards if the job left it)."""
+    run = Torchrun(2, 1, [*_job(redis_server, tmp_path, n, 2), "--sleep-ms", "20", *extra],
+                   tmp_path / "torchrun.log")
+    stopped = 0
+    try:
+        run.wait_for(f"{victim}: STEP 8")
+        stopped = run.pid(victim)
+        os.kill(stopped, signal.SIGSTOP)
+        rc = run.finish()
+    finally:
+        if stopped and pid_alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+        run.finish(10)
+    return run, rc
+
+
 def test_sigstopped_rank_is_detected_and_the_job_recovers_training_each_record_once(
         redis_server: Any, tmp_path: Path) -> None:
     """Two ranks; rank 1 is stopped with SIGSTOP at step 8. Rank 0's watchdog fires
@@ -120,18 +140,7 @@ def test_sigstopped_rank_is_detected_and_the_job_recovers_training_each_record_o
     in the collective), the steps and records redone (a full batch per rank per
     step) and the time to the next step by phase."""
     n = 2 * BATCH * 25
-    run = Torchrun(2, 1, [*_job(redis_server, tmp_path, n, 2), "--sleep-ms", "20"],
-                   tmp_path / "torchrun.log")
-    stopped = 0
-    try:
-        run.wait_for("1: STEP 8")
-        stopped = run.pid(1)
-        os.kill(stopped, signal.SIGSTOP)
-        rc = run.finish()
-    finally:
-        if stopped and pid_alive(stopped):
-            os.kill(stopped, signal.SIGKILL)
-        run.finish(10)
+    run, rc = _stop_at_step_8(redis_server, tmp_path, n, 1)
     assert rc == 0, (run.seen[-20:], (tmp_path / "torchrun.log").read_text()[-3000:])
     assert f"0: DONE {n // (2 * BATCH)}" in run.seen
     counts, _ = final_counts(f"file://{tmp_path}/ckpt", n)
@@ -172,19 +181,8 @@ def test_a_stopped_rank_is_found_by_its_silent_heartbeat_long_before_the_step_bu
     the stall far inside the step budget). Rank 0 stopped is found as well (rank 1 is
     the second checker). The job then finishes with every record trained once."""
     n = 2 * BATCH * 25
-    run = Torchrun(2, 1, [*_job(redis_server, tmp_path, n, 2), "--sleep-ms", "20",
-                          "--watchdog-floor-s", "120", "--watchdog-peer-silence-s", "2"],
-                   tmp_path / "torchrun.log")
-    stopped = 0
-    try:
-        run.wait_for(f"{victim}: STEP 8")
-        stopped = run.pid(victim)
-        os.kill(stopped, signal.SIGSTOP)
-        rc = run.finish()
-    finally:
-        if stopped and pid_alive(stopped):
-            os.kill(stopped, signal.SIGKILL)
-        run.finish(10)
+    run, rc = _stop_at_step_8(redis_server, tmp_path, n, victim,
+                              "--watchdog-floor-s", "120", "--watchdog-peer-silence-s", "2")
     assert rc == 0, (run.seen[-20:], (tmp_path / "torchrun.log").read_text()[-3000:])
     counts, _ = final_counts(f"file://{tmp_path}/ckpt", n)
     assert torch.equal(counts, torch.ones(n)), "a record was lost or trained twice"
