@@ -25,7 +25,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ import redis
 
 from trainer_client import redis_client
 from trainer_client.errors import GpuCriticalError, RestartLoopError
+from trainer_client.watchdog import HOST as _HOST  # what heartbeats carry, what it compares
 from trainguard.core import incidents as inc
 from trainguard.core import settings
 from trainguard.core.exit_codes import EXIT_RESTART_LOOP
@@ -50,7 +50,6 @@ log = logging.getLogger("trainer_client.session")
 IMPORTED_AT = time.time()
 """When ``trainer_client`` finished importing (torch with it): the end of "imports"."""
 
-_HOST = socket.gethostname()
 _SYS_EXIT = sys.exit
 
 
