@@ -67,9 +67,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -97,22 +99,80 @@ RUN = "scale"
 CHANGES = {"same": 1.0, "minus25": 0.75, "plus25": 1.25}
 
 
+# Commands a script or a MULTI/EXEC runs inside Redis 7 are counted twice by ``INFO
+# commandstats``: in the EVALSHA's (or EXEC's) own usec and again as calls of their own
+# (measured 1.6x on a restore's seek-and-ack). So a block counts each command name's
+# usec in the share of its calls that this process sent on their own; a script's call
+# and an EXEC count whole, the commands inside them not at all. Every redis-py
+# connection packs a command through one of two serializers, a transaction's queued
+# commands between its MULTI and EXEC.
+WHOLE = frozenset({"eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro", "exec"})
+SENT: collections.Counter[str] = collections.Counter()
+_queued = threading.local()
+
+
+def _count_sent() -> None:
+    from redis.connection import HiredisRespSerializer, PythonRespSerializer
+
+    for cls in (HiredisRespSerializer, PythonRespSerializer):
+        if getattr(cls.pack, "_counted", False):
+            continue
+        inner = cls.pack
+
+        def pack(self: Any, *args: Any, _inner: Any = inner) -> Any:
+            name = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+            name = name.split(" ", 1)[0].lower()
+            if name == "multi":
+                _queued.on = True
+            elif name in ("exec", "discard"):
+                _queued.on = False
+            if not getattr(_queued, "on", False) or name == "multi":
+                SENT[name] += 1
+            return _inner(self, *args)
+
+        pack._counted = True  # type: ignore[attr-defined]
+        cls.pack = pack  # type: ignore[method-assign]
+
+
 class Servers:
     """The masters' own account of the CPU their commands took (``INFO commandstats``
     usec: microseconds, where /proc counts 10 ms ticks, too coarse for one rank's few
     commands; it leaves out reading and writing the sockets). The INFO commands that
     read it are not counted: they are this bench's, no rank sends them, and their
     usec (16-36 us a reading, varying with the reply) was a floor under every block,
-    x W: 0.27 s at 16,384 ranks for a block that sends no command."""
+    x W: 0.27 s at 16,384 ranks for a block that sends no command. A script's inner
+    commands are counted once, inside the script (``WHOLE``)."""
 
     def __init__(self, t: Target):
+        _count_sent()
         self.clients = [redis.Redis(port=n.port) for n in t._nodes("master")]
         # What is left of a reading's own cost (none with INFO left out): taken off.
-        self.own = statistics.median(-self.cpu_s() + self.cpu_s() for _ in range(9))
+        self.own = statistics.median(self.between(self.stats(), self.stats(), SENT.copy())
+                                     for _ in range(9))
 
-    def cpu_s(self) -> float:
-        return sum(int(v["usec"]) for c in self.clients
-                   for k, v in c.info("commandstats").items() if k != "cmdstat_info") / 1e6
+    def stats(self) -> dict[str, tuple[int, int]]:
+        """Calls and usec by command name (subcommands with their command), all masters."""
+        out: dict[str, tuple[int, int]] = {}
+        for c in self.clients:
+            for k, v in c.info("commandstats").items():
+                name = k.removeprefix("cmdstat_").split("|", 1)[0]
+                calls, usec = out.get(name, (0, 0))
+                out[name] = (calls + int(v["calls"]), usec + int(v["usec"]))
+        return out
+
+    @staticmethod
+    def between(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]],
+                sent0: collections.Counter[str]) -> float:
+        """The command CPU from ``a`` to ``b`` in seconds, each command counted once."""
+        cpu = 0.0
+        for name, (calls, usec) in b.items():
+            calls0, usec0 = a.get(name, (0, 0))
+            n, us = calls - calls0, usec - usec0
+            if name == "info" or n <= 0:
+                continue
+            share = 1.0 if name in WHOLE else min(1.0, (SENT[name] - sent0[name]) / n)
+            cpu += us * share
+        return cpu / 1e6
 
     def close(self) -> None:
         for c in self.clients:
@@ -126,13 +186,15 @@ class Clock:
         self.servers = d.servers
 
     def __enter__(self) -> Clock:
-        self.cpu0 = self.servers.cpu_s()
+        self.sent0 = SENT.copy()
+        self.stats0 = self.servers.stats()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.wall_s = time.perf_counter() - self.t0
-        self.server_cpu_s = max(0.0, self.servers.cpu_s() - self.cpu0 - self.servers.own)
+        cpu = self.servers.between(self.stats0, self.servers.stats(), self.sent0)
+        self.server_cpu_s = max(0.0, cpu - self.servers.own)
 
 
 def _direct(fn: Callable[..., Any], *a: Any, **k: Any) -> Any:
