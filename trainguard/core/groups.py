@@ -154,33 +154,41 @@ holds the server (each partition's acknowledgements run inside it)."""
 
 # KEYS: fences.  ARGV: new generation. Raises each fence below it (never lowers one);
 # returns the highest fence found, the new generation when every one holds it now.
+# One call a partition (SET ... GET): a restore fences every partition at a new
+# generation, so the fence is below it but where another restore got further; that
+# one is put back in the same script, so no client ever reads the lower value.
 FENCE_MANY_LUA = """
 local new = tonumber(ARGV[1])
 local top = new
 for i = 1, #KEYS do
-  local cur = tonumber(redis.call('GET', KEYS[i]) or '0')
-  if cur < new then redis.call('SET', KEYS[i], ARGV[1]) elseif cur > top then top = cur end
+  local old = redis.call('SET', KEYS[i], ARGV[1], 'GET')
+  local cur = tonumber(old or '0')
+  if cur > new then
+    redis.call('SET', KEYS[i], old)
+    if cur > top then top = cur end
+  end
 end
 return top
 """
 
 # SEEK_LUA (write-seek on) then ACK_LUA of each partition, or with mode 'ack' the
-# ACK_LUA alone; every fence is checked before anything moves, so a refusal changes
-# nothing. Returns the number of entries acknowledged.
+# ACK_LUA alone; every fence is read once and checked before anything moves, so a
+# refusal changes nothing. Returns the number of entries acknowledged.
 # KEYS: stream, fence, seek of each partition.
 # ARGV: group, generation, mode ('seek' or 'ack'), then ID, batches of each partition.
 PLACE_MANY_LUA = """
 local group, mine = ARGV[1], tonumber(ARGV[2])
 local n = #KEYS / 3
+local cur = {}
 for i = 0, n - 1 do
-  local cur = tonumber(redis.call('GET', KEYS[3 * i + 2]) or '0')
-  if cur > mine then return redis.error_reply('TGFENCED ' .. cur) end
+  cur[i] = tonumber(redis.call('GET', KEYS[3 * i + 2]) or '0')
+  if cur[i] > mine then return redis.error_reply('TGFENCED ' .. cur[i]) end
 end
 local acked = 0
 for i = 0, n - 1 do
   local stream, fence, seek = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
   local id = ARGV[4 + 2 * i]
-  if tonumber(redis.call('GET', fence) or '0') < mine then redis.call('SET', fence, ARGV[2]) end
+  if cur[i] < mine then redis.call('SET', fence, ARGV[2]) end
   if ARGV[3] == 'seek' then
     local r = redis.pcall('XGROUP', 'SETID', stream, group, id)
     if type(r) == 'table' and r.err then
