@@ -19,6 +19,7 @@ from checkpoint_store import CheckpointStore
 from tests import _client_fill as cf
 from tests.test_rank_skips import _ranks
 from trainer_client import TrainingSession
+from trainer_client import offsets as ofs
 from trainer_client.errors import FencedError
 from trainguard.core import groups, streams
 from trainguard.core.record import SessionRecord
@@ -152,3 +153,19 @@ def test_the_loop_goes_on_before_the_fence_check_and_the_zombie_still_commits_no
             if (rec := SessionRecord.of(m)) is not None]
     store.close()
     assert gens == [(1, 2)]
+
+
+def test_a_restores_fences_never_lower_one_that_is_higher(redis_server) -> None:
+    """``fence_partitions`` at generation 5 over partitions whose fences hold 2, none
+    and 9: the first two hold 5 after it, the third still 9 (put back in the same
+    script: a fence is never lowered), and the highest fence found, 9, is returned, so
+    the restore takes another generation instead of seeking under this one."""
+    r = redis.Redis.from_url(redis_server.url)
+    keys = [streams.fence_key("tok", p, "exp") for p in range(3)]
+    r.set(keys[0], 2)
+    r.set(keys[2], 9)
+    assert ofs.fence_partitions(r, "tok", "exp", 5, [0, 1, 2]) == 9
+    assert [int(r.get(k) or 0) for k in keys] == [5, 5, 9]
+    assert ofs.fence_partitions(r, "tok", "exp", 9, [0, 1, 2]) == 9
+    assert [int(r.get(k) or 0) for k in keys] == [9, 9, 9]
+    r.close()
