@@ -1,13 +1,15 @@
 """Checkpoint tiers, each against its baseline, in one run (issue #28):
 
     python bench/tiers.py [--size-mib 64] [--rounds 4] [--dir /path/on/disk] [--json F]
-                          [--restore-only]
+                          [--restore-only | --stall-only]
     python bench/tiers.py --memory-only --size-mib 64 [--size-mib 256] [--json F]
 
 1. stall: the time an async RAM-tier save (``save(blocking=False)``, the session's
-   save) stops the loop, against a plain host copy of the same state into buffers
-   allocated once (the copy any async save must make; ``clone()`` of the state, which
-   allocates each time, is in the table too). Target: <= 1.2x.
+   save, with ``overwrite_oldest``: into the pages of the checkpoint it drops) stops
+   the loop, against a plain host copy of the same state into buffers allocated once
+   (the copy any async save must make; ``clone()`` of the state, which allocates each
+   time, and the same save into new tmpfs pages, without ``overwrite_oldest``, are in
+   the table too). Target: <= 1.2x.
 2. tier costs: a RAM-tier save (committed), its copy to one partner (over the
    partner's tier server), an fsync'd local-disk save and a remote save (moto S3).
 3. restore of the same checkpoint from RAM, from a partner (node 0's RAM lost, the
@@ -17,12 +19,14 @@
    0's RAM that follows it runs in the background and is waited for outside the
    measurement. When it misses, one more restore of each is timed by phase (raw
    transfer vs the rest). ``--restore-only`` runs this group alone.
-4. peak host memory of a RAM save plus its partner copy, in a fresh process per
-   measurement (``_tiers_peak.py``): the process's peak RSS above the state (VmHWM,
-   reset after the state is built) plus the tmpfs bytes of its own RAM tier and of
-   the partner's copy (tmpfs pages are not in any RSS), against the state's bytes.
-   Target: <= 2x (the RAM copy and the partner copy, nothing else). ``--memory-only``
-   runs this group alone, at each ``--size-mib`` given (a ``tiers_memory`` section).
+4. peak host memory of three RAM saves and their partner copies (the steady state,
+   each save replacing the one before), in a fresh process per measurement
+   (``_tiers_peak.py``), sampled every 2 ms: the process's private memory above the
+   state plus the tmpfs bytes of its own RAM tier and of the partner's copy together,
+   against the state's bytes, for the ``bounded`` tiers (``overwrite_oldest``, a
+   partner budget of one copy) and the ``default`` ones (``TIER_CONFIGS``). Target:
+   <= 2x (the RAM copy and the partner copy, nothing else). ``--memory-only`` runs
+   this group alone, at each ``--size-mib`` given (a ``tiers_memory`` section).
 5. lost work per failure at the multi-level advisor's intervals against today's
    single interval: arithmetic on the costs of 1-3 and stated failure rates
    (``_tiers_lost.py``), printed as such.
@@ -93,6 +97,9 @@ class Tiers:
                         for n in range(2)]
         self.ram = RamTierStore(node_root(self.shm / "node0", 0), budget_bytes=budget,
                                 keep_last=1)
+        # The same tier writing each save into the pages of the one it drops.
+        self.rewrite = RamTierStore(self.shm / "rewrite", budget_bytes=budget, keep_last=1,
+                                    overwrite_oldest=True)
         self.tiers = NodeTierStore(self.ram, node=0, peers=[s.url for s in self.servers])
         self.disk = CheckpointStore(self.disk_dir, keep_last=1)
         self.bucket = moto.create_bucket(f"tg-tiers-{uuid.uuid4().hex[:12]}")
@@ -105,6 +112,7 @@ class Tiers:
     def close(self) -> None:
         try:
             self.tiers.close()
+            self.rewrite.close()
             self.disk.close()
             self.remote.close()
         finally:
@@ -120,6 +128,10 @@ def stall_group(t: Tiers, rounds: int) -> rd.Rounds:
     pending: list[Any] = []
 
     def async_save() -> int:
+        pending.append(t.rewrite.save(t.state, step=next(t.steps), blocking=False))
+        return t.nbytes
+
+    def async_save_new_pages() -> int:
         pending.append(t.ram.save(t.state, step=next(t.steps), blocking=False))
         return t.nbytes
 
@@ -139,6 +151,7 @@ def stall_group(t: Tiers, rounds: int) -> rd.Rounds:
             pending.pop().wait()
 
     return rd.run_rounds({"RAM tier async save (loop stall)": async_save,
+                          "RAM tier async save into new pages (loop stall)": async_save_new_pages,
                           "host copy into buffers allocated once": host_copy,
                           "host clone()": host_clone}, rounds=rounds, after=settle)
 
@@ -263,44 +276,62 @@ def restore_phases(t: Tiers, manifest: Manifest,
 
 
 # ------------------------------------------------------------------ 4. peak memory
-def peak_memory(size_mib: int, modes: Sequence[str] = ("blocking", "async")) -> list[dict[str, Any]]:
-    """One fresh process per mode (``_tiers_peak.py``), each with fresh tier servers."""
+TIER_CONFIGS = {
+    # A node that holds one copy of its own and one of its partner's, at every moment:
+    # each save writes into the pages of the one it drops (``overwrite_oldest``), the
+    # partner's budget makes it drop the old copy before the new one arrives.
+    "bounded": {"overwrite_oldest": True, "partner_budget_copies": 1, "keep_copies": 1},
+    # The defaults: the old checkpoint stays until the new one commits, on both sides.
+    "default": {"overwrite_oldest": False, "partner_budget_copies": 4, "keep_copies": 2},
+}
+
+
+def peak_memory(size_mib: int, modes: Sequence[str] = ("blocking", "async"),
+                configs: Sequence[str] = tuple(TIER_CONFIGS)) -> list[dict[str, Any]]:
+    """One fresh process per mode and tier configuration (``_tiers_peak.py``: three saves
+    and their copies, sampled), each with fresh tier servers."""
     out = []
-    for mode in modes:
-        shm = Path("/dev/shm") / f"trainguard-peak-{uuid.uuid4().hex}"
-        servers = [TierServer(shm / f"node{n}", node=n, budget_bytes=4 * size_mib << 20).start()
-                   for n in range(2)]
-        try:
-            proc = subprocess.run(
-                [sys.executable, str(HERE / "_tiers_peak.py"), "--size-mib", str(size_mib),
-                 "--mode", mode, "--root", str(shm / "node0"),
-                 "--peers", ",".join(s.url for s in servers)],
-                capture_output=True, text=True, timeout=300,
-                env={**os.environ, "PYTHONPATH": str(HERE.parent)})
-            if proc.returncode != 0:
-                raise RuntimeError(f"_tiers_peak.py --mode {mode} failed: {proc.stderr[-2000:]}")
-            doc = json.loads(proc.stdout.strip().splitlines()[-1])
-            doc["partner_copy_bytes"] = tree_bytes(servers[1].owner_root(0))
-        finally:
-            for s in servers:
-                s.close()
-            shutil.rmtree(shm, ignore_errors=True)
-        extra = max(0, doc["peak_rss_kib"] - doc["rss_state_kib"]) * 1024
-        doc["process_extra_bytes"] = extra
-        doc["added_bytes"] = extra + doc["own_tier_bytes"] + doc["partner_copy_bytes"]
-        doc["added_over_state"] = doc["added_bytes"] / doc["state_bytes"]
-        out.append(doc)
+    for config in configs:
+        c = TIER_CONFIGS[config]
+        for mode in modes:
+            shm = Path("/dev/shm") / f"trainguard-peak-{uuid.uuid4().hex}"
+            budget = c["partner_budget_copies"] * (size_mib << 20) + (1 << 20)
+            servers = [TierServer(shm / f"node{n}", node=n, budget_bytes=budget,
+                                  keep_copies=c["keep_copies"]).start() for n in range(2)]
+            try:
+                proc = subprocess.run(
+                    [sys.executable, str(HERE / "_tiers_peak.py"), "--size-mib", str(size_mib),
+                     "--mode", mode, "--root", str(shm / "node0"),
+                     "--peers", ",".join(s.url for s in servers),
+                     "--partner-root", str(servers[1].owner_root(0)),
+                     *(["--overwrite-oldest"] if c["overwrite_oldest"] else [])],
+                    capture_output=True, text=True, timeout=300,
+                    env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+                if proc.returncode != 0:
+                    raise RuntimeError(f"_tiers_peak.py --mode {mode} failed: {proc.stderr[-2000:]}")
+                doc = json.loads(proc.stdout.strip().splitlines()[-1])
+                doc["partner_copy_bytes"] = tree_bytes(servers[1].owner_root(0))
+            finally:
+                for s in servers:
+                    s.close()
+                shutil.rmtree(shm, ignore_errors=True)
+            extra = max(0, doc["peak_private_kib"] - doc["private_state_kib"]) * 1024
+            doc["config"] = config
+            doc["process_extra_bytes"] = extra
+            doc["added_bytes"] = extra + doc["peak_tiers_bytes"]
+            doc["added_over_state"] = doc["added_bytes"] / doc["state_bytes"]
+            out.append(doc)
     return out
 
 
 def peak_lines(docs: list[dict[str, Any]]) -> list[str]:
     mib = 2**20
-    lines = [f"{'save mode':10s} {'state MiB':>9s} {'process peak over state':>24s} "
-             f"{'own RAM tier':>13s} {'partner copy':>13s} {'added / state':>14s}"]
+    lines = [f"{'tiers':8s} {'save mode':10s} {'state MiB':>9s} {'process peak over state':>24s} "
+             f"{'both tiers at peak':>19s} {'added / state':>14s}"]
     for d in docs:
-        lines.append(f"{d['mode']:10s} {d['state_bytes'] / mib:9.0f} "
-                     f"{d['process_extra_bytes'] / mib:20.1f} MiB {d['own_tier_bytes'] / mib:9.1f} MiB "
-                     f"{d['partner_copy_bytes'] / mib:9.1f} MiB {d['added_over_state']:13.2f}x")
+        lines.append(f"{d['config']:8s} {d['mode']:10s} {d['state_bytes'] / mib:9.0f} "
+                     f"{d['process_extra_bytes'] / mib:20.1f} MiB "
+                     f"{d['peak_tiers_bytes'] / mib:15.1f} MiB {d['added_over_state']:13.2f}x")
     return lines
 
 
@@ -309,8 +340,9 @@ NOTE = ("partner and moto S3 on loopback: protocols and copies, not a network; m
 
 
 def print_peaks(peaks: list[dict[str, Any]]) -> None:
-    print("[peak host memory: a RAM save + its partner copy, a fresh process each]")
-    print("(process: VmHWM reset after the state is built; tiers: tmpfs bytes; target: added <= 2x)")
+    print("[peak host memory: three RAM saves and their partner copies, a fresh process each]")
+    print("(sampled every 2 ms: process = private memory (VmRSS less mapped tmpfs) over the state; "
+          "tiers = own RAM tier + the partner's copy on tmpfs; target: added <= 2x)")
     print("\n".join(peak_lines(peaks)))
 
 
@@ -343,6 +375,18 @@ def restore_ratios(loads: rd.Rounds) -> list[rd.Ratio]:
     ]
 
 
+def stall_ratios(stall: rd.Rounds) -> list[rd.Ratio]:
+    host = "host copy into buffers allocated once"
+    return [
+        rd.time_ratio(stall, "RAM tier async save (loop stall)", host,
+                      name="async RAM save stall / host copy (time)", target="<= 1.2x"),
+        rd.time_ratio(stall, "RAM tier async save (loop stall)", "host clone()",
+                      name="async RAM save stall / host clone() (time)"),
+        rd.time_ratio(stall, "RAM tier async save into new pages (loop stall)", host,
+                      name="async RAM save into new pages / host copy (time)"),
+    ]
+
+
 def phase_lines(phases: dict[str, Any]) -> str:
     return (f"remote: {phases['remote_restore_s']:.3f} s, of which the raw GETs of its "
             f"{phases['files']} files take {phases['remote_raw_get_s']:.3f} s "
@@ -365,6 +409,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="run the restore group (3) alone; merges a tiers_restore section")
     ap.add_argument("--memory-only", action="store_true",
                     help="only the peak host memory group (4), at each --size-mib")
+    ap.add_argument("--stall-only", action="store_true",
+                    help="run the stall group (1) alone; merges a tiers_stall section")
     args = ap.parse_args(argv)
     sizes = args.size_mib or [64]
     if args.memory_only:
@@ -377,6 +423,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     moto = MotoServer().start()
     t = Tiers(args.size_mib, rd.ensure_dir(args.dir), moto)
     try:
+        if args.stall_only:
+            stall = stall_group(t, args.rounds)
+            print(f"state {t.nbytes / 2**20:.0f} MiB, {args.rounds} rounds + 1 warm-up\n\n"
+                  f"[loop stall]\n{rd.table(stall)}")
+            return _finish(args, t, "tiers_stall", stall_ratios(stall),
+                           (load_start, os.getloadavg()), t0, {"rows": rd.rows_doc(stall)})
         if args.restore_only:
             loads, manifest, target = restore_group(t, args.rounds)
             ratios = restore_ratios(loads)
@@ -385,17 +437,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             stall = stall_group(t, args.rounds)
             costs = cost_group(t, args.rounds)
             loads, manifest, target = restore_group(t, args.rounds)
+            restores = restore_ratios(loads)
             ratios = [
-                rd.time_ratio(stall, "RAM tier async save (loop stall)",
-                              "host copy into buffers allocated once",
-                              name="async RAM save stall / host copy (time)", target="<= 1.2x"),
-                rd.time_ratio(stall, "RAM tier async save (loop stall)", "host clone()",
-                              name="async RAM save stall / host clone() (time)"),
-                *restore_ratios(loads),
+                *stall_ratios(stall),
+                *restores,
                 rd.speed_ratio(costs, "RAM tier save (committed)", "local disk save (fsync'd)",
                                name="RAM tier save speed / disk save (fsync'd)"),
             ]
-            phases = (restore_phases(t, manifest, target) if ratios[2].median < 5.0 else None)
+            phases = restore_phases(t, manifest, target) if restores[0].median < 5.0 else None
             cost = lost.TierCosts(
                 stall_s=stall.median_wall("RAM tier async save (loop stall)"),
                 ram_s=costs.median_wall("RAM tier save (committed)"),

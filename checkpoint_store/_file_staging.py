@@ -29,6 +29,7 @@ from typing import Any
 import crc32c as _crc
 
 from checkpoint_store import _faults
+from checkpoint_store._page_reuse import ChunkMaps
 from checkpoint_store.backends import LocalBackend
 from checkpoint_store.flatten import TensorLeaf
 from checkpoint_store.plan import RankPlan
@@ -47,35 +48,46 @@ memory of the background half of the save."""
 
 
 def stage_files(backend: LocalBackend, data_dir: str, plan: RankPlan,
-                leaves: Sequence[TensorLeaf]) -> None:
+                leaves: Sequence[TensorLeaf], maps: ChunkMaps | None = None) -> None:
     """Write every chunk file of ``plan`` under ``data_dir`` from ``leaves``: payload
     (zeros in gaps and padding) and a zeroed CRC trailer that :func:`seal_rank` fills
-    in. Runs in the caller's thread: on return the state may change."""
+    in; into a spare's pages where ``maps`` has one of the size (``_page_reuse``).
+    Runs in the caller's thread: on return the state may change."""
     by_array: dict[str, list[Segment]] = {}
     for seg in sorted(direct_segments(leaves, plan), key=lambda s: (s.array, s.offset)):
         by_array.setdefault(seg.array, []).append(seg)
-    first = True
-    for layout in plan.arrays:
-        for index in range(layout.nchunks):
-            pieces = chunk_pieces(layout, by_array.get(layout.path, []), index)
-            pieces.extend(zero_bytes(CRC_BYTES))
-            backend.write_file(f"{data_dir}/{layout.chunk_path(index)}", pieces)
-            if first:
-                first = False
-                _faults.reached(STAGING_PHASE)
+    if maps is not None:
+        maps.prune()
+        maps.fit([layout.chunk_bytes + CRC_BYTES for layout in plan.arrays
+                  for _ in range(layout.nchunks)])
+    try:
+        first = True
+        for layout in plan.arrays:
+            for index in range(layout.nchunks):
+                pieces = chunk_pieces(layout, by_array.get(layout.path, []), index)
+                pieces.extend(zero_bytes(CRC_BYTES))
+                rel = f"{data_dir}/{layout.chunk_path(index)}"
+                if maps is None or not maps.write(rel, pieces):
+                    backend.write_file(rel, pieces)
+                if first:
+                    first = False
+                    _faults.reached(STAGING_PHASE)
+    except BaseException:
+        if maps is not None:  # the caller deletes the files: no mapping may keep their pages
+            maps.forget(data_dir)
+            maps.fit([])
+        raise
 
 
 def seal_rank(backend: LocalBackend, data_dir: str, plan: RankPlan, *,
-              io_threads: int) -> dict[str, dict[str, Any]]:
+              io_threads: int, maps: ChunkMaps | None = None) -> dict[str, dict[str, Any]]:
     """Checksum the chunk files :func:`stage_files` wrote, write their trailers, then
     the rank's metadata (``writer.write_arrays``); returns the manifest ``arrays``
-    entries, as ``write_rank`` does."""
+    entries, as ``write_rank`` does. With ``maps``, each file is read through its
+    mapping, which stays open for the save that rewrites it (``_page_reuse``)."""
     local = threading.local()
 
     def seal(layout: ArrayLayout, index: int) -> int:
-        if not hasattr(local, "view"):
-            local.view = memoryview(bytearray(SEAL_PIECE_BYTES))
-        view: memoryview = local.view
         rel = f"{data_dir}/{layout.chunk_path(index)}"
         size = layout.chunk_bytes
         fd = os.open(backend.local_path(rel), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -86,13 +98,23 @@ def seal_rank(backend: LocalBackend, data_dir: str, plan: RankPlan, *,
                     f"the staged chunk {rel} holds {found} bytes, expected {size + CRC_BYTES}: "
                     "something else wrote into the store's root during the save; nothing "
                     "was committed, save again")
-            crc, pos = 0, 0
-            while pos < size:
-                n = os.preadv(fd, [view[:min(len(view), size - pos)]], pos)
-                if n == 0:
-                    raise CheckpointError(f"the staged chunk {rel} shrank while it was sealed")
-                crc = _crc.crc32c(view[:n], value=crc)
-                pos += n
+            if maps is not None:
+                m = maps.mapped(rel)
+                if m is None:
+                    m = maps.hold(rel, fd)
+                with memoryview(m) as whole, whole[:size] as payload:
+                    crc = _crc.crc32c(payload)
+            else:
+                if not hasattr(local, "view"):
+                    local.view = memoryview(bytearray(SEAL_PIECE_BYTES))
+                view: memoryview = local.view
+                crc, pos = 0, 0
+                while pos < size:
+                    n = os.preadv(fd, [view[:min(len(view), size - pos)]], pos)
+                    if n == 0:
+                        raise CheckpointError(f"the staged chunk {rel} shrank while it was sealed")
+                    crc = _crc.crc32c(view[:n], value=crc)
+                    pos += n
             os.pwrite(fd, struct.pack("<I", crc), size)
             os.fsync(fd)
         finally:

@@ -18,9 +18,9 @@ The catalog (:meth:`catalog`) says where each checkpoint lives; :meth:`list` is 
 restore's view of it: the checkpoints this node can get from some tier *and* that
 every other node can get too (from its own tier server or a partner's), so that all
 ranks restore the same step. :meth:`load` of a step tries the tiers in order (own
-RAM, a partner's copy streamed into the state, local disk, remote), each verified (CRC-32C
-of every chunk, SHA-256 of a partner's small files); a tier whose copy is damaged is skipped
-with a warning, and :attr:`restored_from` says which tier served the restore.
+RAM, a partner's copy streamed into the state, local disk, remote), each verified
+(CRC-32C of every chunk, SHA-256 of a partner's small files); a damaged copy is
+skipped with a warning; :attr:`restored_from` names the tier that served.
 
 Node ``r`` is the session's rank ``r``. The store has per-rank state objects
 (``supports_rank_state``): rank ``r``'s object is a file of node ``r``'s checkpoint
@@ -157,6 +157,8 @@ class NodeTierStore(RankStateWrappedStore):
         if hold_until_copied:
             # The RAM tier drops a checkpoint only once its copies exist elsewhere.
             ram.may_drop = self._copied.__contains__
+        # A save rewrites a dropped checkpoint's pages only once no copy reads them.
+        ram.may_recycle = lambda n: n in self._copied and not (self._uploader and self._uploader.holds(n))
         self._objects = NodeRankReader(
             node=node, ram=ram.store, disk=self.disk, link=self.link, remote=self._remote,
             hosts=lambda owner: partners_of(owner, self.nodes, copies=copies, domains=domains))
@@ -317,8 +319,7 @@ class NodeTierStore(RankStateWrappedStore):
         return found
 
     def catalog(self) -> dict[str, list[str]]:
-        """Where each of this node's checkpoints lives: name -> tiers (``ram``,
-        ``partner:n<r>``, ``disk``)."""
+        """Where each of this node's checkpoints lives: name -> tiers (``ram``, ``disk``...)."""
         return {name: where for name, (_m, where) in self._available(self.node).items()}
 
     def list(self) -> builtins.list[Manifest]:
@@ -350,8 +351,7 @@ class NodeTierStore(RankStateWrappedStore):
         return rec.world_size if rec is not None else self.nodes
 
     def latest(self) -> Manifest | None:
-        ordered = newest_first(self.list())
-        return ordered[0] if ordered else None
+        return next(iter(newest_first(self.list())), None)
 
     # ---------------------------------------------------------------- load
     def load(self, state: Mapping[str, Any], *, step: int | None = None,

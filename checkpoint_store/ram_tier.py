@@ -51,8 +51,9 @@ from checkpoint_store.backends import LocalBackend
 from checkpoint_store.dist import ONE_PROCESS
 from checkpoint_store.flatten import flatten
 from checkpoint_store.handle import SaveHandle
+from checkpoint_store.layout import data_dir
 from checkpoint_store.manifest import Manifest
-from checkpoint_store.retention import apply_retention, choose_deletions
+from checkpoint_store.retention import choose_deletions, remove_data, retire
 from checkpoint_store.store import DEFAULT_CHUNK_BYTES, CheckpointStore
 from trainguard.core.checkpoints import CheckpointError
 
@@ -84,6 +85,7 @@ class RamTierPolicy:
     full_timeout_s: float = 60.0
     keep_last: int = 2
     keep_every: int | None = None
+    overwrite_oldest: bool = False
 
     def __post_init__(self) -> None:
         if self.on_full not in ON_FULL:
@@ -121,13 +123,20 @@ def memory_backed(path: str | os.PathLike[str]) -> str | None:
 
 def tree_bytes(root: str | os.PathLike[str]) -> int:
     """Bytes held by the files under ``root`` (what the tier costs in memory)."""
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                continue  # removed by retention while we walked
+    total, dirs = 0, [os.fspath(root)]
+    while dirs:  # scandir, not os.walk: each save's budget check walks the tier
+        try:
+            with os.scandir(dirs.pop()) as entries:
+                for e in entries:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            dirs.append(e.path)
+                        else:
+                            total += e.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue  # removed by retention while we walked
+        except FileNotFoundError:
+            continue
     return total
 
 
@@ -159,6 +168,7 @@ class RamTierStore(RankStateWrappedStore):
         full_timeout_s: float = 60.0,
         keep_last: int = 2,
         keep_every: int | None = None,
+        overwrite_oldest: bool = False,
         require_memory: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         io_threads: int = 4,
@@ -169,7 +179,7 @@ class RamTierStore(RankStateWrappedStore):
             root = default_ram_root(run)
         self.policy = RamTierPolicy(budget_bytes=budget_bytes, on_full=on_full,
                                     full_timeout_s=full_timeout_s, keep_last=keep_last,
-                                    keep_every=keep_every)
+                                    keep_every=keep_every, overwrite_oldest=overwrite_oldest)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         if require_memory and memory_backed(self.root) is None:
@@ -179,6 +189,9 @@ class RamTierStore(RankStateWrappedStore):
                 "/dev/shm, or require_memory=False for a tier on disk"
             )
         self.may_drop: Callable[[str], bool] = lambda _name: True
+        # Whether nothing reads a dropped checkpoint's chunk files any more, so that the
+        # next save may write into their pages (``_page_reuse``); else they are deleted.
+        self.may_recycle: Callable[[str], bool] = lambda _name: True
         self.on_dropped: Callable[[builtins.list[str]], None] = lambda _names: None
         # The inner store keeps everything: this class decides what goes.
         # An async save stages straight into the tier's files (``_file_staging``): the
@@ -192,6 +205,7 @@ class RamTierStore(RankStateWrappedStore):
         self._lock = threading.Lock()  # budget decisions and retention, one at a time
         self._freed = threading.Condition(self._lock)
         self._last: SaveHandle | None = None
+        self._leftovers: builtins.list[Manifest] = []  # dropped before a save (``_drop``)
 
     # ---------------------------------------------------------------- budget
     def used_bytes(self) -> int:
@@ -211,7 +225,8 @@ class RamTierStore(RankStateWrappedStore):
                 if not m.pinned and m.name not in keep and self.may_drop(m.name)]
 
     def _make_room(self, need: int) -> None:
-        """Drop checkpoints (oldest first, by policy) until ``need`` more bytes fit."""
+        """Drop checkpoints (oldest first, by policy) until ``need`` more bytes fit; the
+        pages of what is dropped here are the save's to write into (``_page_reuse``)."""
         if need > self.policy.budget_bytes:
             raise RamTierFullError(
                 f"a checkpoint of about {need} bytes does not fit the RAM tier's budget of "
@@ -219,20 +234,37 @@ class RamTierStore(RankStateWrappedStore):
                 "to a disk tier"
             )
         deadline = time.monotonic() + self.policy.full_timeout_s
+        maps = self.store.chunk_maps
         with self._lock:
-            while self.used_bytes() + need > self.policy.budget_bytes:
+            if self.policy.overwrite_oldest:
+                self._overwrite_oldest()
+            # Spares are the dropped checkpoints' files the save is about to rewrite.
+            while (self.used_bytes() - (maps.spare_bytes() if maps else 0) + need
+                   > self.policy.budget_bytes):
                 victims = self._droppable(set())
                 if self.policy.on_full == "drop_oldest" or victims:
                     if not victims:
                         raise self._full(need, "every checkpoint left is pinned or may not be "
                                                  "dropped yet (may_drop)")
-                    self._drop([victims[0]])
+                    self._drop([victims[0]], before_save=True)
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._full(need, f"none could be dropped within "
                                            f"{self.policy.full_timeout_s} s (on_full='wait')")
                 self._freed.wait(min(left, 0.05))
+
+    def _overwrite_oldest(self) -> None:
+        """Count the save about to start toward ``keep_last``: drop now what retention
+        would drop once it commits, so that it writes into their pages and the tier
+        never holds more than ``keep_last`` checkpoints, the one being written included."""
+        manifests = self.store.list()
+        keep = {m.name for m in manifests[max(0, len(manifests) - self.policy.keep_last + 1):]}
+        every = self.policy.keep_every
+        doomed = [m for m in manifests if m.name not in keep and not m.pinned
+                  and not (every and m.step % every == 0) and self.may_drop(m.name)]
+        if doomed:
+            self._drop(doomed, before_save=True)
 
     def _full(self, need: int, why: str) -> RamTierFullError:
         return RamTierFullError(
@@ -241,8 +273,19 @@ class RamTierStore(RankStateWrappedStore):
             "checkpoints, or use on_full='drop_oldest'"
         )
 
-    def _drop(self, doomed: builtins.list[Manifest]) -> None:
-        names = apply_retention(self._backend, doomed)
+    def _drop(self, doomed: builtins.list[Manifest], *, before_save: bool = False) -> None:
+        names = retire(self._backend, doomed)  # from here no reader opens their files
+        maps, now = self.store.chunk_maps, builtins.list(doomed)
+        for m in doomed:
+            if maps is None:
+                break
+            if before_save and self.may_recycle(m.name) and maps.recycle(data_dir(m.uid)) >= m.nbytes:
+                # Every chunk is a spare now; the metadata left is removed off the loop's
+                # path, once the save commits (or by gc, if it never does).
+                now.remove(m)
+                self._leftovers.append(m)
+            maps.forget(data_dir(m.uid))
+        remove_data(self._backend, now)
         log.info("RAM tier %s dropped %s", self.root, names)
         self.on_dropped(names)
 
@@ -272,6 +315,9 @@ class RamTierStore(RankStateWrappedStore):
         handle.add_done_callback(self._on_commit)
 
     def _on_commit(self, handle: SaveHandle) -> None:
+        with self._lock:
+            leftovers, self._leftovers = self._leftovers, []
+        remove_data(self._backend, leftovers)
         if handle.manifest is not None:
             self._retain(protect=handle.manifest.name)
 
@@ -281,6 +327,8 @@ class RamTierStore(RankStateWrappedStore):
 
     def delete(self, step: int) -> builtins.list[str]:
         deleted = self.store.delete(step)
+        if self.store.chunk_maps is not None:
+            self.store.chunk_maps.prune()
         self.notify()
         return deleted
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from checkpoint_store import _faults
 from checkpoint_store._file_staging import seal_rank
+from checkpoint_store._page_reuse import ChunkMaps
 from checkpoint_store.backends import Backend, LocalBackend
 from checkpoint_store.dist import Comm, broadcast_json, gather_json
 from checkpoint_store.dtypes import dtype_name
@@ -101,6 +102,8 @@ class SaveJob:
     were done in the caller's thread, and the writer seals the files."""
     parent: str | None = None
     """The newest manifest when ``uid`` was chosen (the new manifest's parent)."""
+    maps: ChunkMaps | None = None
+    """The store's mappings of its chunk files, with ``uid`` (``_page_reuse``)."""
 
 
 def latest_pointer(name: str, step: int, uid: str) -> bytes:
@@ -198,7 +201,7 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
                 job.staged.ready.synchronize()
             if staged_in_files:
                 assert isinstance(backend, LocalBackend)  # CheckpointStore checks it
-                arrays = seal_rank(backend, ddir, job.plan, io_threads=io_threads)
+                arrays = seal_rank(backend, ddir, job.plan, io_threads=io_threads, maps=job.maps)
             else:
                 arrays = write_rank(backend, ddir, job.plan, job.staged.segments,
                                     io_threads=io_threads)

@@ -16,6 +16,7 @@ import torch
 from checkpoint_store import _faults
 from checkpoint_store._catalog import Catalog
 from checkpoint_store._file_staging import stage_files
+from checkpoint_store._page_reuse import ChunkMaps
 from checkpoint_store.backends import Backend, LocalBackend, open_backend
 from checkpoint_store.direct import DirectLoad
 from checkpoint_store.dist import Comm, all_gather_json, make_comm
@@ -59,8 +60,8 @@ class CheckpointStore(Catalog):
     must be before ``gc`` treats its save as dead.
 
     ``stage_in_files=True`` (a local one-process store: the RAM tier): an async save of
-    CPU tensors copies them into its chunk files, not a host buffer (``_file_staging``).
-    """
+    CPU tensors copies them into its chunk files, not a host buffer (``_file_staging``),
+    into the pages of a dropped checkpoint's where there are (``chunk_maps``)."""
 
     supports_rank_state = True
     """Capability: ``save(rank_state=...)`` and :meth:`read_rank_state` (a session
@@ -96,12 +97,14 @@ class CheckpointStore(Catalog):
         self._process_group = process_group
         self._backend: Backend = open_backend(url, storage_options)
         self._comm: Comm = make_comm(process_group)
-        if stage_in_files and not (isinstance(self._backend, LocalBackend)
-                                   and self._comm.world_size == 1):
-            raise ValueError(
-                f"stage_in_files=True needs a local directory and a one-process store; "
-                f"got {url!r} with {self._comm.world_size} ranks: leave it False there")
         self.stage_in_files = stage_in_files
+        self.chunk_maps: ChunkMaps | None = None
+        if stage_in_files:
+            if not (isinstance(self._backend, LocalBackend) and self._comm.world_size == 1):
+                raise ValueError(
+                    f"stage_in_files=True needs a local directory and a one-process store; "
+                    f"got {url!r} with {self._comm.world_size} ranks: leave it False there")
+            self.chunk_maps = ChunkMaps(self._backend)
         self._pool = BufferPool()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
         self._lock = threading.Lock()
@@ -157,9 +160,8 @@ class CheckpointStore(Catalog):
         :meth:`read_rank_state`. Every rank passes one, or none does.
 
         ``precommit``: called in the writer thread once this rank's data and object
-        are written, before it reports to rank 0 (``RankStateStoreAPI``): what it
-        raises fails the save on every rank, nothing committed, and is this rank's
-        error as raised.
+        are written, before it reports to rank 0 (``RankStateStoreAPI``); what it
+        raises fails the save on every rank (nothing committed), raised as it is.
 
         ``blocking=False`` returns once the tensors are copied to host buffers; the
         handle completes when the manifest is committed. A second save waits for the
@@ -225,10 +227,12 @@ class CheckpointStore(Catalog):
         plan = plan_rank(leaves, rank=self.rank, chunk_bytes=self.chunk_bytes,
                          own_array_bytes=self.chunk_bytes)
         on_cpu = all(not leaf.tensor.is_cuda for leaf in leaves)
+        if not blocking and self.stage_in_files and on_cpu:
+            return self._stage_in_files(step, extra_doc, leaves, plan, skeleton)
+        if self.chunk_maps is not None:  # spares are for staging: freed before new files
+            self.chunk_maps.fit([])
         if blocking and on_cpu:
             staged = Staged(direct_segments(leaves, plan), None)
-        elif self.stage_in_files and on_cpu:
-            return self._stage_in_files(step, extra_doc, leaves, plan, skeleton)
         else:
             staged = self._pool.stage(leaves, plan)
         return SaveJob(step, extra_doc, leaves, plan, staged, skeleton)
@@ -243,7 +247,7 @@ class CheckpointStore(Catalog):
         try:
             write_marker(self._backend, uid, self.rank, step)
             _faults.reached("before-data")
-            stage_files(self._backend, data_dir(uid), plan, leaves)
+            stage_files(self._backend, data_dir(uid), plan, leaves, self.chunk_maps)
         except BaseException as e:
             with contextlib.suppress(OSError):
                 self._backend.remove_tree(data_dir(uid))
@@ -254,7 +258,7 @@ class CheckpointStore(Catalog):
                 raise as_save_error(e, step) from e
             raise
         return SaveJob(step, extra_doc, leaves, plan, Staged([], None), skeleton,
-                       uid=uid, parent=parent)
+                       uid=uid, parent=parent, maps=self.chunk_maps)
 
     def _run(self, handle: SaveHandle, job: SaveJob) -> None:
         try:
@@ -418,6 +422,8 @@ class CheckpointStore(Catalog):
         self._wait_current()
         self._closed = True
         self._executor.shutdown(wait=True)
+        if self.chunk_maps is not None:
+            self.chunk_maps.close()
         self._raise_unreported()
 
     def __enter__(self) -> CheckpointStore:

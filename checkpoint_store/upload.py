@@ -211,6 +211,11 @@ class Uploader:
         with self._cond:
             return self._uploading
 
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is queued or being uploaded: its files are still to be read."""
+        with self._cond:
+            return name in self._pending or self._uploading == name
+
     def damaged(self) -> set[str]:
         with self._cond:
             return set(self._damaged)

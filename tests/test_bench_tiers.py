@@ -46,6 +46,7 @@ def test_tiers_bench_reports_every_figure_against_its_baseline(tmp_path: Path) -
     assert json.loads(out.read_text())["benches"]["tiers"]["ratios"] == section["ratios"]
     rows = section["rows"]
     for name in (*RESTORES, "RAM tier async save (loop stall)",
+                 "RAM tier async save into new pages (loop stall)",
                  "host copy into buffers allocated once", "RAM tier save (committed)",
                  "partner copy (one partner)", "local disk save (fsync'd)",
                  "remote save (moto S3)"):
@@ -56,13 +57,17 @@ def test_tiers_bench_reports_every_figure_against_its_baseline(tmp_path: Path) -
     state = section["state_bytes"]
     assert state == 2 << 20
     for peak in section["peak_memory"]:
-        # The RAM tier and the partner each hold one checkpoint: the state's bytes and
-        # its manifest and array metadata (a few KiB), no more.
+        assert peak["saves"] == 3
+        assert peak["added_bytes"] == peak["process_extra_bytes"] + peak["peak_tiers_bytes"]
+        if peak["config"] != "bounded":
+            continue
+        # Bounded tiers hold one checkpoint each, at the end and at every sample on the
+        # way: the state's bytes and its manifest and array metadata (a few KiB).
         for key in ("own_tier_bytes", "partner_copy_bytes"):
             assert state <= peak[key] < state + (64 << 10), (peak["mode"], key, peak[key])
-        assert peak["added_bytes"] == (peak["process_extra_bytes"] + peak["own_tier_bytes"]
-                                       + peak["partner_copy_bytes"])
-    assert {p["mode"] for p in section["peak_memory"]} == {"blocking", "async"}
+        assert 2 * state <= peak["peak_tiers_bytes"] < 2 * state + (128 << 10), peak
+    assert {(p["config"], p["mode"]) for p in section["peak_memory"]} == {
+        (c, m) for c in ("bounded", "default") for m in ("blocking", "async")}
     # Lost work: the advisor's intervals for the measured costs, and each failure's
     # loss is lost_work() at the period of the tier that serves it.
     work = section["lost_work"]
@@ -92,6 +97,21 @@ def test_tiers_bench_restore_only_runs_the_restore_group_alone(tmp_path: Path) -
     assert all(len(row["wall_s"]) == 1 for row in section["rows"].values())
     assert section["ratios"]["partner restore speed / remote (moto S3)"]["target"] == ">= 5x"
     assert "peak_memory" not in section and "lost_work" not in section
+
+
+def test_tiers_bench_stall_only_runs_the_stall_group_alone(tmp_path: Path) -> None:
+    """``--stall-only``: the async save with ``overwrite_oldest``, the same save into
+    new pages, the host copy and ``clone()``, and their ratios (the first against the
+    host copy with its target), in a section of its own; no other group runs."""
+    out = tmp_path / "results.json"
+    section = tiers.main(["--size-mib", "2", "--rounds", "1", "--dir", str(tmp_path),
+                          "--json", str(out), "--stall-only"])
+    benches = json.loads(out.read_text())["benches"]
+    assert "tiers" not in benches and benches["tiers_stall"]["ratios"] == section["ratios"]
+    assert sorted(section["rows"]) == sorted([
+        "RAM tier async save (loop stall)", "RAM tier async save into new pages (loop stall)",
+        "host copy into buffers allocated once", "host clone()"])
+    assert section["ratios"]["async RAM save stall / host copy (time)"]["target"] == "<= 1.2x"
 
 
 def test_lost_work_is_the_advisors_intervals_against_one_daly_interval() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from checkpoint_store import CheckpointStore
 from checkpoint_store._file_staging import STAGING_PHASE
+from checkpoint_store._page_reuse import SPARE_DIR
 from checkpoint_store.layout import DATA_DIR, INFLIGHT_DIR, MANIFEST_DIR
 from checkpoint_store.ram_tier import RamTierStore, state_bytes, tree_bytes
 
@@ -40,44 +42,93 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+class _PrivatePeak:
+    """The peak of the process's private memory (``RssAnon``: not the tier's tmpfs
+    pages, which the store keeps mapped and the kernel counts in ``VmRSS`` and
+    ``VmHWM``), sampled every 0.5 ms by a thread while the block runs."""
+
+    def __enter__(self) -> _PrivatePeak:
+        self.before = self.peak = _status_kib("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.0005):
+            self.peak = max(self.peak, _status_kib("RssAnon"))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status_kib("RssAnon"))
+
+
 def test_async_save_makes_no_second_copy_of_the_state(shm: Path) -> None:
     """An async RAM-tier save of a 32 MiB state allocates no staging buffer (the
     store's buffer pool stays empty, where a plain store's async save of the same state
-    on the same tmpfs grows it to the whole state), the process's peak RSS during the
-    save rises by under half the state (a second copy would be all of it; the writer's
-    own buffers measured 2-8 MiB, 8 under load), and the committed checkpoint is the
-    state as it was when save() returned, not as the loop changed it after."""
+    on the same tmpfs grows it to the whole state), the process's private memory during
+    the save rises by under half the state (a second copy would be all of it; the
+    writer's own buffers measured 2-8 MiB, 8 under load), and the committed checkpoint
+    is the state as it was when save() returned, not as the loop changed it after.
+    The first save into new files and the next ones, into the pages of the checkpoint
+    each drops (``overwrite_oldest``), alike."""
     state = _state(1, 32)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    ram = RamTierStore(shm / "ram", budget_bytes=4 * nbytes, keep_last=1)
+    ram = RamTierStore(shm / "ram", budget_bytes=4 * nbytes, keep_last=1, overwrite_oldest=True)
     ram.save(_state(0, 1), step=0, blocking=False).wait()  # imports, threads: warmed
-    saved = {k: v.clone() for k, v in state.items()}  # before the peak is reset
-    try:
-        Path("/proc/self/clear_refs").write_text("5\n")
-        reset = True
-    except OSError:
-        reset = False
-    before = _status_kib("VmRSS")
-    handle = ram.save(state, step=1, blocking=False)
-    for v in state.values():
-        v.add_(1.0)  # the loop goes on while the writer seals the files
-    handle.wait()
-    peak = _status_kib("VmHWM")
-    assert ram.store._pool.capacity == 0
-    back = {k: torch.zeros_like(v) for k, v in saved.items()}
-    ram.load(back, step=1, strict=True)
-    assert _equal(back, saved)
-    assert ram.store.verify(1).step == 1
-    assert tree_bytes(ram.root / DATA_DIR) >= nbytes
+    for step in (1, 2, 3):
+        saved = {k: v.clone() for k, v in state.items()}  # before the peak is sampled
+        with _PrivatePeak() as peak:
+            handle = ram.save(state, step=step, blocking=False)
+            for v in state.values():
+                v.add_(1.0)  # the loop goes on while the writer seals the files
+            handle.wait()
+        assert ram.store._pool.capacity == 0
+        back = {k: torch.zeros_like(v) for k, v in saved.items()}
+        ram.load(back, step=step, strict=True)
+        assert _equal(back, saved)
+        assert ram.store.verify(step).step == step
+        assert [m.step for m in ram.list()] == [step]
+        assert tree_bytes(ram.root / DATA_DIR) >= nbytes
+        rise = (peak.peak - peak.before) * 1024
+        assert rise < nbytes // 2, f"save {step}: private memory rose {rise // MB} MiB"
     ram.close()
-    if reset:
-        assert (peak - before) * 1024 < nbytes // 2, f"peak rose {(peak - before) // 1024} MiB"
 
-    # The counter does see a staging copy where there is one.
-    plain = CheckpointStore(shm / "plain", keep_last=1)
-    plain.save(saved, step=1, blocking=False).wait()
-    assert plain._pool.capacity >= nbytes
-    plain.close()
+
+def test_a_save_rewrites_the_pages_of_the_checkpoint_it_drops(shm: Path) -> None:
+    """With ``overwrite_oldest``, each async save after the first writes into the
+    chunk files of the checkpoint it drops (the same inodes: their pages, mapped
+    since the save that wrote them, are not allocated again), the tier never holds
+    more than ``keep_last`` checkpoints with the one in flight counted, nothing is
+    left in ``.spare/`` after a save, and every save loads back bitwise. A blocking
+    save in between writes new files and frees the spares first."""
+    state = _state(2, 8)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    ram = RamTierStore(shm / "ram", budget_bytes=2 * nbytes + 4 * MB, keep_last=1,
+                       overwrite_oldest=True, chunk_bytes=2 * MB)
+
+    def inodes() -> set[int]:
+        return {f.stat().st_ino for f in (ram.root / DATA_DIR).rglob("*")
+                if f.is_file() and f.stat().st_size > MB}
+
+    ram.save(state, step=1, blocking=False).wait()
+    first = inodes()
+    assert len(first) >= 4
+    for step in (2, 3, 4):
+        for v in state.values():
+            v.add_(1.0)
+        ram.save(state, step=step, blocking=False).wait()
+        assert inodes() == first, f"save {step} allocated new chunk files"
+        assert [m.step for m in ram.list()] == [step]
+        assert not list((ram.root / SPARE_DIR).glob("*"))
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        ram.load(back, step=step, strict=True)
+        assert _equal(back, state)
+    ram.save(state, step=5).wait()  # blocking: its own files
+    assert not inodes() & first and not list((ram.root / SPARE_DIR).glob("*"))
+    assert tree_bytes(ram.root) <= ram.policy.budget_bytes
+    ram.close()
 
 
 def test_async_saves_keep_the_budget_with_the_staging_counted(shm: Path) -> None:
@@ -143,6 +194,49 @@ def test_kill_during_staging_commits_nothing(shm: Path) -> None:
     assert len(report.removed_data) == 1 and report.in_flight == []
     assert len(list((shm / DATA_DIR).iterdir())) == 1
     assert list((shm / INFLIGHT_DIR).iterdir()) == []
+    store.close()
+
+
+_RECYCLER = """
+import os, sys, torch
+from checkpoint_store.ram_tier import RamTierStore
+from checkpoint_store._faults import CRASH_ENV
+store = RamTierStore(sys.argv[1], budget_bytes=64 << 20, chunk_bytes=1 << 20, keep_last=2,
+                     overwrite_oldest=True)
+g = torch.Generator().manual_seed(1)
+for step in (1, 2):
+    store.save({"w": torch.randn(1 << 20, generator=g)}, step=step, blocking=False).wait()
+os.environ[CRASH_ENV] = sys.argv[2]  # SIGKILL once the first chunk file is staged
+store.save({"w": torch.randn(1 << 20, generator=g)}, step=3, blocking=False).wait()
+print("NOT KILLED", flush=True)
+"""
+
+
+def test_kill_while_a_save_rewrites_dropped_pages_commits_nothing(shm: Path) -> None:
+    """A trainer SIGKILLed while an async save writes into the chunk files of the
+    checkpoint it dropped (``overwrite_oldest``, keep_last=2: step 1 dropped, step 3's
+    first chunk written into one of its files, three left as spares) commits nothing:
+    a restart lists and loads step 2 bit for bit, removes the dead process's spares,
+    and ``gc`` removes the torn save's files and what step 1 left (its metadata, whose
+    removal waits for the commit that never came)."""
+    out = subprocess.run([sys.executable, "-c", _RECYCLER, str(shm), STAGING_PHASE], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, (out.returncode, out.stdout, out.stderr)
+    assert len(list((shm / MANIFEST_DIR).iterdir())) == 1
+    assert len(list((shm / SPARE_DIR).iterdir())) == 3
+
+    store = RamTierStore(shm, budget_bytes=64 << 20, chunk_bytes=1 << 20, keep_last=2)
+    assert not list((shm / SPARE_DIR).iterdir())
+    assert [m.step for m in store.list()] == [2]
+    back = {"w": torch.zeros(1 << 20)}
+    manifest = store.load(back, strict=True)
+    g = torch.Generator().manual_seed(1)
+    torch.randn(1 << 20, generator=g)
+    assert manifest is not None and manifest.step == 2
+    assert torch.equal(back["w"], torch.randn(1 << 20, generator=g))
+    report = store.gc()
+    assert len(report.removed_data) == 2 and report.in_flight == []
+    assert len(list((shm / DATA_DIR).iterdir())) == 1
     store.close()
 
 
