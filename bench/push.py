@@ -36,8 +36,9 @@ the service's RSS; the load average is printed at the start and the end. Not a t
 service and Redis share the cores, and other work on the machine shows in the tail.
 Runs in about a minute and a half with the defaults.
 Usage: python bench/push.py [--rounds 4] [--latency-rounds 3] [--seconds 8]
-       python bench/push.py --bombs-only [--steps steps.log]  (each loop step over 2 ms
-       of CPU in the service, with where it began and ended: bench/_serve_steps.py)
+       python bench/push.py --bombs-only [--steps steps.log]  (each loop step over 1 ms
+       of CPU in the service, with where it began and ended: bench/_serve_steps.py; the
+       longest beside each bomb is reported against the no-bomb /healthz p99)
        python bench/push.py --bombs-only --compare-inline  (the decode pool against the
        same service parsing every body on its loop, --decode-workers 0, interleaved)
        python bench/push.py --bombs-only --compare-root DIR  (this tree's service against
@@ -282,7 +283,7 @@ def paired_bombs(bench: Bench, args: argparse.Namespace,
 
 
 def bombs(bench: Bench, args: argparse.Namespace, base: str, pid: int) -> None:
-    from push_bombs import bomb_phase, report
+    from push_bombs import bomb_phase, report, step_report
 
     async def run() -> dict[str, Any]:
         r = Redis.from_url(bench.redis_url)
@@ -295,8 +296,13 @@ def bombs(bench: Bench, args: argparse.Namespace, base: str, pid: int) -> None:
 
     print(f"5. the loop beside decoding bombs ({args.bomb_rounds} rounds interleaved, "
           f"{args.bomb_seconds:.0f} s each, one bomb client, /healthz probed one after the other)")
-    for line in report(asyncio.run(run())):
+    rounds = asyncio.run(run())
+    for line in report(rounds):
         print(line)
+    if args.steps:
+        time.sleep(0.5)  # the service's last lines written
+        for line in step_report(rounds, args.steps):
+            print(line)
 
 
 def main() -> None:
@@ -322,7 +328,7 @@ def main() -> None:
                              "(e.g. `git archive <commit>` of the code before a change), rounds "
                              "interleaved, paired ratios")
     parser.add_argument("--steps", type=Path, default=None,
-                        help="serve through bench/_serve_steps.py: each loop step over 2 ms "
+                        help="serve through bench/_serve_steps.py: each loop step over 1 ms "
                              "of CPU is written to this file (where it started and ended)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-push-"))
@@ -330,7 +336,8 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINGUARD_REDIS_URL": server.url,
-           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}-*:*;{OTHER_TOKEN}:{DATASET}-*:*"}
+           "TRAINGUARD_PUSH_TOKENS": f"{TOKEN}:{DATASET}-*:*;{OTHER_TOKEN}:{DATASET}-*:*",
+           "TRAINGUARD_SLOW_STEP_MS": os.environ.get("TRAINGUARD_SLOW_STEP_MS", "1")}
     command = [str(ROOT / "bench" / "_serve_steps.py")] if args.steps else ["-m", "trainguard",
                                                                           "serve"]
     stderr = args.steps.open("wb") if args.steps else subprocess.DEVNULL

@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -124,12 +125,12 @@ async def _round(session: aiohttp.ClientSession, base: str, dataset: str, token:
     out: dict[str, Any] = {}
     stop = asyncio.Event()
     probe = asyncio.ensure_future(_probe(session, base, stop))
-    waited, started = _waited_ms(pid), time.perf_counter()
+    waited, started, since = _waited_ms(pid), time.perf_counter(), time.time()
     await asyncio.sleep(seconds)
     stop.set()
     base_lat = await probe
     out["baseline"] = {"p50": _pct(base_lat, .5), "p99": _pct(base_lat, .99),
-                       "max": max(base_lat), "n": len(base_lat),
+                       "max": max(base_lat), "n": len(base_lat), "window": (since, time.time()),
                        "runq": (_waited_ms(pid) - waited) / (time.perf_counter() - started)}
     ctx = multiprocessing.get_context("spawn")
     loop = asyncio.get_running_loop()
@@ -143,18 +144,19 @@ async def _round(session: aiohttp.ClientSession, base: str, dataset: str, token:
         # From its first answer on: the bomber's start (imports) is not the service's.
         await loop.run_in_executor(None, ready.wait, 60)
         probe = asyncio.ensure_future(_probe(session, base, stop))
-        waited, started = _waited_ms(pid), time.perf_counter()
+        waited, started, since = _waited_ms(pid), time.perf_counter(), time.time()
         await asyncio.sleep(seconds)
         stop.set()
         stopped.set()
         lat = await probe
+        window = (since, time.time())
         runq = (_waited_ms(pid) - waited) / (time.perf_counter() - started)
         statuses = await loop.run_in_executor(None, results.get)
         bomber.join()
         out[name] = {"worst": max(lat), "p99": _pct(lat, .99), "n": len(lat),
                      "stall": max(lat) - out["baseline"]["p50"], "answers": statuses,
                      "ratio": max(lat) / out["baseline"]["p99"], "mib": len(body) / 2**20,
-                     "runq": runq}
+                     "runq": runq, "window": window}
     return out
 
 
@@ -234,6 +236,32 @@ def report(rounds: list[dict[str, Any]], *, costs: bool = True) -> list[str]:
     worst_ratio = max(r[n]["ratio"] for r in rounds for n in BOMBS)
     lines.append(f"  worst stall of all rounds {worst:.1f} ms, worst ratio {worst_ratio:.2f} "
                  f"(target <= 50 ms and <= 2x the no-bomb p99)")
+    return lines
+
+
+def step_report(rounds: list[dict[str, Any]], log: Path) -> list[str]:
+    """The loop's worst stall as the service measured it (``bench/_serve_steps.py``: each
+    loop step over ``TRAINGUARD_SLOW_STEP_MS`` of the loop thread's CPU, logged): per
+    bomb, the longest step inside its windows, against 2x the round's no-bomb /healthz
+    p99. CPU, not wall time: what the loop cannot serve anyone else during, where the
+    probe's worst answer also holds the scheduler's waits for a core."""
+    from push_bomb_steps import _steps
+
+    def longest(window: tuple[float, float]) -> float:
+        return _steps(log, *window)
+
+    quiet = [longest(r["baseline"]["window"]) for r in rounds]
+    lines = [f"  longest loop step (CPU ms of the loop's thread; 0: none over the log's "
+             f"threshold): no bomb {_median_range(quiet, '.1f')}"]
+    worst = 0.0
+    for name in BOMBS:
+        steps = [longest(r[name]["window"]) for r in rounds]
+        over = [s / r["baseline"]["p99"] for s, r in zip(steps, rounds, strict=True)]
+        worst = max(worst, *over)
+        lines.append(f"  {name:>13}: longest step {_median_range(steps, '.1f')} ms; over the "
+                     f"round's no-bomb /healthz p99 {_median_range(over, '.2f')}")
+    lines.append(f"  worst longest step over the no-bomb p99 of all rounds {worst:.2f} "
+                 "(target <= 2x)")
     return lines
 
 
