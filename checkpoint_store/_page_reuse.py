@@ -65,6 +65,13 @@ def _populate(m: mmap.mmap) -> None:
         m[pos] = m[pos]
 
 
+def _close(m: mmap.mmap) -> None:
+    # A tensor still viewing the mapping (a copy that raised half-way) keeps it open
+    # until it is freed; the file goes either way.
+    with contextlib.suppress(BufferError):
+        m.close()
+
+
 class ChunkMaps:
     """This process's open mappings of a tier's chunk files (module doc), by the
     file's path relative to the tier's root. Thread-safe: the seal's I/O threads
@@ -91,7 +98,7 @@ class ChunkMaps:
             old = self._maps.pop(rel, None)
             self._maps[rel] = m
         if old is not None:
-            old.close()
+            _close(old)
         return m
 
     # -------------------------------------------------------------- drop, then save
@@ -109,7 +116,7 @@ class ChunkMaps:
                     os.makedirs(self._backend.local_path(SPARE_DIR), exist_ok=True)
                     os.rename(self._backend.local_path(rel), self._backend.local_path(spare))
                 except OSError:
-                    m.close()  # gone or unmovable: deleted with its directory
+                    _close(m)  # gone or unmovable: deleted with its directory
                     continue
                 self._spares.setdefault(len(m), []).append((spare, m))
                 moved += len(m)
@@ -132,7 +139,7 @@ class ChunkMaps:
                 extra.extend(group[keep:])
                 del group[keep:]
         for spare, m in extra:
-            m.close()
+            _close(m)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self._backend.local_path(spare))
 
@@ -151,7 +158,7 @@ class ChunkMaps:
             os.makedirs(os.path.dirname(full), exist_ok=True)
             os.rename(self._backend.local_path(spare), full)
         except BaseException:
-            m.close()
+            _close(m)
             with contextlib.suppress(OSError):
                 os.remove(self._backend.local_path(spare))
             raise
@@ -181,7 +188,7 @@ class ChunkMaps:
         with self._lock:
             doomed = [self._maps.pop(r) for r in list(self._maps) if r.startswith(data_dir + "/")]
         for m in doomed:
-            m.close()
+            _close(m)
 
     def prune(self) -> None:
         """Close the mappings whose files are gone (deleted by another path: ``gc``,
@@ -190,14 +197,14 @@ class ChunkMaps:
             gone = [r for r in self._maps if not os.path.exists(self._backend.local_path(r))]
             doomed = [self._maps.pop(r) for r in gone]
         for m in doomed:
-            m.close()
+            _close(m)
 
     def close(self) -> None:
         self.fit([])
         with self._lock:
             doomed, self._maps = list(self._maps.values()), {}
         for m in doomed:
-            m.close()
+            _close(m)
 
     def _remove_dead_spares(self) -> None:
         for name in self._backend.listdir(SPARE_DIR):
