@@ -319,7 +319,7 @@ class NodeTierStore(RankStateWrappedStore):
         return found
 
     def catalog(self) -> dict[str, list[str]]:
-        """Where each of this node's checkpoints lives: name -> tiers (``ram``, ``disk``...)."""
+        """Where each checkpoint of this node lives: name -> ``ram``, ``partner:n<r>``, ``disk``."""
         return {name: where for name, (_m, where) in self._available(self.node).items()}
 
     def list(self) -> builtins.list[Manifest]:
