@@ -57,7 +57,6 @@ def stage_files(backend: LocalBackend, data_dir: str, plan: RankPlan,
     for seg in sorted(direct_segments(leaves, plan), key=lambda s: (s.array, s.offset)):
         by_array.setdefault(seg.array, []).append(seg)
     if maps is not None:
-        maps.prune()
         maps.fit([layout.chunk_bytes + CRC_BYTES for layout in plan.arrays
                   for _ in range(layout.nchunks)])
     try:
@@ -84,7 +83,10 @@ def seal_rank(backend: LocalBackend, data_dir: str, plan: RankPlan, *,
     """Checksum the chunk files :func:`stage_files` wrote, write their trailers, then
     the rank's metadata (``writer.write_arrays``); returns the manifest ``arrays``
     entries, as ``write_rank`` does. With ``maps``, each file is read through its
-    mapping, which stays open for the save that rewrites it (``_page_reuse``)."""
+    mapping, which stays open for the save that rewrites it (``_page_reuse``); the
+    mappings of files deleted by another path are closed here, off the loop's path."""
+    if maps is not None:
+        maps.prune()
     local = threading.local()
 
     def seal(layout: ArrayLayout, index: int) -> int:
