@@ -28,18 +28,18 @@ Latin square, ``bench/rounds.py``), on ``--sample`` ranks spread over 0..W-1:
   manifest holds every offset and every rank's random states (its bytes computed
   exactly from the record's JSON, its encode and parse measured up to
   ``--v2-max-ranks`` ranks and scaled by bytes beyond; said so in the output).
-- restore (new, as ``_restore._fence_new_generation``): rank 0 takes the generation
-  from the run's counter (``take_generation``, one key), each sampled rank fences its
-  own partitions of the new layout (``fence_partitions``), rank 0 closes the older
-  readers (``evict_readers``); the one int64 MAX all-reduce between is not measured.
-  Then each sampled rank loads the newest checkpoint (``CheckpointStore.load``), reads
-  its own object (same W) or the objects of the ranks that owned its partitions
-  (W x 0.75 and W x 1.25, through ``rank_record.positions``), seeks and acknowledges
-  its partitions (``place_partitions``: one script call per rank; the fences too are
-  one call per rank). Beside it in every round, main's restore before that
-  (``each``: a fence script per partition, a seek and an ack script per partition),
-  with the servers' command CPU per partition of both. The baseline (record 2): rank
-  0 bumps the fence of all P (``bump_generation``) and each rank parses the whole
+- restore (new, as ``_restore._take_and_place``): rank 0 takes the generation from
+  the run's counter (``take_generation``, one key); each sampled rank loads the newest
+  checkpoint (``CheckpointStore.load``), reads its own object (same W) or the objects
+  of the ranks that owned its partitions (W x 0.75 and W x 1.25, through
+  ``rank_record.positions``), and places its partitions (``place_partitions``: one
+  script call per rank that raises their fences, seeks and acknowledges); the one
+  int64 MAX all-reduce after is not measured; rank 0 closes the older readers
+  (``evict_readers``). Beside it in every round, main's restore before that
+  (``two_pass``: every rank's fences raised by a pass of their own,
+  ``fence_partitions``, before rank 0 closes the readers and the ranks place), with
+  the servers' command CPU per partition of both. The baseline (record 2): rank 0
+  bumps the fence of all P (``bump_generation``) and each rank parses the whole
   version 2 manifest instead.
 
 Composition (ranks run in parallel on their own hosts; all their Redis work lands on
@@ -50,8 +50,9 @@ the same servers, so its CPU is summed and spread over the masters)::
     stall      = across(random states)        [baseline: + fence check, + W/merged x merge]
     commit     = stall + across(object write + fence check) + rank 0's manifest write
                  + across(publish)
-    restore    = rank 0's take + across(own fences) + rank 0's eviction
-                 + across(load + objects + seek + ack)       [over the W' restoring ranks]
+    restore    = rank 0's take + across(load + objects + fence + seek + ack)
+                 + rank 0's eviction                         [over the W' restoring ranks]
+                 [two_pass: + across(own fences) before the placement]
     restore    = rank 0's bump of all P + across(load + manifest + seek + ack)  [baseline]
     Redis CPU per checkpoint = mean server CPU per sampled rank x W (+ rank 0's publish)
     per-rank commit work = the slowest sampled rank but 0 (states + object + fence check
@@ -90,7 +91,7 @@ from checkpoint_store.saving import latest_pointer
 from trainer_client import TrainingSession, _rng, redis_client
 from trainer_client import offsets as ofs
 from trainer_client._commit import OffsetCommitter, PositionReader, gather_offsets
-from trainguard.core import groups, streams
+from trainguard.core import streams
 from trainguard.core.checkpoints import open_store, rank_state_store
 from trainguard.core.rank_record import RankRecord, positions
 from trainguard.core.record import RECORD_VERSION, RankState, SessionRecord
@@ -450,31 +451,22 @@ def _old_round(d: Data, ck: Checkpoint, W: int, args: argparse.Namespace,
     }
 
 
-def _fence_each(c: Any, name: str, gen: int, parts: list[int]) -> int:
-    """Main before the one-script restore: one fence script per partition."""
-    calls = [([streams.fence_key(name, p, RUN)], [gen]) for p in parts]
-    return max([gen, *(int(r) for r in ofs.eval_many(c, groups.BUMP_LUA, calls, replicated=True))])
-
-
-def _place_each(c: Any, name: str, gen: int, pos: dict[int, str]) -> None:
-    """Main before the one-script restore: a seek script, then an ack script, per partition."""
-    ofs.seek_group(c, name, RUN, gen, pos, batches=dict.fromkeys(pos, 1), write=True)
-    calls = [(groups.partition_keys(name, p, RUN)[:2], [RUN, gen, i]) for p, i in sorted(pos.items())]
-    for r in ofs.eval_many(c, groups.ACK_LUA, calls):
-        if isinstance(r, Exception):
-            raise r
+def _evict(d: Data, gen: int, fence: dict[str, float]) -> None:
+    t0 = time.perf_counter()
+    ofs.evict_readers(d.client, d.name, RUN, gen)
+    fence["evict_s"] = time.perf_counter() - t0
 
 
 def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
-              v2: dict[str, Any] | None, *, each: bool = False) -> dict[str, Any]:
-    """Each restore's fencing, then each sampled rank's restore. New layout (as
-    ``_restore._fence_new_generation`` and ``_session_base._place`` do it): rank 0 takes
-    the generation from the run's counter, each rank fences its own partitions at
-    the new W, (one int64 MAX all-reduce: not measured), rank 0 closes the older
-    readers; then each rank loads, reads its own object or its partitions' owners',
-    seeks and acknowledges (``place_partitions``: one script call per rank). ``each``:
-    the same with main's calls before that (a fence script per partition, a seek and
-    an ack script per partition). With ``v2``, the baseline's: rank 0 bumps all P
+              v2: dict[str, Any] | None, *, two_pass: bool = False) -> dict[str, Any]:
+    """Each sampled rank's restore. New layout (as ``_restore._take_and_place`` and
+    ``_session_base._place`` do it): rank 0 takes the generation from the run's
+    counter; each rank loads, reads its own object or its partitions' owners', and
+    places its partitions (``place_partitions``: one script call per rank, raising
+    their fences, seeking and acknowledging); (one int64 MAX all-reduce: not
+    measured) rank 0 closes the older readers. ``two_pass``: main before this, the
+    fences raised by a pass of their own (``fence_partitions``, every rank) between
+    the take and the placement. With ``v2``, the baseline's: rank 0 bumps all P
     (``bump_generation``) and every rank parses the whole version 2 manifest."""
     c, W = d.client, ck.world
     out: dict[str, Any] = {}
@@ -487,27 +479,24 @@ def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
             c.sadd(streams.groups_key(d.name), RUN)
             gen = ofs.take_generation(c, d.name, RUN, d.gen)
             fence["take_s"] = time.perf_counter() - t0
-            fw, fc = [], []
-            for r in ranks:
-                with Clock(d) as f:
-                    top = _fence_each(c, d.name, gen, d.mine(r, W2)) if each else \
-                        ofs.fence_partitions(c, d.name, RUN, gen, d.mine(r, W2))
-                assert top == gen, (top, gen)
-                fw.append(f.wall_s)
-                fc.append(f.server_cpu_s)
-            fence["fence_s"] = across(fw, fc, W2, d.masters)
-            fence["fence_rank_s"], fence["fence_queue_s"] = max(fw), mean_w(fc, W2, d.masters)
-            fence["fence_us_per_partition"] = sum(fc) * 1e6 / sum(len(d.mine(r, W2)) for r in ranks)
-            t0 = time.perf_counter()
-            ofs.evict_readers(c, d.name, RUN, gen)
-            fence["evict_s"] = time.perf_counter() - t0
+            if two_pass:
+                fw, fc = [], []
+                for r in ranks:
+                    with Clock(d) as f:
+                        top = ofs.fence_partitions(c, d.name, RUN, gen, d.mine(r, W2))
+                    assert top == gen, (top, gen)
+                    fw.append(f.wall_s)
+                    fc.append(f.server_cpu_s)
+                fence["fence_s"] = across(fw, fc, W2, d.masters)
+                fence["fence_us_per_partition"] = sum(fc) * 1e6 / sum(
+                    len(d.mine(r, W2)) for r in ranks)
+                _evict(d, gen, fence)
             d.gen = gen
-            bump = fence["take_s"] + fence["fence_s"] + fence["evict_s"]
+            bump = fence["take_s"] + fence.get("fence_s", 0.0)
         else:
             t0 = time.perf_counter()
             d.gen = ofs.bump_generation(c, d.name, RUN, d.P, d.gen)
             bump = time.perf_counter() - t0
-        bumps.append(bump)
         walls, cpus, read, objs, place_cpu = [], [], [], [], []
         for r in ranks:
             mine = d.mine(r, W2)
@@ -533,11 +522,8 @@ def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
                     pos = positions(old, mine, lambda o: RankRecord(o, W, d.workers)).offsets
                     got = []
                 store.close()
-            with Clock(d) as s:  # the seek and acknowledgement, on their own: CPU per partition
-                if each or v2 is not None:
-                    _place_each(c, d.name, d.gen, pos)
-                else:
-                    ofs.place_partitions(c, d.name, RUN, d.gen, pos, dict.fromkeys(pos, 1))
+            with Clock(d) as s:  # the placement on its own: CPU per partition
+                ofs.place_partitions(c, d.name, RUN, d.gen, pos, dict.fromkeys(pos, 1))
             place_cpu.append(s.server_cpu_s)
             wall = k.wall_s + s.wall_s
             if v2 is not None:  # the parse of a manifest past --v2-max-ranks, scaled by bytes
@@ -547,6 +533,11 @@ def _restores(d: Data, ck: Checkpoint, ranks_by_change: dict[str, list[int]],
             objs.append(len(got))
             read.append(ck.manifest_bytes + sum(ck.object_bytes[o] for o in got)
                         if v2 is None else v2["bytes"])
+        if v2 is None:
+            if not two_pass:  # once every rank's placement holds the fences
+                _evict(d, d.gen, fence)
+            bump += fence["evict_s"]
+        bumps.append(bump)
         out[change] = {"restore_s": bump + across(walls, cpus, W2, d.masters),
                        "rank_s": max(walls), "queue_s": mean_w(cpus, W2, d.masters),
                        "bytes_read_per_rank": max(read), "objects_read_max": max(objs),
@@ -579,21 +570,21 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
     sampled = sample_ranks(W, args.sample)
     by_change = {ch: sample_ranks(max(1, round(W * f)), args.sample) for ch, f in CHANGES.items()}
     rows: dict[str, list[dict[str, Any]]] = {"new": [], "old": []}
-    restores: dict[str, list[dict[str, Any]]] = {"new": [], "old": [], "each": []}
+    restores: dict[str, list[dict[str, Any]]] = {"new": [], "old": [], "two_pass": []}
     for r in range(args.rounds + 1):  # round 0 warms up
         for side in ("new", "old") if r % 2 == 0 else ("old", "new"):
             if side == "new":
                 row = _new_round(d, ck, sampled, step=100 + r)
                 # Beside it in the same round, in turns: main's restore before the
-                # one-script calls (a fence, a seek and an ack script per partition).
+                # placement raised the fences (a pass of fences of its own first).
                 same = {"same": by_change["same"]}
                 if r % 2:
-                    each = _restores(d, ck, same, None, each=True)
+                    two = _restores(d, ck, same, None, two_pass=True)
                 back = _restores(d, ck, by_change, None)
                 if not r % 2:
-                    each = _restores(d, ck, same, None, each=True)
+                    two = _restores(d, ck, same, None, two_pass=True)
                 if r:
-                    restores["each"].append(each)
+                    restores["two_pass"].append(two)
             else:
                 row = _old_round(d, ck, W, args, v2)
                 back = _restores(d, ck, {"same": by_change["same"]}, v2)
@@ -606,8 +597,8 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
                            "object_bytes_median": statistics.median(ck.object_bytes.values()),
                            "v2_measured_ranks": v2["measured_ranks"],
                            "store_listings_per_commit": max(x["store_listings"] for x in rows["new"])}
-    for side in ("new", "old", "each"):
-        if side != "each":
+    for side in ("new", "old", "two_pass"):
+        if side != "two_pass":
             for key in ("stall_s", "commit_s", "rank_work_s", "rank0_work_s", "manifest_write_s",
                         "redis_cpu_s"):
                 fig.setdefault(key, {})[side] = spread([x[key] for x in rows[side]])
@@ -633,10 +624,10 @@ def measure_size(d: Data, W: int, args: argparse.Namespace) -> dict[str, Any]:
     fig["restore_same"]["ratio"] = spread([
         o["same"]["restore_s"] / n["same"]["restore_s"]
         for o, n in zip(restores["old"], restores["new"])])
-    # main before the one-script restore / now, paired within a round
-    fig["restore_same"]["ratio_each"] = spread([
+    # main before the placement raised the fences / now, paired within a round
+    fig["restore_same"]["ratio_two_pass"] = spread([
         o["same"]["restore_s"] / n["same"]["restore_s"]
-        for o, n in zip(restores["each"], restores["new"])])
+        for o, n in zip(restores["two_pass"], restores["new"])])
     return fig
 
 

@@ -128,20 +128,18 @@ def print_sizes(name: str, fig: dict[str, Any], args: argparse.Namespace) -> Non
                 _cell(f["restore_same"]["ratio"], fmt=".3g") if label == "restore, same W s" else "")
             print(f"  {label:40s}{cell(f, 'new'):>30s}{cell(f, 'old'):>34s}{ratio:>24s}")
         # This change's own before/after, in the same rounds (main before it: the fence
-        # check on the loop's path; a fence, a seek and an ack script per partition).
+        # check on the loop's path; the restore's fences raised by a pass of their own).
         parts, same = f["parts"]["new"], f["restore_same"]
         print(f"  {'loop stall with the fence check s':40s}"
               f"{_cell(parts['stall_with_fence_s']):>30s}   (main before; now in the commit)")
-        print(f"  {'restore, same W, per-partition scripts s':40s}"
-              f"{_cell(same['each']['restore_s']):>30s}   paired before/now "
-              f"{_cell(same['ratio_each'], fmt='.3g')}")
-        for what, each, now in (
-                ("fence", same["each"]["fencing"]["fence_us_per_partition"],
-                 same["new"]["fencing"]["fence_us_per_partition"]),
-                ("seek + ack", same["each"]["place_us_per_partition"],
-                 same["new"]["place_us_per_partition"])):
-            print(f"  {'server us per partition, ' + what:40s}{_cell(now, fmt='.1f'):>30s}"
-                  f"   per-partition scripts {_cell(each, fmt='.1f')}")
+        print(f"  {'restore, same W, fences first s':40s}"
+              f"{_cell(same['two_pass']['restore_s']):>30s}   paired before/now "
+              f"{_cell(same['ratio_two_pass'], fmt='.3g')}")
+        two = same["two_pass"]
+        print(f"  {'server us per partition, placement':40s}"
+              f"{_cell(same['new']['place_us_per_partition'], fmt='.1f'):>30s}"
+              f"   fences first: fence {_cell(two['fencing']['fence_us_per_partition'], fmt='.1f')}"
+              f" + placement {_cell(two['place_us_per_partition'], fmt='.1f')}")
     print("\nfitted exponents (log-log least squares): cost ~ W^e at each P, ~ P^e at each W")
     for axis in ("in_W", "in_P"):
         for cost, sides in fig["exponents"][axis].items():

@@ -44,11 +44,12 @@ def _monitor(url: str, seen: list[dict[str, Any]], ready: threading.Event) -> No
 def test_each_rank_fences_its_own_partitions_and_the_zombie_commits_nothing(
         redis_server, tmp_path: Path) -> None:
     """A 1-rank trainer (generation 1) reads and holds batches; a 2-rank job restores
-    the run. Every fence is raised to generation 2 exactly once, each connection
-    raised exactly one rank's partitions (rank_partitions) in one script call, none all
-    8 (before, rank 0 wrote every fence), and seeks and acknowledges them in one more;
-    the generation counter says 2. The zombie's checkpoint is
-    refused with FencedError, and no manifest of generation 1 exists."""
+    the run. Every fence is raised to generation 2 by the script that seeks and
+    acknowledges its partition, each connection placing exactly one rank's partitions
+    (rank_partitions) in one script call, none all 8 (before, rank 0 wrote every
+    fence), and no pass of fences of its own; the generation counter says 2. The
+    zombie's checkpoint is refused with FencedError, and no manifest of generation 1
+    exists."""
     spec = cf.create(redis_server.url, "tok", partitions=P)
     cf.fill(redis_server.url, spec, N)
     url = f"file://{tmp_path}/c"
@@ -74,27 +75,20 @@ def test_each_rank_fences_its_own_partitions_and_the_zombie_commits_nothing(
 
     fence = groups.script_sha(groups.FENCE_MANY_LUA)
     place = groups.script_sha(groups.PLACE_MANY_LUA)
-    fences = {streams.fence_key("tok", p, "exp"): p for p in range(P)}
     streams_ = {streams.partition_key("tok", p): p for p in range(P)}
-    by_conn: dict[tuple[str, str], list[list[int]]] = {}
     placed: dict[tuple[str, str], list[list[int]]] = {}
     for cmd in seen:
         words = cmd["command"].split()
-        conn = (cmd["client_address"], cmd["client_port"])
-        if words[:2] == ["EVALSHA", fence] and words[-1] == "2":
-            keys = words[3:3 + int(words[2])]
-            by_conn.setdefault(conn, []).append([fences[k] for k in keys])
-        if words[:2] == ["EVALSHA", place] and words[3 + int(words[2]) + 2] == "seek":
-            keys = words[3:3 + int(words[2])]
+        assert words[:2] != ["EVALSHA", fence]  # the seek fences: no pass of its own
+        n = int(words[2]) if words[:2] == ["EVALSHA", place] else 0
+        if n and words[3 + n + 1:3 + n + 3] == ["2", "seek"]:
+            keys = words[3:3 + n]
+            conn = (cmd["client_address"], cmd["client_port"])
             placed.setdefault(conn, []).append([streams_[k] for k in keys[::3]])
-    # One fence script call per rank (not one per partition), its keys that rank's
-    # partitions; together every fence once.
-    assert all(len(calls) == 1 for calls in by_conn.values())
-    fenced = sorted(p for calls in by_conn.values() for ps in calls for p in ps)
-    assert fenced == list(range(P))  # every fence once
+    # The seek and acknowledgement of a rank's partitions, their fences raised in the
+    # same script: one script call per rank (not one per partition), together every
+    # partition once.
     ranks = [streams.rank_partitions(P, world_size=2, num_workers=0, rank=r) for r in range(2)]
-    assert sorted(sorted(calls[0]) for calls in by_conn.values()) == sorted(ranks)
-    # The seek and acknowledgement of a rank's partitions: one script call per rank.
     assert sorted(sorted(calls[0]) for calls in placed.values()) == sorted(ranks)
     assert all(len(calls) == 1 for calls in placed.values())
     client = redis.Redis.from_url(redis_server.url)
@@ -168,4 +162,59 @@ def test_a_restores_fences_never_lower_one_that_is_higher(redis_server) -> None:
     assert [int(r.get(k) or 0) for k in keys] == [5, 5, 9]
     assert ofs.fence_partitions(r, "tok", "exp", 9, [0, 1, 2]) == 9
     assert [int(r.get(k) or 0) for k in keys] == [9, 9, 9]
+    r.close()
+
+
+def test_a_restores_placement_raises_each_fence_or_refused_changes_nothing(
+        redis_server) -> None:
+    """``place_partitions`` at generation 5 over partitions whose fences hold 2 and
+    none: both hold 5 after it, and the group of each is at its offset. At generation
+    7 over partitions whose fences hold 5, none and 9 (a fence written without the
+    run's counter): FencedError naming 9, and nothing moved: the fences hold 5, none
+    and 9 again (a refused call puts back what it found), the groups are where they
+    were."""
+    r = redis.Redis.from_url(redis_server.url)
+    keys = [streams.fence_key("tok", p, "exp") for p in range(3)]
+    for p in range(3):
+        r.xadd(streams.partition_key("tok", p), {"d": "x"}, id="1-0")
+        r.xadd(streams.partition_key("tok", p), {"d": "y"}, id="2-0")
+    r.set(keys[0], 2)
+    ofs.place_partitions(r, "tok", "exp", 5, {0: "1-0", 1: "2-0"})
+    assert [r.get(k) for k in keys] == [b"5", b"5", None]
+
+    def last(p: int) -> bytes:
+        (g,) = r.xinfo_groups(streams.partition_key("tok", p))
+        return g["last-delivered-id"]
+
+    assert [last(0), last(1)] == [b"1-0", b"2-0"]
+    r.delete(keys[1])
+    r.set(keys[2], 9)
+    with pytest.raises(FencedError) as refused:
+        ofs.place_partitions(r, "tok", "exp", 7, {0: "2-0", 1: "1-0", 2: "1-0"})
+    assert refused.value.current == 9
+    assert [r.get(k) for k in keys] == [b"5", None, b"9"]
+    assert [last(0), last(1)] == [b"1-0", b"2-0"]
+    assert r.xinfo_groups(streams.partition_key("tok", 2)) == []
+    r.close()
+
+
+def test_a_fence_above_the_counter_makes_the_restore_take_a_higher_generation(
+        redis_server, tmp_path: Path) -> None:
+    """A fence at 7 that the run's counter (0) never gave (written by an older
+    trainguard, or before Redis lost the counter): the restore's placement at
+    generation 1 is refused there, every rank takes generation 8 instead and places
+    every partition at it; every fence holds 8 and the run reads every record."""
+    spec = cf.create(redis_server.url, "tok", partitions=P)
+    cf.fill(redis_server.url, spec, N)
+    r = redis.Redis.from_url(redis_server.url)
+    r.set(streams.fence_key("tok", 3, "exp"), 7)
+    session = TrainingSession(redis_server.url, dataset="tok", run="exp",
+                              store=f"file://{tmp_path}/c", block_ms=100)
+    assert session.restore({"model": torch.nn.Linear(4, 1)}) == 0
+    assert session.generation == 8
+    assert [int(r.get(streams.fence_key("tok", p, "exp"))) for p in range(P)] == [8] * P
+    loader = DataLoader(session.dataset(batch_size=4), batch_size=None)
+    seen = [int(i) for b in session.batches(loader) for i in b.data[:, 0].tolist()]
+    assert sorted(seen) == list(range(N))
+    session.close()
     r.close()

@@ -246,17 +246,10 @@ class Restoring(SessionBase):
     def _apply_offsets(self, manifest: ManifestView | None, rec: SessionRecord | None, *,
                        new_generation: bool) -> None:
         """Take (or keep) the generation on rank 0, then on every rank move the group of
-        the partitions it reads to the checkpoint's offsets (:meth:`_place`)."""
+        the partitions it reads to the checkpoint's offsets (:meth:`_place`): at a new
+        generation, the same script raises their fences (:meth:`_take_and_place`)."""
         if self.rank == 0:
             self._call(self._redis.sadd, streams.groups_key(self.dataset_name), self.run)
-        if new_generation:
-            layout = rec.num_workers if rec is not None else self._num_workers
-            gen = self._fence_new_generation(rec.generation if rec is not None else 0,
-                                             self._mine(layout))
-        else:
-            gen = self._broadcast(self._gen() if self.rank == 0 else None)
-        # Every rank seeks after this: the fences hold the new generation by then.
-        self.generation = gen
         # A rollback keeps counting commits up: its lineage must outrank the
         # abandoned checkpoints (higher steps, same commit numbers).
         restored = rec.commit if rec is not None else 0
@@ -266,21 +259,27 @@ class Restoring(SessionBase):
         if rec is not None:
             # Until a loader pass says otherwise, this rank reads what it read then.
             self._num_workers = rec.num_workers
-        self._placed = set()
-        self._consumed.reset({}, {}, None)
-        self._place(self._mine(self._num_workers))
+        mine = self._mine(self._num_workers)
+        if new_generation:
+            self._take_and_place(rec.generation if rec is not None else 0, mine)
+        else:
+            self.generation = self._broadcast(self._gen() if self.rank == 0 else None)
+            self._unplace()
+            self._place(mine)
         self._consumed.place({}, {}, self._apply_rank_state(rec))
         for ds in self._datasets:
-            ds.generation, ds.seed = gen, self.seed
+            ds.generation, ds.seed = self._gen(), self.seed
 
-    def _fence_new_generation(self, floor: int, mine: list[int]) -> int:
+    def _take_and_place(self, floor: int, mine: list[int]) -> None:
         """Take a new fencing generation (rank 0, from the run's counter: O(1)) and
-        raise the fences of this rank's partitions to it (every rank, O(P/W); the
-        ranks' partitions together are every partition once). One all-reduce of the
-        highest fence found tells every rank at once that all fences hold it; rank 0
-        then closes the older readers. A fence above it makes rank 0 take another
-        (:func:`~trainer_client.offsets.settle_generation`), or refuse on every rank
-        when a newer restore took over."""
+        place this rank's partitions at it, each script raising the fences of the
+        partitions it moves (every rank, O(P/W); the ranks' partitions together are
+        every partition once). One all-reduce of the highest fence found tells every
+        rank at once that all fences hold it; rank 0 then closes the older readers. A
+        fence above it refused that rank's placement, changing nothing: rank 0 takes
+        another (:func:`~trainer_client.offsets.settle_generation`) and every rank
+        places again (the same positions), or every rank refuses when a newer restore
+        took over."""
         r, top, plan_gen = self._redis, None, 0
         for _ in range(ofs.TAKE_TRIES):
             plan: dict[str, Any] = {}
@@ -298,16 +297,25 @@ class Restoring(SessionBase):
                 mine_gen, current = plan["fenced"]
                 raise FencedError(group=self.run, mine=mine_gen, current=current,
                                   what="restore")
-            plan_gen = int(plan["gen"])
-            found = self._call(ofs.fence_partitions, r, self.dataset_name, self.run,
-                               plan_gen, mine)
+            plan_gen = self.generation = int(plan["gen"])
+            self._unplace()
+            try:
+                self._place(mine)
+                found = plan_gen
+            except FencedError as exc:
+                found = exc.current
             top = self._max_over_ranks(found)
             if top == plan_gen:
                 if self.rank == 0:
                     self._call(ofs.evict_readers, r, self.dataset_name, self.run, plan_gen)
-                return plan_gen
+                return
         raise FencedError(group=self.run, mine=plan_gen, current=top or plan_gen,
                           what="restore")
+
+    def _unplace(self) -> None:
+        """Forget every placement: the next :meth:`_place` moves each partition again."""
+        self._placed = set()
+        self._consumed.reset({}, {}, None)
 
     def _max_over_ranks(self, value: int) -> int:
         """``value``'s maximum over the ranks: one all-reduce of one integer."""

@@ -7,12 +7,12 @@ connection carries its generation in its name and checks the fences once, when o
 a bump closes every reading connection of an older generation (see
 ``trainer_client._reader``). A refusal is raised as :class:`FencedError`. The
 generation is bumped by ``TrainingSession.restore``: rank 0 takes it from the run's
-counter (:func:`take_generation`, O(1)), each rank raises the fences of its own
-partitions to it (:func:`fence_partitions`, O(P/W)), and once every rank's fences hold
-it rank 0 closes the older readers (:func:`evict_readers`); :func:`bump_generation`
-is the same in one process for every partition. A plain
-``StreamingDataset`` without a session uses generation 0, which works as long as no
-session ever fenced the group.
+counter (:func:`take_generation`, O(1)), each rank places its own partitions at it,
+raising their fences in the same script (:func:`place_partitions`, O(P/W)), and once
+every rank's fences hold it rank 0 closes the older readers (:func:`evict_readers`);
+:func:`bump_generation` fences every partition in one process (:func:`fence_partitions`).
+A plain ``StreamingDataset`` without a session uses generation 0, which works as long
+as no session ever fenced the group.
 """
 
 from __future__ import annotations
@@ -92,10 +92,9 @@ def eval_many(
 
 
 def _check(results: list[Any], *, group: str, mine: int, what: str) -> list[Any]:
-    for r in results:
-        current = groups.fenced_generation(r)
-        if current is not None:
-            raise FencedError(group=group, mine=mine, current=current, what=what)
+    refused = [g for g in map(groups.fenced_generation, results) if g is not None]
+    if refused:  # the highest: a restore takes its next generation above it
+        raise FencedError(group=group, mine=mine, current=max(refused), what=what)
     for r in results:
         if isinstance(r, Exception):
             raise r
@@ -184,8 +183,10 @@ def _place(client: redis.Redis, dataset: str, group: str, generation: int,
         for p in run:
             args += [positions[p], counts.get(p, 0)]
         calls.append((keys, args))
-    results = _check(eval_many(client, PLACE_MANY_LUA, calls), group=group, mine=generation,
-                     what=what)
+    # A seek raises the fences (a restore's first move at its new generation): a
+    # fence a failover would lose is what lets a zombie trainer in.
+    results = _check(eval_many(client, PLACE_MANY_LUA, calls, replicated=mode == "seek"),
+                     group=group, mine=generation, what=what)
     return sum(int(r) for r in results)
 
 
@@ -201,9 +202,12 @@ def place_partitions(
     client: redis.Redis, dataset: str, group: str, generation: int,
     positions: Mapping[int, str], batches: Mapping[int, int] | None = None,
 ) -> int:
-    """A restore's placement of partitions: :func:`seek_group` (the seek recorded for
-    the next loader pass) then :func:`ack_upto`, in one script call per group of
-    partitions instead of two per partition; returns the entries acknowledged."""
+    """A restore's placement of partitions: each fence raised to ``generation`` (never
+    lowered), :func:`seek_group` (the seek recorded for the next loader pass) then
+    :func:`ack_upto`, in one script call per group of partitions instead of three per
+    partition; returns the entries acknowledged. A fence above ``generation`` refuses
+    the call and leaves its partitions as they were (FencedError, ``current``: the
+    highest fence found)."""
     return _place(client, dataset, group, generation, positions, batches, "seek", "seek")
 
 

@@ -172,29 +172,50 @@ return top
 """
 
 # SEEK_LUA (write-seek on) then ACK_LUA of each partition, or with mode 'ack' the
-# ACK_LUA alone; every fence is read once and checked before anything moves, so a
-# refusal changes nothing. Returns the number of entries acknowledged.
+# ACK_LUA alone. Every fence is checked before anything moves, so a refusal changes
+# nothing. With 'seek' (a restore's placement, at a generation just taken: every fence
+# is below it) each fence is raised by one SET ... GET; a refusal puts back what it
+# found. The restore needs no pass of fences of its own: the first script to move a
+# partition at the new generation is the one that fences it, so no older trainer can
+# move it after. Returns the number of entries acknowledged.
 # KEYS: stream, fence, seek of each partition.
 # ARGV: group, generation, mode ('seek' or 'ack'), then ID, batches of each partition.
 PLACE_MANY_LUA = """
-local group, mine = ARGV[1], tonumber(ARGV[2])
+local group, mine, seek = ARGV[1], tonumber(ARGV[2]), ARGV[3] == 'seek'
 local n = #KEYS / 3
-local cur = {}
+local found, top = {}, mine
 for i = 0, n - 1 do
-  cur[i] = tonumber(redis.call('GET', KEYS[3 * i + 2]) or '0')
-  if cur[i] > mine then return redis.error_reply('TGFENCED ' .. cur[i]) end
+  local old
+  if seek then
+    old = redis.call('SET', KEYS[3 * i + 2], ARGV[2], 'GET')
+  else
+    old = redis.call('GET', KEYS[3 * i + 2])
+  end
+  found[i] = old
+  local cur = tonumber(old or '0')
+  if cur > top then top = cur end
+end
+if top > mine then
+  if seek then
+    for i = 0, n - 1 do
+      if found[i] then redis.call('SET', KEYS[3 * i + 2], found[i])
+      else redis.call('DEL', KEYS[3 * i + 2]) end
+    end
+  end
+  return redis.error_reply('TGFENCED ' .. top)
 end
 local acked = 0
 for i = 0, n - 1 do
-  local stream, fence, seek = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
+  local stream, fence, seek_key = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
   local id = ARGV[4 + 2 * i]
-  if cur[i] < mine then redis.call('SET', fence, ARGV[2]) end
-  if ARGV[3] == 'seek' then
+  if seek then
     local r = redis.pcall('XGROUP', 'SETID', stream, group, id)
     if type(r) == 'table' and r.err then
       redis.call('XGROUP', 'CREATE', stream, group, id, 'MKSTREAM')
     end
-    redis.call('HSET', seek, 'id', id, 'batches', ARGV[5 + 2 * i])
+    redis.call('HSET', seek_key, 'id', id, 'batches', ARGV[5 + 2 * i])
+  elseif tonumber(found[i] or '0') < mine then
+    redis.call('SET', fence, ARGV[2])
   end
   while true do
     local pend = redis.pcall('XPENDING', stream, group, '-', id, 1000)
