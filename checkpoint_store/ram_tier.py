@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -49,7 +49,7 @@ from typing import Any, Literal, get_args
 from checkpoint_store._wrapped import RankStateWrappedStore
 from checkpoint_store.backends import LocalBackend
 from checkpoint_store.dist import ONE_PROCESS
-from checkpoint_store.flatten import flatten
+from checkpoint_store.flatten import TensorLeaf, flatten
 from checkpoint_store.handle import SaveHandle
 from checkpoint_store.layout import data_dir
 from checkpoint_store.manifest import Manifest
@@ -143,8 +143,13 @@ def tree_bytes(root: str | os.PathLike[str]) -> int:
 def state_bytes(state: Mapping[str, Any]) -> int:
     """What a save of ``state`` writes, as an upper estimate."""
     leaves, skeleton = flatten(state)
-    return sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves
-               if leaf.writes) + len(skeleton) + _OVERHEAD_BYTES
+    return written_bytes([leaf for leaf in leaves if leaf.writes], skeleton)
+
+
+def written_bytes(leaves: Sequence[TensorLeaf], skeleton: bytes) -> int:
+    """What a save of these (flattened) leaves writes, as an upper estimate."""
+    return (sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves)
+            + len(skeleton) + _OVERHEAD_BYTES)
 
 
 class RamTierStore(RankStateWrappedStore):
@@ -200,6 +205,9 @@ class RamTierStore(RankStateWrappedStore):
         self.store = CheckpointStore(self.root, keep_last=_NO_LIMIT, keep_every=keep_every,
                                      chunk_bytes=chunk_bytes, io_threads=io_threads,
                                      process_group=ONE_PROCESS, stage_in_files=True)
+        # The budget is checked inside the save, on the state the save flattens anyway.
+        self.store.before_stage = lambda leaves, skeleton: self._make_room(
+            written_bytes(leaves, skeleton))
         self.url = self.store.url
         self._backend = LocalBackend(str(self.root))
         self._lock = threading.Lock()  # budget decisions and retention, one at a time
@@ -305,10 +313,9 @@ class RamTierStore(RankStateWrappedStore):
 
     # ---------------------------------------------------------------- save / load
     def _before_save(self, state: Mapping[str, Any]) -> None:
-        """Makes room for the save in the budget, after waiting for the save in
-        flight (its bytes count)."""
+        """Waits for the save in flight (its bytes count, and its retention runs
+        first); the save then makes room in the budget (``before_stage``)."""
         self._wait_last()
-        self._make_room(state_bytes(state))
 
     def _after_save(self, handle: SaveHandle) -> None:
         self._last = handle

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -98,6 +98,10 @@ class CheckpointStore(Catalog):
         self._backend: Backend = open_backend(url, storage_options)
         self._comm: Comm = make_comm(process_group)
         self.stage_in_files = stage_in_files
+        self.before_stage: Callable[[Sequence[TensorLeaf], bytes], None] | None = None
+        """Set by a tier that budgets its bytes (``RamTierStore``): called in the saving
+        thread with the leaves a save writes and its skeleton, once the state is
+        flattened and before anything is staged; what it raises fails the save."""
         self.chunk_maps: ChunkMaps | None = None
         if stage_in_files:
             if not (isinstance(self._backend, LocalBackend) and self._comm.world_size == 1):
@@ -224,6 +228,8 @@ class CheckpointStore(Catalog):
             leaves = [leaf for leaf in leaves if leaf.sharded]
         # A DTensor replica leaves its block to the replica at coordinate 0.
         leaves = [leaf for leaf in leaves if leaf.writes]
+        if self.before_stage is not None:
+            self.before_stage(leaves, skeleton)
         plan = plan_rank(leaves, rank=self.rank, chunk_bytes=self.chunk_bytes,
                          own_array_bytes=self.chunk_bytes)
         on_cpu = all(not leaf.tensor.is_cuda for leaf in leaves)
