@@ -98,10 +98,9 @@ class CheckpointStore(Catalog):
         self._backend: Backend = open_backend(url, storage_options)
         self._comm: Comm = make_comm(process_group)
         self.stage_in_files = stage_in_files
+        # Set by a tier that budgets its bytes (RamTierStore): called with the leaves a
+        # save writes and its skeleton, before anything is staged; a raise fails the save.
         self.before_stage: Callable[[Sequence[TensorLeaf], bytes], None] | None = None
-        """Set by a tier that budgets its bytes (``RamTierStore``): called in the saving
-        thread with the leaves a save writes and its skeleton, once the state is
-        flattened and before anything is staged; what it raises fails the save."""
         self.chunk_maps: ChunkMaps | None = None
         if stage_in_files:
             if not (isinstance(self._backend, LocalBackend) and self._comm.world_size == 1):
@@ -307,14 +306,8 @@ class CheckpointStore(Catalog):
                 f"{failed.error}; nothing was committed for it"
             ) from failed.error
 
-    def load(
-        self,
-        state: Mapping[str, Any],
-        *,
-        step: int | None = None,
-        keys: Iterable[str] | None = None,
-        strict: bool = False,
-    ) -> Manifest | None:
+    def load(self, state: Mapping[str, Any], *, step: int | None = None,
+             keys: Iterable[str] | None = None, strict: bool = False) -> Manifest | None:
         """Load the checkpoint a restart resumes from (or ``step``'s newest save) into
         ``state`` in place: the newest valid one in restore order
         (:func:`trainguard.core.newest.restore_order`; commit order for checkpoints
