@@ -29,7 +29,7 @@ from typing import Any
 import crc32c as _crc
 
 from checkpoint_store import _faults
-from checkpoint_store._page_reuse import ChunkMaps
+from checkpoint_store._page_reuse import ChunkMaps, copy_into
 from checkpoint_store.backends import LocalBackend
 from checkpoint_store.flatten import TensorLeaf
 from checkpoint_store.plan import RankPlan
@@ -38,7 +38,8 @@ from checkpoint_store.writer import chunk_pieces, write_arrays
 from checkpoint_store.zarr_format import CRC_BYTES, ArrayLayout, zero_bytes
 from trainguard.core.checkpoints import CheckpointError
 
-__all__ = ["SEAL_PIECE_BYTES", "STAGING_PHASE", "seal_rank", "stage_files"]
+__all__ = ["SEAL_PIECE_BYTES", "STAGING_PHASE", "Spares", "seal_rank", "stage_files",
+           "stage_in_spares"]
 
 STAGING_PHASE = "mid-staging"
 """The fault phase (``_faults``) reached once the first chunk file is staged."""
@@ -53,24 +54,15 @@ def stage_files(backend: LocalBackend, data_dir: str, plan: RankPlan,
     (zeros in gaps and padding) and a zeroed CRC trailer that :func:`seal_rank` fills
     in; into a spare's pages where ``maps`` has one of the size (``_page_reuse``).
     Runs in the caller's thread: on return the state may change."""
-    by_array: dict[str, list[Segment]] = {}
-    for seg in sorted(direct_segments(leaves, plan), key=lambda s: (s.array, s.offset)):
-        by_array.setdefault(seg.array, []).append(seg)
     if maps is not None:
-        maps.fit([layout.chunk_bytes + CRC_BYTES for layout in plan.arrays
-                  for _ in range(layout.nchunks)])
+        maps.fit(_sizes(plan))
     try:
-        first = True
-        for layout in plan.arrays:
-            for index in range(layout.nchunks):
-                pieces = chunk_pieces(layout, by_array.get(layout.path, []), index)
-                pieces.extend(zero_bytes(CRC_BYTES))
-                rel = f"{data_dir}/{layout.chunk_path(index)}"
-                if maps is None or not maps.write(rel, pieces):
-                    backend.write_file(rel, pieces)
-                if first:
-                    first = False
-                    _faults.reached(STAGING_PHASE)
+        for n, (path, pieces) in enumerate(_chunks(plan, leaves)):
+            rel = f"{data_dir}/{path}"
+            if maps is None or not maps.write(rel, pieces):
+                backend.write_file(rel, pieces)
+            if n == 0:
+                _faults.reached(STAGING_PHASE)
     except BaseException:
         if maps is not None:  # the caller deletes the files: no mapping may keep their pages
             maps.forget(data_dir)
@@ -78,13 +70,68 @@ def stage_files(backend: LocalBackend, data_dir: str, plan: RankPlan,
         raise
 
 
+Spares = list[tuple[str, str, Any]]
+"""Chunks copied into claimed spares, not yet placed: ``(spare, chunk path relative to
+the data directory, mapping)``, for :meth:`ChunkMaps.place` in the writer thread."""
+
+
+def _sizes(plan: RankPlan) -> list[int]:
+    """Each chunk file's size: every one whole (padded), with its trailer."""
+    return [layout.chunk_bytes + CRC_BYTES for layout in plan.arrays
+            for _ in range(layout.nchunks)]
+
+
+def _chunks(plan: RankPlan, leaves: Sequence[TensorLeaf]) -> list[tuple[str, list[Any]]]:
+    """Each chunk file of ``plan``: its path under the data directory and its pieces
+    (payload, zeros in gaps and padding, the zeroed CRC trailer)."""
+    by_array: dict[str, list[Segment]] = {}
+    for seg in sorted(direct_segments(leaves, plan), key=lambda s: (s.array, s.offset)):
+        by_array.setdefault(seg.array, []).append(seg)
+    out = []
+    for layout in plan.arrays:
+        for index in range(layout.nchunks):
+            pieces = chunk_pieces(layout, by_array.get(layout.path, []), index)
+            pieces.extend(zero_bytes(CRC_BYTES))
+            out.append((layout.chunk_path(index), pieces))
+    return out
+
+
+def stage_in_spares(plan: RankPlan, leaves: Sequence[TensorLeaf],
+                    maps: ChunkMaps) -> Spares | None:
+    """Copy every chunk of ``plan`` into a spare of its size, when there is one for
+    each (else None, nothing taken: the caller stages new files). Nothing is renamed,
+    no uid chosen, no marker written: the writer thread does that before it seals
+    (``saving.run_save``), so the caller's thread only copies. A crash before then
+    leaves spares of a dead process, which the next store to open the root removes."""
+    sizes = _sizes(plan)
+    maps.fit(sizes)
+    claimed = maps.claim(sizes)
+    if claimed is None:
+        return None
+    chunks = _chunks(plan, leaves)
+    try:
+        for n, ((_, pieces), (_, m)) in enumerate(zip(chunks, claimed, strict=True)):
+            copy_into(m, pieces)
+            if n == 0:
+                _faults.reached(STAGING_PHASE)
+    except BaseException:
+        maps.discard(claimed)
+        raise
+    return [(spare, rel, m) for (rel, _), (spare, m) in zip(chunks, claimed, strict=True)]
+
+
 def seal_rank(backend: LocalBackend, data_dir: str, plan: RankPlan, *,
-              io_threads: int, maps: ChunkMaps | None = None) -> dict[str, dict[str, Any]]:
+              io_threads: int, maps: ChunkMaps | None = None,
+              spares: Spares | None = None) -> dict[str, dict[str, Any]]:
     """Checksum the chunk files :func:`stage_files` wrote, write their trailers, then
     the rank's metadata (``writer.write_arrays``); returns the manifest ``arrays``
     entries, as ``write_rank`` does. With ``maps``, each file is read through its
     mapping, which stays open for the save that rewrites it (``_page_reuse``); the
     mappings of files deleted by another path are closed here, off the loop's path."""
+    if spares and maps is not None:  # staged by stage_in_spares: into place first
+        moves = [(spare, f"{data_dir}/{rel}", m) for spare, rel, m in spares]
+        spares.clear()  # the placement's now: it deletes what it cannot move
+        maps.place(moves)
     if maps is not None:
         maps.prune()
     local = threading.local()

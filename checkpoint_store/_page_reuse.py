@@ -13,10 +13,13 @@ So this process keeps each chunk file it sealed mapped (:meth:`ChunkMaps.hold`).
 When the RAM tier drops a checkpoint right before a save (its budget, or
 ``overwrite_oldest``), it retires the manifest first (from there the files are no
 checkpoint's) and moves the mapped chunk files aside as spares (:meth:`recycle`);
-the save takes a spare of the right size for each chunk, renames it into its new
-data directory and copies into the mapping (:meth:`write`). The spares live under
-the tier's root (``.spare/``), so they count in its budget, and only between the
-drop and the save's staging: none is kept between saves.
+the save takes a spare of the right size for each chunk and copies into its mapping
+(the inode's pages, whatever its name); when every chunk has one (:meth:`claim`), the
+renames into the new data directory wait for the writer thread (:meth:`place`), with
+the uid and the in-flight marker, so that the caller's thread only copies; otherwise
+each spare is renamed, then written (:meth:`write`). The spares live under the
+tier's root (``.spare/``), so they count in its budget, and only between the drop and
+the save's seal: none is kept between saves.
 
 What this costs: one mapping (and one descriptor, which Python's mmap keeps) per
 chunk file of the newest checkpoints, and their page tables (2 MiB per GiB of
@@ -39,7 +42,7 @@ import torch
 from checkpoint_store.backends import LocalBackend
 from trainguard.core.process import pid_alive
 
-__all__ = ["SPARE_DIR", "ChunkMaps"]
+__all__ = ["SPARE_DIR", "ChunkMaps", "copy_into"]
 
 SPARE_DIR = ".spare"
 """Under the tier's root: chunk files between the drop of their checkpoint and the save
@@ -70,6 +73,25 @@ def _close(m: mmap.mmap) -> None:
     # until it is freed; the file goes either way.
     with contextlib.suppress(BufferError):
         m.close()
+
+
+def copy_into(m: mmap.mmap, pieces: Sequence[Any]) -> None:
+    """``pieces`` one after the other into the mapping ``m``, from its start."""
+    # torch's copy, not the mmap's slice assignment: it runs on the intra-op threads,
+    # as the host copy it is measured against does (1.5x faster on 2 cores).
+    pos = 0
+    dst = torch.frombuffer(m, dtype=torch.uint8)
+    for p in pieces:
+        view = memoryview(p).cast("B")
+        if view.readonly:  # zeros of the padding and the trailer (torch wants writable)
+            m[pos:pos + len(view)] = view
+        elif len(view):
+            a, b = dst[pos:pos + len(view)], torch.frombuffer(view, dtype=torch.uint8)
+            if len(view) % 8 == 0 == pos % 8:  # as words: torch splits by elements, and
+                a, b = a.view(torch.int64), b.view(torch.int64)  # bytes split small ones
+            a.copy_(b)
+        pos += len(view)
+    del dst  # the mapping can be closed once no tensor views it
 
 
 class ChunkMaps:
@@ -153,33 +175,49 @@ class ChunkMaps:
             if not group:
                 return False
             spare, m = group.pop()
-        full = self._backend.local_path(rel)
-        try:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            os.rename(self._backend.local_path(spare), full)
-        except BaseException:
+        self.place([(spare, rel, m)])
+        copy_into(m, pieces)
+        return True
+
+    def claim(self, sizes: Sequence[int]) -> list[tuple[str, mmap.mmap]] | None:
+        """A spare for each of ``sizes``, in order, out of the pool; None, and nothing
+        taken, when some size has too few (the caller then writes files as usual)."""
+        want: dict[int, int] = {}
+        for s in sizes:
+            want[s] = want.get(s, 0) + 1
+        with self._lock:
+            if any(len(self._spares.get(s, ())) < n for s, n in want.items()):
+                return None
+            return [self._spares[s].pop() for s in sizes]
+
+    def place(self, moves: Sequence[tuple[str, str, mmap.mmap]]) -> None:
+        """Rename each claimed spare to its chunk path (``(spare, rel, mapping)``) and
+        keep its mapping under that path. A spare that cannot be moved is closed and
+        deleted with the rest not yet moved, and the error raised: the save fails,
+        and what was moved is its data directory's, debris for ``gc``."""
+        for i, (spare, rel, m) in enumerate(moves):
+            full = self._backend.local_path(rel)
+            try:
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+                os.rename(self._backend.local_path(spare), full)
+            except BaseException:
+                self.discard([(s, m2) for s, _, m2 in moves[i:]])
+                raise
+            with self._lock:
+                self._maps[rel] = m
+
+    def give_back(self, claimed: Sequence[tuple[str, mmap.mmap]]) -> None:
+        """Claimed spares that no save placed (it failed first) return to the pool."""
+        with self._lock:
+            for spare, m in claimed:
+                self._spares.setdefault(len(m), []).append((spare, m))
+
+    def discard(self, claimed: Sequence[tuple[str, mmap.mmap]]) -> None:
+        """Close claimed spares and delete their files."""
+        for spare, m in claimed:
             _close(m)
             with contextlib.suppress(OSError):
                 os.remove(self._backend.local_path(spare))
-            raise
-        with self._lock:
-            self._maps[rel] = m
-        # torch's copy, not the mmap's slice assignment: it runs on the intra-op
-        # threads, as the host copy it is measured against does (1.5x faster on 2 cores).
-        pos = 0
-        dst = torch.frombuffer(m, dtype=torch.uint8)
-        for p in pieces:
-            view = memoryview(p).cast("B")
-            if view.readonly:  # zeros of the padding and the trailer (torch wants writable)
-                m[pos:pos + len(view)] = view
-            elif len(view):
-                a, b = dst[pos:pos + len(view)], torch.frombuffer(view, dtype=torch.uint8)
-                if len(view) % 8 == 0 == pos % 8:  # as words: torch splits by elements, and
-                    a, b = a.view(torch.int64), b.view(torch.int64)  # bytes split small ones
-                a.copy_(b)
-            pos += len(view)
-        del dst  # the mapping can be closed once no tensor views it
-        return True
 
     # -------------------------------------------------------------- housekeeping
     def forget(self, data_dir: str) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store import _faults
-from checkpoint_store._file_staging import seal_rank
+from checkpoint_store._file_staging import Spares, seal_rank, stage_files, stage_in_spares
 from checkpoint_store._page_reuse import ChunkMaps
 from checkpoint_store.backends import Backend, LocalBackend
 from checkpoint_store.dist import Comm, broadcast_json, gather_json
@@ -75,7 +75,8 @@ from trainguard.core.checkpoints import (
 )
 from trainguard.core.newest import newest_committed
 
-__all__ = ["SaveJob", "as_save_error", "latest_pointer", "pick_uid", "run_save", "write_marker"]
+__all__ = ["SaveJob", "as_save_error", "latest_pointer", "pick_uid", "run_save", "stage_in_files",
+           "write_marker"]
 
 log = logging.getLogger("checkpoint_store")
 
@@ -103,7 +104,11 @@ class SaveJob:
     parent: str | None = None
     """The newest manifest when ``uid`` was chosen (the new manifest's parent)."""
     maps: ChunkMaps | None = None
-    """The store's mappings of its chunk files, with ``uid`` (``_page_reuse``)."""
+    """The store's mappings of its chunk files, with ``uid`` or ``spares``."""
+    spares: Spares | None = None
+    """Set when every chunk is copied already into a dropped checkpoint's spare file
+    (``_file_staging.stage_in_spares``): the writer chooses the uid, writes the marker
+    and places the spares (emptied then) before it seals them."""
 
 
 def latest_pointer(name: str, step: int, uid: str) -> bytes:
@@ -128,6 +133,36 @@ def write_marker(backend: Backend, uid: str, rank: int, step: int) -> None:
         "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
         "step": step, "rank": rank,
     }).encode()])
+
+
+def stage_in_files(backend: LocalBackend, own_inflight: set[str], rank: int, step: int,
+                   job: SaveJob) -> SaveJob:
+    """The caller's thread's half of an async save staged in the store's files
+    (``_file_staging``): every chunk copied into a dropped checkpoint's spares, which
+    the writer places with the uid and the marker (``job.spares``); else uid, marker and
+    chunk files now (``job.uid``). The writer seals them."""
+    maps = job.maps
+    if maps is not None:
+        job.spares = stage_in_spares(job.plan, job.leaves, maps)
+        if job.spares is not None:
+            return job
+    uid, parent = pick_uid(backend)
+    own_inflight.add(uid)
+    try:
+        write_marker(backend, uid, rank, step)
+        _faults.reached("before-data")
+        stage_files(backend, data_dir(uid), job.plan, job.leaves, maps)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            backend.remove_tree(data_dir(uid))
+        with contextlib.suppress(OSError):
+            backend.remove(inflight_marker(uid, rank))
+        own_inflight.discard(uid)
+        if isinstance(e, OSError):  # tmpfs full, say: what and what to do
+            raise as_save_error(e, step) from e
+        raise
+    job.uid, job.parent = uid, parent
+    return job
 
 
 def _tensor_entries(job: SaveJob) -> dict[str, Any]:
@@ -173,11 +208,11 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
     """Run the protocol; returns the committed manifest and its exact bytes.
     ``fragments``: the writer's encoded manifest entries of its previous save."""
     rank = comm.rank
-    staged_in_files = job.uid is not None
+    staged_in_files = job.uid is not None or job.spares is not None
+    if staged_in_files and comm.world_size != 1:
+        raise CheckpointError("a save staged in the store's files needs a one-process "
+                              f"store; this one has {comm.world_size} ranks")
     if job.uid is not None:
-        if comm.world_size != 1:
-            raise CheckpointError("a save staged in the store's files needs a one-process "
-                                  f"store; this one has {comm.world_size} ranks")
         uid, parent = job.uid, job.parent
     else:
         uid, parent = _gathered_uid(backend, comm, job.step)
@@ -192,7 +227,7 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
         try:
             if job.error is not None:
                 raise job.error
-            if not staged_in_files:
+            if job.uid is None:  # else the caller's thread wrote it, with the files
                 write_marker(backend, uid, rank, job.step)
                 _faults.reached("before-data")
             if rank == 0:
@@ -201,7 +236,8 @@ def run_save(backend: Backend, comm: Comm, job: SaveJob, *, io_threads: int,
                 job.staged.ready.synchronize()
             if staged_in_files:
                 assert isinstance(backend, LocalBackend)  # CheckpointStore checks it
-                arrays = seal_rank(backend, ddir, job.plan, io_threads=io_threads, maps=job.maps)
+                arrays = seal_rank(backend, ddir, job.plan, io_threads=io_threads, maps=job.maps,
+                                   spares=job.spares)
             else:
                 arrays = write_rank(backend, ddir, job.plan, job.staged.segments,
                                     io_threads=io_threads)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-import contextlib
 import logging
 import os
 import threading
@@ -15,21 +14,20 @@ import torch
 
 from checkpoint_store import _faults
 from checkpoint_store._catalog import Catalog
-from checkpoint_store._file_staging import stage_files
 from checkpoint_store._page_reuse import ChunkMaps
 from checkpoint_store.backends import Backend, LocalBackend, open_backend
 from checkpoint_store.direct import DirectLoad
 from checkpoint_store.dist import Comm, all_gather_json, make_comm
 from checkpoint_store.flatten import TensorLeaf, decode_skeleton, flatten
 from checkpoint_store.handle import SaveHandle
-from checkpoint_store.layout import data_dir, inflight_marker
+from checkpoint_store.layout import data_dir
 from checkpoint_store.loading import Applier
 from checkpoint_store.manifest import Manifest, TensorFragments, json_extra
-from checkpoint_store.plan import RankPlan, plan_rank
+from checkpoint_store.plan import plan_rank
 from checkpoint_store.rank_content import load_content
 from checkpoint_store.reader import ChunkReader
 from checkpoint_store.retention import remove_data
-from checkpoint_store.saving import SaveJob, as_save_error, pick_uid, run_save, write_marker
+from checkpoint_store.saving import SaveJob, run_save, stage_in_files
 from checkpoint_store.staging import BufferPool, Staged, direct_segments
 from trainguard.core.checkpoints import (
     CheckpointError,
@@ -233,7 +231,10 @@ class CheckpointStore(Catalog):
                          own_array_bytes=self.chunk_bytes)
         on_cpu = all(not leaf.tensor.is_cuda for leaf in leaves)
         if not blocking and self.stage_in_files and on_cpu:
-            return self._stage_in_files(step, extra_doc, leaves, plan, skeleton)
+            assert isinstance(self._backend, LocalBackend)
+            return stage_in_files(self._backend, self._own_inflight, self.rank, step,
+                                  SaveJob(step, extra_doc, leaves, plan, Staged([], None),
+                                          skeleton, maps=self.chunk_maps))
         if self.chunk_maps is not None:  # spares are for staging: freed before new files
             self.chunk_maps.fit([])
         if blocking and on_cpu:
@@ -242,29 +243,6 @@ class CheckpointStore(Catalog):
             staged = self._pool.stage(leaves, plan)
         return SaveJob(step, extra_doc, leaves, plan, staged, skeleton)
 
-    def _stage_in_files(self, step: int, extra_doc: dict[str, Any],
-                        leaves: builtins.list[TensorLeaf], plan: RankPlan,
-                        skeleton: bytes) -> SaveJob:
-        """Uid, marker and chunk files now (``_file_staging``); the writer seals them."""
-        assert isinstance(self._backend, LocalBackend)
-        uid, parent = pick_uid(self._backend)
-        self._own_inflight.add(uid)
-        try:
-            write_marker(self._backend, uid, self.rank, step)
-            _faults.reached("before-data")
-            stage_files(self._backend, data_dir(uid), plan, leaves, self.chunk_maps)
-        except BaseException as e:
-            with contextlib.suppress(OSError):
-                self._backend.remove_tree(data_dir(uid))
-            with contextlib.suppress(OSError):
-                self._backend.remove(inflight_marker(uid, self.rank))
-            self._own_inflight.discard(uid)
-            if isinstance(e, OSError):  # tmpfs full, say: what and what to do
-                raise as_save_error(e, step) from e
-            raise
-        return SaveJob(step, extra_doc, leaves, plan, Staged([], None), skeleton,
-                       uid=uid, parent=parent, maps=self.chunk_maps)
-
     def _run(self, handle: SaveHandle, job: SaveJob) -> None:
         try:
             manifest, _raw = run_save(self._backend, self._comm, job,
@@ -272,6 +250,8 @@ class CheckpointStore(Catalog):
                                      own_inflight=self._own_inflight,
                                      fragments=self._fragments)
         except BaseException as e:
+            if job.spares and job.maps is not None:  # failed before placing them
+                job.maps.give_back([(spare, m) for spare, _, m in job.spares])
             with self._lock:
                 self._unreported = handle
             handle._finish(None, e)

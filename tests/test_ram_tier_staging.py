@@ -131,6 +131,46 @@ def test_a_save_rewrites_the_pages_of_the_checkpoint_it_drops(shm: Path) -> None
     ram.close()
 
 
+def test_a_save_into_spares_only_copies_before_it_returns(shm: Path) -> None:
+    """With ``overwrite_oldest`` and a spare for every chunk, ``save(blocking=False)``
+    returns having only copied: while the writer thread is held up, no uid's data
+    directory or in-flight marker exists beside the dropped checkpoint's leftovers, the
+    spares hold the new chunk bytes, and no manifest is committed. Once the writer
+    runs, the save commits in the same inodes and loads back bitwise."""
+    state = _state(3, 8)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    ram = RamTierStore(shm / "ram", budget_bytes=2 * nbytes + 4 * MB, keep_last=1,
+                       overwrite_oldest=True, chunk_bytes=2 * MB)
+    ram.save(state, step=1, blocking=False).wait()
+    dirs = {p.name for p in (ram.root / DATA_DIR).iterdir()}
+    inodes = {f.stat().st_ino for f in (ram.root / DATA_DIR).rglob("*")
+              if f.is_file() and f.stat().st_size > MB}
+    for v in state.values():
+        v.add_(1.0)
+    release = threading.Event()
+    ram.store._executor.submit(release.wait)  # the writer thread, held up
+    handle = ram.save(state, step=2, blocking=False)
+    try:
+        assert {p.name for p in (ram.root / DATA_DIR).iterdir()} == dirs  # none begun
+        assert not any((ram.root / INFLIGHT_DIR).glob("*"))  # no marker yet
+        assert not list((ram.root / MANIFEST_DIR).iterdir())  # step 1 retired
+        spares = sorted((ram.root / SPARE_DIR).iterdir())
+        assert {f.stat().st_ino for f in spares} == inodes
+        staged = b"".join(f.read_bytes()[:-4] for f in spares)
+        assert state["t0"].numpy().tobytes()[:MB] in staged
+    finally:
+        release.set()
+    handle.wait()
+    assert [m.step for m in ram.list()] == [2]
+    assert {f.stat().st_ino for f in (ram.root / DATA_DIR).rglob("*")
+            if f.is_file() and f.stat().st_size > MB} == inodes
+    assert not list((ram.root / SPARE_DIR).iterdir())
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    ram.load(back, step=2, strict=True)
+    assert _equal(back, state)
+    ram.close()
+
+
 def test_async_saves_keep_the_budget_with_the_staging_counted(shm: Path) -> None:
     """Budget for two checkpoints and a bit: each async save's staged files are in the
     tier (and counted) as soon as save() returns, next to the checkpoint kept, and the
@@ -214,16 +254,17 @@ print("NOT KILLED", flush=True)
 
 def test_kill_while_a_save_rewrites_dropped_pages_commits_nothing(shm: Path) -> None:
     """A trainer SIGKILLed while an async save writes into the chunk files of the
-    checkpoint it dropped (``overwrite_oldest``, keep_last=2: step 1 dropped, step 3's
-    first chunk written into one of its files, three left as spares) commits nothing:
-    a restart lists and loads step 2 bit for bit, removes the dead process's spares,
-    and ``gc`` removes the torn save's files and what step 1 left (its metadata, whose
-    removal waits for the commit that never came)."""
+    checkpoint it dropped (``overwrite_oldest``, keep_last=2: step 1 dropped, its four
+    files taken as spares, step 3's first chunk copied into one; their move into a data
+    directory, the uid and the marker wait for the writer thread) commits nothing: a
+    restart lists and loads step 2 bit for bit, removes the dead process's spares, and
+    ``gc`` removes what step 1 left (its metadata, whose removal waits for the commit
+    that never came); no other data directory was begun."""
     out = subprocess.run([sys.executable, "-c", _RECYCLER, str(shm), STAGING_PHASE], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == -9, (out.returncode, out.stdout, out.stderr)
     assert len(list((shm / MANIFEST_DIR).iterdir())) == 1
-    assert len(list((shm / SPARE_DIR).iterdir())) == 3
+    assert len(list((shm / SPARE_DIR).iterdir())) == 4
 
     store = RamTierStore(shm, budget_bytes=64 << 20, chunk_bytes=1 << 20, keep_last=2)
     assert not list((shm / SPARE_DIR).iterdir())
@@ -235,7 +276,7 @@ def test_kill_while_a_save_rewrites_dropped_pages_commits_nothing(shm: Path) -> 
     assert manifest is not None and manifest.step == 2
     assert torch.equal(back["w"], torch.randn(1 << 20, generator=g))
     report = store.gc()
-    assert len(report.removed_data) == 2 and report.in_flight == []
+    assert len(report.removed_data) == 1 and report.in_flight == []
     assert len(list((shm / DATA_DIR).iterdir())) == 1
     store.close()
 
