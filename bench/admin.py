@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -90,19 +91,25 @@ def measure(manifests: int, warm_rounds: int) -> tuple[float, float]:
         server.stop()
 
 
+def report_sizes(sizes: list[int], warm_rounds: int) -> Iterator[str]:
+    """The table's lines, each as soon as its size is measured, then the warm ratio."""
+    results = {}
+    yield f"{'manifests':>9} | {'cold ms':>9} | {'warm ms (median)':>16}"
+    for n in sizes:
+        cold, warm = measure(n, warm_rounds)
+        results[n] = warm
+        yield f"{n:>9} | {cold:>9.1f} | {warm:>16.1f}"
+    small, big = results[min(results)], results[max(results)]
+    yield f"warm {max(results)} / warm {min(results)}: {big / small:.1f}x (target <= 5x)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 1000])
     parser.add_argument("--warm-rounds", type=int, default=9)
     args = parser.parse_args()
-    results = {}
-    print(f"{'manifests':>9} | {'cold ms':>9} | {'warm ms (median)':>16}")
-    for n in args.sizes:
-        cold, warm = measure(n, args.warm_rounds)
-        results[n] = warm
-        print(f"{n:>9} | {cold:>9.1f} | {warm:>16.1f}")
-    small, big = results[min(results)], results[max(results)]
-    print(f"warm {max(results)} / warm {min(results)}: {big / small:.1f}x (target <= 5x)")
+    for line in report_sizes(args.sizes, args.warm_rounds):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ started here on free ports; the service with a producer token, no file producers
 5. The event loop's worst stall while one client sends each kind of decoding bomb
    (``bench/push_bombs.py``): /healthz probed one after the other, with no bomb and
    beside each bomb; ``--bombs-only`` runs this phase alone.
+6. ``/admin/runs`` at 10 and at 1,000 manifests (``bench/admin.py``: a service and a
+   store root of its own per size), cold and warm, and the warm ratio (target <= 5x);
+   ``--admin-only`` runs this phase alone.
 
 Each phase (each round) pushes to a push dataset of its own, deleted after it: with no
 consumer committing here, the service's backlog view then starts empty every time and
@@ -305,6 +308,16 @@ def bombs(bench: Bench, args: argparse.Namespace, base: str, pid: int) -> None:
             print(line)
 
 
+def admin_phase() -> None:
+    """Phase 6: the catalog's cost at 10 and 1,000 manifests (``bench/admin.py``)."""
+    from admin import report_sizes
+
+    print("6. /admin/runs at 10 and 1,000 manifests (300 tensors each, in 50 runs; a "
+          "service of its own per size)")
+    for line in report_sizes([10, 1000], warm_rounds=9):
+        print(f"  {line}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=4, help="ratio rounds")
@@ -320,6 +333,7 @@ def main() -> None:
     parser.add_argument("--bomb-seconds", type=float, default=3.0, help="per bomb, phase 5")
     parser.add_argument("--bomb-rounds", type=int, default=3, help="phase 5 rounds")
     parser.add_argument("--bombs-only", action="store_true", help="run phase 5 alone")
+    parser.add_argument("--admin-only", action="store_true", help="run phase 6 alone")
     parser.add_argument("--compare-inline", action="store_true",
                         help="with --bombs-only: a second service with --decode-workers 0 "
                              "(every body parsed on the loop), rounds interleaved, paired ratios")
@@ -331,6 +345,9 @@ def main() -> None:
                         help="serve through bench/_serve_steps.py: each loop step over 1 ms "
                              "of CPU is written to this file (where it started and ended)")
     args = parser.parse_args()
+    if args.admin_only:
+        admin_phase()
+        return
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-push-"))
     server = RedisServer(tmp / "redis").start()
     port = free_port()
@@ -434,6 +451,7 @@ def main() -> None:
               f"target < 50); beside the worst-case client p99 {pct(worst, .99):.1f} ms "
               f"(target < 100)")
         bombs(bench, args, base, proc.pid)
+        admin_phase()
     finally:
         proc.terminate()
         proc.wait(30)
