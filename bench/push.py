@@ -267,9 +267,9 @@ def paired_bombs(bench: Bench, args: argparse.Namespace,
                  bases: dict[str, tuple[str, int]]) -> None:
     from push_bombs import paired_bomb_phase, paired_report
 
-    async def run() -> dict[str, Any]:
+    async def run() -> dict[str, list[dict[str, Any]]]:
         r = Redis.from_url(bench.redis_url)
-        named = {}
+        named: dict[str, tuple[str, str, int | None]] = {}
         for label, (base, pid) in bases.items():
             name = f"{DATASET}-bombs-{label.split()[0]}"
             await create_dataset(r, streams.DatasetSpec(name=name, partitions=PARTITIONS,
@@ -288,7 +288,7 @@ def paired_bombs(bench: Bench, args: argparse.Namespace,
 def bombs(bench: Bench, args: argparse.Namespace, base: str, pid: int) -> None:
     from push_bombs import bomb_phase, report, step_report
 
-    async def run() -> dict[str, Any]:
+    async def run() -> list[dict[str, Any]]:
         r = Redis.from_url(bench.redis_url)
         name = f"{DATASET}-bombs"  # records up to 16 MiB: the byte limits let bombs in
         await create_dataset(r, streams.DatasetSpec(name=name, partitions=PARTITIONS,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import re
 import shutil
@@ -97,7 +98,7 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=log.open("wb"))
             services[label] = (f"http://127.0.0.1:{port}", log, proc)
         for base, _, _proc in services.values():
-            if not wait_until(lambda b=base: http_ready(f"{b}/readyz"), 60):
+            if not wait_until(functools.partial(http_ready, f"{base}/readyz"), 60):
                 raise RuntimeError("a service did not become ready")
         print(f"load average at start {os.getloadavg()[0]:.1f}")
 

@@ -45,8 +45,8 @@ import msgpack
 
 __all__ = ["BOMBS", "bomb_phase", "paired_bomb_phase", "paired_report", "report", "slice_costs"]
 
-_LISTS = [[[]] * 10_000] * 419
-_UNDER = [[[]] * 9_998] * 100
+_LISTS: list[list[list[Any]]] = [[[]] * 10_000] * 419
+_UNDER: list[list[list[Any]]] = [[[]] * 9_998] * 100
 """100 records of 9,998 empty lists each: just within the bound, accepted (1 MiB)."""
 
 
