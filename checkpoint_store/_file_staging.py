@@ -20,6 +20,7 @@ process: debris that ``gc`` removes, like that of any torn save; nothing is comm
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -70,7 +71,7 @@ def stage_files(backend: LocalBackend, data_dir: str, plan: RankPlan,
         raise
 
 
-Spares = list[tuple[str, str, Any]]
+Spares = list[tuple[str, str, mmap.mmap]]
 """Chunks copied into claimed spares, not yet placed: ``(spare, chunk path relative to
 the data directory, mapping)``, for :meth:`ChunkMaps.place` in the writer thread."""
 

@@ -135,7 +135,7 @@ def write_marker(backend: Backend, uid: str, rank: int, step: int) -> None:
     }).encode()])
 
 
-def stage_in_files(backend: LocalBackend, own_inflight: set[str], rank: int, step: int,
+def stage_in_files(backend: LocalBackend, own_inflight: set[str], rank: int,
                    job: SaveJob) -> SaveJob:
     """The caller's thread's half of an async save staged in the store's files
     (``_file_staging``): every chunk copied into a dropped checkpoint's spares, which
@@ -147,6 +147,7 @@ def stage_in_files(backend: LocalBackend, own_inflight: set[str], rank: int, ste
         if job.spares is not None:
             return job
     uid, parent = pick_uid(backend)
+    step = job.step
     own_inflight.add(uid)
     try:
         write_marker(backend, uid, rank, step)

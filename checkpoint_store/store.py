@@ -232,7 +232,7 @@ class CheckpointStore(Catalog):
         on_cpu = all(not leaf.tensor.is_cuda for leaf in leaves)
         if not blocking and self.stage_in_files and on_cpu:
             assert isinstance(self._backend, LocalBackend)
-            return stage_in_files(self._backend, self._own_inflight, self.rank, step,
+            return stage_in_files(self._backend, self._own_inflight, self.rank,
                                   SaveJob(step, extra_doc, leaves, plan, Staged([], None),
                                           skeleton, maps=self.chunk_maps))
         if self.chunk_maps is not None:  # spares are for staging: freed before new files
