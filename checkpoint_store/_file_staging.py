@@ -10,12 +10,16 @@ committed, so a save holds one copy of the state beside the live one, not two.
 Foreground (the caller's thread, before ``save`` returns; a one-process store only):
 the uid is chosen and the in-flight marker written, as ``saving.run_save`` would do,
 then every chunk file is created with its payload and 4 zero bytes where its CRC-32C
-goes (``stage_files``). Background (the writer thread, ``seal_rank``): each chunk is
-read back in small pieces to compute its CRC (so the CRC pins the bytes that landed),
-the trailer is written in place and the file fsync'd; then the arrays' metadata, and
-``run_save`` commits as always (manifest by exclusive create, then LATEST). A crash
-anywhere before the manifest leaves a data directory and the marker of a dead
-process: debris that ``gc`` removes, like that of any torn save; nothing is committed.
+goes (``stage_files``). Where every chunk has a dropped checkpoint's spare file of its
+size (``_page_reuse``), the foreground only copies into them (``stage_in_spares``),
+and uid, marker and the spares' move into the data directory are the writer's.
+Background (the writer thread, ``seal_rank``): each chunk is read back in small pieces
+to compute its CRC (so the CRC pins the bytes that landed), the trailer is written in
+place and the file fsync'd; then the arrays' metadata, and ``run_save`` commits as
+always (manifest by exclusive create, then LATEST). A crash anywhere before the
+manifest leaves a data directory and the marker of a dead process (or spares of one),
+debris that ``gc`` (or the next store to open the root) removes, like that of any torn
+save; nothing is committed.
 """
 
 from __future__ import annotations

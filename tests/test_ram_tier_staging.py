@@ -17,6 +17,7 @@ from checkpoint_store._file_staging import STAGING_PHASE
 from checkpoint_store._page_reuse import SPARE_DIR
 from checkpoint_store.layout import DATA_DIR, INFLIGHT_DIR, MANIFEST_DIR
 from checkpoint_store.ram_tier import RamTierStore, state_bytes, tree_bytes
+from checkpoint_store.zarr_format import CRC_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20
@@ -156,7 +157,7 @@ def test_a_save_into_spares_only_copies_before_it_returns(shm: Path) -> None:
         assert not list((ram.root / MANIFEST_DIR).iterdir())  # step 1 retired
         spares = sorted((ram.root / SPARE_DIR).iterdir())
         assert {f.stat().st_ino for f in spares} == inodes
-        staged = b"".join(f.read_bytes()[:-4] for f in spares)
+        staged = b"".join(f.read_bytes()[:-CRC_BYTES] for f in spares)
         assert state["t0"].numpy().tobytes()[:MB] in staged
     finally:
         release.set()
