@@ -33,10 +33,14 @@
 
 Groups 1-3 run in rounds (a balanced order, the first round discarded as warm-up; see
 ``rounds.py``); a ratio is taken within each round, then the median over rounds is
-printed with its range. The partner and moto run on this machine: transfers are
-loopback TCP, so they measure protocols and copies, not a network, and moto is a
-Python S3 emulator, not S3 (its speed says nothing about a real bucket's). Merges a
-``tiers`` section into the JSON results file (``rounds.results_path()``).
+printed with its range. The stall group runs ``stall_rounds(--rounds)`` rounds (4x, at
+least 64): its operations take milliseconds, where one scheduler tick or page-cache
+flush makes a ratio of 2-4x, and at 64 MiB the median of 16 rounds still moved by
+0.06x from run to run (64 rounds: 0.02x, 5 s). The partner and moto run on this
+machine: transfers are loopback TCP, so they measure protocols and copies, not a
+network, and moto is a Python S3 emulator, not S3 (its speed says nothing about a real
+bucket's). Merges a ``tiers`` section into the JSON results file
+(``rounds.results_path()``).
 """
 
 from __future__ import annotations
@@ -123,6 +127,11 @@ class Tiers:
 
 
 # ------------------------------------------------------------------ 1. the loop's stall
+def stall_rounds(rounds: int) -> int:
+    """The stall group's rounds for ``--rounds`` (module doc)."""
+    return max(64, 4 * rounds)
+
+
 def stall_group(t: Tiers, rounds: int) -> rd.Rounds:
     dst = {k: torch.empty_like(v) for k, v in t.state.items()}
     pending: list[Any] = []
@@ -424,9 +433,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t = Tiers(args.size_mib, rd.ensure_dir(args.dir), moto)
     try:
         if args.stall_only:
-            stall = stall_group(t, args.rounds)
-            print(f"state {t.nbytes / 2**20:.0f} MiB, {args.rounds} rounds + 1 warm-up\n\n"
-                  f"[loop stall]\n{rd.table(stall)}")
+            stall = stall_group(t, stall_rounds(args.rounds))
+            print(f"state {t.nbytes / 2**20:.0f} MiB, {stall_rounds(args.rounds)} rounds + 1 "
+                  f"warm-up\n\n[loop stall]\n{rd.table(stall)}")
             return _finish(args, t, "tiers_stall", stall_ratios(stall),
                            (load_start, os.getloadavg()), t0, {"rows": rd.rows_doc(stall)})
         if args.restore_only:
@@ -434,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ratios = restore_ratios(loads)
             phases = restore_phases(t, manifest, target) if ratios[0].median < 5.0 else None
         else:
-            stall = stall_group(t, args.rounds)
+            stall = stall_group(t, stall_rounds(args.rounds))
             costs = cost_group(t, args.rounds)
             loads, manifest, target = restore_group(t, args.rounds)
             restores = restore_ratios(loads)
@@ -461,8 +470,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_end = os.getloadavg()
 
     print(f"state {t.nbytes / 2**20:.0f} MiB (8 float32 tensors), {args.rounds} rounds + 1 "
-          f"warm-up per group; load average {load_start[0]:.2f} at start, {load_end[0]:.2f} "
-          f"at end, {os.cpu_count()} CPUs")
+          f"warm-up per group ({stall_rounds(args.rounds)} for the stall); load average "
+          f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end, {os.cpu_count()} CPUs")
     for title, r in (("loop stall", stall), ("tier costs", costs), ("restore", loads)):
         print(f"\n[{title}]")
         print(rd.table(r))
@@ -505,7 +514,8 @@ def _finish(args: argparse.Namespace, t: Tiers, name: str, ratios: list[rd.Ratio
     elapsed = time.perf_counter() - t0
     print(f"\n(run took {elapsed:.0f} s; moto S3 on loopback is an emulator, not S3)")
     section = {
-        "size_mib": args.size_mib, "rounds": args.rounds, "state_bytes": t.nbytes,
+        "size_mib": args.size_mib, "rounds": args.rounds,
+        "stall_rounds": stall_rounds(args.rounds), "state_bytes": t.nbytes,
         "loadavg": {"start": list(loads[0]), "end": list(loads[1])},
         "ratios": {r.name: r.doc() for r in ratios}, **figures,
         "elapsed_s": round(elapsed, 1), "note": NOTE,

@@ -80,7 +80,9 @@ class Catalog:
         seen = self._parsed.get(name) if reuse else None
         if seen is not None and seen[0] is not None \
                 and self._backend.mtime(manifest_path(name)) == seen[0]:
-            return dataclasses.replace(seen[1], pinned=pinned)
+            # The record itself while its pin is unchanged: a replace() costs more
+            # than the stat (listings run before every RAM-tier save).
+            return seen[1] if seen[1].pinned == pinned else dataclasses.replace(seen[1], pinned=pinned)
         # The time before the read: a rewrite after it gives a newer time, never this.
         stamp = self._backend.mtime(manifest_path(name)) if reuse else None
         try:

@@ -45,12 +45,13 @@ def test_tiers_bench_reports_every_figure_against_its_baseline(tmp_path: Path) -
                           "--json", str(out)])
     assert json.loads(out.read_text())["benches"]["tiers"]["ratios"] == section["ratios"]
     rows = section["rows"]
-    for name in (*RESTORES, "RAM tier async save (loop stall)",
-                 "RAM tier async save into new pages (loop stall)",
-                 "host copy into buffers allocated once", "RAM tier save (committed)",
-                 "partner copy (one partner)", "local disk save (fsync'd)",
-                 "remote save (moto S3)"):
+    for name in (*RESTORES, "RAM tier save (committed)", "partner copy (one partner)",
+                 "local disk save (fsync'd)", "remote save (moto S3)"):
         assert len(rows[name]["wall_s"]) == 1, name
+    for name in ("RAM tier async save (loop stall)",
+                 "RAM tier async save into new pages (loop stall)",
+                 "host copy into buffers allocated once"):  # milliseconds: more rounds
+        assert len(rows[name]["wall_s"]) == tiers.stall_rounds(1) == section["stall_rounds"]
     ratios = section["ratios"]
     assert ratios["async RAM save stall / host copy (time)"]["target"] == "<= 1.2x"
     assert ratios["partner restore speed / remote (moto S3)"]["target"] == ">= 5x"

@@ -102,9 +102,12 @@ def test_a_save_rewrites_the_pages_of_the_checkpoint_it_drops(shm: Path) -> None
     chunk files of the checkpoint it drops (the same inodes: their pages, mapped
     since the save that wrote them, are not allocated again), the tier never holds
     more than ``keep_last`` checkpoints with the one in flight counted, nothing is
-    left in ``.spare/`` after a save, and every save loads back bitwise. A blocking
-    save in between writes new files and frees the spares first."""
-    state = _state(2, 8)
+    left in ``.spare/`` after a save, and every save loads back bitwise (small tensors
+    packed end to end, odd sizes and the zeros between them included). A blocking save
+    in between writes new files and frees the spares first."""
+    state = _state(2, 8) | {f"small{i}": torch.randn(16) for i in range(3)} | {
+        "odd": torch.arange(3, dtype=torch.uint8), "half": torch.randn(5).half(),
+        "flags": torch.tensor([True, False, True])}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     ram = RamTierStore(shm / "ram", budget_bytes=2 * nbytes + 4 * MB, keep_last=1,
                        overwrite_oldest=True, chunk_bytes=2 * MB)
@@ -118,7 +121,10 @@ def test_a_save_rewrites_the_pages_of_the_checkpoint_it_drops(shm: Path) -> None
     assert len(first) >= 4
     for step in (2, 3, 4):
         for v in state.values():
-            v.add_(1.0)
+            if v.dtype == torch.bool:
+                v.logical_not_()
+            else:
+                v.add_(1)
         ram.save(state, step=step, blocking=False).wait()
         assert inodes() == first, f"save {step} allocated new chunk files"
         assert [m.step for m in ram.list()] == [step]
