@@ -7,8 +7,9 @@ Builds the bench's state, then makes ``--saves`` RAM-tier saves (``--mode``) of 
 each followed by its copy to node 1's tier server (``peers[1]``, a server of the parent
 process, which keeps the copies under ``--partner-root``): the steady state, where
 each save replaces the one before, not only the first. A thread samples every 2 ms
-the process's private memory (``VmRSS`` less ``RssShmem``: the tier's tmpfs pages
-that the store keeps mapped are the tier's bytes, counted once, below) and the bytes
+the process's private memory (``RssAnon``: not the tier's tmpfs pages that the store
+keeps mapped, which are the tier's bytes, counted once, below, nor the file pages of
+the libraries a first save runs, which are shared, reclaimable page cache) and the bytes
 of node 0's RAM tier plus the partner's copy on tmpfs; it prints one JSON line with
 the private memory before and after the state was built, its peak, and the peak of
 the two tiers' bytes together (and ``VmHWM``, which counts mapped tmpfs pages too).
@@ -47,8 +48,11 @@ def state_of(size_mib: int) -> dict[str, torch.Tensor]:
 
 
 def private_kib() -> int:
-    """The process's own memory: resident pages less the mapped shared (tmpfs) ones."""
-    return status_kib("VmRSS") - status_kib("RssShmem")
+    """The process's own memory: its resident anonymous pages (heap, stacks, buffers).
+    ``VmRSS`` less ``RssShmem`` counted ``RssFile`` too: 2-4 MiB of library code and
+    data paged in by the first saves (crc32c, torch's kernels, the HTTP client), pages
+    of files that every process using them shares and the kernel may drop."""
+    return status_kib("RssAnon")
 
 
 class Sampler:

@@ -350,7 +350,7 @@ NOTE = ("partner and moto S3 on loopback: protocols and copies, not a network; m
 
 def print_peaks(peaks: list[dict[str, Any]]) -> None:
     print("[peak host memory: three RAM saves and their partner copies, a fresh process each]")
-    print("(sampled every 2 ms: process = private memory (VmRSS less mapped tmpfs) over the state; "
+    print("(sampled every 2 ms: process = private memory (RssAnon) over the state; "
           "tiers = own RAM tier + the partner's copy on tmpfs; target: added <= 2x)")
     print("\n".join(peak_lines(peaks)))
 
