@@ -108,11 +108,10 @@ def stage_in_spares(plan: RankPlan, leaves: Sequence[TensorLeaf],
     no uid chosen, no marker written: the writer thread does that before it seals
     (``saving.run_save``), so the caller's thread only copies. A crash before then
     leaves spares of a dead process, which the next store to open the root removes."""
-    sizes = _sizes(plan)
-    maps.fit(sizes)
-    claimed = maps.claim(sizes)
+    claimed = maps.claim(_sizes(plan))
     if claimed is None:
-        return None
+        return None  # stage_files fits the pool to the files it writes
+    maps.fit([])  # the spares this save does not take: none is kept between saves
     chunks = _chunks(plan, leaves)
     try:
         for n, ((_, pieces), (_, m)) in enumerate(zip(chunks, claimed, strict=True)):
