@@ -79,9 +79,9 @@ def copy_into(m: mmap.mmap, pieces: Sequence[Any]) -> None:
     """``pieces`` one after the other into the mapping ``m``, from its start."""
     # torch's copy, not the mmap's slice assignment: it runs on the intra-op threads,
     # as the host copy it is measured against does (1.5x faster on 2 cores). Each run
-    # of writable pieces is one ``torch.cat`` into its place: the loop's Python per
-    # piece (a slice, views, a call) cost 9 us each warm, 3-4x that right after a copy
-    # of the state has flushed the caches, the caller's stall over a plain copy.
+    # of writable pieces is one ``torch.cat`` into its place: per piece, a loop's Python
+    # (a slice, views, a call) cost 9 us warm and 3-4x that right after a copy of the
+    # state has flushed the caches; that is where a save's stall over a plain copy went.
     pos = 0
     dst = torch.frombuffer(m, dtype=torch.uint8)
     run: list[memoryview] = []
