@@ -310,10 +310,10 @@ def bombs(bench: Bench, args: argparse.Namespace, base: str, pid: int) -> None:
 
 def admin_phase() -> None:
     """Phase 6: the catalog's cost at 10 and 1,000 manifests (``bench/admin.py``)."""
-    from admin import report_sizes
+    from admin import RUNS, TENSORS, report_sizes
 
-    print("6. /admin/runs at 10 and 1,000 manifests (300 tensors each, in 50 runs; a "
-          "service of its own per size)")
+    print(f"6. /admin/runs at 10 and 1,000 manifests ({TENSORS} tensors each, in {RUNS} "
+          "runs; a service of its own per size)")
     for line in report_sizes([10, 1000], warm_rounds=9):
         print(f"  {line}")
 
