@@ -427,14 +427,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if len(sizes) != 1:
         ap.error(f"one --size-mib without --memory-only, got {sizes}")
     args.size_mib = sizes[0]
+    args.stall_rounds = stall_rounds(args.rounds)
     t0 = time.perf_counter()
     load_start = os.getloadavg()
     moto = MotoServer().start()
     t = Tiers(args.size_mib, rd.ensure_dir(args.dir), moto)
     try:
         if args.stall_only:
-            stall = stall_group(t, stall_rounds(args.rounds))
-            print(f"state {t.nbytes / 2**20:.0f} MiB, {stall_rounds(args.rounds)} rounds + 1 "
+            stall = stall_group(t, args.stall_rounds)
+            print(f"state {t.nbytes / 2**20:.0f} MiB, {args.stall_rounds} rounds + 1 "
                   f"warm-up\n\n[loop stall]\n{rd.table(stall)}")
             return _finish(args, t, "tiers_stall", stall_ratios(stall),
                            (load_start, os.getloadavg()), t0, {"rows": rd.rows_doc(stall)})
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ratios = restore_ratios(loads)
             phases = restore_phases(t, manifest, target) if ratios[0].median < 5.0 else None
         else:
-            stall = stall_group(t, stall_rounds(args.rounds))
+            stall = stall_group(t, args.stall_rounds)
             costs = cost_group(t, args.rounds)
             loads, manifest, target = restore_group(t, args.rounds)
             restores = restore_ratios(loads)
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_end = os.getloadavg()
 
     print(f"state {t.nbytes / 2**20:.0f} MiB (8 float32 tensors), {args.rounds} rounds + 1 "
-          f"warm-up per group ({stall_rounds(args.rounds)} for the stall); load average "
+          f"warm-up per group ({args.stall_rounds} for the stall); load average "
           f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end, {os.cpu_count()} CPUs")
     for title, r in (("loop stall", stall), ("tier costs", costs), ("restore", loads)):
         print(f"\n[{title}]")
@@ -515,7 +516,7 @@ def _finish(args: argparse.Namespace, t: Tiers, name: str, ratios: list[rd.Ratio
     print(f"\n(run took {elapsed:.0f} s; moto S3 on loopback is an emulator, not S3)")
     section = {
         "size_mib": args.size_mib, "rounds": args.rounds,
-        "stall_rounds": stall_rounds(args.rounds), "state_bytes": t.nbytes,
+        "stall_rounds": args.stall_rounds, "state_bytes": t.nbytes,
         "loadavg": {"start": list(loads[0]), "end": list(loads[1])},
         "ratios": {r.name: r.doc() for r in ratios}, **figures,
         "elapsed_s": round(elapsed, 1), "note": NOTE,

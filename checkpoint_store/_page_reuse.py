@@ -154,7 +154,7 @@ class ChunkMaps:
                 self._serial += 1
                 spare = f"{SPARE_DIR}/{os.getpid()}-{self._serial}"
                 try:
-                    self._move_aside(rel, spare)
+                    self._move(rel, spare)
                 except OSError:
                     _close(m)  # gone or unmovable: deleted with its directory
                     continue
@@ -162,11 +162,14 @@ class ChunkMaps:
                 moved += len(m)
         return moved
 
-    def _move_aside(self, rel: str, spare: str) -> None:
-        src, dst = self._backend.local_path(rel), self._backend.local_path(spare)
+    def _move(self, src_rel: str, dst_rel: str) -> None:
+        """Rename a chunk file (a spare aside, or into a save's data directory),
+        creating the target's directory only when the rename finds none: a
+        ``makedirs`` per file cost a syscall and an exception on the loop's path."""
+        src, dst = self._backend.local_path(src_rel), self._backend.local_path(dst_rel)
         try:
             os.rename(src, dst)
-        except FileNotFoundError:  # no SPARE_DIR yet (the first drop, or a wiped root)
+        except FileNotFoundError:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             os.rename(src, dst)
 
@@ -222,10 +225,8 @@ class ChunkMaps:
         deleted with the rest not yet moved, and the error raised: the save fails,
         and what was moved is its data directory's, debris for ``gc``."""
         for i, (spare, rel, m) in enumerate(moves):
-            full = self._backend.local_path(rel)
             try:
-                os.makedirs(os.path.dirname(full), exist_ok=True)
-                os.rename(self._backend.local_path(spare), full)
+                self._move(spare, rel)
             except BaseException:
                 self.discard([(s, m2) for s, _, m2 in moves[i:]])
                 raise
